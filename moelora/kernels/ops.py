@@ -1,0 +1,42 @@
+"""The kernel table a model is built with: Triton on CUDA, the torch references elsewhere.
+
+Chosen once at startup from the config (no globals): layers call `self.ops.fused_moe(...)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from moelora.kernels import reference
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    route_topk: Callable
+    fused_moe: Callable
+    add_lora_: Callable
+    store_kv: Callable
+    paged_attention: Callable
+
+
+REFERENCE_OPS = Ops(
+    name="torch",
+    route_topk=reference.route_topk,
+    fused_moe=reference.fused_moe,
+    add_lora_=reference.add_lora_,
+    store_kv=reference.store_kv,
+    paged_attention=reference.paged_attention,
+)
+
+
+def make_ops(device: torch.device, *, force_reference: bool = False) -> Ops:
+    """Triton kernels for CUDA tensors unless forced to the reference (for debugging)."""
+    if device.type != "cuda" or force_reference:
+        return REFERENCE_OPS
+    from moelora.kernels import triton_ops  # imported lazily: triton is optional on CPU
+
+    return triton_ops.TRITON_OPS

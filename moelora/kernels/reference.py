@@ -1,0 +1,191 @@
+"""Pure-torch references for every kernel: the CPU path, the tests' oracle, the debug fallback.
+
+Each Triton kernel in this package has the same signature as its reference here.
+Legend: T = tokens, H = hidden, I = expert intermediate, E = experts, K = top-k,
+S = adapter slots, R = max LoRA rank, n = output slices of a fused linear.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from typing import TYPE_CHECKING
+
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
+if TYPE_CHECKING:
+    from moelora.runner.batch import AttentionMetadata
+
+
+def route_topk(
+    router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: w, ids = topk(score(logits)); w /= w.sum() if renormalize.
+
+    router_logits: [T, E] any float dtype. Returns weights [T, K] float32, ids [T, K] int32.
+    """
+    logits = router_logits.float()
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif scoring == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
+    weights, ids = torch.topk(scores, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: silu(x[..., :I]) * x[..., I:]. [.., 2I] -> [.., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _slot_mask(info: LoraBatchInfo, slots: torch.Tensor) -> torch.Tensor:
+    """True where the token's slot is a real, enabled slot (NO_SLOT and disabled -> False)."""
+    safe = slots.clamp(min=0).long()
+    return (slots >= 0) & (info.slot_enabled[safe] != 0)
+
+
+def _lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_slices: tuple[int, ...],
+    scaling: torch.Tensor,
+) -> torch.Tensor:
+    """Per-row adapters. x [N, in], a [N, n, R, in], b [N, out, R], scaling [N] -> [N, out]."""
+    shrunk = torch.einsum("ti,tnri->tnr", x.float(), a.float())  # [N, n, R]
+    pieces, offset = [], 0
+    for i, size in enumerate(out_slices):
+        b_i = b[:, offset : offset + size].float()  # [N, size, R]
+        pieces.append(torch.einsum("tr,tor->to", shrunk[:, i], b_i))
+        offset += size
+    return torch.cat(pieces, dim=-1) * scaling[:, None]
+
+
+def add_lora_(
+    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+) -> torch.Tensor:
+    """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
+
+    y: [T, out], x: [T, in], same dtype; only tokens whose slot is enabled change. In place;
+    returns y. Vectorized over tokens: one slot's rows at a time (S is small).
+    """
+    slots = info.slot_of_token[: x.shape[0]]
+    active = _slot_mask(info, slots)
+    for s in torch.unique(slots[active]).tolist():
+        rows = (slots == s).nonzero().squeeze(1)
+        n = rows.numel()
+        scale = info.scaling_of_slot[s].float().expand(n)
+        delta = _lora_delta(
+            x[rows],
+            lora.a[s].expand(n, *lora.a.shape[1:]),
+            lora.b[s].expand(n, *lora.b.shape[1:]),
+            lora.out_slices,
+            scale,
+        )
+        y[rows] += delta.to(y.dtype)
+    return y
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    lora13: LoraWeights | None = None,
+    lora2: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
+    """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+
+    e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
+    slot is NO_SLOT or disabled): d13 = scaling * (x @ A13[s,e,i].T) @ B13[s,e,slice_i].T.
+    x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    topk_weights [T, K] float32; topk_ids [T, K] int32. lora13.a [S, E, 2, R, H],
+    lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H].
+    """
+    T, K = topk_ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1).long()
+    token_of_pair = torch.arange(T, device=x.device).repeat_interleave(K)
+    weight_of_pair = topk_weights.reshape(-1)
+    use_lora = info is not None and (lora13 is not None or lora2 is not None)
+    if use_lora:
+        slot_of_pair = info.slot_of_token[:T].repeat_interleave(K)
+        lora_pair = _slot_mask(info, slot_of_pair)
+    for e in torch.unique(flat_ids).tolist():
+        pairs = (flat_ids == e).nonzero().squeeze(1)
+        tok = token_of_pair[pairs]
+        xe = x[tok]
+        gate_up = xe @ w13[e].T
+        if use_lora:
+            lp = pairs[lora_pair[pairs]]
+            sel = lora_pair[pairs].nonzero().squeeze(1)
+            slots = slot_of_pair[lp].long()
+            scale = info.scaling_of_slot[slots].float()
+        if use_lora and lora13 is not None and sel.numel():
+            d = _lora_delta(xe[sel], lora13.a[slots, e], lora13.b[slots, e], lora13.out_slices,
+                            scale)
+            gate_up[sel] += d.to(gate_up.dtype)
+        h = silu_and_mul(gate_up)
+        down = h @ w2[e].T
+        if use_lora and lora2 is not None and sel.numel():
+            d = _lora_delta(h[sel], lora2.a[slots, e], lora2.b[slots, e], lora2.out_slices, scale)
+            down[sel] += d.to(down.dtype)
+        out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])
+    return out.to(x.dtype)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: cache.view(-1, Hkv, D)[slot[t]] = kv[t] for slot[t] >= 0.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D]; slot_mapping [T] int64.
+    """
+    keep = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA.
+
+    q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
+    Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros.
+    """
+    out = torch.zeros_like(q)
+    page_size = k_cache.shape[1]
+    cu = attn.cu_seqlens_q.tolist()
+    seq_lens = attn.seq_lens.tolist()
+    groups = q.shape[1] // k_cache.shape[2]
+    for b, kv_len in enumerate(seq_lens):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        n_pages = -(-kv_len // page_size)
+        pages = attn.page_table[b, :n_pages].long()
+        k = k_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(groups, dim=1)
+        v = v_cache[pages].flatten(0, 1)[:kv_len].repeat_interleave(groups, dim=1)
+        qb = q[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", qb, k.float()) * scale
+        q_pos = torch.arange(kv_len - (end - start), kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+    return out

@@ -1,0 +1,64 @@
+"""Per-step LoRA batch info and the per-layer LoRA weight views that kernels read.
+
+This is DESIGN.md's data contract. Buffers are static (sized from max_tokens and max_loras);
+a step writes them in place, so a captured CUDA graph replays with the new batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NO_SLOT = -1  # slot_of_token value for tokens without an adapter (and for padded rows)
+
+
+@dataclass(frozen=True)
+class LoraBatchInfo:
+    """S = max_loras, T = tokens in this step (a prefix of the static buffers)."""
+
+    slot_of_token: torch.Tensor  # [T] int32, NO_SLOT for base tokens
+    rank_of_slot: torch.Tensor  # [S] int32, the adapter's real rank (0 = empty slot)
+    scaling_of_slot: torch.Tensor  # [S] float32
+    slot_enabled: torch.Tensor  # [S] int32, 1 iff some token of the step uses it and rank > 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.rank_of_slot.shape[0]
+
+    def narrow(self, num_tokens: int) -> LoraBatchInfo:
+        return LoraBatchInfo(
+            self.slot_of_token[:num_tokens],
+            self.rank_of_slot,
+            self.scaling_of_slot,
+            self.slot_enabled,
+        )
+
+
+@dataclass(frozen=True)
+class LoraWeights:
+    """The slot buffers of one LoRA-adapted linear (or of all experts of one MoE linear).
+
+    The linear's output is cut into slices (q|k|v, gate|up); slice i has its own A.
+    n = number of slices, R = max_lora_rank, E = experts (absent for dense linears).
+      a: [S, n, R, in]      or [S, E, n, R, in]
+      b: [S, out, R]        or [S, E, out, R]     out = sum(out_slices)
+    Rows of a and columns of b past a slot's real rank are zero. Per-module scaling that
+    differs from the slot's scaling (alpha_pattern) is folded into b when the slot is filled.
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+    out_slices: tuple[int, ...]
+
+    @property
+    def max_rank(self) -> int:
+        return self.a.shape[-2]
+
+    @property
+    def slice_offsets(self) -> tuple[int, ...]:
+        offsets, acc = [], 0
+        for size in self.out_slices:
+            offsets.append(acc)
+            acc += size
+        return tuple(offsets)
