@@ -7,10 +7,10 @@ S = adapter slots, R = max LoRA rank, n = output slices of a fused linear.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
-
-from typing import TYPE_CHECKING
 
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
@@ -51,7 +51,10 @@ def _slot_mask(info: LoraBatchInfo, slots: torch.Tensor) -> torch.Tensor:
 
 
 def _lora_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_slices: tuple[int, ...],
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    out_slices: tuple[int, ...],
     scaling: torch.Tensor,
 ) -> torch.Tensor:
     """Per-row adapters. x [N, in], a [N, n, R, in], b [N, out, R], scaling [N] -> [N, out]."""
@@ -128,8 +131,9 @@ def fused_moe(
             slots = slot_of_pair[lp].long()
             scale = info.scaling_of_slot[slots].float()
         if use_lora and lora13 is not None and sel.numel():
-            d = _lora_delta(xe[sel], lora13.a[slots, e], lora13.b[slots, e], lora13.out_slices,
-                            scale)
+            d = _lora_delta(
+                xe[sel], lora13.a[slots, e], lora13.b[slots, e], lora13.out_slices, scale
+            )
             gate_up[sel] += d.to(gate_up.dtype)
         h = silu_and_mul(gate_up)
         down = h @ w2[e].T

@@ -1,0 +1,138 @@
+"""The scheduler decides each step: which requests run, how many tokens each computes, which
+adapters must be copied into slots first. It owns the waiting/running queues, the pages and
+the slot references; the engine carries the plan out.
+
+- Running requests go first (decode or the next chunk of a prefill), oldest first.
+- Waiting requests are admitted while the token budget, free pages, max_num_seqs and adapter
+  slots allow. A request whose adapter cannot get a slot waits; others may pass it.
+- When pages run out, the newest running request is preempted by recompute: its pages and its
+  slot reference are freed and it goes back to the front of the waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moelora.engine.kv_cache import PageAllocator, pages_for
+from moelora.engine.request import Request, Status
+from moelora.lora.slots import SlotTable
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request: Request
+    start: int  # first token computed this step (== num_computed_tokens at planning)
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the last known token: the step emits the request's next token."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    chunks: list[Chunk] = field(default_factory=list)
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter name)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pages: PageAllocator, slots: SlotTable | None):
+        self.cfg = cfg
+        self.pages = pages
+        self.slots = slots
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.cfg.max_num_batched_tokens
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget == 0:
+                continue  # preempted earlier in this loop, or no budget left
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self._reserve_pages(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status is Status.RUNNING:
+                plan.chunks.append(Chunk(req, req.num_computed_tokens, n))
+                budget -= n
+        if not plan.preempted:
+            self._admit(plan, budget)
+        return plan
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
+        for req in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
+                return
+            if req.lora is not None and not self.slots.can_acquire(req.lora):
+                continue  # its adapter waits for a slot; later requests may still run
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve_pages(req, n):
+                return  # first come, first served on pages
+            if req.lora is not None:
+                req.slot, must_load = self.slots.acquire(req.lora)
+                if must_load:
+                    plan.lora_loads.append((req.slot, req.lora))
+            self.waiting.remove(req)
+            self.running.append(req)
+            req.status = Status.RUNNING
+            plan.chunks.append(Chunk(req, req.num_computed_tokens, n))
+            budget -= n
+
+    def _reserve_pages(self, req: Request, n: int) -> bool:
+        need = pages_for(req.num_computed_tokens + n, self.cfg.page_size) - len(req.pages)
+        if need > self.pages.num_free:
+            return False
+        if need > 0:
+            req.pages += self.pages.allocate(need)
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        self.running.remove(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        self.pages.free(req.pages)
+        req.pages = []
+        if req.slot is not None:
+            self.slots.release(req.slot)
+            req.slot = None
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finished or aborted: everything the request held goes back."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+
+    def uses_adapter(self, name: str) -> bool:
+        return any(r.lora == name for r in (*self.running, *self.waiting))

@@ -1,0 +1,32 @@
+"""Errors a user can cause. Raised once, at the boundary, with the offending value named."""
+
+
+class MoeloraError(Exception):
+    """Base class of every user-facing error."""
+
+
+class InvalidRequestError(MoeloraError, ValueError):
+    """A request or its sampling parameters cannot be served (HTTP 400)."""
+
+
+class ModelConfigError(MoeloraError, ValueError):
+    """The model folder holds something this engine does not support."""
+
+
+class AdapterError(MoeloraError, ValueError):
+    """An adapter folder is refused: the message names the adapter, the key and the mismatch."""
+
+
+class AdapterNotFoundError(MoeloraError, KeyError):
+    """No adapter is registered under that name (HTTP 404)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AdapterExistsError(MoeloraError, ValueError):
+    """An adapter of that name is already registered (HTTP 400)."""
+
+
+class AdapterBusyError(MoeloraError, RuntimeError):
+    """The adapter has requests in flight and cannot be unloaded now (HTTP 409)."""

@@ -1,0 +1,57 @@
+"""Self-attention over the paged KV cache: fused qkv (+LoRA), q/k norm, rotary, GQA, o (+LoRA).
+
+Legend: T = tokens, Hq/Hkv = query/kv heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.kernels.ops import Ops
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+from moelora.lora.layers import LoraLinear
+from moelora.models.config import ModelConfig
+from moelora.runner.batch import ForwardBatch
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, **kw):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary
+        self.ops = ops
+        self.scale = cfg.head_dim**-0.5
+        slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        self.qkv_proj = LoraLinear(cfg.hidden_size, slices, ops, bias=cfg.qkv_bias, **kw)
+        self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, **kw)
+        eps = cfg.rms_norm_eps
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, eps, **kw)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, **kw)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(cfg.q_size, eps, **kw)
+            self.k_norm = RMSNorm(cfg.kv_size, eps, **kw)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        cfg = self.cfg
+        T = x.shape[0]
+        qkv = self.qkv_proj(x, batch.lora)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        if cfg.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, k, batch.positions)
+        k_cache, v_cache = kv_cache
+        self.ops.store_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
+        out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
+        return self.o_proj(out.reshape(T, cfg.q_size), batch.lora)

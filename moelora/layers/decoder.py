@@ -1,0 +1,76 @@
+"""The decoder stack every supported architecture shares; model files only read configs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.ops import Ops
+from moelora.layers.attention import Attention
+from moelora.layers.moe import DenseMLP, SparseMoE
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+from moelora.models.config import ModelConfig
+from moelora.runner.batch import ForwardBatch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, sparse: bool, rotary: RotaryEmbedding, ops: Ops, **kw):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = Attention(cfg, rotary, ops, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        if sparse:
+            self.mlp = SparseMoE(cfg, ops, **kw)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, **kw)
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+
+
+class MoeCausalLM(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        hf_config,
+        max_len: int,
+        ops: Ops,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.cfg = cfg
+        kw = dict(dtype=dtype, device=device)
+        rotary = RotaryEmbedding(hf_config, max_len, device=device)
+        self.embed_tokens = nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
+        )
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, sparse, rotary, ops, **kw) for sparse in cfg.sparse_layers
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.lm_head = (
+            self.embed_tokens
+            if cfg.tie_word_embeddings
+            else nn.Parameter(
+                torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
+            )
+        )
+
+    def forward(
+        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
+        """Returns the final hidden states [T, H] (normed)."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, batch, kv)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

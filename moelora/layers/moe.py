@@ -1,0 +1,67 @@
+"""The MLP of a decoder layer: sparse MoE (+ optional shared expert) or a dense SwiGLU MLP.
+
+Legend: T = tokens, H = hidden, I = expert intermediate, E = experts, K = top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.ops import Ops
+from moelora.kernels.reference import silu_and_mul
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.lora.layers import LoraLinear
+from moelora.models.config import ModelConfig
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU with fused gate|up; used for dense layers and for the shared expert."""
+
+    def __init__(self, hidden: int, intermediate: int, ops: Ops, **kw):
+        super().__init__()
+        self.gate_up_proj = LoraLinear(hidden, (intermediate, intermediate), ops, **kw)
+        self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
+
+    def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops, *, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.cfg = cfg
+        self.ops = ops
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        kw = dict(dtype=dtype, device=device)
+        self.gate = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)  # router
+        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        self.lora13: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
+        self.lora2: LoraWeights | None = None
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, ops, **kw)
+            self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
+        cfg = self.cfg
+        router_logits = F.linear(x, self.gate)  # [T, E]
+        weights, ids = self.ops.route_topk(
+            router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
+        )
+        out = self.ops.fused_moe(
+            x,
+            self.w13,
+            self.w2,
+            weights,
+            ids,
+            lora13=self.lora13 if lora is not None else None,
+            lora2=self.lora2 if lora is not None else None,
+            info=lora,
+        )  # [T, H]
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x, lora)
+            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+        return out

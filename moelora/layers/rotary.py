@@ -1,0 +1,63 @@
+"""Rotary position embedding (rotate-half style), with scaling as the HF config describes.
+
+The inverse frequencies come from transformers' own rope functions so that every scaling kind
+it defines for a fixed context (linear, yarn, llama3, ...) matches the reference exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.errors import ModelConfigError
+
+# These change the frequencies with the sequence length at run time; refused rather than wrong.
+_LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, hf_config, max_len: int, *, device: torch.device):
+        super().__init__()
+        inv_freq, scale = _inv_freq(hf_config, device)
+        positions = torch.arange(max_len, dtype=torch.float32, device=device)
+        freqs = torch.outer(positions, inv_freq)  # [L, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D], positions [T]."""
+        cos = self.cos[positions].to(q.dtype)[:, None, :]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _inv_freq(hf_config, device: torch.device) -> tuple[torch.Tensor, float]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    kind = params.get("rope_type", "default")
+    if kind in _LENGTH_DEPENDENT or (kind != "default" and kind not in ROPE_INIT_FUNCTIONS):
+        supported = ["default"] + sorted(set(ROPE_INIT_FUNCTIONS) - set(_LENGTH_DEPENDENT))
+        raise ModelConfigError(f"rope_type={kind!r} is not supported: expected one of {supported}")
+    if getattr(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ModelConfigError(
+            f"partial_rotary_factor={hf_config.partial_rotary_factor} is not supported: "
+            "expected 1.0"
+        )
+    if kind == "default":
+        head_dim = getattr(hf_config, "head_dim", None) or (
+            hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        steps = torch.arange(0, head_dim, 2, dtype=torch.float32)
+        return (1.0 / (base ** (steps / head_dim))).to(device), 1.0
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf_config, device)
+    return inv_freq.float(), float(scale)

@@ -1,0 +1,99 @@
+"""LLM: the offline API. Adds every prompt to one engine and steps until all are done."""
+
+from __future__ import annotations
+
+import itertools
+
+from moelora.config import EngineConfig
+from moelora.engine.engine import Engine
+from moelora.engine.request import RequestOutput
+from moelora.errors import InvalidRequestError
+from moelora.sampling import SamplingParams
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str,
+        *,
+        lora_modules: dict[str, str] | None = None,
+        max_loras: int = 4,
+        max_lora_rank: int = 64,
+        dtype: str = "auto",
+        device: str = "auto",
+        seed: int = 0,
+        **engine_options,
+    ):
+        config = EngineConfig(
+            model=model,
+            lora_modules=dict(lora_modules or {}),
+            max_loras=max_loras,
+            max_lora_rank=max_lora_rank,
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            **engine_options,
+        )
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        *,
+        lora: list[str | None] | str | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        n = len(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), n, "sampling_params")
+        loras = _per_prompt(lora, n, "lora")
+        token_ids = [self._encode(p) for p in prompts]
+        ids = [f"offline-{next(self._ids)}" for _ in range(n)]
+        added = []
+        try:
+            for rid, toks, p, name in zip(ids, token_ids, params, loras):
+                self.engine.add_request(rid, toks, p, name)
+                added.append(rid)
+        except Exception:
+            for rid in added:  # nothing half-done stays behind
+                self.engine.abort_request(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < n:
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in ids]
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.engine.tokenizer is None:
+                raise InvalidRequestError(
+                    "this model folder has no tokenizer: give prompts as token id lists"
+                )
+            return self.engine.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequestError(
+                f"{name} has {len(value)} entries, expected one per prompt ({n})"
+            )
+        return value
+    return [value] * n

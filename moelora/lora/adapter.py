@@ -1,0 +1,271 @@
+"""PEFT adapter folders -> LoraAdapter: host tensors already in the slot layout, validated.
+
+Accepted key forms (after 'base_model.model.' and Mixtral's aliases are folded):
+  model.layers.L.self_attn.{q,k,v,o}_proj                  attention
+  model.layers.L.mlp.{gate,up,down}_proj                   dense MLP layer
+  model.layers.L.mlp.shared_expert.{gate,up,down}_proj     Qwen2-MoE shared expert
+  model.layers.L.mlp.experts.E.{gate,up,down}_proj         one expert (Mixtral: w1, w3, w2)
+  model.layers.L.mlp.experts[.base_layer]                  PEFT target_parameters on the 3D
+      expert weights: A [r*E, in] holds expert e in rows e*r:(e+1)*r; B [out, r*E] holds it in
+      columns e::E (interleaved). gate_up and down are told apart by their shapes.
+Everything else is refused with an AdapterError naming the adapter, the key and the mismatch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moelora.errors import AdapterError
+from moelora.lora.slots import LoraTarget
+from moelora.models.loader import canonical_name
+
+_PREFIX = "base_model.model."
+_ATTN = re.compile(r"^layers\.(\d+)\.self_attn\.([qkvo])_proj$")
+_DENSE = re.compile(r"^layers\.(\d+)\.mlp\.(shared_expert\.)?(gate|up|down)_proj$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+_EXPERTS_3D = re.compile(r"^layers\.(\d+)\.mlp\.experts(\.base_layer)*$")
+_REFUSED_TARGETS = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class ModuleLora:
+    a: torch.Tensor  # [n, r, in] or [E, n, r, in]
+    b: torch.Tensor  # [out, r] or [E, out, r]; per-module scaling / adapter scaling folded in
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    name: str
+    path: str
+    rank: int  # the largest rank of any module: the slot's rank
+    scaling: float  # the slot's scaling
+    modules: dict[str, ModuleLora]  # LoraTarget.key -> weights
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One PEFT (A, B) pair placed into a target: slice index, expert (None = all/dense)."""
+
+    target: str
+    slice_index: int | None  # None: the pair covers every slice with one A (3D gate_up)
+    expert: int | None
+    a: torch.Tensor
+    b: torch.Tensor
+    scale: float
+    key: str
+
+
+def load_adapter(
+    name: str, path: str, targets: dict[str, LoraTarget], *, max_rank: int, dtype: torch.dtype
+) -> LoraAdapter:
+    cfg = _read_config(name, path)
+    tensors = _read_tensors(name, path)
+    pieces = [
+        _place(name, cfg, key, a, b, targets) for key, (a, b) in _pairs(name, tensors).items()
+    ]
+    pieces = [p for group in pieces for p in group]
+    if not pieces:
+        raise AdapterError(f"adapter {name!r} ({path}): no LoRA weights found")
+    rank = max(p.a.shape[0] for p in pieces)
+    if rank > max_rank:
+        worst = max(pieces, key=lambda p: p.a.shape[0])
+        raise AdapterError(
+            f"adapter {name!r}: key {worst.key!r} has rank {rank}, expected at most "
+            f"max_lora_rank={max_rank}"
+        )
+    scaling = _scale(cfg, cfg.get("lora_alpha", cfg.get("r", 8)), cfg.get("r", rank)) or 1.0
+    modules = _assemble(pieces, targets, rank, scaling, dtype)
+    return LoraAdapter(name, path, rank, scaling, modules)
+
+
+def _read_config(name: str, path: str) -> dict:
+    cfg_file = Path(path) / "adapter_config.json"
+    if not Path(path).is_dir():
+        raise AdapterError(f"adapter {name!r}: folder {path!r} does not exist")
+    if not cfg_file.exists():
+        raise AdapterError(f"adapter {name!r}: {cfg_file} is missing")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise AdapterError(f"adapter {name!r}: {cfg_file} is not valid JSON: {e}") from e
+    checks = [
+        (
+            cfg.get("peft_type", "LORA").upper() == "LORA",
+            "peft_type",
+            cfg.get("peft_type"),
+            "'LORA'",
+        ),
+        (not cfg.get("use_dora"), "use_dora", cfg.get("use_dora"), "false (DoRA is not supported)"),
+        (
+            cfg.get("bias", "none") == "none",
+            "bias",
+            cfg.get("bias"),
+            "'none' (LoRA bias is not supported)",
+        ),
+        (
+            not cfg.get("modules_to_save"),
+            "modules_to_save",
+            cfg.get("modules_to_save"),
+            "none (fully trained modules are not supported)",
+        ),
+    ]
+    for ok, option, found, expected in checks:
+        if not ok:
+            raise AdapterError(f"adapter {name!r}: option {option}={found!r}, expected {expected}")
+    targets = cfg.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    for t in targets:
+        if any(r in t for r in _REFUSED_TARGETS):
+            raise AdapterError(
+                f"adapter {name!r}: target_modules has {t!r}, expected no embedding or lm_head "
+                "targets"
+            )
+    return cfg
+
+
+def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+    st, binf = Path(path) / "adapter_model.safetensors", Path(path) / "adapter_model.bin"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        return load_file(str(st))
+    if binf.exists():
+        return torch.load(str(binf), map_location="cpu", weights_only=True)
+    raise AdapterError(f"adapter {name!r}: {st} (or adapter_model.bin) is missing")
+
+
+def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """PEFT module key -> (A, B); any other tensor is refused."""
+    a_of, b_of = {}, {}
+    for key, t in tensors.items():
+        module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
+        if kind == "A.weight":
+            a_of[module] = t
+        elif kind == "B.weight":
+            b_of[module] = t
+        else:
+            what = "LoRA bias" if kind == "B.bias" else "DoRA/embedding/other weights"
+            raise AdapterError(
+                f"adapter {name!r}: key {key!r} is {what}, expected only lora_A/lora_B weights"
+            )
+    for module in set(a_of) ^ set(b_of):
+        raise AdapterError(f"adapter {name!r}: key {module!r} lacks its lora_A or lora_B weight")
+    return {m: (a_of[m], b_of[m]) for m in a_of}
+
+
+def _place(name, cfg, key, a, b, targets) -> list[_Piece]:
+    peft_key = key  # as PEFT names the module: the key for rank/alpha patterns
+    canon = canonical_name(key)
+    if any(r in canon for r in _REFUSED_TARGETS):
+        raise AdapterError(
+            f"adapter {name!r}: key {key!r} targets an embedding or lm_head, "
+            "expected attention, MLP or expert projections"
+        )
+    if m := _ATTN.match(canon):
+        layer, proj = m.group(1), m.group(2)
+        tkey = f"layers.{layer}.{'o' if proj == 'o' else 'qkv'}"
+        index = 0 if proj == "o" else "qkv".index(proj)
+        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, None)]
+    if m := _DENSE.match(canon):
+        layer, shared, proj = m.group(1), m.group(2), m.group(3)
+        base = "shared" if shared else "mlp"
+        tkey = f"layers.{layer}.{base}.{'down' if proj == 'down' else 'gate_up'}"
+        index = {"gate": 0, "up": 1, "down": 0}[proj]
+        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, None)]
+    if m := _EXPERT.match(canon):
+        layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+        tkey = f"layers.{layer}.experts{'2' if proj == 'down' else '13'}"
+        index = {"gate": 0, "up": 1, "down": 0}[proj]
+        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, expert)]
+    if m := _EXPERTS_3D.match(canon):
+        return _experts_3d(name, cfg, key, a, b, targets, m.group(1))
+    raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
+
+
+def _dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, expert) -> _Piece:
+    t = targets.get(tkey)
+    if t is None or (expert is not None and expert >= t.num_experts):
+        raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
+    r = a.shape[0]
+    want_a, want_b = (r, t.in_features), (t.out_slices[index], r)
+    if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+        raise AdapterError(
+            f"adapter {name!r}: key {key!r} has lora_A {tuple(a.shape)} / lora_B "
+            f"{tuple(b.shape)}, expected {want_a} / {want_b}"
+        )
+    return _Piece(tkey, index, expert, a, b, _module_scale(cfg, peft_key, r), key)
+
+
+def _experts_3d(name, cfg, key, a, b, targets, layer) -> list[_Piece]:
+    """target_parameters on mlp.experts: gate_up (A [rE, H], B [2I, rE]) or down (A [rE, I],
+    B [H, rE]); which one is told by the shapes (H != I, or 2I != H, always holds one way)."""
+    t13, t2 = targets.get(f"layers.{layer}.experts13"), targets.get(f"layers.{layer}.experts2")
+    if t13 is None:
+        raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
+    E = t13.num_experts
+    for t, param in ((t13, "gate_up_proj"), (t2, "down_proj")):
+        if a.shape[1] == t.in_features and b.shape[0] == t.out_features and a.shape[0] % E == 0:
+            r = a.shape[0] // E
+            if b.shape[1] != r * E:
+                break
+            peft_key = re.sub(r"(\.base_layer)+$", "", key) + "." + param
+            scale = _module_scale(cfg, peft_key, r)
+            pieces = []
+            for e in range(E):
+                a_e = a[e * r : (e + 1) * r]
+                b_e = b[:, e::E]  # PEFT interleaves the experts' columns of B
+                index = None if t is t13 else 0
+                pieces.append(_Piece(t.key, index, e, a_e, b_e, scale, key))
+            return pieces
+    H, I = t13.in_features, t2.in_features
+    raise AdapterError(
+        f"adapter {name!r}: key {key!r} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
+        f"expected gate_up ([r*{E}, {H}] / [{2 * I}, r*{E}]) or down ([r*{E}, {I}] / "
+        f"[{H}, r*{E}])"
+    )
+
+
+def _module_scale(cfg: dict, peft_key: str, r: int) -> float:
+    alpha = cfg.get("lora_alpha", 8)
+    for pattern, value in (cfg.get("alpha_pattern") or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", peft_key):
+            alpha = value
+            break
+    return _scale(cfg, alpha, r)
+
+
+def _scale(cfg: dict, alpha: float, r: int) -> float:
+    return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def _assemble(pieces, targets, rank, scaling, dtype) -> dict[str, ModuleLora]:
+    """Zero-padded tensors per target at the adapter's rank, module scaling folded into B."""
+    modules: dict[str, ModuleLora] = {}
+    for p in pieces:
+        t = targets[p.target]
+        if p.target not in modules:
+            experts = (t.num_experts,) if t.num_experts else ()
+            modules[p.target] = ModuleLora(
+                torch.zeros(*experts, len(t.out_slices), rank, t.in_features),
+                torch.zeros(*experts, t.out_features, rank),
+            )
+        m = modules[p.target]
+        a = m.a if p.expert is None else m.a[p.expert]
+        b = m.b if p.expert is None else m.b[p.expert]
+        r = p.a.shape[0]
+        slices = range(len(t.out_slices)) if p.slice_index is None else [p.slice_index]
+        for i in slices:
+            a[i, :r] = p.a.float()
+        if p.slice_index is None:
+            b[:, :r] = p.b.float() * (p.scale / scaling)
+        else:
+            start = sum(t.out_slices[: p.slice_index])
+            stop = start + t.out_slices[p.slice_index]
+            b[start:stop, :r] = p.b.float() * (p.scale / scaling)
+    return {k: ModuleLora(m.a.to(dtype), m.b.to(dtype)) for k, m in modules.items()}

@@ -1,0 +1,42 @@
+"""The LoRA-aware linear: a base projection whose output slices each take a LoRA delta.
+
+Its slot buffers (LoraWeights) are attached once by the slot pool; the delta is added by the
+kernel into the projection's output, so no separate add runs when no slot is enabled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moelora.kernels.ops import Ops
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
+
+class LoraLinear(nn.Module):
+    def __init__(
+        self,
+        in_features: int,
+        out_slices: tuple[int, ...],
+        ops: Ops,
+        *,
+        bias: bool = False,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.in_features = in_features
+        self.out_slices = out_slices
+        out = sum(out_slices)
+        kw = dict(dtype=dtype, device=device)
+        self.weight = nn.Parameter(torch.empty(out, in_features, **kw), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out, **kw), requires_grad=False) if bias else None
+        self.ops = ops
+        self.lora: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
+
+    def forward(self, x: torch.Tensor, lora_info: LoraBatchInfo | None) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.lora is not None and lora_info is not None:
+            self.ops.add_lora_(y, x, self.lora, lora_info)
+        return y

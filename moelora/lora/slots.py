@@ -1,0 +1,160 @@
+"""Adapter slots: preallocated GPU buffers per LoRA target (SlotPool) and who holds which slot
+(SlotTable: names, references from running requests, least-recently-used eviction).
+
+Nothing is reallocated after start-up, so captured graphs stay valid while adapters come and go.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moelora.lora.batch_info import LoraWeights
+from moelora.lora.layers import LoraLinear
+
+
+@dataclass(frozen=True)
+class LoraTarget:
+    """One LoRA-capable projection of the model (all experts of one MoE projection together)."""
+
+    key: str  # "layers.3.qkv", "layers.3.experts13", ...
+    in_features: int
+    out_slices: tuple[int, ...]
+    num_experts: int  # 0 for a dense projection
+    owner: nn.Module
+    attr: str  # attribute of owner that holds the LoraWeights
+
+    @property
+    def out_features(self) -> int:
+        return sum(self.out_slices)
+
+
+def lora_targets(model: nn.Module) -> dict[str, LoraTarget]:
+    targets = {}
+    for i, layer in enumerate(model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj}
+        if hasattr(mlp, "w13"):
+            E, I, H = mlp.w13.shape[0], mlp.w2.shape[2], mlp.w2.shape[1]
+            targets[f"layers.{i}.experts13"] = LoraTarget(
+                f"layers.{i}.experts13", H, (I, I), E, mlp, "lora13"
+            )
+            targets[f"layers.{i}.experts2"] = LoraTarget(
+                f"layers.{i}.experts2", I, (H,), E, mlp, "lora2"
+            )
+            if mlp.shared_expert is not None:
+                linears["shared.gate_up"] = mlp.shared_expert.gate_up_proj
+                linears["shared.down"] = mlp.shared_expert.down_proj
+        else:
+            linears["mlp.gate_up"] = mlp.gate_up_proj
+            linears["mlp.down"] = mlp.down_proj
+        for name, lin in linears.items():
+            assert isinstance(lin, LoraLinear)
+            key = f"layers.{i}.{name}"
+            targets[key] = LoraTarget(key, lin.in_features, lin.out_slices, 0, lin, "lora")
+    return targets
+
+
+class SlotPool:
+    """Per-target buffers a [S, (E,) n, R, in] and b [S, (E,) out, R], plus rank/scaling."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.targets = lora_targets(model)
+        self.weights: dict[str, LoraWeights] = {}
+        for key, t in self.targets.items():
+            experts = (t.num_experts,) if t.num_experts else ()
+            n = len(t.out_slices)
+            a = torch.zeros(
+                max_loras, *experts, n, max_rank, t.in_features, dtype=dtype, device=device
+            )
+            b = torch.zeros(
+                max_loras, *experts, t.out_features, max_rank, dtype=dtype, device=device
+            )
+            self.weights[key] = LoraWeights(a, b, t.out_slices)
+            setattr(t.owner, t.attr, self.weights[key])
+        self.rank_of_slot = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        self.scaling_of_slot = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.host_rank = [0] * max_loras  # host copy: the runner reads it without a device sync
+
+    def fill(self, slot: int, adapter) -> None:
+        """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot."""
+        for key, w in self.weights.items():
+            w.a[slot].zero_()  # a smaller rank than the last occupant must leave zeros behind
+            w.b[slot].zero_()
+            module = adapter.modules.get(key)
+            if module is None:
+                continue
+            r = module.a.shape[-2]
+            w.a[slot][..., :r, :].copy_(module.a)
+            w.b[slot][..., :r].copy_(module.b)
+        self.rank_of_slot[slot] = adapter.rank
+        self.scaling_of_slot[slot] = adapter.scaling
+        self.host_rank[slot] = adapter.rank
+
+    def clear(self, slot: int) -> None:
+        self.rank_of_slot[slot] = 0
+        self.host_rank[slot] = 0
+
+
+class SlotTable:
+    """Which adapter is in which slot; a slot with references is never evicted."""
+
+    def __init__(self, num_slots: int):
+        self.names: list[str | None] = [None] * num_slots
+        self.refs = [0] * num_slots
+        self.last_used = [0] * num_slots
+        self._clock = itertools.count(1)
+
+    def slot_of(self, name: str) -> int | None:
+        return self.names.index(name) if name in self.names else None
+
+    def acquire(self, name: str) -> tuple[int, bool] | None:
+        """(slot, must_load) for a new reference to `name`, or None if every slot is busy."""
+        slot = self.slot_of(name)
+        must_load = slot is None
+        if slot is None:
+            slot = self._victim()
+            if slot is None:
+                return None
+            self.names[slot] = name
+        self.refs[slot] += 1
+        self.last_used[slot] = next(self._clock)
+        return slot, must_load
+
+    def release(self, slot: int) -> None:
+        assert self.refs[slot] > 0
+        self.refs[slot] -= 1
+
+    def evict(self, name: str) -> int | None:
+        slot = self.slot_of(name)
+        if slot is not None:
+            assert self.refs[slot] == 0
+            self.names[slot] = None
+        return slot
+
+    def can_acquire(self, name: str) -> bool:
+        return name in self.names or self._victim() is not None
+
+    @property
+    def num_used(self) -> int:
+        return sum(n is not None for n in self.names)
+
+    def _victim(self) -> int | None:
+        free = [s for s, n in enumerate(self.names) if n is None]
+        if free:
+            return free[0]
+        idle = [s for s in range(len(self.names)) if self.refs[s] == 0]
+        return min(idle, key=lambda s: self.last_used[s]) if idle else None

@@ -1,0 +1,185 @@
+"""Checkpoint loading: HF safetensors (one file or shards) into the shared decoder stack.
+
+Names are canonicalised once (Mixtral's block_sparse_moe/w1/w3/w2 become mlp/gate/up/down), so
+one table serves every architecture. Experts may be stored per expert or as fused 3D tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from moelora.errors import ModelConfigError
+from moelora.layers.decoder import MoeCausalLM
+from moelora.layers.moe import DenseMLP, SparseMoE
+
+_ALIASES = [
+    (re.compile(r"\.block_sparse_moe\."), ".mlp."),
+    (re.compile(r"\.experts\.(\d+)\.w1(?=\.|$)"), r".experts.\1.gate_proj"),
+    (re.compile(r"\.experts\.(\d+)\.w3(?=\.|$)"), r".experts.\1.up_proj"),
+    (re.compile(r"\.experts\.(\d+)\.w2(?=\.|$)"), r".experts.\1.down_proj"),
+]
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+_GATE_UP = {"gate_proj": 0, "up_proj": 1}
+
+
+def canonical_name(name: str) -> str:
+    """HF key -> our naming: no 'model.' prefix, Mixtral aliases folded."""
+    name = name.removeprefix("model.")
+    for pattern, repl in _ALIASES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+def safetensors_files(model_path: str) -> list[Path]:
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelConfigError(f"{model_path}: no *.safetensors file found")
+    return files
+
+
+def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                yield key, fh.get_tensor(key)
+
+
+def load_weights(model: MoeCausalLM, model_path: str) -> None:
+    """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones."""
+    filled: dict[int, int] = {}  # id(parameter) -> elements written
+    for key, tensor in iter_tensors(safetensors_files(model_path)):
+        name = canonical_name(key)
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        for target, source in _targets(model, name, tensor):
+            if source.shape != target.shape:
+                raise ModelConfigError(
+                    f"{model_path}: weight {key!r} has shape {tuple(source.shape)}, expected "
+                    f"{tuple(target.shape)}"
+                )
+            target.copy_(source)
+            base = target if target._base is None else target._base
+            filled[id(base)] = filled.get(id(base), 0) + target.numel()
+    missing = [n for n, p in model.named_parameters() if filled.get(id(p), 0) < p.numel()]
+    if missing:
+        raise ModelConfigError(f"{model_path}: checkpoint lacks weights for {missing[:5]}")
+
+
+def _targets(model: MoeCausalLM, name: str, t: torch.Tensor):
+    """(destination view, source tensor) pairs for one checkpoint tensor."""
+    if name == "embed_tokens.weight":
+        return [(model.embed_tokens, t)]
+    if name == "norm.weight":
+        return [(model.norm.weight, t)]
+    if name == "lm_head.weight":
+        if model.cfg.tie_word_embeddings:
+            return []  # tied: the embedding is the head
+        return [(model.lm_head, t)]
+    m = _LAYER.match(name)
+    if m is None:
+        raise ModelConfigError(f"checkpoint weight {name!r} matches no module of the model")
+    i, rest = int(m.group(1)), m.group(2)
+    if i >= len(model.layers):
+        raise ModelConfigError(f"checkpoint weight {name!r}: layer {i} >= {len(model.layers)}")
+    return _layer_targets(model.layers[i], i, rest, t)
+
+
+def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
+    attn, mlp = layer.self_attn, layer.mlp
+    parts = rest.split(".")
+    if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+        return [(getattr(layer, parts[0]).weight, t)]
+    if parts[0] == "self_attn":
+        mod, kind = parts[1], parts[2]
+        if mod in _QKV:
+            return [(_slice(attn.qkv_proj, kind, _QKV[mod]), t)]
+        if mod == "o_proj" and kind == "weight":
+            return [(attn.o_proj.weight, t)]
+        if mod in ("q_norm", "k_norm") and hasattr(attn, mod):
+            return [(getattr(attn, mod).weight, t)]
+    if parts[0] == "mlp":
+        return _mlp_targets(mlp, i, parts[1:], t)
+    raise ModelConfigError(f"checkpoint weight 'layers.{i}.{rest}' matches no module of the model")
+
+
+def _mlp_targets(mlp, i: int, parts: list[str], t: torch.Tensor):
+    if isinstance(mlp, DenseMLP):
+        found = _dense_targets(mlp, parts, t)
+    elif parts == ["gate", "weight"]:
+        found = [(mlp.gate, t)]
+    elif parts[0] == "experts":
+        found = _expert_targets(mlp, parts[1:], t)
+    elif parts == ["shared_expert_gate", "weight"] and mlp.shared_expert is not None:
+        found = [(mlp.shared_expert_gate, t)]
+    elif parts[0] == "shared_expert" and mlp.shared_expert is not None:
+        found = _dense_targets(mlp.shared_expert, parts[1:], t)
+    else:
+        found = None
+    if found is None:
+        name = f"layers.{i}.mlp.{'.'.join(parts)}"
+        raise ModelConfigError(f"checkpoint weight {name!r} matches no module of the model")
+    return found
+
+
+def _expert_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
+    """Fused 3D tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) or one expert's."""
+    I = mlp.w2.shape[2]
+    if parts == ["gate_up_proj"]:
+        return [(mlp.w13, t)]
+    if parts == ["down_proj"]:
+        return [(mlp.w2, t)]
+    if len(parts) == 3 and parts[0].isdigit() and parts[2] == "weight":
+        e, proj = int(parts[0]), parts[1]
+        if e >= mlp.w13.shape[0]:
+            return None
+        if proj in _GATE_UP:
+            s = _GATE_UP[proj]
+            return [(mlp.w13[e, s * I : (s + 1) * I], t)]
+        if proj == "down_proj":
+            return [(mlp.w2[e], t)]
+    return None
+
+
+def _dense_targets(mlp: DenseMLP, parts: list[str], t: torch.Tensor):
+    if len(parts) != 2 or parts[1] != "weight":
+        return None
+    size = mlp.down_proj.in_features
+    if parts[0] in _GATE_UP:
+        s = _GATE_UP[parts[0]]
+        return [(mlp.gate_up_proj.weight[s * size : (s + 1) * size], t)]
+    if parts[0] == "down_proj":
+        return [(mlp.down_proj.weight, t)]
+    return None
+
+
+def _slice(linear, kind: str, index: int) -> torch.Tensor:
+    offsets = [0]
+    for size in linear.out_slices:
+        offsets.append(offsets[-1] + size)
+    full = linear.weight if kind == "weight" else linear.bias
+    if full is None:
+        raise ModelConfigError(f"checkpoint has a {kind} this model's config does not declare")
+    return full[offsets[index] : offsets[index + 1]]
+
+
+def fill_dummy(model: MoeCausalLM, seed: int) -> None:
+    """load_format='dummy': random weights of a sensible scale, made on the model's device."""
+    gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.uniform_(-0.02, 0.02, generator=gen)

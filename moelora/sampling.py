@@ -1,0 +1,104 @@
+"""SamplingParams (what a request asks for) and the Sampler (logits -> next token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moelora.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = all tokens
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per generated token, plus the chosen one
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1",
+        )
+        _check(self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", self.top_k, "-1 or an integer >= 1")
+        _check(
+            self.logprobs is None or self.logprobs >= 0,
+            "logprobs",
+            self.logprobs,
+            "None or an integer >= 0",
+        )
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
+        _check(
+            all(isinstance(s, str) and s for s in self.stop or []),
+            "stop",
+            self.stop,
+            "non-empty strings",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise InvalidRequestError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprobs: dict[int, float] | None
+
+
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[SampleResult]:
+    """logits [N, V] float32, one row per request that emits a token this step."""
+    logprobs_all = logits.log_softmax(dim=-1)
+    need_probs = [not p.greedy for p in params]
+    tokens = logits.argmax(dim=-1)
+    if any(need_probs):
+        rows = torch.tensor([i for i, n in enumerate(need_probs) if n], device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in rows.tolist()])
+        for j, i in enumerate(rows.tolist()):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    results = []
+    token_list = tokens.tolist()
+    for i, p in enumerate(params):
+        top = None
+        if p.logprobs is not None:
+            values, ids = logprobs_all[i].topk(p.logprobs) if p.logprobs else (None, None)
+            top = dict(zip(ids.tolist(), values.tolist())) if p.logprobs else {}
+            top[token_list[i]] = logprobs_all[i, token_list[i]].item()
+        results.append(SampleResult(token_list[i], top))
+    return results
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (vLLM's order). [n, V] -> probabilities [n, V]."""
+    temps = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temps[:, None]
+    vocab = logits.shape[-1]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits.masked_fill_(ranks >= top_k.clamp(max=vocab)[:, None], float("-inf"))
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs.masked_fill_(mass_before >= top_p[:, None], 0.0)
+    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
+    return probs / probs.sum(dim=-1, keepdim=True)
