@@ -29,6 +29,7 @@ from moelora.lora.adapter import LoraAdapter, load_adapter
 from moelora.lora.slots import SlotPool, SlotTable
 from moelora.models.loader import fill_dummy, load_weights
 from moelora.models.registry import read_model_config
+from moelora.runner.graph_runner import GraphRunner
 from moelora.runner.model_runner import ModelRunner
 from moelora.sampling import SamplingParams
 from moelora.tokenizer import Tokenizer, eos_ids_from_folder
@@ -93,6 +94,13 @@ class Engine:
             self.slot_table,
         )
         self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, device)
+        if device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
+            self.runner.graphs = GraphRunner(
+                self.model, kv, self.slot_pool, max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
+                max_pages=pages_for(self.max_model_len, cfg.page_size), spare_page=num_pages,
+                device=device,
+            )
+            self.runner.graphs.capture()
         self.adapters: dict[str, LoraAdapter] = {}
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
