@@ -1,0 +1,220 @@
+"""moelora serve | generate | demo.
+
+Environment variables are read here, once, at startup: MOELORA_CACHE (where the demo lives).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.request
+from pathlib import Path
+
+DEMO_PROMPTS = [
+    ("sql", "SELECT name FROM users WHERE"),
+    ("chat", "Tell me a story about a cat."),
+    (None, "The capital of France is"),
+    ("sql", "What is a mixture of experts?"),
+]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    cache = os.environ.get("MOELORA_CACHE")
+    args.cache_dir = Path(cache) / "demo" if cache else None
+    try:
+        args.func(args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moelora", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", help="a Hugging Face model folder, or 'demo'")
+    _engine_args(serve)
+    _server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    generate = commands.add_parser("generate", help="generate offline, print the text")
+    generate.add_argument("model", help="a Hugging Face model folder, or 'demo'")
+    generate.add_argument("--prompt", action="append", required=True, help="repeatable")
+    generate.add_argument("--lora", default=None, help="the adapter to use (a registered name)")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    _engine_args(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    demo = commands.add_parser("demo", help="the built-in demo model and its two adapters")
+    demo.add_argument("--serve", action="store_true", help="serve it and query it over HTTP")
+    demo.add_argument("--once", action="store_true", help="with --serve: exit after the queries")
+    _engine_args(demo)
+    _server_args(demo)
+    demo.set_defaults(func=cmd_demo, model="demo")
+    return parser
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--log-level", default="info")
+
+
+def _lora_modules(items: list[str]) -> dict[str, str]:
+    modules = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            sys.exit(f"--lora-modules {item!r}: expected NAME=PATH")
+        modules[name] = path
+    return modules
+
+
+def _engine_config(args: argparse.Namespace):
+    from moelora.config import EngineConfig
+
+    model, served_name = args.model, args.served_model_name
+    lora_modules = _lora_modules(args.lora_modules)
+    if model == "demo":
+        from moelora.demo import ensure_demo
+
+        assets = ensure_demo(args.cache_dir)
+        model, served_name = str(assets.model), served_name or "demo"
+        lora_modules = {**{n: str(p) for n, p in assets.adapters.items()}, **lora_modules}
+    return EngineConfig(
+        model=model,
+        lora_modules=lora_modules,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_model_len=args.max_model_len,
+        enforce_eager=args.enforce_eager,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device=args.device,
+        dtype=args.dtype,
+        served_model_name=served_name,
+        seed=args.seed,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from moelora.server.serve import ServerOptions, run_server
+
+    options = ServerOptions(args.host, args.port, args.api_key, args.log_level)
+    run_server(_engine_config(args), options)
+
+
+def _llm(config):
+    from moelora import LLM
+
+    return LLM(
+        config.model,
+        lora_modules=dict(config.lora_modules),
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        dtype=config.dtype,
+        device=config.device,
+        seed=config.seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from moelora import SamplingParams
+
+    llm = _llm(_engine_config(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    for out in llm.generate(args.prompt, params, lora=args.lora):
+        print(out.text)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    if args.serve:
+        _demo_serve(args)
+        return
+    from moelora import SamplingParams
+
+    config = _engine_config(args)
+    llm = _llm(config)
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    loras = [lora for lora, _ in DEMO_PROMPTS]
+    outs = llm.generate([prompt for _, prompt in DEMO_PROMPTS], params, lora=loras)
+    print(f"demo model: {config.model}")
+    for (lora, prompt), out in zip(DEMO_PROMPTS, outs):
+        print(f"[{lora or 'base':>5}] {prompt!r} -> {out.text!r}")
+
+
+def _demo_serve(args: argparse.Namespace) -> None:
+    from moelora.server.serve import ServerOptions, run_server
+
+    config = _engine_config(args)
+    options = ServerOptions(args.host, args.port, args.api_key, "warning")
+    url = f"http://{args.host}:{args.port}"
+
+    def query_then_hint(stop) -> None:
+        try:
+            _demo_queries(url, args.api_key)
+        except Exception as e:  # the server goes on serving; say what went wrong
+            print(f"demo request failed: {e!r}", flush=True)
+        _print_hints(url, args.api_key, forever=not args.once)
+        if args.once:
+            stop()
+
+    run_server(config, options, on_started=query_then_hint)
+
+
+def _post(url: str, body: dict, api_key: str | None) -> dict:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def _demo_queries(url: str, api_key: str | None) -> None:
+    print(f"moelora is serving the demo model on {url}", flush=True)
+    for lora, prompt in DEMO_PROMPTS[:3]:
+        body = {"model": lora or "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+        text = _post(f"{url}/v1/completions", body, api_key)["choices"][0]["text"]
+        print(f"[{lora or 'base':>5}] {prompt!r} -> {text!r}", flush=True)
+
+
+def _print_hints(url: str, api_key: str | None, *, forever: bool) -> None:
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key = api_key or "none"
+    print(
+        f"""
+Try it (the model field picks the adapter: demo, sql or chat):
+  curl {url}/v1/models{auth}
+  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' \\
+      -d '{{"model": "sql", "prompt": "SELECT", "max_tokens": 16, "temperature": 0}}'
+  curl -N {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
+      -d '{{"model": "chat", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
+  curl {url}/metrics
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
+print(c.completions.create(model='chat', prompt='Hello', max_tokens=16).choices[0].text)\"""",
+        flush=True,
+    )
+    if forever:
+        print("Serving until Ctrl-C.", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,458 @@
+"""The OpenAI-compatible HTTP API (FastAPI), in front of an AsyncEngine.
+
+The `model` field picks the adapter: the base model's name means no adapter, an adapter's name
+means that adapter. Errors answer with OpenAI's error JSON; the server keeps serving.
+
+Unloading an adapter that still has running or waiting requests answers 409 (it does not wait
+for them to drain): the caller retries when the traffic on that adapter has stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from moelora.errors import (
+    AdapterBusyError,
+    AdapterError,
+    AdapterExistsError,
+    AdapterNotFoundError,
+    InvalidRequestError,
+    MoeloraError,
+)
+from moelora.server import protocol
+from moelora.server.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineError,
+    GenerateInput,
+    RequestStream,
+)
+from moelora.server.metrics import CONTENT_TYPE
+from moelora.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoraRequest,
+    UnloadLoraRequest,
+)
+
+log = logging.getLogger("moelora.server")
+
+# status, OpenAI error type, code; the most specific class first
+ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
+    (AdapterNotFoundError, 404, "NotFoundError", "model_not_found"),
+    (AdapterBusyError, 409, "ConflictError", "adapter_busy"),
+    (AdapterExistsError, 400, "BadRequestError", "adapter_exists"),
+    (AdapterError, 400, "BadRequestError", "invalid_adapter"),
+    (InvalidRequestError, 400, "BadRequestError", None),
+    (MoeloraError, 400, "BadRequestError", None),
+    (EngineDeadError, 503, "ServiceUnavailableError", None),
+    (EngineError, 500, "InternalServerError", None),
+]
+
+
+def error_response(status: int, message: str, type_: str, **kw: Any) -> JSONResponse:
+    return JSONResponse(protocol.error_body(message, type_, **kw), status_code=status)
+
+
+def exception_response(e: Exception) -> JSONResponse:
+    for cls, status, type_, code in ERRORS:
+        if isinstance(e, cls):
+            return error_response(status, str(e), type_, code=code)
+    log.exception("unexpected error", exc_info=e)
+    return error_response(500, f"internal error: {e!r}", "InternalServerError")
+
+
+class ApiKeyMiddleware:
+    """Every /v1 request needs `Authorization: Bearer <key>` (plain ASGI: streaming untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                body = protocol.error_body(
+                    "missing or wrong API key: expected 'Authorization: Bearer <key>'",
+                    "AuthenticationError",
+                    code="invalid_api_key",
+                )
+                await JSONResponse(body, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """SSE that aborts its engine requests when it ends early, whatever the ASGI version.
+
+    The disconnect listener runs beside the stream, so a client that leaves while its request
+    still waits for its first token is noticed at once.
+    """
+
+    def __init__(self, content: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def stream_then_stop() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client left mid-send
+                        pass
+                    group.cancel_scope.cancel()
+
+                group.start_soon(stream_then_stop)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            for stream in self.streams:
+                stream.abort()
+
+
+async def until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(request: Request, work: Any) -> Any:
+    """Await `work`; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        return Response(status_code=499)
+    return task.result()
+
+
+def sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class TextDeltas:
+    """Turns cumulative outputs into deltas that are never taken back.
+
+    Held back until the next token: a trailing U+FFFD (an incomplete UTF-8 sequence) and, when
+    there are stop strings, as many characters as a stop string could still claim.
+    """
+
+    def __init__(self, stop: list[str] | None) -> None:
+        self.holdback = max((len(s) for s in stop or []), default=1) - 1
+        self.sent_text = 0
+        self.sent_tokens = 0
+
+    def text(self, out: Any) -> str:
+        text = out.text
+        end = len(text)
+        if not out.finished:
+            end = len(text.rstrip("\ufffd")) - self.holdback
+        if end <= self.sent_text:
+            return ""
+        delta = text[self.sent_text : end]
+        self.sent_text = end
+        return delta
+
+    def tokens(self, out: Any) -> tuple[list[int], list[dict[int, float]] | None]:
+        start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
+        logprobs = out.logprobs[start:] if out.logprobs is not None else None
+        return out.token_ids[start:], logprobs
+
+
+def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="moelora", docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+
+    def lora_of(model: str) -> str | None:
+        return None if model == engine.model_name else model
+
+    def token_text(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id])
+
+    async def start(
+        inputs: list[GenerateInput], model: str, request_id: str
+    ) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, inp in enumerate(inputs):
+                streams.append(await engine.generate(f"{request_id}-{i}", inp, model))
+        except BaseException:
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+    # ------------------------------------------------------------------ completions
+
+    def completion_logprobs(
+        token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int
+    ) -> dict | None:
+        if logprobs is None:
+            return None
+        tokens = [token_text(t) for t in token_ids]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
+            "top_logprobs": [{token_text(k): v for k, v in lp.items()} for lp in logprobs],
+            "text_offset": offsets,
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        default_max = body.max_tokens is None
+        params = body.sampling_params(1 if default_max else body.max_tokens, body.logprobs)
+        lora = lora_of(body.model)
+        inputs = [GenerateInput(p, params, lora, default_max) for p in body.prompts()]
+        request_id = protocol.new_id("cmpl")
+        streams = await start(inputs, body.model, request_id)
+        head = {"id": request_id, "object": "text_completion", "created": protocol.now()}
+        head["model"] = body.model
+        if body.stream:
+            return EngineStreamingResponse(
+                stream_completion(head, streams, params.stop, body.include_usage), streams
+            )
+        return await unless_disconnected(raw, complete_completion(head, streams))
+
+    async def complete_completion(head: dict, streams: list[RequestStream]) -> dict:
+        finals = await asyncio.gather(*(last_output(s) for s in streams))
+        choices = [
+            {
+                "index": i,
+                "text": out.text,
+                "logprobs": completion_logprobs(out.token_ids, out.logprobs, 0),
+                "finish_reason": out.finish_reason,
+            }
+            for i, out in enumerate(finals)
+        ]
+        return {**head, "choices": choices, "usage": total_usage(streams, finals)}
+
+    async def stream_completion(
+        head: dict, streams: list[RequestStream], stop: list[str] | None, include_usage: bool
+    ) -> AsyncIterator[str]:
+        deltas = [TextDeltas(stop) for _ in streams]
+        finals: list[Any] = [None] * len(streams)
+        try:
+            async for i, out in merged(streams):
+                text_offset = deltas[i].sent_text
+                text = deltas[i].text(out)
+                token_ids, logprobs = deltas[i].tokens(out)
+                if not text and not out.finished and logprobs is None:
+                    continue
+                choice = {
+                    "index": i,
+                    "text": text,
+                    "logprobs": completion_logprobs(token_ids, logprobs, text_offset),
+                    "finish_reason": out.finish_reason if out.finished else None,
+                }
+                if out.finished:
+                    finals[i] = out
+                yield sse({**head, "choices": [choice]})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": total_usage(streams, finals)})
+        except EngineError as e:
+            yield sse(protocol.error_body(str(e), "InternalServerError"))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ chat
+
+    def chat_logprobs(
+        token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int
+    ) -> dict | None:
+        if logprobs is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        content = []
+        for t, lp in zip(token_ids, logprobs):
+            best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
+            content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
+        return {"content": content}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
+        max_tokens = body.requested_max_tokens
+        params = body.sampling_params(max_tokens or 1, body.num_logprobs)
+        messages = [m.for_template() for m in body.messages]
+        inp = GenerateInput(messages, params, lora_of(body.model), max_tokens is None)
+        request_id = protocol.new_id("chatcmpl")
+        streams = await start([inp], body.model, request_id)
+        head = {"id": request_id, "object": "chat.completion", "created": protocol.now()}
+        head["model"] = body.model
+        top = body.top_logprobs or 0
+        if body.stream:
+            chunks = stream_chat(head, streams[0], params.stop, top, body.include_usage)
+            return EngineStreamingResponse(chunks, streams)
+        return await unless_disconnected(raw, complete_chat(head, streams[0], top))
+
+    async def complete_chat(head: dict, stream: RequestStream, top: int) -> dict:
+        out = await last_output(stream)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(out.token_ids, out.logprobs, top),
+            "finish_reason": out.finish_reason,
+        }
+        return {**head, "choices": [choice], "usage": total_usage([stream], [out])}
+
+    async def stream_chat(
+        head: dict, stream: RequestStream, stop: list[str] | None, top: int, include_usage: bool
+    ) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+
+        def chunk(delta: dict, finish_reason: str | None = None, logprobs: Any = None) -> str:
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+            return sse({**head, "choices": [{**choice, "finish_reason": finish_reason}]})
+
+        deltas = TextDeltas(stop)
+        final = None
+        try:
+            yield chunk({"role": "assistant", "content": ""})
+            async for out in stream:
+                text = deltas.text(out)
+                token_ids, logprobs = deltas.tokens(out)
+                logprobs_json = chat_logprobs(token_ids, logprobs, top)
+                if out.finished:
+                    final = out
+                    delta = {"content": text} if text else {}
+                    yield chunk(delta, out.finish_reason, logprobs_json)
+                elif text or logprobs_json:
+                    yield chunk({"content": text}, None, logprobs_json)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": total_usage([stream], [final])})
+        except EngineError as e:
+            yield sse(protocol.error_body(str(e), "InternalServerError"))
+        yield "data: [DONE]\n\n"
+
+    # ------------------------------------------------------------------ adapters, models
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        base = engine.model_name
+        cards = [protocol.model_card(base, parent=None, root=base)]
+        for name, path in sorted(engine.adapter_paths().items()):
+            cards.append(protocol.model_card(name, parent=base, root=path))
+        return {"object": "list", "data": cards}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoraRequest) -> PlainTextResponse:
+        if body.lora_name == engine.model_name:
+            raise AdapterExistsError(f"lora_name={body.lora_name!r} is the base model's name")
+        await engine.load_lora(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoraRequest) -> PlainTextResponse:
+        await engine.unload_lora(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    # ------------------------------------------------------------------ health, metrics
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        stats = await engine.stats()
+        text = engine.metrics.render(stats, num_loras=len(engine.adapter_paths()))
+        return Response(text, media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def last_output(stream: RequestStream) -> Any:
+    last = None
+    async for out in stream:
+        last = out
+    return last
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """(index, output) pairs from several streams, in arrival order."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def total_usage(streams: list[RequestStream], finals: list[Any]) -> dict[str, int]:
+    prompt = sum(len(s.prompt_token_ids) for s in streams)
+    completion = sum(len(out.token_ids) for out in finals if out is not None)
+    return protocol.usage(prompt, completion)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(MoeloraError)
+    @app.exception_handler(EngineError)
+    async def engine_error(_: Request, e: Exception) -> JSONResponse:
+        return exception_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        message = first.get("msg", "invalid request")
+        if param:
+            message = f"{param}: {message}"
+        return error_response(400, message, "BadRequestError", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "Error")
+        return error_response(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        return exception_response(e)

@@ -1,0 +1,191 @@
+"""The OpenAI wire format: request bodies the server accepts and the JSON it answers with.
+
+Only the parameters moelora implements are fields; unknown fields are ignored (as OpenAI's own
+server does), and known-but-unsupported ones are refused with a 400 when set to a non-default.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from moelora.errors import InvalidRequestError
+from moelora.sampling import SamplingParams
+
+
+class OpenAIBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIBody):
+    include_usage: bool = False
+
+
+class SamplingFields(OpenAIBody):
+    """The sampling parameters both generation endpoints share (vLLM's extensions included)."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise InvalidRequestError(f"n={self.n!r} is not supported: expected 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise InvalidRequestError(f"{name}={getattr(self, name)!r} is not supported")
+        if self.logit_bias:
+            raise InvalidRequestError("logit_bias is not supported")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises InvalidRequestError (HTTP 400) for values out of range."""
+        self.check_supported()
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k in (None, 0) else self.top_k,
+            seed=self.seed,
+            stop=self.stop or None,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: text, or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is empty")
+        return list(p)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequestError("echo=true is not supported")
+        if self.suffix:
+            raise InvalidRequestError("suffix is not supported")
+        if self.best_of not in (None, 1):
+            raise InvalidRequestError(f"best_of={self.best_of!r} is not supported: expected 1")
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequestError(
+                        f"message content part of type {part.get('type')!r} is not supported: "
+                        "expected 'text'"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else (self.max_tokens)
+        )
+
+    @property
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise InvalidRequestError("top_logprobs needs logprobs=true")
+            return None
+        return self.top_logprobs or 0
+
+
+class LoadLoraRequest(OpenAIBody):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoraRequest(OpenAIBody):
+    lora_name: str = Field(min_length=1)
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def error_body(message: str, type_: str, *, param: str | None = None, code: Any = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def model_card(name: str, *, parent: str | None, root: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": now(),
+        "owned_by": "moelora",
+        "root": root,
+        "parent": parent,
+    }
+
+
+FinishReason = Literal["stop", "length", "abort"]
