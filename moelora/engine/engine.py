@@ -96,8 +96,12 @@ class Engine:
         self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, device)
         if device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
             self.runner.graphs = GraphRunner(
-                self.model, kv, self.slot_pool, max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
-                max_pages=pages_for(self.max_model_len, cfg.page_size), spare_page=num_pages,
+                self.model,
+                kv,
+                self.slot_pool,
+                max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
+                max_pages=pages_for(self.max_model_len, cfg.page_size),
+                spare_page=num_pages,
                 device=device,
             )
             self.runner.graphs.capture()

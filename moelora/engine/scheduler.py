@@ -31,11 +31,12 @@ class Chunk:
     request: Request
     start: int  # first token computed this step (== num_computed_tokens at planning)
     num_tokens: int
+    samples: bool  # the chunk reaches the last known token: the step emits the next token
 
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the last known token: the step emits the request's next token."""
-        return self.start + self.num_tokens == self.request.num_tokens
+
+def make_chunk(req: Request, num_tokens: int) -> Chunk:
+    start = req.num_computed_tokens
+    return Chunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Scheduler:
         self.slots = slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -77,7 +79,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                plan.chunks.append(Chunk(req, req.num_computed_tokens, n))
+                plan.chunks.append(make_chunk(req, n))
                 budget -= n
         if not plan.preempted:
             self._admit(plan, budget)
@@ -99,7 +101,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             req.status = Status.RUNNING
-            plan.chunks.append(Chunk(req, req.num_computed_tokens, n))
+            plan.chunks.append(make_chunk(req, n))
             budget -= n
 
     def _reserve_pages(self, req: Request, n: int) -> bool:
@@ -111,6 +113,7 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        self.num_preemptions += 1
         self._release(req)
         self.running.remove(req)
         req.num_computed_tokens = 0

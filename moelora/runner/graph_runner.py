@@ -76,7 +76,9 @@ class GraphBuffers:
         lora = None
         if pool is not None:
             lora = LoraBatchInfo(
-                self.slot_of_token[:bs], pool.rank_of_slot, pool.scaling_of_slot,
+                self.slot_of_token[:bs],
+                pool.rank_of_slot,
+                pool.scaling_of_slot,
                 self.slot_enabled,
             )
         return ForwardBatch(self.input_ids[:bs], self.positions[:bs], attn, lora)
@@ -103,8 +105,15 @@ class GraphBuffers:
 
 class GraphRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_caches: list, pool: SlotPool | None, *,
-        max_bs: int, max_pages: int, spare_page: int, device: torch.device,
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        pool: SlotPool | None,
+        *,
+        max_bs: int,
+        max_pages: int,
+        spare_page: int,
+        device: torch.device,
     ):
         self.model = model
         self.kv_caches = kv_caches
@@ -137,8 +146,10 @@ class GraphRunner:
             self.outputs[(bs, STREAM_IDX)] = out
         torch.cuda.synchronize()
         log.info(
-            "captured %d CUDA graphs in %.1f s using %.0f MiB", len(self.sizes),
-            time.perf_counter() - start, (torch.cuda.memory_allocated() - mem_before) / 2**20,
+            "captured %d CUDA graphs in %.1f s using %.0f MiB",
+            len(self.sizes),
+            time.perf_counter() - start,
+            (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:

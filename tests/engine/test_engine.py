@@ -1,0 +1,127 @@
+"""The engine on a tiny model: chunked prefill, preemption and batch-mates change no token;
+stop conditions; aborts free everything; seeded sampling repeats; logprobs are vLLM's."""
+
+import pytest
+
+from moelora import LLM, SamplingParams
+from moelora.errors import AdapterBusyError, InvalidRequestError
+from tests import hf_fixtures as hf
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 9, 2, 77, 31, 8, 100, 4, 66], [3, 14, 15, 92], list(range(40, 70)), [250]]
+
+
+@pytest.fixture(scope="module")
+def model_and_adapter(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    model = hf.make_model("qwen3_moe", root / "model", seed=3)
+    adapter = hf.make_per_expert_adapter(
+        model, root / "adapter", seed=4, rank=4, alpha=8, arch="qwen3_moe"
+    )
+    return str(model), str(adapter)
+
+
+@pytest.fixture(scope="module")
+def roomy(model_and_adapter):
+    model, adapter = model_and_adapter
+    return LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8)
+
+
+def generate(llm, loras=(None, "a", None, "a")):
+    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora=list(loras))]
+
+
+def test_chunked_prefill_and_preemption_change_no_token(model_and_adapter, roomy):
+    model, adapter = model_and_adapter
+    expected = generate(roomy)
+    # 8-token budget: every prompt is prefilled in chunks, mixed with decodes of the others
+    chunked = LLM(
+        model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8, max_num_batched_tokens=8
+    )
+    assert generate(chunked) == expected
+    # 12 pages of 4 tokens cannot hold all four sequences: some are preempted and recomputed
+    tight = LLM(
+        model,
+        lora_modules={"a": adapter},
+        device="cpu",
+        max_lora_rank=8,
+        page_size=4,
+        num_pages=12,
+        max_loras=1,
+    )
+    assert generate(tight) == expected
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats().kv_pages_used == 0
+
+
+def test_a_request_does_not_depend_on_its_batch_mates(roomy):
+    together = generate(roomy)
+    alone = [
+        roomy.generate([p], GREEDY, lora=a)[0].token_ids
+        for p, a in zip(PROMPTS, (None, "a", None, "a"))
+    ]
+    assert together == alone
+    assert together[0] != generate(roomy, ("a", "a", None, None))[0]  # the adapter matters
+
+
+def test_stop_token_ids_stop_strings_and_max_tokens(roomy):
+    base = roomy.generate([PROMPTS[0]], GREEDY)[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop_id = base.token_ids[5]
+    first = base.token_ids.index(stop_id)
+    out = roomy.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_id])
+    )[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    stop_text = base.text[3:5]
+    if stop_text:
+        out = roomy.generate(
+            [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, stop=[stop_text])
+        )[0]
+        assert out.finish_reason == "stop" and stop_text not in out.text
+        assert base.text.startswith(out.text)
+
+
+def test_max_model_len_is_enforced(model_and_adapter):
+    model, _ = model_and_adapter
+    llm = LLM(model, device="cpu", max_model_len=16)
+    out = llm.generate([list(range(1, 11))], GREEDY)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.raises(InvalidRequestError, match="max_model_len=16"):
+        llm.generate([list(range(1, 18))], GREEDY)
+
+
+def test_abort_frees_pages_and_slot_reference(roomy):
+    engine = roomy.engine
+    engine.add_request("x", PROMPTS[2], GREEDY, "a")
+    engine.add_request("y", PROMPTS[1], GREEDY, None)
+    engine.step()
+    assert engine.stats().kv_pages_used > 0 and engine.stats().num_running == 2
+    with pytest.raises(AdapterBusyError):
+        roomy.unload_lora("a")
+    engine.abort_request("x")
+    engine.abort_request("y")
+    stats = engine.stats()
+    assert stats.kv_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert engine.slot_table.refs == [0] * len(engine.slot_table.refs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_repeats_and_logprobs_hold_the_chosen_token(roomy):
+    params = SamplingParams(
+        max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11, logprobs=3, ignore_eos=True
+    )
+    a = roomy.generate([PROMPTS[0], PROMPTS[1]], params)
+    b = roomy.generate([PROMPTS[0], PROMPTS[1]], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for tok, lp in zip(a[0].token_ids, a[0].logprobs):
+        assert tok in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
+
+
+def test_bad_sampling_params_are_refused_with_the_value_named():
+    with pytest.raises(InvalidRequestError, match="temperature=-1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(InvalidRequestError, match="top_p=0"):
+        SamplingParams(top_p=0)
+    with pytest.raises(InvalidRequestError, match="max_tokens=0"):
+        SamplingParams(max_tokens=0)
