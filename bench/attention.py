@@ -1,0 +1,187 @@
+"""Decode attention per step vs its memory floor, for the Qwen3-30B-A3B attention shape.
+
+One decode step (paged_attention, both kernels) is captured in a CUDA graph and replayed with
+the L2 cache flushed before each replay. The floor is the KV bytes the step must read divided
+by the copy bandwidth measured in the same run (a large device-to-device copy, read + write).
+Also times one eager 4096-token prefill. `--sweep` times other tiles and split counts too.
+
+    PYTHONPATH=. python bench/attention.py [--sweep] [--out bench/results/attention-h200.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from moelora.kernels.paged_attention import (
+    DECODE_CONFIG,
+    AttentionConfig,
+    _num_splits,
+    launch_paged_attention,
+)
+from moelora.runner.batch import AttentionMetadata
+
+HQ, HKV, D, PAGE = 32, 4, 128, 16
+DTYPE = torch.bfloat16
+BATCHES = (1, 8, 64)
+CONTEXTS = (512, 4096)
+SWEEP_CONFIGS = [
+    AttentionConfig(block_m=16, block_n=32, num_warps=4, num_stages=2),
+    AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2),
+    AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=16, block_n=128, num_warps=4, num_stages=2),
+    AttentionConfig(block_m=16, block_n=64, num_warps=8, num_stages=2),
+    AttentionConfig(block_m=16, block_n=128, num_warps=8, num_stages=2),
+]
+SPLIT_FACTORS = (0.5, 1.0, 2.0)
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def decode_step(batch: int, context: int):
+    """Random caches behind random page tables: q [B, Hq, D], caches, metadata."""
+    pages_per_seq = context // PAGE
+    num_pages = batch * pages_per_seq
+    k_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=DTYPE)
+    v_cache = torch.randn_like(k_cache)
+    page_table = torch.randperm(num_pages, device="cuda").to(torch.int32)
+    attn = AttentionMetadata(
+        cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
+        seq_lens=torch.full((batch,), context, device="cuda", dtype=torch.int32),
+        page_table=page_table.view(batch, pages_per_seq),
+        slot_mapping=torch.zeros(batch, device="cuda", dtype=torch.int64),
+        max_query_len=1,
+    )
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
+    return q, k_cache, v_cache, attn
+
+
+def time_decode(step, config: AttentionConfig, num_splits: int) -> float:
+    """Median µs of one graph replay of the decode step."""
+    q, k_cache, v_cache, attn = step
+
+    def run():
+        return launch_paged_attention(
+            q, k_cache, v_cache, attn, D**-0.5, config=config, num_splits=num_splits
+        )
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return do_bench(graph.replay, return_mode="median") * 1e3
+
+
+def time_prefill(tokens: int) -> tuple[float, float]:
+    """Median ms and TFLOP/s of one causal prefill of `tokens` tokens (eager)."""
+    q, k_cache, v_cache, attn = decode_step(1, tokens)
+    q = torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE)
+    cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
+    attn = replace(attn, cu_seqlens_q=cu, max_query_len=tokens)
+    ms = do_bench(
+        lambda: launch_paged_attention(q, k_cache, v_cache, attn, D**-0.5),
+        return_mode="median",
+    )
+    flops = 2 * 2 * HQ * D * tokens * tokens / 2  # QK^T and PV, causal half
+    return ms, flops / (ms * 1e-3) / 1e12
+
+
+def commit() -> str:
+    if os.environ.get("MOELORA_COMMIT"):
+        return os.environ["MOELORA_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
+    parser.add_argument("--out", default="bench/results/attention-h200.md")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    bandwidth = copy_bandwidth()
+    rows, sweep_rows = [], []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            step = decode_step(batch, context)
+            splits = _num_splits(batch, HKV, context, DECODE_CONFIG.block_n, step[0].device)
+            us = time_decode(step, DECODE_CONFIG, splits)
+            kv_bytes = 2 * batch * context * HKV * D * step[1].element_size()
+            floor_us = kv_bytes / bandwidth * 1e6
+            rows.append((batch, context, splits, us, floor_us, kv_bytes / (us * 1e-6) / 1e12))
+            if args.sweep:
+                for config in SWEEP_CONFIGS:
+                    base = _num_splits(batch, HKV, context, config.block_n, step[0].device)
+                    for factor in SPLIT_FACTORS:
+                        s = max(1, min(round(base * factor), triton.cdiv(context, config.block_n)))
+                        t = time_decode(step, config, s)
+                        sweep_rows.append((batch, context, config, s, t, t / floor_us))
+            del step
+            torch.cuda.empty_cache()
+    prefill_ms, prefill_tflops = time_prefill(4096)
+
+    lines = [
+        "# Paged attention decode on the H200",
+        "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- commit: {commit()}",
+        f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"triton {triton.__version__}",
+        f"- command: `PYTHONPATH=. python bench/attention.py{' --sweep' if args.sweep else ''}`",
+        f"- shape: Qwen3-30B-A3B attention, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, bf16; "
+        f"config {DECODE_CONFIG}",
+        f"- copy bandwidth (2 GiB D2D, read + write): {bandwidth / 1e12:.2f} TB/s",
+        "- one CUDA graph replay per step (attention + split combine), L2 flushed, median",
+        "",
+        "| B | context | splits | µs / step | floor µs | × floor | KV TB/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for batch, context, splits, us, floor_us, tbs in rows:
+        lines.append(
+            f"| {batch} | {context} | {splits} | {us:.1f} | {floor_us:.1f} | "
+            f"{us / floor_us:.2f} | {tbs:.2f} |"
+        )
+    prefill = (
+        f"Prefill, 1 x 4096 tokens (eager): {prefill_ms:.2f} ms, {prefill_tflops:.0f} TFLOP/s."
+    )
+    lines += ["", prefill]
+    if sweep_rows:
+        for batch, context, c, s, t, ratio in sweep_rows:
+            print(f"sweep B={batch} ctx={context} {c} splits={s}: {t:.1f} µs ({ratio:.2f}x)")
+        header = "| B | context | block_n | warps | stages | splits | µs | × floor |"
+        lines += ["", "## Best of the sweep", "", header, "|---:" * 8 + "|"]
+        for batch in BATCHES:
+            for context in CONTEXTS:
+                shape_rows = [r for r in sweep_rows if r[:2] == (batch, context)]
+                _, _, c, s, t, ratio = min(shape_rows, key=lambda r: r[4])
+                lines.append(
+                    f"| {batch} | {context} | {c.block_n} | {c.num_warps} | {c.num_stages} "
+                    f"| {s} | {t:.1f} | {ratio:.2f} |"
+                )
+    text = "\n".join(lines) + "\n"
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    main()

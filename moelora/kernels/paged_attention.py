@@ -1,0 +1,530 @@
+"""Paged attention in Triton: store new K/V in the paged cache, then attend over it, with GQA.
+
+Algorithm
+---------
+A sequence's keys and values live in fixed-size pages of the cache; row b of the page table
+lists its pages in order, so KV position n is at slot `page_table[b, n // page_size] *
+page_size + n % page_size`. The new query tokens of a step sit at the end of their sequence:
+token j of sequence b is at position `seq_len_b - q_len_b + j` and sees KV 0..that position.
+
+One program owns one sequence, one KV head and a block of query rows. A row is a pair
+(token, query head): BLOCK_Q consecutive new tokens times the GROUP query heads that share the
+KV head, so each KV tile is read once for the whole group. The program walks its KV range one
+BLOCK_N tile at a time, gathering the tile's rows through the page table, and keeps the
+flash-attention running max, running sum and fp32 accumulator (online softmax, base 2).
+
+Decode (at most one new token per sequence) has few rows and long KV ranges, so its range is cut
+into S pieces (flash-decoding): each program writes a partial output with its
+log-sum-exp, and a second small kernel combines the pieces. The split length is computed inside
+the kernels from seq_len, so the grids depend on tensor shapes only and a decode step can be
+captured in a CUDA graph and replayed with new lengths and page tables; splits past the end of
+a short sequence exit at once. Decode programs also zero the padded rows past cu_seqlens_q[-1],
+so no memset is recorded. Prefill/extend runs eagerly: one program per BLOCK_Q tokens, no split.
+
+Legend: T = tokens, B = sequences, P = pages per sequence, Hq / Hkv = query / KV heads,
+D = head dim, S = splits, G = Hq // Hkv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+if TYPE_CHECKING:
+    from moelora.runner.batch import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tiles of one launch. block_m counts rows, i.e. tokens x padded query-head group."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tuned on the H200 with bench/attention.py (bf16, Hq=32, Hkv=4, D=128).
+DECODE_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+# The interpreter runs every program in numpy: small tiles keep CPU tests fast.
+INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+MAX_SPLITS = 64
+WAVES_PER_SM = 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Store new K/V
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(
+    # Pointers
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    # Sizes
+    num_kv_heads,
+    head_dim,
+    page_size,
+    # Strides: new K/V [T, Hkv, D], caches [num_pages, page_size, Hkv, D]
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcp,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcp,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    # Meta-parameters
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per token; padded rows (slot -1) store nothing.
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    if slot < 0:
+        return
+    page = slot // page_size
+    offset = slot % page_size
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < num_kv_heads) & (offs_d[None, :] < head_dim)
+
+    k = tl.load(
+        k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+        mask=mask,
+    )
+    v = tl.load(
+        v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+        mask=mask,
+    )
+    k_dst = (
+        k_cache_ptr
+        + page * stride_kcp
+        + offset * stride_kcs
+        + offs_h[:, None] * stride_kch
+        + offs_d[None, :] * stride_kcd
+    )
+    v_dst = (
+        v_cache_ptr
+        + page * stride_vcp
+        + offset * stride_vcs
+        + offs_h[:, None] * stride_vch
+        + offs_d[None, :] * stride_vcd
+    )
+    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Semantics: cache.view(-1, Hkv, D)[slot[t]] = kv[t] for slot[t] >= 0.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [num_pages, page_size, Hkv, D]; slot_mapping [T] int64.
+    """
+    assert k.shape == v.shape and k.ndim == 3, f"k {tuple(k.shape)} / v {tuple(v.shape)}"
+    assert k_cache.shape == v_cache.shape and k_cache.ndim == 4, "caches must match, 4-D"
+    assert k.shape[1:] == k_cache.shape[2:], f"k {tuple(k.shape)} vs cache {k_cache.shape}"
+    assert slot_mapping.shape == (k.shape[0],), f"slot_mapping {tuple(slot_mapping.shape)}"
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        *k.stride(),
+        *v.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention over the paged cache
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr):
+    # Both kernels must agree on this: whole tiles, at least one, so seq_len 0 has no splits.
+    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+    return tl.maximum(per_split, BLOCK_N)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    # Pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    part_out_ptr,  # [B, Hq, S, D] float32, only with SPLIT
+    part_lse_ptr,  # [B, Hq, S] float32 (base 2), only with SPLIT
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    page_table_ptr,
+    # Sizes
+    num_seqs,
+    num_rows,
+    head_dim,
+    num_splits,
+    scale_log2,
+    # Strides
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pt_b,
+    stride_pt_p,
+    # Meta-parameters
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ZERO_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+
+    # -- Map the program to (sequence, KV head, query block, split) ---------------------------
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_m = tl.program_id(2) // num_splits
+    pid_s = tl.program_id(2) % num_splits
+    num_q_heads = tl.num_programs(1) * GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < head_dim
+
+    if ZERO_TAIL:
+        # Rows past the last sequence's tokens are padding: the first program of row pid_b
+        # zeroes it (the decode grid has max(B, T) programs on axis 0).
+        total_tokens = tl.load(cu_seqlens_q_ptr + num_seqs)
+        if (tl.program_id(2) == 0) & (pid_b >= total_tokens) & (pid_b < num_rows):
+            offs_g = tl.arange(0, GROUP_PAD)
+            zero_ptrs = (
+                out_ptr
+                + pid_b * stride_ot
+                + (pid_h * GROUP + offs_g[:, None]) * stride_oh
+                + offs_d[None, :] * stride_od
+            )
+            zeros = tl.zeros([GROUP_PAD, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+            tl.store(zero_ptrs, zeros, mask=(offs_g[:, None] < GROUP) & d_mask[None, :])
+    if pid_b >= num_seqs:
+        return
+
+    q_start = tl.load(cu_seqlens_q_ptr + pid_b)
+    q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    if pid_m * BLOCK_Q >= q_len:
+        return
+
+    # -- Rows: (token, query head of the group) ------------------------------------------------
+    offs_r = tl.arange(0, BLOCK_M)
+    tok = pid_m * BLOCK_Q + offs_r // GROUP_PAD
+    head = pid_h * GROUP + offs_r % GROUP_PAD
+    row_mask = (tok < q_len) & (offs_r % GROUP_PAD < GROUP)
+    q_pos = seq_len - q_len + tok
+    q_ptrs = (
+        q_ptr
+        + (q_start + tok)[:, None] * stride_qt
+        + head[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd
+    )
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+
+    # -- KV range: up to the block's last causal position, then this program's split ----------
+    kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, (pid_m + 1) * BLOCK_Q))
+    split_len = _split_len(kv_end, num_splits, BLOCK_N)
+    kv_start = pid_s * split_len
+    kv_stop = tl.minimum(kv_end, kv_start + split_len)
+    if SPLIT:
+        if kv_start >= kv_stop:
+            return
+
+    # -- Accumulate in fp32 with the online softmax --------------------------------------------
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    page_row_ptr = page_table_ptr + pid_b * stride_pt_b
+    for start in range(kv_start, kv_stop, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < kv_stop
+        page = tl.load(page_row_ptr + (offs_n // PAGE_SIZE) * stride_pt_p, mask=n_mask, other=0)
+        page = page.to(tl.int64)
+        in_page = offs_n % PAGE_SIZE
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + page[:, None] * stride_kp
+            + in_page[:, None] * stride_ks
+            + pid_h * stride_kh
+            + offs_d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+
+        # A row with nothing visible yet keeps max -inf; subtract 0 then so no NaN appears.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_ref)
+        p = tl.math.exp2(qk - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+
+        v = tl.load(
+            v_cache_ptr
+            + page[:, None] * stride_vp
+            + in_page[:, None] * stride_vs
+            + pid_h * stride_vh
+            + offs_d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # -- Store: the normalized output, or the split's partial and its log-sum-exp -------------
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if not SPLIT:
+        out_ptrs = (
+            out_ptr
+            + (q_start + tok)[:, None] * stride_ot
+            + head[:, None] * stride_oh
+            + offs_d[None, :] * stride_od
+        )
+        out_mask = row_mask[:, None] & d_mask[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Decode: one token per sequence, so rows are the group's heads.
+        part_row = (pid_b * num_q_heads + head) * num_splits + pid_s
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+        part_ptrs = part_out_ptr + part_row[:, None] * head_dim + offs_d[None, :]
+        tl.store(part_ptrs, out, mask=row_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    # Pointers
+    part_out_ptr,  # [B, Hq, S, D] float32
+    part_lse_ptr,  # [B, Hq, S] float32, base 2
+    out_ptr,
+    cu_seqlens_q_ptr,
+    seq_lens_ptr,
+    # Sizes
+    head_dim,
+    num_splits,
+    # Strides
+    stride_ot,
+    stride_oh,
+    stride_od,
+    # Meta-parameters
+    SPLITS_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program per (sequence, query head); sequences without a token write nothing.
+    pid_b = tl.program_id(0)
+    pid_hq = tl.program_id(1)
+    q_start = tl.load(cu_seqlens_q_ptr + pid_b)
+    if tl.load(cu_seqlens_q_ptr + pid_b + 1) == q_start:
+        return
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    num_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
+
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_active
+    d_mask = offs_d < head_dim
+    part_row = (pid_b * tl.num_programs(1) + pid_hq) * num_splits + offs_s
+    lse = tl.load(part_lse_ptr + part_row, mask=s_mask, other=float("-inf"))
+    parts = tl.load(
+        part_out_ptr + part_row[:, None] * head_dim + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    # seq_len 0 has no split: max -inf, weights 0, output 0.
+    lse_max = tl.max(lse, 0)
+    weight = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    total = tl.sum(weight, 0)
+    out = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    out_ptrs = out_ptr + q_start * stride_ot + pid_hq * stride_oh + offs_d * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device) -> int:
+    """Enough programs for WAVES_PER_SM waves, from shapes and the device only (capturable)."""
+    if device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        num_sms = 4  # the interpreter: a few splits, tiny grids
+    wanted = triton.cdiv(WAVES_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
+    return max(1, min(wanted, triton.cdiv(max_kv_len, block_n), MAX_SPLITS))
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA.
+
+    q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
+    Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
+    (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
+    """
+    return launch_paged_attention(q, k_cache, v_cache, attn, scale)
+
+
+def launch_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    *,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """paged_attention with the tiles, the decode split count or the output given by the caller.
+
+    Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
+    """
+    assert q.ndim == 3 and k_cache.ndim == 4, f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+    assert k_cache.shape == v_cache.shape, f"k {k_cache.shape} vs v cache {v_cache.shape}"
+    num_rows, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    assert cache_head_dim == head_dim, f"head dim: q {head_dim}, cache {cache_head_dim}"
+    assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} % Hkv {num_kv_heads} != 0"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes {q.dtype}, {k_cache.dtype}"
+    num_seqs, max_pages = attn.page_table.shape
+    assert attn.cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [B + 1]"
+    assert attn.seq_lens.shape == (num_seqs,), "seq_lens must be [B]"
+
+    decode = attn.max_query_len <= 1
+    if config is None:
+        interpreted = q.device.type != "cuda"
+        config = INTERPRETER_CONFIG if interpreted else DECODE_CONFIG if decode else PREFILL_CONFIG
+    group = num_q_heads // num_kv_heads
+    # Rows are (token, head) pairs; tl.dot wants at least 16 of them, so decode pads its group.
+    group_pad = triton.next_power_of_2(group)
+    if decode:
+        group_pad, block_q = max(group_pad, 16), 1
+    else:
+        block_q = max(config.block_m // group_pad, 1)
+    if decode:
+        if num_splits is None:
+            num_splits = _num_splits(
+                num_seqs, num_kv_heads, max_pages * page_size, config.block_n, q.device
+            )
+        # Decode programs zero the padded rows themselves: nothing else is recorded.
+        out = torch.empty_like(q) if out is None else out
+        grid = (max(num_seqs, num_rows), num_kv_heads, num_splits)
+    else:
+        num_splits = 1
+        out = torch.zeros_like(q) if out is None else out.zero_()
+        grid = (num_seqs, num_kv_heads, triton.cdiv(attn.max_query_len, block_q))
+    if num_splits > 1:
+        part_out = q.new_empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32)
+        part_lse = q.new_empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    if num_rows == 0 or num_seqs == 0:
+        return out.zero_()
+
+    block_d = triton.next_power_of_2(head_dim)
+    _paged_attention_kernel[grid](
+        q,
+        k_cache,
+        v_cache,
+        out,
+        part_out,
+        part_lse,
+        attn.cu_seqlens_q,
+        attn.seq_lens,
+        attn.page_table,
+        num_seqs,
+        num_rows,
+        head_dim,
+        num_splits,
+        scale * LOG2_E,
+        *q.stride(),
+        *k_cache.stride(),
+        *v_cache.stride(),
+        *out.stride(),
+        *attn.page_table.stride(),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        SPLIT=num_splits > 1,
+        ZERO_TAIL=decode,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_seqs, num_q_heads)](
+            part_out,
+            part_lse,
+            out,
+            attn.cu_seqlens_q,
+            attn.seq_lens,
+            head_dim,
+            num_splits,
+            *out.stride(),
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            BLOCK_N=config.block_n,
+            BLOCK_D=block_d,
+        )
+    return out

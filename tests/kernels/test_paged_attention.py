@@ -1,0 +1,207 @@
+"""Triton paged attention vs the torch reference, in the interpreter (conftest sets it).
+
+Every case builds fresh random caches behind random, non-contiguous page tables; cache slots that
+no sequence may read are NaN, and outputs are NaN before the kernel runs, so a read out of range
+or a row left unwritten shows up. Legend: B = sequences, T = tokens, P = pages per sequence.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moelora.kernels import reference  # noqa: E402
+from moelora.kernels.paged_attention import (  # noqa: E402
+    launch_paged_attention,
+    paged_attention,
+    store_kv,
+)
+from moelora.runner.batch import AttentionMetadata  # noqa: E402
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
+
+
+def make_step(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    dtype: torch.dtype,
+    pad_rows: int = 0,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """q [T, Hq, D], caches [num_pages, page_size, Hkv, D] and the step's metadata.
+
+    Sequences own random pages of a shared pool (one spare page for padded sequences); every
+    cache slot past a sequence's length is NaN, as are the q rows of padding.
+    """
+    g = torch.Generator().manual_seed(seed)
+    num_seqs = len(q_lens)
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    max_pages = max(max(pages_needed), 1) + 1  # table wider than needed: its tail is garbage
+    num_pages = sum(pages_needed) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    spare = int(perm[-1])
+    page_table = torch.full((num_seqs, max_pages), spare, dtype=torch.int32)
+    k_cache = torch.full((num_pages, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    used = 0
+    for b, (n_pages, kv_len) in enumerate(zip(pages_needed, seq_lens)):
+        pages = perm[used : used + n_pages]
+        used += n_pages
+        page_table[b, :n_pages] = pages.to(torch.int32)
+        for cache in (k_cache, v_cache):
+            rows = torch.randn(kv_len, num_kv_heads, head_dim, generator=g).to(dtype)
+            cache.view(-1, num_kv_heads, head_dim)[_slots(pages, kv_len, page_size)] = rows
+
+    cu_seqlens_q = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    cu_seqlens_q[1:] = torch.tensor(q_lens).cumsum(0)
+    num_tokens = int(cu_seqlens_q[-1])
+    q = torch.randn(num_tokens + pad_rows, num_q_heads, head_dim, generator=g).to(dtype)
+    q[num_tokens:] = float("nan")
+    attn = AttentionMetadata(
+        cu_seqlens_q=cu_seqlens_q,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        page_table=page_table,
+        slot_mapping=torch.full((num_tokens + pad_rows,), -1, dtype=torch.int64),
+        max_query_len=max(q_lens),
+    )
+    return q, k_cache, v_cache, attn
+
+
+def _slots(pages: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor:
+    pos = torch.arange(kv_len)
+    return pages.long()[pos // page_size] * page_size + pos % page_size
+
+
+def check_attention(q, k_cache, v_cache, attn, *, num_splits: int | None = None) -> None:
+    scale = q.shape[-1] ** -0.5
+    expected = reference.paged_attention(q, k_cache.nan_to_num(), v_cache.nan_to_num(), attn, scale)
+    out = torch.full_like(q, float("nan"))
+    got = launch_paged_attention(q, k_cache, v_cache, attn, scale, num_splits=num_splits, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all(), "a row was left unwritten or read NaN past seq_len"
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[q.dtype])
+
+
+DTYPES = [torch.float32, torch.float16]
+HEADS = [(2, 2), (4, 2), (8, 1)]  # (Hq, Hkv): GQA ratios 1, 2 and 8
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page_size,head_dim", [(16, 16), (32, 32), (16, 64)])
+def test_decode(dtype, heads, page_size, head_dim):
+    seq_lens = [1, 37, 70, 16]
+    q, k_cache, v_cache, attn = make_step(
+        [1] * len(seq_lens), seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
+        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=page_size + head_dim,
+    )  # fmt: skip
+    check_attention(q, k_cache, v_cache, attn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_decode_splits(dtype, num_splits):
+    """Forced split counts, including more splits than a short sequence has tiles."""
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 1], [100, 3, 33], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
+        dtype=dtype, seed=num_splits,
+    )  # fmt: skip
+    check_attention(q, k_cache, v_cache, attn, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_decode_padded_graph_batch(dtype, num_splits):
+    """A graph batch: padded sequences (seq_len 0, the spare page) with and without a q row,
+    and q rows past cu_seqlens_q[-1]; all of them must come out as zeros."""
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 0, 1, 0], [45, 0, 0, 9, 0], num_q_heads=4, num_kv_heads=2, head_dim=16,
+        page_size=16, dtype=dtype, pad_rows=3,
+    )  # fmt: skip
+    check_attention(q, k_cache, v_cache, attn, num_splits=num_splits)
+    out = launch_paged_attention(q, k_cache, v_cache, attn, 0.25, num_splits=num_splits)
+    assert (out[1] == 0).all() and (out[3:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_prefill(dtype, heads, page_size):
+    """Whole prompts, no cached prefix."""
+    q_lens = [1, 23, 40]
+    q, k_cache, v_cache, attn = make_step(
+        q_lens, q_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
+        page_size=page_size, dtype=dtype, seed=page_size,
+    )  # fmt: skip
+    check_attention(q, k_cache, v_cache, attn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_chunked_extend_mixed(dtype, heads):
+    """Chunks after cached prefixes, decodes, an empty sequence and padded rows in one step."""
+    q, k_cache, v_cache, attn = make_step(
+        [17, 1, 0, 30, 5], [50, 66, 0, 30, 21], num_q_heads=heads[0], num_kv_heads=heads[1],
+        head_dim=16, page_size=16, dtype=dtype, pad_rows=4,
+    )  # fmt: skip
+    check_attention(q, k_cache, v_cache, attn)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv(dtype):
+    num_pages, page_size, num_kv_heads, head_dim = 6, 16, 2, 32
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_pages * page_size, generator=g)[:9]
+    slots[[2, 7]] = -1  # padded rows
+    k = torch.randn(9, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(9, num_kv_heads, head_dim, generator=g).to(dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    reference.store_kv(k, v, k_ref, v_ref, slots)
+    store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_then_attend_chunked_prefill(dtype):
+    """A prompt in two chunks through store_kv + paged_attention equals one reference pass."""
+    num_q_heads, num_kv_heads, head_dim, page_size, prompt = 4, 2, 16, 16, 45
+    g = torch.Generator().manual_seed(2)
+    pages = torch.tensor([[4, 1, 6, 0]], dtype=torch.int32)
+    k_cache = torch.full((8, page_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    q = torch.randn(prompt, num_q_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(prompt, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(prompt, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = _slots(pages[0], prompt, page_size)
+    outs = []
+    for start, end in [(0, 20), (20, prompt)]:
+        attn = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            page_table=pages,
+            slot_mapping=slots[start:end],
+            max_query_len=end - start,
+        )
+        store_kv(k[start:end], v[start:end], k_cache, v_cache, attn.slot_mapping)
+        outs.append(paged_attention(q[start:end], k_cache, v_cache, attn, 0.25))
+
+    whole = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, prompt], dtype=torch.int32),
+        seq_lens=torch.tensor([prompt], dtype=torch.int32),
+        page_table=pages,
+        slot_mapping=slots,
+        max_query_len=prompt,
+    )
+    expected = reference.paged_attention(q, k_cache, v_cache, whole, 0.25)
+    torch.testing.assert_close(torch.cat(outs).float(), expected.float(), **TOL[dtype])
