@@ -70,7 +70,7 @@ def decode_step(batch: int, context: int):
     return q, k_cache, v_cache, attn
 
 
-def time_decode(step, config: AttentionConfig, num_splits: int) -> float:
+def time_decode(step, config: AttentionConfig, num_splits: int, rep_ms: int = 100) -> float:
     """Median µs of one graph replay of the decode step."""
     q, k_cache, v_cache, attn = step
 
@@ -84,7 +84,7 @@ def time_decode(step, config: AttentionConfig, num_splits: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
-    return do_bench(graph.replay, return_mode="median") * 1e3
+    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3
 
 
 def time_prefill(tokens: int) -> tuple[float, float]:
@@ -132,7 +132,7 @@ def main() -> None:
                     base = _num_splits(batch, HKV, context, config.block_n, step[0].device)
                     for factor in SPLIT_FACTORS:
                         s = max(1, min(round(base * factor), triton.cdiv(context, config.block_n)))
-                        t = time_decode(step, config, s)
+                        t = time_decode(step, config, s, rep_ms=40)
                         sweep_rows.append((batch, context, config, s, t, t / floor_us))
             del step
             torch.cuda.empty_cache()
