@@ -1,11 +1,11 @@
 """The engine on a tiny model: chunked prefill, preemption and batch-mates change no token;
 stop conditions; aborts free everything; seeded sampling repeats; logprobs are vLLM's."""
 
+import hf_fixtures as hf
 import pytest
 
 from moelora import LLM, SamplingParams
 from moelora.errors import AdapterBusyError, InvalidRequestError
-from tests import hf_fixtures as hf
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 77, 31, 8, 100, 4, 66], [3, 14, 15, 92], list(range(40, 70)), [250]]
