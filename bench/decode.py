@@ -1,0 +1,254 @@
+"""Decode step time of a Qwen3-30B-A3B-shaped model (random weights), next to its floor.
+
+Cases: LoRA disabled; LoRA enabled with a base-only batch; one adapter; 8 distinct rank-16
+adapters on attention and experts. Graph replay and eager at B in {1, 8, 32, 64, 128}.
+Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of this run; the
+experts touched are counted from the batch's real routing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import copy_bandwidth, result_header
+from triton.testing import do_bench
+
+from moelora.config import EngineConfig
+from moelora.engine.engine import Engine
+from moelora.lora.adapter import LoraAdapter, ModuleLora
+from moelora.sampling import SamplingParams
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    eos_token_id=151645,
+)
+BATCHES = (1, 8, 32, 64, 128)
+CONTEXT = 256  # prompt tokens per sequence before the timed decode step
+RANK = 16
+
+
+def make_engine(folder: str, *, lora: bool, eager: bool) -> Engine:
+    cfg = EngineConfig(
+        model=folder,
+        load_format="dummy",
+        dtype="bfloat16",
+        enable_lora=lora,
+        max_loras=8,
+        max_lora_rank=RANK if lora else 1,
+        max_graph_bs=max(BATCHES),
+        max_num_seqs=max(BATCHES),
+        max_num_batched_tokens=max(BATCHES) * CONTEXT,
+        max_model_len=CONTEXT + 64,
+        num_pages=max(BATCHES) * (CONTEXT + 64) // 16 + 16,
+        enforce_eager=eager,
+    )
+    return Engine(cfg)
+
+
+def random_adapter(engine: Engine, name: str, seed: int) -> LoraAdapter:
+    """Rank-16 weights on every attention and expert projection, made on the GPU."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    modules = {}
+    for key, t in engine.slot_pool.targets.items():
+        experts = (t.num_experts,) if t.num_experts else ()
+        a = (
+            torch.randn(
+                *experts, len(t.out_slices), RANK, t.in_features, generator=gen, device="cuda"
+            )
+            / t.in_features**0.5
+        )
+        b = torch.randn(*experts, t.out_features, RANK, generator=gen, device="cuda") * 0.01
+        modules[key] = ModuleLora(a.to(torch.bfloat16), b.to(torch.bfloat16))
+    return LoraAdapter(name, "<random>", RANK, 2.0, modules)
+
+
+def decode_batch(engine: Engine, B: int, loras: list[str | None]):
+    """Prefill B random prompts, then plan the decode step that follows and build its batch."""
+    gen = torch.Generator().manual_seed(B)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    for i in range(B):
+        prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
+        engine.add_request(f"b{B}-{i}", prompt, params, loras[i])
+    engine.step()
+    plan = engine.scheduler.schedule()
+    assert len(plan.chunks) == B and plan.num_tokens == B
+    return plan, engine.runner.build_batch(plan)
+
+
+def routed_ids(engine: Engine, batch) -> list[torch.Tensor]:
+    """Each MoE layer's topk_ids [T, K] for this batch, from one eager forward."""
+    seen: list[torch.Tensor] = []
+    spies = []
+    for layer in engine.model.layers:
+        spies.append((layer.mlp, layer.mlp.ops))
+        layer.mlp.ops = _RouteSpy(layer.mlp.ops, seen)
+    with torch.inference_mode():
+        engine.model(batch, engine.runner.kv_caches)
+    for mlp, ops in spies:
+        mlp.ops = ops
+    return seen
+
+
+class _RouteSpy:
+    """Stands in for a layer's Ops table and records the routing it computes."""
+
+    def __init__(self, ops, seen: list):
+        self._ops, self._seen = ops, seen
+
+    def route_topk(self, logits, k, **kw):
+        weights, ids = self._ops.route_topk(logits, k, **kw)
+        self._seen.append(ids.clone())
+        return weights, ids
+
+    def __getattr__(self, name):
+        return getattr(self._ops, name)
+
+
+def floor_bytes(engine: Engine, batch) -> tuple[int, int]:
+    """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
+
+    Experts: each distinct expert a layer routes to, once. LoRA: per active slot the attention
+    A/B at the real rank, and per distinct (slot, expert) pair that expert's A/B.
+    """
+    mc, elem, r = engine.model_config, 2, RANK
+    H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
+    qkv = mc.q_size + 2 * mc.kv_size
+    slots = batch.lora.slot_of_token.long() if batch.lora is not None else None
+    attn = (H * qkv + mc.q_size * H) * elem
+    model, lora = mc.vocab_size * H * elem, 0
+    for ids in routed_ids(engine, batch):
+        model += attn + E * H * elem + int(ids.unique().numel()) * 3 * H * I * elem
+        if slots is None:
+            continue
+        active = slots >= 0
+        pairs = (slots[:, None] * E + ids.long())[active].unique().numel()
+        lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
+        n_slots = int(slots[active].unique().numel())
+        lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
+    kv_tokens = int(batch.attn.seq_lens.sum())
+    model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+    return model, lora
+
+
+def time_step(engine: Engine, batch, *, eager: bool) -> float:
+    """Median ms of one decode forward: a graph replay, or the eager model on the same batch."""
+    if eager:
+
+        def step():
+            return engine.model(batch, engine.runner.kv_caches)
+    else:
+
+        def step():
+            return engine.runner.graphs.run(batch)
+
+    with torch.inference_mode():
+        return do_bench(step, warmup=25, rep=200, return_mode="median")
+
+
+def measure(engine: Engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool):
+    for B in BATCHES:
+        if case == "base-only" or case == "disabled":
+            loras = [None] * B
+        elif case == "1 adapter":
+            loras = [names[0]] * B
+        else:
+            loras = [names[i % len(names)] for i in range(B)]
+        plan, batch = decode_batch(engine, B, loras)
+        model_bytes, lora_bytes = floor_bytes(engine, batch)
+        floor = (model_bytes + lora_bytes) / bw * 1e3
+        g = time_step(engine, batch, eager=False)
+        e = time_step(engine, batch, eager=True) if eager_too else None
+        rows.append((case, B, g, e, floor, (model_bytes + lora_bytes) / (g * 1e-3) / 1e12))
+        print(
+            f"{case:>12} B={B:<4} graph {g:7.3f} ms  eager {e or 0:7.3f} ms  floor {floor:.3f}"
+            f" ms  x{g / floor:.2f}",
+            flush=True,
+        )
+        for c in plan.chunks:
+            engine.abort_request(c.request.request_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--out", default="bench/results/decode-h200.md")
+    args = parser.parse_args()
+    folder = tempfile.mkdtemp()
+    Path(folder, "config.json").write_text(
+        json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
+    )
+    bw = copy_bandwidth()
+    rows, capture = [], {}
+    t0 = time.perf_counter()
+    engine = make_engine(folder, lora=False, eager=False)
+    capture["disabled"] = engine.runner.graphs.capture_seconds
+    measure(engine, "disabled", [], bw, rows, eager_too=True)
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = make_engine(folder, lora=True, eager=False)
+    capture["lora"] = engine.runner.graphs.capture_seconds
+    names = [f"a{i}" for i in range(8)]
+    for i, n in enumerate(names):
+        engine.adapters[n] = random_adapter(engine, n, seed=i)
+    measure(engine, "base-only", names, bw, rows, eager_too=True)
+    measure(engine, "1 adapter", names, bw, rows, eager_too=False)
+    measure(engine, "8 distinct", names, bw, rows, eager_too=False)
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    write(args, bw, rows, capture)
+
+
+def write(args, bw: float, rows: list, capture: dict) -> None:
+    lines = result_header("Decode step, Qwen3-30B-A3B shape (random weights), H200", bw)
+    lines += [
+        f"- layers: {args.layers} of 48; bf16; {CONTEXT} context tokens per sequence; LoRA "
+        f"rank {RANK}, max_loras 8, adapters on q/k/v/o and every expert's gate/up/down",
+        f"- graph capture: {capture.get('disabled', 0):.1f} s (LoRA disabled), "
+        f"{capture.get('lora', 0):.1f} s (LoRA enabled), {len(BATCHES)} .. "
+        f"{max(BATCHES)} batch sizes",
+        "- time: median of CUDA-graph replays (do_bench), forward only (no sampling)",
+        "",
+        "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case, B, g, e, floor, tbs in rows:
+        lines.append(
+            f"| {case} | {B} | {g:.3f} | {'' if e is None else f'{e:.3f}'} | "
+            f"{floor:.3f} | {g / floor:.2f} | {tbs:.2f} |"
+        )
+    base = {B: g for case, B, g, *_ in rows if case == "disabled"}
+    lines += ["", "| B | base-only / disabled | 8 distinct / disabled |", "|---:|---:|---:|"]
+    for B in BATCHES:
+        b = next(g for c, bb, g, *_ in rows if c == "base-only" and bb == B)
+        d = next(g for c, bb, g, *_ in rows if c == "8 distinct" and bb == B)
+        lines.append(f"| {B} | {b / base[B]:.3f} | {d / base[B]:.3f} |")
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""The engine on the GPU: graph replay equals eager on random mixed decode batches, a request
+does not depend on its batch-mates, and a base batch after a mixed one equals LoRA disabled.
+
+Skipped without CUDA; run on the device by scripts/gpu-check.
+"""
+
+import random
+
+import hf_fixtures as hf
+import pytest
+import torch
+
+from moelora import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NUM_ADAPTERS = 8
+SHAPE = dict(
+    hidden_size=256,
+    head_dim=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=16,
+    moe_intermediate_size=128,
+)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-engine")
+    model = hf.make_model("qwen3_moe", root / "model", seed=5, **SHAPE)
+    rng = random.Random(0)
+    adapters = {}
+    for i in range(NUM_ADAPTERS):
+        rank = rng.choice([4, 8, 16, 32, 64])
+        adapters[f"a{i}"] = str(
+            hf.make_per_expert_adapter(
+                model,
+                root / f"a{i}",
+                seed=100 + i,
+                rank=rank,
+                alpha=2 * rank,
+                arch="qwen3_moe",
+                attention=("q_proj", "k_proj", "v_proj", "o_proj"),
+            )
+        )
+    return str(model), adapters
+
+
+def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets):
+    model, adapters = assets
+    llm = LLM(
+        model,
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype="bfloat16",
+        max_graph_bs=96,
+        max_num_seqs=96,
+        max_num_batched_tokens=4096,
+    )
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes[0] == 96
+    rng = random.Random(1)
+    names = [None, *adapters]
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    worst = 0.0
+    for it in range(200):
+        bs = rng.randint(1, 96)
+        ids = [f"{it}-{j}" for j in range(bs)]
+        for rid in ids:
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 24))]
+            engine.add_request(rid, prompt, greedy, rng.choice(names))
+        engine.step()  # one eager prefill of every prompt (the budget holds them all)
+        plan = engine.scheduler.schedule()
+        assert len(plan.chunks) == bs and all(c.num_tokens == 1 for c in plan.chunks)
+        batch = engine.runner.build_batch(plan)
+        with torch.inference_mode():
+            eager = graphs.run(batch, eager=True).clone()
+            replay = graphs.run(batch).clone()
+        worst = max(worst, (eager.float() - replay.float()).abs().max().item())
+        tok_e = engine.model.compute_logits(eager).argmax(-1)
+        tok_g = engine.model.compute_logits(replay).argmax(-1)
+        assert torch.equal(tok_e, tok_g), f"batch {it} (bs={bs}): graph and eager disagree"
+        for rid in ids:
+            engine.abort_request(rid)
+    assert worst == 0.0, f"graph replay differs from eager by {worst}"
+    assert engine.stats().kv_pages_used == 0
+
+
+def _alone_base_mixed(llm, prompts, target, params):
+    alone = llm.generate([prompts[0]], params, lora=target)[0]
+    base_batch = llm.generate(prompts, params, lora=[target] + [None] * (len(prompts) - 1))[0]
+    names = llm.list_loras()
+    mixed = llm.generate(
+        prompts, params, lora=[target] + [names[i % len(names)] for i in range(len(prompts) - 1)]
+    )
+    return alone, base_batch, mixed[0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_request_does_not_depend_on_its_batch_mates(assets, dtype):
+    model, adapters = assets
+    llm = LLM(
+        model,
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype=dtype,
+        max_graph_bs=32,
+        max_num_seqs=32,
+    )
+    rng = random.Random(2)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(13)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    for target in (None, "a3"):
+        alone, base_batch, mixed = _alone_base_mixed(llm, prompts, target, params)
+        if dtype == "float32":
+            assert alone.token_ids == base_batch.token_ids == mixed.token_ids
+        else:
+            for other in (base_batch, mixed):
+                n = _common_prefix(alone.token_ids, other.token_ids)
+                assert n >= 4, f"{target}: tokens split after {n}"
+                for i in range(n):
+                    a = alone.logprobs[i][alone.token_ids[i]]
+                    b = other.logprobs[i][other.token_ids[i]]
+                    assert abs(a - b) <= 0.02, f"{target} token {i}: {a} vs {b}"
+
+
+def _common_prefix(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_base_batch_after_a_mixed_one_equals_lora_disabled(assets):
+    model, adapters = assets
+    rng = random.Random(3)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with_lora = LLM(
+        model,
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype="bfloat16",
+        max_graph_bs=16,
+        max_num_seqs=16,
+    )
+    mixed_names = [list(adapters)[i % NUM_ADAPTERS] if i % 3 else None for i in range(9)]
+    mixed = with_lora.generate(prompts, params, lora=mixed_names)
+    base_after = with_lora.generate(prompts, params)
+    without = LLM(model, dtype="bfloat16", max_graph_bs=16, max_num_seqs=16, enable_lora=False)
+    base = without.generate(prompts, params)
+    assert [o.token_ids for o in base_after] == [o.token_ids for o in base]
+    assert [o.token_ids for o in mixed] != [o.token_ids for o in base]  # adapters did act
+    assert with_lora.engine.stats().graph_replays > 0
