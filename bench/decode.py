@@ -96,7 +96,7 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]):
     engine.step()
     plan = engine.scheduler.schedule()
     assert len(plan.chunks) == B and plan.num_tokens == B
-    return plan, engine.runner.build_batch(plan)
+    return plan, engine.runner.host_batch(plan)
 
 
 def routed_ids(engine: Engine, batch) -> list[torch.Tensor]:
@@ -107,7 +107,9 @@ def routed_ids(engine: Engine, batch) -> list[torch.Tensor]:
         spies.append((layer.mlp, layer.mlp.ops))
         layer.mlp.ops = _RouteSpy(layer.mlp.ops, seen)
     with torch.inference_mode():
-        engine.model(batch, engine.runner.kv_caches)
+        engine.model(
+            batch.to_device(engine.runner.device, engine.slot_pool), engine.runner.kv_caches
+        )
     for mlp, ops in spies:
         mlp.ops = ops
     return seen
@@ -137,7 +139,7 @@ def floor_bytes(engine: Engine, batch) -> tuple[int, int]:
     mc, elem, r = engine.model_config, 2, RANK
     H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
     qkv = mc.q_size + 2 * mc.kv_size
-    slots = batch.lora.slot_of_token.long() if batch.lora is not None else None
+    slots = batch.slot_of_token.long().cuda() if engine.slot_pool is not None else None
     attn = (H * qkv + mc.q_size * H) * elem
     model, lora = mc.vocab_size * H * elem, 0
     for ids in routed_ids(engine, batch):
@@ -149,9 +151,15 @@ def floor_bytes(engine: Engine, batch) -> tuple[int, int]:
         lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
         n_slots = int(slots[active].unique().numel())
         lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
-    kv_tokens = int(batch.attn.seq_lens.sum())
+    kv_tokens = int(batch.seq_lens.sum())
     model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
     return model, lora
+
+
+def graphs_size(graphs, batch) -> int:
+    from moelora.runner.graph_runner import padded_batch_size
+
+    return padded_batch_size(batch.num_tokens, graphs.sizes)
 
 
 def time_step(engine: Engine, batch, *, eager: bool) -> float:

@@ -18,6 +18,7 @@ import torch
 from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo
 from moelora.lora.slots import SlotPool
 from moelora.runner.batch import AttentionMetadata, ForwardBatch
+from moelora.runner.model_runner import HostBatch
 
 log = logging.getLogger(__name__)
 STREAM_IDX = 0  # one decode stream today; the key keeps room for more
@@ -37,70 +38,105 @@ def padded_batch_size(num_tokens: int, sizes: list[int]) -> int | None:
 
 @dataclass
 class GraphBuffers:
-    """Static inputs of every captured graph, sized for the largest batch."""
+    """Static inputs of every captured graph, sized for the largest batch.
 
-    input_ids: torch.Tensor  # [max_bs] int64
-    positions: torch.Tensor  # [max_bs] int64
-    slot_mapping: torch.Tensor  # [max_bs] int64
-    cu_seqlens_q: torch.Tensor  # [max_bs + 1] int32
-    seq_lens: torch.Tensor  # [max_bs] int32
-    page_table: torch.Tensor  # [max_bs, max_pages] int32
-    slot_of_token: torch.Tensor  # [max_bs] int32
-    slot_enabled: torch.Tensor  # [max_loras] int32
+    The int64 and int32 inputs each live in one device buffer with a pinned host twin, so
+    writing a step's batch costs two host-to-device copies, whatever its size.
+    """
+
+    i64: torch.Tensor  # device [3, max_bs]: input_ids, positions, slot_mapping
+    i32: torch.Tensor  # device: cu_seqlens_q | seq_lens | slot_of_token | slot_enabled | pages
+    host_i64: torch.Tensor  # pinned twins of the above
+    host_i32: torch.Tensor
+    max_bs: int
+    max_pages: int
+    max_loras: int
+    spare_page: int
 
     @classmethod
     def init(cls, max_bs: int, max_pages: int, max_loras: int, spare_page: int, device):
-        def full(shape, value, dtype):
-            return torch.full(shape, value, dtype=dtype, device=device)
+        n32 = (max_bs + 1) + 2 * max_bs + max_loras + max_bs * max_pages
+        pin = torch.cuda.is_available()
+        self = cls(
+            i64=torch.zeros(3, max_bs, dtype=torch.int64, device=device),
+            i32=torch.zeros(n32, dtype=torch.int32, device=device),
+            host_i64=torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin),
+            host_i32=torch.zeros(n32, dtype=torch.int32, pin_memory=pin),
+            max_bs=max_bs,
+            max_pages=max_pages,
+            max_loras=max_loras,
+            spare_page=spare_page,
+        )
+        self._pad(self.host_i64, self.host_i32, 0)
+        self.i64.copy_(self.host_i64)
+        self.i32.copy_(self.host_i32)
+        return self
 
-        return cls(
-            input_ids=full((max_bs,), 0, torch.int64),
-            positions=full((max_bs,), 0, torch.int64),
-            slot_mapping=full((max_bs,), -1, torch.int64),
-            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=device),
-            seq_lens=full((max_bs,), 0, torch.int32),
-            page_table=full((max_bs, max_pages), spare_page, torch.int32),
-            slot_of_token=full((max_bs,), NO_SLOT, torch.int32),
-            slot_enabled=full((max_loras,), 0, torch.int32),
+    def _views(self, i64: torch.Tensor, i32: torch.Tensor) -> dict[str, torch.Tensor]:
+        bs, pages, loras = self.max_bs, self.max_pages, self.max_loras
+        cu, seq, slot, enabled, table = i32.split([bs + 1, bs, bs, loras, bs * pages])
+        return dict(
+            input_ids=i64[0],
+            positions=i64[1],
+            slot_mapping=i64[2],
+            cu_seqlens_q=cu,
+            seq_lens=seq,
+            slot_of_token=slot,
+            slot_enabled=enabled,
+            page_table=table.view(bs, pages),
         )
 
     def forward_batch(self, bs: int, pool: SlotPool | None) -> ForwardBatch:
         """Views of the first bs rows: what a graph of batch size bs is captured with."""
+        v = self._views(self.i64, self.i32)
         attn = AttentionMetadata(
-            cu_seqlens_q=self.cu_seqlens_q[: bs + 1],
-            seq_lens=self.seq_lens[:bs],
-            page_table=self.page_table[:bs],
-            slot_mapping=self.slot_mapping[:bs],
+            cu_seqlens_q=v["cu_seqlens_q"][: bs + 1],
+            seq_lens=v["seq_lens"][:bs],
+            page_table=v["page_table"][:bs],
+            slot_mapping=v["slot_mapping"][:bs],
             max_query_len=1,
         )
         lora = None
         if pool is not None:
             lora = LoraBatchInfo(
-                self.slot_of_token[:bs],
+                v["slot_of_token"][:bs],
                 pool.rank_of_slot,
                 pool.scaling_of_slot,
-                self.slot_enabled,
+                v["slot_enabled"],
             )
-        return ForwardBatch(self.input_ids[:bs], self.positions[:bs], attn, lora)
+        return ForwardBatch(v["input_ids"][:bs], v["positions"][:bs], attn, lora)
 
-    def copy_from(self, batch: ForwardBatch, bs: int, spare_page: int) -> None:
-        """Write a decode batch of T <= bs rows in place; rows T..bs become padding."""
-        T = batch.input_ids.shape[0]
-        self.input_ids[:T].copy_(batch.input_ids)
-        self.positions[:T].copy_(batch.positions)
-        self.slot_mapping[:T].copy_(batch.attn.slot_mapping)
-        self.slot_mapping[T:bs].fill_(-1)
-        self.cu_seqlens_q[: T + 1].copy_(batch.attn.cu_seqlens_q)
-        self.cu_seqlens_q[T + 1 : bs + 1].fill_(T)  # padded sequences have no query rows
-        self.seq_lens[:T].copy_(batch.attn.seq_lens)
-        self.seq_lens[T:bs].fill_(0)
-        width = batch.attn.page_table.shape[1]
-        self.page_table[:T, :width].copy_(batch.attn.page_table)
-        self.page_table[T:bs].fill_(spare_page)
-        if batch.lora is not None:
-            self.slot_of_token[:T].copy_(batch.lora.slot_of_token)
-            self.slot_of_token[T:bs].fill_(NO_SLOT)
-            self.slot_enabled.copy_(batch.lora.slot_enabled)
+    def copy_from(self, batch: HostBatch) -> None:
+        """Write a decode batch of T rows; every row past T becomes padding."""
+        v = self._views(self.host_i64, self.host_i32)
+        T = batch.num_tokens
+        self._pad(self.host_i64, self.host_i32, T)
+        v["input_ids"][:T] = batch.input_ids
+        v["positions"][:T] = batch.positions
+        v["slot_mapping"][:T] = batch.slot_mapping
+        v["cu_seqlens_q"][: T + 1] = batch.cu_seqlens_q
+        v["seq_lens"][:T] = batch.seq_lens
+        v["slot_of_token"][:T] = batch.slot_of_token
+        if batch.slot_enabled is not None:
+            v["slot_enabled"][:] = batch.slot_enabled
+        width = batch.page_table.shape[1]
+        v["page_table"][:T, :width] = batch.page_table
+        # the pinned twins are reused: safe because every step ends in a sync (sampling reads
+        # its tokens back) before the next step writes them
+        self.i64.copy_(self.host_i64, non_blocking=True)
+        self.i32.copy_(self.host_i32, non_blocking=True)
+
+    def _pad(self, i64: torch.Tensor, i32: torch.Tensor, T: int) -> None:
+        """Rows from T on: no KV stored, no query rows, no adapter, the spare page."""
+        v = self._views(i64, i32)
+        v["input_ids"][T:] = 0
+        v["positions"][T:] = 0
+        v["slot_mapping"][T:] = -1
+        v["cu_seqlens_q"][T:] = T
+        v["seq_lens"][T:] = 0
+        v["slot_of_token"][T:] = NO_SLOT
+        v["slot_enabled"][:] = 0
+        v["page_table"][T:] = self.spare_page
 
 
 class GraphRunner:
@@ -153,15 +189,15 @@ class GraphRunner:
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.attn.max_query_len == 1 and batch.input_ids.shape[0] <= self.sizes[0]
+    def can_run(self, batch: HostBatch) -> bool:
+        return batch.max_query_len == 1 and batch.num_tokens <= self.sizes[0]
 
-    def run(self, batch: ForwardBatch, *, eager: bool = False) -> torch.Tensor:
+    def run(self, batch: HostBatch, *, eager: bool = False) -> torch.Tensor:
         """Replay the graph of the padded batch size. eager=True runs the same padded inputs
         without the graph: the reference the GPU tests hold replays to, bit for bit."""
-        T = batch.input_ids.shape[0]
+        T = batch.num_tokens
         bs = padded_batch_size(T, self.sizes)
-        self.buffers.copy_from(batch, bs, self.spare_page)
+        self.buffers.copy_from(batch)
         key = (bs, STREAM_IDX)
         if eager:
             return self.model(self.buffers.forward_batch(bs, self.pool), self.kv_caches)[:T]

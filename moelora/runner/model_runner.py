@@ -1,9 +1,10 @@
-"""The runner executes a StepPlan: builds the ForwardBatch, runs the model, samples.
-
-Eager path here; decode batches that fit a captured graph go through the GraphRunner.
+"""The runner executes a StepPlan: lays the batch out on the host, runs the model (a captured
+graph for decode batches that fit one, eager otherwise), and samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,46 @@ from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo
 from moelora.lora.slots import SlotPool
 from moelora.runner.batch import AttentionMetadata, ForwardBatch
 from moelora.sampling import SampleResult, sample
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's inputs as host tensors; T = tokens, B = sequences, P = pages per sequence."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    page_table: torch.Tensor  # [B, P] int32
+    slot_of_token: torch.Tensor  # [T] int32
+    slot_enabled: torch.Tensor | None  # [S] int32; None when LoRA is disabled
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to_device(self, device: torch.device, pool: SlotPool | None) -> ForwardBatch:
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        attn = AttentionMetadata(
+            dev(self.cu_seqlens_q),
+            dev(self.seq_lens),
+            dev(self.page_table),
+            dev(self.slot_mapping),
+            self.max_query_len,
+        )
+        lora = None
+        if pool is not None:
+            lora = LoraBatchInfo(
+                dev(self.slot_of_token),
+                pool.rank_of_slot,
+                pool.scaling_of_slot,
+                dev(self.slot_enabled),
+            )
+        return ForwardBatch(dev(self.input_ids), dev(self.positions), attn, lora)
 
 
 class ModelRunner:
@@ -36,22 +77,22 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SampleResult]:
         """One forward over every chunk; a sample for each chunk that reaches its last token."""
-        batch = self.build_batch(plan)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)
+        host = self.host_batch(plan)
+        if self.graphs is not None and self.graphs.can_run(host):
+            hidden = self.graphs.run(host)
             self.num_graph_replays += 1
         else:
-            hidden = self.model(batch, self.kv_caches)
+            hidden = self.model(host.to_device(self.device, self.slot_pool), self.kv_caches)
             self.num_eager_steps += 1
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not sampling:
             return []
-        last_rows = batch.attn.cu_seqlens_q[1:][sampling].long() - 1
+        last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [plan.chunks[i].request for i in sampling]
         return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
 
-    def build_batch(self, plan: StepPlan) -> ForwardBatch:
+    def host_batch(self, plan: StepPlan) -> HostBatch:
         ids, positions, slot_mapping, slots, q_lens, seq_lens = [], [], [], [], [], []
         ps = self.page_size
         for c in plan.chunks:
@@ -64,40 +105,30 @@ class ModelRunner:
             slots += [NO_SLOT if req.slot is None else req.slot] * c.num_tokens
             q_lens.append(c.num_tokens)
             seq_lens.append(stop)
-        max_pages = max(pages_for(s, ps) for s in seq_lens)
-        table = [
-            c.request.pages[:max_pages] + [0] * (max_pages - len(c.request.pages[:max_pages]))
-            for c in plan.chunks
-        ]
-        cu = [0]
-        for q in q_lens:
-            cu.append(cu[-1] + q)
-        dev = self.device
-
-        def t(x, dtype):
-            return torch.tensor(x, dtype=dtype, device=dev)
-
-        attn = AttentionMetadata(
-            cu_seqlens_q=t(cu, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            page_table=t(table, torch.int32),
-            slot_mapping=t(slot_mapping, torch.int64),
+        width = max(pages_for(s, ps) for s in seq_lens)
+        table = torch.zeros(len(plan.chunks), width, dtype=torch.int32)
+        for b, c in enumerate(plan.chunks):
+            used = c.request.pages[: pages_for(seq_lens[b], ps)]
+            table[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
+        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens).cumsum(0)
+        return HostBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+            cu_seqlens_q=cu,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            page_table=table,
+            slot_of_token=torch.tensor(slots, dtype=torch.int32),
+            slot_enabled=self._slot_enabled(slots),
             max_query_len=max(q_lens),
         )
-        return ForwardBatch(
-            t(ids, torch.int64), t(positions, torch.int64), attn, self._lora_info(slots)
-        )
 
-    def _lora_info(self, slots: list[int]) -> LoraBatchInfo | None:
+    def _slot_enabled(self, slots: list[int]) -> torch.Tensor | None:
         pool = self.slot_pool
         if pool is None:
             return None
-        enabled = [0] * pool.max_loras
+        enabled = torch.zeros(pool.max_loras, dtype=torch.int32)
         for s in set(slots) - {NO_SLOT}:
-            enabled[s] = int(pool.host_rank[s] > 0)
-        return LoraBatchInfo(
-            slot_of_token=torch.tensor(slots, dtype=torch.int32, device=self.device),
-            rank_of_slot=pool.rank_of_slot,
-            scaling_of_slot=pool.scaling_of_slot,
-            slot_enabled=torch.tensor(enabled, dtype=torch.int32, device=self.device),
-        )
+            enabled[s] = int(pool.host_rank[s] > 0)  # an empty slot does no work
+        return enabled

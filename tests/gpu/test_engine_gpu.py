@@ -75,7 +75,7 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets):
         engine.step()  # one eager prefill of every prompt (the budget holds them all)
         plan = engine.scheduler.schedule()
         assert len(plan.chunks) == bs and all(c.num_tokens == 1 for c in plan.chunks)
-        batch = engine.runner.build_batch(plan)
+        batch = engine.runner.host_batch(plan)
         with torch.inference_mode():
             eager = graphs.run(batch, eager=True).clone()
             replay = graphs.run(batch).clone()

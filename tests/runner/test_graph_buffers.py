@@ -1,0 +1,42 @@
+"""The static graph inputs on CPU: a batch is written in place and the rest becomes padding."""
+
+import torch
+
+from moelora.lora.batch_info import NO_SLOT
+from moelora.runner.graph_runner import GraphBuffers
+from moelora.runner.model_runner import HostBatch
+
+
+def host_batch(T: int, width: int) -> HostBatch:
+    g = torch.Generator().manual_seed(T)
+    return HostBatch(
+        input_ids=torch.randint(0, 100, (T,), generator=g),
+        positions=torch.randint(0, 50, (T,), generator=g),
+        slot_mapping=torch.randint(0, 400, (T,), generator=g),
+        cu_seqlens_q=torch.arange(T + 1, dtype=torch.int32),
+        seq_lens=torch.randint(1, 50, (T,), generator=g, dtype=torch.int32),
+        page_table=torch.randint(0, 30, (T, width), generator=g, dtype=torch.int32),
+        slot_of_token=torch.randint(-1, 4, (T,), generator=g, dtype=torch.int32),
+        slot_enabled=torch.tensor([1, 0, 1, 1], dtype=torch.int32),
+        max_query_len=1,
+    )
+
+
+def test_copy_from_writes_rows_and_pads_the_rest():
+    buffers = GraphBuffers.init(max_bs=16, max_pages=8, max_loras=4, spare_page=99, device="cpu")
+    big, small = host_batch(11, 5), host_batch(3, 2)
+    buffers.copy_from(big)
+    buffers.copy_from(small)  # a smaller batch after a larger one leaves no stale rows
+    fb = buffers.forward_batch(8, pool=None)
+    assert torch.equal(fb.input_ids[:3], small.input_ids)
+    assert torch.equal(fb.positions[:3], small.positions)
+    assert torch.equal(fb.attn.slot_mapping[:3], small.slot_mapping)
+    assert (fb.attn.slot_mapping[3:] == -1).all()
+    assert fb.attn.cu_seqlens_q.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert fb.attn.seq_lens[3:].eq(0).all() and torch.equal(fb.attn.seq_lens[:3], small.seq_lens)
+    assert torch.equal(fb.attn.page_table[:3, :2], small.page_table)
+    assert (fb.attn.page_table[3:] == 99).all()
+    views = buffers._views(buffers.i64, buffers.i32)
+    assert torch.equal(views["slot_of_token"][:3], small.slot_of_token)
+    assert (views["slot_of_token"][3:] == NO_SLOT).all()
+    assert views["slot_enabled"].tolist() == [1, 0, 1, 1]
