@@ -1,0 +1,561 @@
+"""Fused MoE with the MoE LoRA in its epilogues.
+
+Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2),
+e = ids[t, k]; d13, d2 are the LoRA deltas of token t's adapter slot for expert e.
+
+Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
+  1. Align (one program): sort the pairs by expert and pad each expert's group to BM rows, so
+     every BM-row block uses one expert. Its buffers are sized from T*K, E and BM only.
+  2. gate_up: a program owns one block and BN columns of both gate and up, so SiLU-and-mul is
+     applied in registers and only h = [rows, I] is written.
+  3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
+     writes one row per pair; a last small kernel sums each token's K rows.
+For one token (decode at batch 1) the pairs already have distinct experts, so the "direct"
+path skips the align (a block is one pair) and its down kernel loops over the token's K experts
+and writes the sum itself: two launches in all.
+
+The LoRA deltas are added to the fp32 accumulators after the main loop and before the
+activation / the routing weight (lora.lora_delta). A block gathers its rows' slots and enabled
+flags before the main loop; when none is enabled the LoRA code is skipped, so a batch without
+active adapters runs the same launches as the base MoE and only pays those two gathers.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.lora import active_slots, lora_delta, rank_block
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of the fused MoE: BM rows (pairs) x BN columns, BK deep; *_down for the down GEMM."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    block_n_down: int = 64
+    block_k_down: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    direct: bool = False  # one pair per block, no align (only sensible for very few tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Align: pairs sorted by expert, each expert's group padded to BM rows.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _align_kernel(
+    # Pointers.
+    topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
+    sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
+    expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
+    # Sizes: pairs, experts, blocks (an upper bound on the blocks used).
+    P,
+    E,
+    NB,
+    # Meta-parameters.
+    BM: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CH: tl.constexpr,
+):
+    offs_e = tl.arange(0, E_PAD)
+    offs_c = tl.arange(0, CH)
+
+    # -- pass 1: pairs per expert, then the first block of each expert --
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, P, CH):
+        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p0 + offs_c < P, other=-1)
+        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    blocks = (counts + BM - 1) // BM
+    blocks_end = tl.cumsum(blocks, axis=0)
+    blocks_start = blocks_end - blocks
+
+    # -- expert of each block: the number of experts that end at or before it --
+    for b0 in range(0, NB, CH):
+        b = b0 + offs_c
+        e = tl.sum((blocks_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
+        tl.store(expert_of_block_ptr + b, tl.where(e < E, e, -1), mask=b < NB)
+
+    # -- pass 2: every row starts as padding, then each pair goes to its place --
+    for r0 in range(0, NB * BM, CH):
+        tl.store(sorted_pair_ptr + r0 + offs_c, -1, mask=r0 + offs_c < NB * BM)
+    tl.debug_barrier()  # the padding stores above must land before the pair stores below
+    seen = tl.zeros((E_PAD,), dtype=tl.int32)
+    for p0 in range(0, P, CH):
+        p_ok = p0 + offs_c < P
+        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p_ok, other=-1)
+        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [CH, E_PAD]
+        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
+        first = tl.sum(onehot * (blocks_start * BM + seen)[None, :], axis=1)
+        tl.store(sorted_pair_ptr + first + rank, p0 + offs_c, mask=p_ok)
+        seen += tl.sum(onehot, axis=0)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. gate_up GEMM + LoRA + SiLU-and-mul.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_rows(
+    pid_m,
+    topk_ids_ptr,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    BM: tl.constexpr,
+    DIRECT: tl.constexpr,
+):
+    """Expert and [BM] pairs of block pid_m (pair -1: padding row); expert -1: unused block."""
+    offs_m = tl.arange(0, BM)
+    if DIRECT:
+        expert = tl.load(topk_ids_ptr + pid_m)
+        pair = tl.where(offs_m == 0, pid_m, -1)
+    else:
+        expert = tl.load(expert_of_block_ptr + pid_m)
+        pair = tl.load(sorted_pair_ptr + pid_m * BM + offs_m)
+    return expert, pair
+
+
+@triton.jit
+def _gate_up_kernel(
+    # Pointers: activations, weights, outputs, routing.
+    x_ptr,  # [T, H]
+    w13_ptr,  # [E, 2I, H]
+    h_ptr,  # [rows, I] out: silu(gate) * up, row = block row (grouped) or pair (direct)
+    topk_ids_ptr,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    # Pointers: LoRA batch info and weights (unused unless HAS_LORA).
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    a_ptr,  # [S, E, 2, R, H]
+    b_ptr,  # [S, E, 2I, R]
+    # Sizes.
+    H,
+    I,
+    # Strides (last dims contiguous).
+    stride_xt,
+    stride_we,
+    stride_wn,
+    stride_as,
+    stride_ae,
+    stride_ai,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    # Meta-parameters.
+    K: tl.constexpr,
+    S: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    DIRECT: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+):
+    # -- map the program to a block of pairs (one expert) and BN columns of gate and up --
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, pair = _block_rows(
+        pid_m, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, BM, DIRECT
+    )
+    if expert < 0:
+        return
+    row_ok = pair >= 0
+    token = tl.where(row_ok, pair // K, 0)
+    if HAS_LORA:
+        # gathered before the main loop so their latency hides behind the weight stream
+        slot_rows = active_slots(slot_ptr, token, row_ok, enabled_ptr)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < I
+    offs_k = tl.arange(0, BK)
+    x_rows = token.to(tl.int64) * stride_xt
+    w_e = w13_ptr + expert.to(tl.int64) * stride_we
+    wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+    wu_ptrs = wg_ptrs + I * stride_wn
+
+    # -- main loop: both accumulators share each x tile --
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        k_ok = offs_k < H - k0
+        xt = tl.load(
+            x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        acc_g = tl.dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g)
+        acc_u = tl.dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
+        wg_ptrs += BK
+        wu_ptrs += BK
+
+    # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
+    if HAS_LORA:
+        if tl.max(slot_rows, axis=0) >= 0:
+            a_e = a_ptr + expert.to(tl.int64) * stride_ae
+            b_e = b_ptr + expert.to(tl.int64) * stride_be
+            acc_g = lora_delta(
+                acc_g, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ar,
+                b_e, stride_bs, stride_bn, offs_n, n_ok,
+                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
+            )  # fmt: skip
+            acc_u = lora_delta(
+                acc_u, x_ptr, x_rows, slot_rows, H, a_e + stride_ai, stride_as, stride_ar,
+                b_e, stride_bs, stride_bn, I + offs_n, n_ok,
+                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
+            )  # fmt: skip
+
+    # -- activation and store --
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    if DIRECT:
+        h_rows = pair
+    else:
+        h_rows = pid_m * BM + tl.arange(0, BM)
+    h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# --------------------------------------------------------------------------------------------
+# 3. down GEMM + LoRA, weighted by the routing weight.
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _down_tile(
+    h_ptr, h_rows, row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok, I,
+    stride_we, stride_wn,
+    rank_ptr, scaling_ptr, a_ptr, b_ptr,
+    stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+    S: tl.constexpr, HAS_LORA: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """[BM, BN] fp32: rows h_rows of h times W2[expert, offs_n].T, plus their LoRA delta."""
+    offs_k = tl.arange(0, BK)
+    h_offs = h_rows.to(tl.int64) * I
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[None, :].to(tl.int64) * stride_wn
+        + offs_k[:, None]
+    )
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, BK):
+        k_ok = offs_k < I - k0
+        ht = tl.load(
+            h_ptr + h_offs[:, None] + (k0 + offs_k)[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(ht, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        w_ptrs += BK
+    if HAS_LORA:
+        if tl.max(slot_rows, axis=0) >= 0:
+            acc = lora_delta(
+                acc, h_ptr, h_offs, slot_rows, I,
+                a_ptr + expert.to(tl.int64) * stride_ae, stride_as, stride_ar,
+                b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n, n_ok,
+                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
+            )  # fmt: skip
+    return acc
+
+
+@triton.jit
+def _down_kernel(
+    # Pointers: activations, weights, output, routing.
+    h_ptr,  # [NB*BM, I], block rows
+    w2_ptr,  # [E, H, I]
+    out_ptr,  # [P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair
+    topk_weights_ptr,  # [P] float32
+    topk_ids_ptr,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    # Pointers: LoRA batch info and weights (unused unless HAS_LORA).
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    a_ptr,  # [S, E, 1, R, I]
+    b_ptr,  # [S, E, H, R]
+    # Sizes.
+    H,
+    I,
+    # Strides (last dims contiguous).
+    stride_we,
+    stride_wn,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    # Meta-parameters.
+    K: tl.constexpr,
+    S: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, pair = _block_rows(pid_m, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, BM, 0)
+    if expert < 0:
+        return
+    row_ok = pair >= 0
+    slot_rows = tl.full((BM,), -1, tl.int32)
+    if HAS_LORA:
+        slot_rows = active_slots(slot_ptr, tl.where(row_ok, pair // K, 0), row_ok, enabled_ptr)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < H
+    acc = _down_tile(
+        h_ptr, pid_m * BM + tl.arange(0, BM), row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok,
+        I, stride_we, stride_wn, rank_ptr, scaling_ptr, a_ptr, b_ptr,
+        stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+        S, HAS_LORA, BM, BN, BK, BR,
+    )  # fmt: skip
+    weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
+    out = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs, out, mask=row_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_direct_kernel(
+    # Pointers (as _down_kernel; h rows are pairs and out is [T, H], the final output).
+    h_ptr,
+    w2_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    topk_ids_ptr,
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    a_ptr,
+    b_ptr,
+    # Sizes.
+    H,
+    I,
+    # Strides (last dims contiguous).
+    stride_we,
+    stride_wn,
+    stride_as,
+    stride_ae,
+    stride_ar,
+    stride_bs,
+    stride_be,
+    stride_bn,
+    # Meta-parameters.
+    K: tl.constexpr,
+    S: tl.constexpr,
+    HAS_LORA: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+):
+    # -- a program owns one token and BN columns; it walks the token's K experts --
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = offs_n < H
+    offs_m = tl.arange(0, BM)
+    row_ok = offs_m == 0  # a one-row tile: tl.dot needs 16 rows, the other rows are masked
+    slot_rows = tl.full((BM,), -1, tl.int32)
+    if HAS_LORA:
+        slot_rows = active_slots(slot_ptr, tl.where(row_ok, token, 0), row_ok, enabled_ptr)
+    total = tl.zeros((BN,), dtype=tl.float32)
+    for k in range(0, K):
+        pair = token * K + k
+        expert = tl.load(topk_ids_ptr + pair)
+        acc = _down_tile(
+            h_ptr, tl.where(row_ok, pair, 0), row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok,
+            I, stride_we, stride_wn, rank_ptr, scaling_ptr, a_ptr, b_ptr,
+            stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
+            S, HAS_LORA, BM, BN, BK, BR,
+        )  # fmt: skip
+        total += tl.sum(acc, axis=0) * tl.load(topk_weights_ptr + pair)
+    out_ptrs = out_ptr + token.to(tl.int64) * H + offs_n
+    tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _sum_topk_kernel(
+    pair_out_ptr,  # [T*K, H]
+    out_ptr,  # [T, H]
+    H,
+    K: tl.constexpr,
+    BH: tl.constexpr,
+):
+    token = tl.program_id(0)
+    offs = tl.program_id(1) * BH + tl.arange(0, BH)
+    ok = offs < H
+    rows = pair_out_ptr + token.to(tl.int64) * K * H + offs
+    total = tl.zeros((BH,), dtype=tl.float32)
+    for k in range(0, K):
+        total += tl.load(rows + k * H, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * H + offs, total.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# --------------------------------------------------------------------------------------------
+# Tile configs and the wrapper.
+# --------------------------------------------------------------------------------------------
+
+
+def config_file(device_name: str) -> Path:
+    return CONFIG_DIR / f"fused_moe_{device_name.replace(' ', '_')}.json"
+
+
+def shape_key(E: int, H: int, I: int, K: int) -> str:
+    return f"E={E},H={H},I={I},K={K}"
+
+
+@functools.cache
+def _load_configs(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device) -> MoeConfig:
+    """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
+    if device.type == "cuda":
+        table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
+            shape_key(E, H, I, K), {}
+        )
+        if table:
+            buckets = sorted(int(m) for m in table)
+            bucket = next((m for m in buckets if m >= T), buckets[-1])
+            return MoeConfig(**table[str(bucket)])
+    if T == 1:
+        return MoeConfig(block_n_down=32, direct=True)
+    return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
+
+
+def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
+    """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe)."""
+    path = config_file(device_name)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[shape_key(E, H, I, K)] = {str(m): asdict(cfg) for m, cfg in sorted(table.items())}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _load_configs.cache_clear()
+    return path
+
+
+def _lora_args(lora: LoraWeights | None, info: LoraBatchInfo | None, fallback: torch.Tensor):
+    """(a, b, a strides s/e/i/r, b strides s/e/n) or placeholders when the path is off."""
+    if lora is None or info is None:
+        return fallback, fallback, (0, 0, 0, 0), (0, 0, 0)
+    a, b = lora.a, lora.b
+    assert a.is_contiguous() and b.is_contiguous()
+    return a, b, (a.stride(0), a.stride(1), a.stride(2), a.stride(3)), b.stride()[:3]
+
+
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    lora13: LoraWeights | None = None,
+    lora2: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype); topk_weights [T, K] float32;
+    topk_ids [T, K] int32. lora13.a [S, E, 2, R, H], lora13.b [S, E, 2I, R]; lora2.a
+    [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H]. No host sync: capturable.
+    """
+    T, H = x.shape
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    K = topk_ids.shape[1]
+    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
+    assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
+    assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
+    assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
+    out = torch.empty(T, H, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return out
+    cfg = config or default_config(T, E, H, I, K, x.device)
+    ids = topk_ids.contiguous().view(-1)
+    weights = topk_weights.contiguous().view(-1)
+    P = T * K
+
+    # LoRA: both halves share the batch info; S and R come from whichever is present.
+    has13 = lora13 is not None and info is not None
+    has2 = lora2 is not None and info is not None
+    a13, b13, sa13, sb13 = _lora_args(lora13, info, w13)
+    a2, b2, sa2, sb2 = _lora_args(lora2, info, w2)
+    any_lora = lora13 if has13 else (lora2 if has2 else None)
+    S = any_lora.a.shape[0] if any_lora is not None else 1
+    BR = rank_block(any_lora.max_rank) if any_lora is not None else 16
+    slot, enabled, rank, scaling = (
+        (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot)
+        if any_lora is not None
+        else (ids, ids, ids, weights)
+    )
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+    if cfg.direct:
+        NB, BM = P, 16
+        sorted_pair = expert_of_block = ids  # unused by the direct kernels
+        h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    else:
+        BM = cfg.block_m
+        NB = min(P, triton.cdiv(P + min(E, P) * (BM - 1), BM))
+        sorted_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
+        expert_of_block = torch.empty(NB, dtype=torch.int32, device=x.device)
+        _align_kernel[(1,)](
+            ids, sorted_pair, expert_of_block, P, E, NB,
+            BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, num_warps=8,
+        )  # fmt: skip
+        h = torch.empty(NB * BM, I, dtype=x.dtype, device=x.device)
+
+    _gate_up_kernel[(NB, triton.cdiv(I, cfg.block_n))](
+        x, w13, h, ids, sorted_pair, expert_of_block,
+        slot, enabled, rank, scaling, a13, b13,
+        H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13,
+        K=K, S=S, HAS_LORA=has13, DIRECT=cfg.direct,
+        BM=BM, BN=cfg.block_n, BK=cfg.block_k, BR=BR, **launch,
+    )  # fmt: skip
+
+    down_args = (
+        slot, enabled, rank, scaling, a2, b2, H, I, w2.stride(0), w2.stride(1),
+        sa2[0], sa2[1], sa2[3], *sb2,
+    )  # fmt: skip
+    down_meta = dict(
+        K=K, S=S, HAS_LORA=has2, BM=BM, BN=cfg.block_n_down, BK=cfg.block_k_down, BR=BR
+    )
+    grid_n = triton.cdiv(H, cfg.block_n_down)
+    if cfg.direct:
+        _down_direct_kernel[(T, grid_n)](
+            h, w2, out, weights, ids, *down_args, **down_meta, **launch
+        )
+        return out
+    pair_out = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    _down_kernel[(NB, grid_n)](
+        h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args,
+        **down_meta, **launch,
+    )  # fmt: skip
+    BH = min(1024, triton.next_power_of_2(H))
+    _sum_topk_kernel[(T, triton.cdiv(H, BH))](pair_out, out, H, K=K, BH=BH)
+    return out

@@ -1,0 +1,199 @@
+"""Multi-LoRA in one launch: the per-tile LoRA delta, and dense `add_lora_` built on it.
+
+Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
+
+Algorithm. A program owns a tile of rows (tokens, or (token, expert) pairs in the fused MoE)
+and a block of output columns. Its rows may belong to different adapter slots, so it walks the
+S slots and, for each slot that one of its rows uses, shrinks those rows (x @ A[s].T, a
+[rows, rank] product over the whole input) and expands them into its columns (@ B[s].T).
+Rows of other slots are masked to zero in the shrink, so they get no delta.
+
+What keeps the path free when no adapter is active: the slot of each row and the slot's
+enabled flag are gathered first (`active_slots`); a tile whose rows have no enabled slot skips
+everything else. Loads of A and B are masked past the slot's real rank, so a rank-8 adapter
+in a rank-64 pool reads 8 rows of A, not 64. The shrink is recomputed by every column block of
+a row tile: it reads A from L2 and costs rank/BN of the tile's GEMM work, which beats a second
+launch and a scratch buffer that would run whether or not any adapter is active.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
+
+@triton.jit
+def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
+    """[BM] slot of each row, or -1 where the row is padding, on the base model or disabled."""
+    slot = tl.load(slot_ptr + token_rows, mask=row_ok, other=-1)
+    on = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
+    return tl.where(on != 0, slot, -1)
+
+
+@triton.jit
+def lora_delta(
+    acc,  # [BM, BN] float32; the delta of each row's slot is added to it
+    # Input rows: x_ptr + x_rows[m] is row m (last dim contiguous), length K_in.
+    x_ptr,
+    x_rows,
+    slot_rows,  # [BM] int32 from active_slots (-1: no delta)
+    K_in,
+    # A of slot 0 for this expert and slice: [R, K_in], last dim contiguous.
+    a_ptr,
+    stride_as,
+    stride_ar,
+    # B of slot 0 for this expert: [out, R], last dim contiguous; offs_n index its rows.
+    b_ptr,
+    stride_bs,
+    stride_bn,
+    offs_n,
+    n_ok,
+    # Per-slot batch info.
+    rank_ptr,
+    scaling_ptr,
+    S: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+):
+    offs_r = tl.arange(0, BR)
+    offs_k = tl.arange(0, BK)
+    for s in range(0, S):
+        rows_s = slot_rows == s
+        if tl.max(rows_s.to(tl.int32), axis=0) > 0:
+            rank = tl.load(rank_ptr + s)
+            scale = tl.load(scaling_ptr + s)
+            r_ok = offs_r < rank
+            a_s = a_ptr + s * stride_as
+            # -- shrink: xa = x @ A[s].T over the whole input, rows of other slots zeroed --
+            xa = tl.zeros((BM, BR), dtype=tl.float32)
+            for k0 in range(0, K_in, BK):
+                k_ok = offs_k < K_in - k0
+                xt = tl.load(
+                    x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
+                    mask=rows_s[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                at = tl.load(
+                    a_s + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
+                    mask=r_ok[None, :] & k_ok[:, None],
+                    other=0.0,
+                )
+                xa = tl.dot(xt, at, xa)
+            # -- expand: acc += scaling * xa @ B[s, cols].T --
+            bt = tl.load(
+                b_ptr + s * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+                mask=n_ok[None, :] & r_ok[:, None],
+                other=0.0,
+            )
+            acc = tl.dot((xa * scale).to(bt.dtype), bt, acc)
+    return acc
+
+
+@triton.jit
+def _add_lora_kernel(
+    # Pointers.
+    y_ptr,  # [T, out], updated in place
+    x_ptr,  # [T, in]
+    a_ptr,  # [S, n, R, in]
+    b_ptr,  # [S, out, R]
+    slot_ptr,  # [T] int32
+    enabled_ptr,  # [S] int32
+    rank_ptr,  # [S] int32
+    scaling_ptr,  # [S] float32
+    # Sizes: tokens, input features, slots, and the output slices (size 0 when absent).
+    T,
+    K_in,
+    N0,
+    N1,
+    N2,
+    # Strides (last dims contiguous).
+    stride_yt,
+    stride_xt,
+    stride_as,
+    stride_an,
+    stride_ar,
+    stride_bs,
+    stride_bo,
+    # Meta-parameters (S = adapter slots).
+    S: tl.constexpr,
+    BT: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+):
+    # -- map program ids to a token tile and to (slice, column block) --
+    pid_t = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    offs_t = pid_t * BT + tl.arange(0, BT)
+    t_ok = offs_t < T
+    slot_rows = active_slots(slot_ptr, offs_t, t_ok, enabled_ptr)
+    # tokens on the base model, padding and disabled slots: nothing to do
+    if tl.max(slot_rows, axis=0) < 0:
+        return
+    blocks0 = tl.cdiv(N0, BN)
+    blocks1 = tl.cdiv(N1, BN)
+    in_1 = pid_c >= blocks0
+    in_2 = pid_c >= blocks0 + blocks1
+    slice_i = in_1.to(tl.int32) + in_2.to(tl.int32)
+    slice_start = tl.where(in_1, N0, 0) + tl.where(in_2, N1, 0)
+    slice_size = tl.where(in_2, N2, tl.where(in_1, N1, N0))
+    first_block = tl.where(in_1, blocks0, 0) + tl.where(in_2, blocks1, 0)
+    offs_c = (pid_c - first_block) * BN + tl.arange(0, BN)
+    n_ok = offs_c < slice_size
+    offs_n = slice_start + offs_c
+
+    # -- the delta, then one read-modify-write of y --
+    acc = tl.zeros((BT, BN), dtype=tl.float32)
+    acc = lora_delta(
+        acc, x_ptr, offs_t.to(tl.int64) * stride_xt, slot_rows, K_in,
+        a_ptr + slice_i * stride_an, stride_as, stride_ar,
+        b_ptr, stride_bs, stride_bo, offs_n, n_ok,
+        rank_ptr, scaling_ptr, S, BT, BN, BK, BR,
+    )  # fmt: skip
+    y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
+    mask = (slot_rows >= 0)[:, None] & n_ok[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=mask)
+
+
+def rank_block(max_rank: int) -> int:
+    """The rank tile: a power of two, at least 16 (the smallest tl.dot side)."""
+    return max(16, triton.next_power_of_2(max_rank))
+
+
+def add_lora_(
+    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+) -> torch.Tensor:
+    """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
+
+    y: [T, out], x: [T, in], same dtype, last dims contiguous; lora.a [S, n, R, in],
+    lora.b [S, out, R] contiguous, n <= 3. In place (one launch for all slices); returns y.
+    """
+    T, K_in = x.shape
+    S, n, R, _ = lora.a.shape
+    out = sum(lora.out_slices)
+    assert y.shape == (T, out) and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
+    assert lora.a.shape[3] == K_in and lora.b.shape == (S, out, R), (lora.a.shape, lora.b.shape)
+    assert n == len(lora.out_slices) <= 3, lora.out_slices
+    assert x.stride(1) == 1 and y.stride(1) == 1
+    assert lora.a.is_contiguous() and lora.b.is_contiguous()
+    if T == 0:
+        return y
+    sizes = list(lora.out_slices) + [0] * (3 - n)
+    BT, BN, BK = 16, 64, 64
+    col_blocks = sum(triton.cdiv(size, BN) for size in sizes)
+    grid = (triton.cdiv(T, BT), col_blocks)
+    _add_lora_kernel[grid](
+        y, x, lora.a, lora.b,
+        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
+        T, K_in, *sizes,
+        y.stride(0), x.stride(0), lora.a.stride(0), lora.a.stride(1), lora.a.stride(2),
+        lora.b.stride(0), lora.b.stride(1),
+        S=S, BT=BT, BN=BN, BK=BK, BR=rank_block(R),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,23 @@
+"""The Triton kernel table the engine uses on CUDA (see ops.make_ops)."""
+
+from __future__ import annotations
+
+from moelora.kernels import reference
+from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.lora import add_lora_
+from moelora.kernels.ops import Ops
+from moelora.kernels.routing import route_topk
+
+try:  # written alongside (issue 3, attention part); the reference serves until it lands
+    from moelora.kernels.paged_attention import paged_attention, store_kv
+except ImportError:
+    paged_attention, store_kv = reference.paged_attention, reference.store_kv
+
+TRITON_OPS = Ops(
+    name="triton",
+    route_topk=route_topk,
+    fused_moe=fused_moe,
+    add_lora_=add_lora_,
+    store_kv=store_kv,
+    paged_attention=paged_attention,
+)

@@ -1,0 +1,64 @@
+"""Random inputs for the kernel tests (CPU interpreter and GPU): weights, adapters, batch info.
+
+Slots carry ranks {0, 1, 8, 16} (mixed in one pool of max rank R); rows of A and columns of B
+past a slot's rank are zero, as the slot loader guarantees. The adapter spreads follow punica:
+none enabled, one adapter for every token, a distinct adapter per token, and a mix where some
+tokens use the base model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo, LoraWeights
+
+SLOT_RANKS = (0, 1, 8, 16)
+SPREADS = ("none", "one", "distinct", "mixed")
+
+
+def lora_weights(
+    S: int, lead: tuple[int, ...], n: int, R: int, in_dim: int, out_slices: tuple[int, ...],
+    ranks: torch.Tensor, dtype: torch.dtype, device: str = "cpu",
+) -> LoraWeights:  # fmt: skip
+    """A [S, *lead, n, R, in], B [S, *lead, out, R], zero past each slot's rank. The scales make
+    the delta comparable to the base output, so a wrong delta shows in the error."""
+    g = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, (1,))))
+    a = torch.randn(S, *lead, n, R, in_dim, generator=g) / in_dim**0.5
+    b = torch.randn(S, *lead, sum(out_slices), R, generator=g) / 4**0.5
+    for s, r in enumerate(ranks.tolist()):
+        a[s, ..., r:, :] = 0
+        b[s, ..., r:] = 0
+    return LoraWeights(a.to(device, dtype), b.to(device, dtype), out_slices)
+
+
+def batch_info(T: int, spread: str, device: str = "cpu", num_slots: int = 8) -> LoraBatchInfo:
+    """Batch info for T tokens over slots of SLOT_RANKS (cycled to num_slots)."""
+    ranks = torch.tensor([SLOT_RANKS[s % len(SLOT_RANKS)] for s in range(num_slots)])
+    usable = [s for s in range(num_slots) if ranks[s] > 0]
+    if spread == "none":
+        slots = torch.full((T,), NO_SLOT)
+    elif spread == "one":
+        slots = torch.full((T,), usable[-1])
+    elif spread == "distinct":  # every slot, the rank-0 one included, in turn
+        slots = torch.arange(T) % num_slots
+    elif spread == "mixed":
+        slots = torch.randint(-1, num_slots, (T,))
+        slots[0] = NO_SLOT
+    else:
+        raise ValueError(spread)
+    enabled = torch.zeros(num_slots, dtype=torch.int32)
+    for s in slots.tolist():
+        if s >= 0 and ranks[s] > 0:
+            enabled[s] = 1
+    scaling = torch.rand(num_slots) + 0.5
+    return LoraBatchInfo(
+        slots.to(device, torch.int32),
+        ranks.to(device, torch.int32),
+        scaling.to(device),
+        enabled.to(device),
+    )
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((out.float() - ref).norm() / ref.norm().clamp(min=1e-12)).item()

@@ -1,0 +1,79 @@
+import pytest
+import torch
+from lora_cases import SPREADS, batch_info, lora_weights, rel_err
+
+from moelora.kernels import reference
+from moelora.kernels.fused_moe import MoeConfig, fused_moe
+
+H, I = 64, 32
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+# Small tiles so that every loop runs more than once (H/BK, I/BK, columns/BN, slots).
+GROUPED = MoeConfig(block_m=16, block_n=16, block_k=32, block_n_down=32, block_k_down=16)
+DIRECT = MoeConfig(block_n=16, block_k=32, block_n_down=32, block_k_down=16, direct=True)
+# Larger tiles for 64 tokens: the interpreter's cost grows with programs x loop trips.
+WIDE = MoeConfig(block_m=16, block_n=32, block_k=64, block_n_down=64, block_k_down=32)
+
+
+def moe_case(T: int, E: int, K: int, spread: str, dtype: torch.dtype, R: int = 16):
+    x = torch.randn(T, H, dtype=dtype)
+    w13 = (torch.randn(E, 2 * I, H) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I) / I**0.5).to(dtype)
+    topk_weights, topk_ids = reference.route_topk(torch.randn(T, E), K, renormalize=True)
+    info = batch_info(T, spread)
+    ranks = info.rank_of_slot
+    lora13 = lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, dtype)
+    lora2 = lora_weights(info.num_slots, (E,), 1, R, I, (H,), ranks, dtype)
+    return (x, w13, w2, topk_weights, topk_ids), dict(lora13=lora13, lora2=lora2, info=info)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64])
+@pytest.mark.parametrize("E", [4, 8])
+@pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_matches_reference(poison_empty, T, E, K, spread, dtype):
+    args, lora = moe_case(T, E, K, spread, dtype)
+    config = {1: DIRECT, 7: GROUPED, 64: WIDE}[T]
+    out = fused_moe(*args, **lora, config=config)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("config", [GROUPED, DIRECT, None], ids=["grouped", "direct", "default"])
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("spread", ["none", "mixed"])
+def test_fused_moe_paths_agree(poison_empty, config, T, spread):
+    args, lora = moe_case(T, 8, 2, spread, torch.float32)
+    out = fused_moe(*args, **lora, config=config)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
+def test_fused_moe_without_lora_and_with_one_half(poison_empty, config):
+    args, lora = moe_case(7, 8, 2, "distinct", torch.float32)
+    assert rel_err(fused_moe(*args, config=config), reference.fused_moe(*args)) <= 1e-5
+    for half in ("lora13", "lora2"):
+        only = dict(lora, **{half: None})
+        out = fused_moe(*args, **only, config=config)
+        assert rel_err(out, reference.fused_moe(*args, **only)) <= 1e-5
+
+
+def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
+    """A rank-8 slot in a rank-64 pool: NaN past the real rank must never be read."""
+    args, lora = moe_case(7, 4, 2, "distinct", torch.float32, R=64)
+    expect = reference.fused_moe(*args, **lora)
+    for w in (lora["lora13"], lora["lora2"]):
+        for s, r in enumerate(lora["info"].rank_of_slot.tolist()):
+            w.a[s, ..., r:, :] = float("nan")
+            w.b[s, ..., r:] = float("nan")
+    for config in (GROUPED, DIRECT):
+        assert rel_err(fused_moe(*args, **lora, config=config), expect) <= 1e-5
+
+
+def test_fused_moe_many_tokens_per_expert(poison_empty):
+    """More pairs per expert than one block (BM = 16) and experts that get no pair at all."""
+    args, lora = moe_case(64, 8, 2, "mixed", torch.float32)
+    x, w13, w2, topk_weights, topk_ids = args
+    topk_ids = torch.stack([torch.full((64,), 5), torch.arange(64) % 3], 1).to(torch.int32)
+    args = (x, w13, w2, topk_weights, topk_ids)
+    out = fused_moe(*args, **lora, config=GROUPED)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= 1e-5

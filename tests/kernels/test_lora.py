@@ -1,0 +1,46 @@
+import pytest
+import torch
+from lora_cases import SPREADS, batch_info, lora_weights, rel_err
+
+from moelora.kernels import reference
+from moelora.kernels.lora import add_lora_
+
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
+SLICES = {1: (48,), 2: (40, 40), 3: (64, 16, 16)}  # o / gate|up / q|k|v (GQA: small k, v)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64])
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_lora_matches_reference(T, n, spread, dtype):
+    H, R = 48, 16
+    info = batch_info(T, spread)
+    lora = lora_weights(info.num_slots, (), n, R, H, SLICES[n], info.rank_of_slot, dtype)
+    x = torch.randn(T, H, dtype=dtype)
+    y = torch.randn(T, sum(SLICES[n]), dtype=dtype)
+    ref = reference.add_lora_(y.clone(), x, lora, info)
+    y_out = y.clone()
+    returned = add_lora_(y_out, x, lora, info)
+    assert returned is y_out
+    if spread == "none":
+        assert torch.equal(y_out, y)
+    else:
+        assert rel_err(y_out - y, ref - y) <= TOL[dtype]
+    untouched = (info.slot_of_token < 0) | (info.slot_enabled[info.slot_of_token.clamp(min=0)] == 0)
+    assert torch.equal(y_out[untouched], y[untouched])
+
+
+def test_add_lora_rank_beyond_real_rank_is_ignored():
+    """Garbage past a slot's real rank must not be read: the kernel follows rank_of_slot."""
+    T, H = 8, 32
+    info = batch_info(T, "distinct")
+    lora = lora_weights(info.num_slots, (), 1, 16, H, (32,), info.rank_of_slot, torch.float32)
+    garbage = type(lora)(lora.a.clone(), lora.b.clone(), lora.out_slices)
+    for s, r in enumerate(info.rank_of_slot.tolist()):
+        garbage.a[s, :, r:] = float("nan")
+        garbage.b[s, :, r:] = float("nan")
+    x, y = torch.randn(T, H), torch.randn(T, 32)
+    expect = reference.add_lora_(y.clone(), x, lora, info)
+    out = add_lora_(y.clone(), x, garbage, info)
+    assert rel_err(out, expect) <= 1e-5
