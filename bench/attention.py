@@ -1,9 +1,12 @@
-"""Decode attention per step vs its memory floor, for the Qwen3-30B-A3B attention shape.
+"""Decode attention per layer vs its memory floor, for the Qwen3-30B-A3B attention shape.
 
-One decode step (paged_attention, both kernels) is captured in a CUDA graph and replayed with
-the L2 cache flushed before each replay. The floor is the KV bytes the step must read divided
-by the copy bandwidth measured in the same run (a large device-to-device copy, read + write).
-Also times one eager 4096-token prefill. `--sweep` times other tiles and split counts too.
+A decode step of LAYERS layers (each with its own KV cache, one page table for all, as in the
+engine) is captured in one CUDA graph and replayed with the L2 cache flushed before each replay;
+the figure is the replay time divided by LAYERS, so graph launch costs are spread as in a model.
+A one-layer graph is timed too (one replay: launch latency included). The floor is the KV bytes
+a layer must read divided by the copy bandwidth measured in the same run (a large device-to-device
+copy, counting read + write). Also times one eager 4096-token prefill. `--sweep` times other
+tiles and split counts.
 
     PYTHONPATH=. python bench/attention.py [--sweep] [--out bench/results/attention-h200.md]
 """
@@ -15,22 +18,19 @@ import datetime
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import triton
 from triton.testing import do_bench
 
-from moelora.kernels.paged_attention import (
-    DECODE_CONFIG,
-    AttentionConfig,
-    _num_splits,
-    launch_paged_attention,
-)
+from moelora.kernels.paged_attention import AttentionConfig, decode_plan, launch_paged_attention
 from moelora.runner.batch import AttentionMetadata
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
 DTYPE = torch.bfloat16
+LAYERS = 16
 BATCHES = (1, 8, 64)
 CONTEXTS = (512, 4096)
 SWEEP_CONFIGS = [
@@ -52,12 +52,14 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def decode_step(batch: int, context: int):
-    """Random caches behind random page tables: q [B, Hq, D], caches, metadata."""
+def decode_step(batch: int, context: int, layers: int):
+    """q [B, Hq, D], `layers` pairs of random caches, and metadata with random page tables."""
     pages_per_seq = context // PAGE
     num_pages = batch * pages_per_seq
-    k_cache = torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=DTYPE)
-    v_cache = torch.randn_like(k_cache)
+    caches = [
+        tuple(torch.randn(num_pages, PAGE, HKV, D, device="cuda", dtype=DTYPE) for _ in "kv")
+        for _ in range(layers)
+    ]
     page_table = torch.randperm(num_pages, device="cuda").to(torch.int32)
     attn = AttentionMetadata(
         cu_seqlens_q=torch.arange(batch + 1, device="cuda", dtype=torch.int32),
@@ -67,29 +69,33 @@ def decode_step(batch: int, context: int):
         max_query_len=1,
     )
     q = torch.randn(batch, HQ, D, device="cuda", dtype=DTYPE)
-    return q, k_cache, v_cache, attn
+    return q, caches, attn
 
 
-def time_decode(step, config: AttentionConfig, num_splits: int, rep_ms: int = 100) -> float:
-    """Median µs of one graph replay of the decode step."""
-    q, k_cache, v_cache, attn = step
-
-    def run():
-        return launch_paged_attention(
-            q, k_cache, v_cache, attn, D**-0.5, config=config, num_splits=num_splits
-        )
-
-    run()  # compile outside the capture
+def time_graph(fn: Callable[[], None], rep_ms: int = 100) -> float:
+    """Median µs of one replay of a CUDA graph of fn, L2 flushed before each replay."""
+    fn()  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
+        fn()
     return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3
+
+
+def time_decode(step, layers: int, rep_ms: int = 100, **launch) -> float:
+    """µs per layer of a graph of `layers` decode layers (launch: config, num_splits)."""
+    q, caches, attn = step
+
+    def run():
+        for k_cache, v_cache in caches[:layers]:
+            launch_paged_attention(q, k_cache, v_cache, attn, D**-0.5, **launch)
+
+    return time_graph(run, rep_ms) / layers
 
 
 def time_prefill(tokens: int) -> tuple[float, float]:
     """Median ms and TFLOP/s of one causal prefill of `tokens` tokens (eager)."""
-    q, k_cache, v_cache, attn = decode_step(1, tokens)
+    _, [(k_cache, v_cache)], attn = decode_step(1, tokens, 1)
     q = torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE)
     cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
     attn = replace(attn, cu_seqlens_q=cu, max_query_len=tokens)
@@ -121,18 +127,19 @@ def main() -> None:
     rows, sweep_rows = [], []
     for batch in BATCHES:
         for context in CONTEXTS:
-            step = decode_step(batch, context)
-            splits = _num_splits(batch, HKV, context, DECODE_CONFIG.block_n, step[0].device)
-            us = time_decode(step, DECODE_CONFIG, splits)
-            kv_bytes = 2 * batch * context * HKV * D * step[1].element_size()
+            step = decode_step(batch, context, LAYERS)
+            _, splits = decode_plan(batch, HKV, context, step[0].device)
+            us = time_decode(step, LAYERS)
+            single_us = time_decode(step, 1)
+            kv_bytes = 2 * batch * context * HKV * D * step[0].element_size()
             floor_us = kv_bytes / bandwidth * 1e6
-            rows.append((batch, context, splits, us, floor_us, kv_bytes / (us * 1e-6) / 1e12))
+            tbs = kv_bytes / (us * 1e-6) / 1e12
+            rows.append((batch, context, splits, us, single_us, floor_us, tbs))
             if args.sweep:
                 for config in SWEEP_CONFIGS:
-                    base = _num_splits(batch, HKV, context, config.block_n, step[0].device)
                     for factor in SPLIT_FACTORS:
-                        s = max(1, min(round(base * factor), triton.cdiv(context, config.block_n)))
-                        t = time_decode(step, config, s, rep_ms=40)
+                        s = max(1, min(round(splits * factor), context // config.block_n))
+                        t = time_decode(step, LAYERS, 40, config=config, num_splits=s)
                         sweep_rows.append((batch, context, config, s, t, t / floor_us))
             del step
             torch.cuda.empty_cache()
@@ -146,18 +153,18 @@ def main() -> None:
         f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"triton {triton.__version__}",
         f"- command: `PYTHONPATH=. python bench/attention.py{' --sweep' if args.sweep else ''}`",
-        f"- shape: Qwen3-30B-A3B attention, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, bf16; "
-        f"config {DECODE_CONFIG}",
+        f"- shape: Qwen3-30B-A3B attention, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, bf16",
         f"- copy bandwidth (2 GiB D2D, read + write): {bandwidth / 1e12:.2f} TB/s",
-        "- one CUDA graph replay per step (attention + split combine), L2 flushed, median",
+        f"- µs / layer: one graph of {LAYERS} layers (own caches, shared page table), L2 flushed "
+        f"before each replay, median replay / {LAYERS}; 1-layer graph: one replay of one layer",
         "",
-        "| B | context | splits | µs / step | floor µs | × floor | KV TB/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| B | context | splits | µs / layer | floor µs | × floor | KV TB/s | 1-layer graph µs |",
+        "|---:" * 8 + "|",
     ]
-    for batch, context, splits, us, floor_us, tbs in rows:
+    for batch, context, splits, us, single_us, floor_us, tbs in rows:
         lines.append(
             f"| {batch} | {context} | {splits} | {us:.1f} | {floor_us:.1f} | "
-            f"{us / floor_us:.2f} | {tbs:.2f} |"
+            f"{us / floor_us:.2f} | {tbs:.2f} | {single_us:.1f} |"
         )
     prefill = (
         f"Prefill, 1 x 4096 tokens (eager): {prefill_ms:.2f} ms, {prefill_tflops:.0f} TFLOP/s."

@@ -50,13 +50,15 @@ class AttentionConfig:
     num_stages: int
 
 
-# Tuned on the H200 with bench/attention.py (bf16, Hq=32, Hkv=4, D=128).
-DECODE_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
+# Tuned on the H200 with `bench/attention.py --sweep` (bf16, Hq=32, Hkv=4, D=128, page 16):
+# long KV tiles when each (sequence, KV head) has one program, shorter ones when it is split.
+DECODE_CONFIG = AttentionConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
+DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 MAX_SPLITS = 64
-WAVES_PER_SM = 2
+PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -397,14 +399,26 @@ def _combine_splits_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def _num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int, device) -> int:
-    """Enough programs for WAVES_PER_SM waves, from shapes and the device only (capturable)."""
-    if device.type == "cuda":
-        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+def decode_plan(
+    num_seqs: int, num_kv_heads: int, max_kv_len: int, device: torch.device
+) -> tuple[AttentionConfig, int]:
+    """Tiles and split count of a decode launch, from shapes and the device only (capturable).
+
+    Without splits there are B * Hkv programs. When they fill the multiprocessors, splitting
+    would only add the combine kernel and the partials' traffic; otherwise the range is split
+    until there are about PROGRAMS_PER_SM programs per multiprocessor.
+    """
+    if device.type != "cuda":
+        num_sms, split_config, config = 8, INTERPRETER_CONFIG, INTERPRETER_CONFIG
     else:
-        num_sms = 4  # the interpreter: a few splits, tiny grids
-    wanted = triton.cdiv(WAVES_PER_SM * num_sms, max(num_seqs * num_kv_heads, 1))
-    return max(1, min(wanted, triton.cdiv(max_kv_len, block_n), MAX_SPLITS))
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        split_config, config = DECODE_SPLIT_CONFIG, DECODE_CONFIG
+    programs = max(num_seqs * num_kv_heads, 1)
+    if programs >= num_sms:
+        return config, 1
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, split_config.block_n), MAX_SPLITS))
+    return (split_config if num_splits > 1 else config), num_splits
 
 
 def paged_attention(
@@ -450,26 +464,21 @@ def launch_paged_attention(
     assert attn.seq_lens.shape == (num_seqs,), "seq_lens must be [B]"
 
     decode = attn.max_query_len <= 1
-    if config is None:
-        interpreted = q.device.type != "cuda"
-        config = INTERPRETER_CONFIG if interpreted else DECODE_CONFIG if decode else PREFILL_CONFIG
     group = num_q_heads // num_kv_heads
-    # Rows are (token, head) pairs; tl.dot wants at least 16 of them, so decode pads its group.
     group_pad = triton.next_power_of_2(group)
     if decode:
+        plan_config, plan_splits = decode_plan(
+            num_seqs, num_kv_heads, max_pages * page_size, q.device
+        )
+        config, num_splits = config or plan_config, num_splits or plan_splits
+        # One token per sequence: rows are the group's heads, padded to the 16 tl.dot wants.
         group_pad, block_q = max(group_pad, 16), 1
-    else:
-        block_q = max(config.block_m // group_pad, 1)
-    if decode:
-        if num_splits is None:
-            num_splits = _num_splits(
-                num_seqs, num_kv_heads, max_pages * page_size, config.block_n, q.device
-            )
         # Decode programs zero the padded rows themselves: nothing else is recorded.
         out = torch.empty_like(q) if out is None else out
         grid = (max(num_seqs, num_rows), num_kv_heads, num_splits)
     else:
-        num_splits = 1
+        config, num_splits = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG), 1
+        block_q = max(config.block_m // group_pad, 1)
         out = torch.zeros_like(q) if out is None else out.zero_()
         grid = (num_seqs, num_kv_heads, triton.cdiv(attn.max_query_len, block_q))
     if num_splits > 1:
