@@ -1,0 +1,99 @@
+"""Session-wide fixtures: tiny HF models, adapters and reference outputs, each built once."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import hf_fixtures as hf  # noqa: E402
+
+
+class FixtureBank:
+    """Builds each model/adapter on first use under one session temp dir; memoizes references."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._paths: dict[str, Path] = {}
+        self._refs: dict[tuple, hf.RefOutput] = {}
+
+    def _once(self, name: str, build) -> Path:
+        if name not in self._paths:
+            self._paths[name] = build(self.root / name)
+        return self._paths[name]
+
+    def model(self, arch: str) -> Path:
+        # olmoe is the tied-embeddings case; qwen3_moe's config is written the pre-5.0 way
+        # (rope_scaling linear, rope_theta, num_experts) and the others the transformers 5 way.
+        return self._once(
+            f"model-{arch}",
+            lambda p: hf.make_model(
+                arch, p, tie_word_embeddings=arch == "olmoe", legacy_config=arch == "qwen3_moe"
+            ),
+        )
+
+    def model_variant(self, name: str, arch: str, **kwargs) -> Path:
+        return self._once(f"model-{arch}-{name}", lambda p: hf.make_model(arch, p, **kwargs))
+
+    def layout(self, arch: str, layout: str, shards: int) -> Path:
+        src = self.model(arch)
+        return self._once(
+            f"model-{arch}-{layout}-{shards}",
+            lambda p: hf.write_checkpoint(src, p, layout=layout, shards=shards),
+        )
+
+    def peft_adapter(self, arch: str) -> Path:
+        """Rank 8: attention (+ shared expert / dense MLP) and all experts (target_parameters)."""
+        return self._once(
+            f"peft-{arch}",
+            lambda p: hf.make_peft_adapter(
+                self.model(arch),
+                p,
+                targets=hf.peft_targets(arch),
+                target_parameters=hf.EXPERT_PARAMS,
+                seed=1,
+                rank=8,
+                alpha=16,
+            ),
+        )
+
+    def per_expert_adapter(self, arch: str) -> Path:
+        """Rank 4, hand-written per-expert keys (+ q/v/o, shared expert, dense MLP)."""
+        return self._once(
+            f"per-expert-{arch}",
+            lambda p: hf.make_per_expert_adapter(
+                self.model(arch), p, seed=2, rank=4, alpha=8, arch=arch
+            ),
+        )
+
+    def adapter(self, name: str, build) -> Path:
+        return self._once(f"adapter-{name}", build)
+
+    def reference(
+        self,
+        model: Path,
+        prompts: list[list[int]],
+        adapters: list[Path | None],
+        max_tokens: int = hf.MAX_TOKENS,
+    ) -> list[hf.RefOutput]:
+        keys = [(str(model), tuple(p), str(a), max_tokens) for p, a in zip(prompts, adapters)]
+        todo = [i for i, k in enumerate(keys) if k not in self._refs]
+        if todo:
+            outs = hf.reference_generate(
+                model, [prompts[i] for i in todo], [adapters[i] for i in todo], max_tokens
+            )
+            for i, out in zip(todo, outs):
+                self._refs[keys[i]] = out
+        return [self._refs[k] for k in keys]
+
+
+@pytest.fixture(scope="session")
+def bank(tmp_path_factory: pytest.TempPathFactory) -> FixtureBank:
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    return FixtureBank(tmp_path_factory.mktemp("hf"))
