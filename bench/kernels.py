@@ -1,0 +1,199 @@
+"""One MoE layer with and without LoRA vs its memory floor (issue 3's kernel benchmark).
+
+For each shape and token count M, LAYERS layers (each with its own expert weights and LoRA
+pools, so nothing is reused from L2 between layers) are captured in one CUDA graph and replayed
+with the L2 cache flushed before each replay (triton's do_bench); the figure is the replay median
+divided by LAYERS. Cases: LoRA disabled (no LoRA arguments), enabled with no slot active, one
+adapter for every token, M distinct adapters (up to max_loras = 8), at pool ranks 8/16/64, and a
+rank-8 adapter in a rank-64 pool. The floor is the bytes a layer must read (the touched experts'
+weights; for LoRA the touched (slot, expert) A and B rows of the real rank) divided by the copy
+bandwidth measured in the same run.
+
+    PYTHONPATH=. python bench/kernels.py [--shapes qwen3-30b-a3b mixtral] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, result_header  # noqa: E402
+
+from moelora.kernels import reference  # noqa: E402
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
+
+SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 8), "mixtral": (8, 4096, 14336, 2, 4)}  # +layers
+MS = (1, 8, 32, 64, 256)
+RANKS = (8, 16, 64)
+MAX_LORAS = 8
+DT = torch.bfloat16
+DEV = "cuda"
+
+
+def graph_ms(fn, layers: int) -> float:
+    """Median ms of one layer: fn() runs all layers; replays of its CUDA graph, L2 flushed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    return ms / layers
+
+
+def lora_pool(E: int, H: int, I: int, R: int, rank: int) -> tuple[LoraWeights, LoraWeights]:
+    """MAX_LORAS slots of pool rank R, each holding an adapter of the given real rank."""
+    a13 = torch.zeros(MAX_LORAS, E, 2, R, H, dtype=DT, device=DEV)
+    b13 = torch.zeros(MAX_LORAS, E, 2 * I, R, dtype=DT, device=DEV)
+    a2 = torch.zeros(MAX_LORAS, E, 1, R, I, dtype=DT, device=DEV)
+    b2 = torch.zeros(MAX_LORAS, E, H, R, dtype=DT, device=DEV)
+    for t, scale in ((a13, H**-0.5), (a2, I**-0.5), (b13, 0.1), (b2, 0.1)):
+        view = t[..., :rank, :] if t.dim() == 5 else t[..., :rank]
+        view.copy_(torch.randn_like(view) * scale)
+    return LoraWeights(a13, b13, (I, I)), LoraWeights(a2, b2, (H,))
+
+
+def batch_info(M: int, case: str, rank: int) -> LoraBatchInfo:
+    if case == "none":
+        slots = torch.full((M,), NO_SLOT)
+    elif case == "one":
+        slots = torch.zeros(M, dtype=torch.long)
+    else:  # distinct
+        slots = torch.arange(M) % MAX_LORAS
+    enabled = torch.zeros(MAX_LORAS, dtype=torch.int32)
+    enabled[slots[slots >= 0].unique()] = 1
+    return LoraBatchInfo(
+        slots.to(DEV, torch.int32),
+        torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=DEV),
+        torch.full((MAX_LORAS,), 0.5, device=DEV),
+        enabled.to(DEV),
+    )
+
+
+def lora_bytes(info: LoraBatchInfo, topk_ids: torch.Tensor, rank: int, H: int, I: int) -> int:
+    """A and B bytes of the real rank for every (enabled slot, expert) some pair uses."""
+    slots = info.slot_of_token.long()[:, None].expand_as(topk_ids)
+    used = slots >= 0
+    combos = torch.unique(slots[used] * 100_000 + topk_ids.long()[used]).numel()
+    return combos * rank * (3 * H + 3 * I) * 2
+
+
+def bench_shape(name: str, bw: float, rows: list[dict]) -> None:
+    E, H, I, K, layers = SHAPES[name]
+    torch.manual_seed(0)
+    w13 = [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)]
+    w2 = [torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5 for _ in range(layers)]
+    expert_bytes = (3 * I * H) * 2
+    routing = {}
+    for M in MS:
+        x = torch.randn(M, H, dtype=DT, device=DEV)
+        tw, ti = reference.route_topk(torch.randn(M, E, device=DEV), K, renormalize=True)
+        routing[M] = (x, tw, ti)
+
+    def run(M, pools=None, info=None):  # all layers, one after the other
+        x, tw, ti = routing[M]
+        for layer in range(layers):
+            kw = {}
+            if pools is not None:
+                kw = dict(lora13=pools[layer][0], lora2=pools[layer][1], info=info)
+            fused_moe(x, w13[layer], w2[layer], tw, ti, **kw)
+
+    base_ms = {}
+    for M in MS:
+        x, tw, ti = routing[M]
+        base_bytes = torch.unique(ti).numel() * expert_bytes + 2 * x.numel() * 2
+        base_ms[M] = graph_ms(lambda M=M: run(M), layers)
+        floor = 1e3 * base_bytes / bw
+        rows.append(dict(shape=name, M=M, case="disabled", rank="-", ms=base_ms[M],
+                         bytes=base_bytes, floor=floor, base=base_ms[M]))  # fmt: skip
+        print(rows[-1], flush=True)
+    for R, rank in [(r, r) for r in RANKS] + [(64, 8)]:
+        pools = [lora_pool(E, H, I, R, rank) for _ in range(layers)]
+        for M in MS:
+            x, tw, ti = routing[M]
+            base_bytes = torch.unique(ti).numel() * expert_bytes + 2 * x.numel() * 2
+            cases = ("one",) if R != rank else ("none", "one", "distinct")
+            for case in cases:
+                info = batch_info(M, case, rank)
+                ms = graph_ms(lambda M=M, pools=pools, info=info: run(M, pools, info), layers)
+                lb = lora_bytes(info, ti, rank, H, I) if case != "none" else 0
+                rows.append(dict(shape=name, M=M, case=case, rank=f"{rank}/{R}", ms=ms,
+                                 bytes=base_bytes + lb, floor=1e3 * base_bytes / bw,
+                                 base=base_ms[M], lora_floor=1e3 * lb / bw))  # fmt: skip
+                print(rows[-1], flush=True)
+        pools = None  # freed before the next pool is allocated
+        torch.cuda.empty_cache()
+
+
+def fmt_table(rows: list[dict]) -> list[str]:
+    out = [
+        "| shape | M | case | rank/pool | µs | TB/s | floor µs | % of floor | vs disabled "
+        "| LoRA added µs | LoRA floor µs | added / LoRA floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        us, floor = r["ms"] * 1e3, r["floor"] * 1e3  # times in ms, shown in µs
+        added = us - r["base"] * 1e3
+        lf = r.get("lora_floor", 0) * 1e3
+        ratio = f"{added / lf:.2f}" if lf else "-"
+        out.append(
+            f"| {r['shape']} | {r['M']} | {r['case']} | {r['rank']} | {us:.1f} | "
+            f"{r['bytes'] / (r['ms'] * 1e-3) / 1e12:.2f} | {floor:.1f} | {100 * floor / us:.0f}% | "
+            f"{100 * (r['ms'] / r['base'] - 1):+.1f}% | {added:.1f} | {lf:.2f} | {ratio} |"
+        )
+    return out
+
+
+def targets(rows: list[dict]) -> list[str]:
+    """The four targets of issue 3, checked per shape and M."""
+    out = []
+    find = {(r["shape"], r["M"], r["case"], r["rank"]): r for r in rows}
+    for r in rows:
+        key = (r["shape"], r["M"])
+        if r["case"] == "none":
+            over = 100 * (r["ms"] / r["base"] - 1)
+            ok = "ok" if over <= 3 else "MISSED"
+            out.append(f"- none-active {key} pool {r['rank']}: {over:+.1f}% vs disabled ({ok})")
+        if r["case"] == "disabled" and r["M"] <= 64:
+            pct = 100 * r["floor"] / r["ms"]
+            out.append(f"- base {key}: {pct:.0f}% of floor ({'ok' if pct >= 70 else 'MISSED'})")
+        if r["case"] in ("one", "distinct") and r.get("lora_floor"):
+            ratio = (r["ms"] - r["base"]) / r["lora_floor"]
+            ok = "ok" if ratio <= 1.5 else "MISSED"
+            out.append(f"- LoRA {r['case']} {key} {r['rank']}: added {ratio:.2f}x its floor ({ok})")
+        if r["rank"] == "8/64":
+            ref = find[(r["shape"], r["M"], "one", "8/8")]
+            d = 100 * (r["ms"] / ref["ms"] - 1)
+            out.append(f"- rank-8 in rank-64 pool {key}: {d:+.1f}% vs rank-8 pool "
+                       f"({'ok' if d <= 5 else 'MISSED'})")  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--out", default="bench/results/kernels-h200.md")
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    rows: list[dict] = []
+    for name in args.shapes:
+        bench_shape(name, bw, rows)
+    lines = result_header("Fused MoE + MoE-LoRA, one layer (H200)", bw)
+    lines += ["", *fmt_table(rows), "", "## Targets", "", *targets(rows), ""]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Triton MoE, MoE-LoRA, dense multi-LoRA and routing on the GPU, at real model sizes, in bf16.
+
+Each kernel against the fp32 torch reference: relative error of the whole output <= 1e-2.
+Shapes: Qwen3-30B-A3B experts (H=2048, I=768, E=128, K=8), Mixtral (H=4096, I=14336, E=8, K=2)
+and a small-E shape for the E {4, 8} x K {1, 2} grid. The last test captures the kernels in a
+CUDA graph with every slot disabled and replays it with other batch infos written in place.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (see kernels/conftest)
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
+
+from moelora.kernels import reference  # noqa: E402
+from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
+from moelora.kernels.lora import add_lora_  # noqa: E402
+from moelora.kernels.routing import route_topk  # noqa: E402
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights  # noqa: E402
+
+DEV = "cuda"
+SHAPES = {  # name: (E, H, I, K)
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral": (8, 4096, 14336, 2),
+    "small-e4k1": (4, 1024, 512, 1),
+    "small-e8k2": (8, 1024, 512, 2),
+}
+R = 16  # pool rank; slots have ranks {0, 1, 8, 16}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def moe_weights(request):
+    E, H, I, K = SHAPES[request.param]
+    torch.manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device=DEV) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(torch.bfloat16)
+    info = batch_info(1, "none", DEV)
+    lora13 = lora_weights(info.num_slots, (E,), 2, R, H, (I, I), info.rank_of_slot.cpu(),
+                          torch.bfloat16, DEV)  # fmt: skip
+    lora2 = lora_weights(info.num_slots, (E,), 1, R, I, (H,), info.rank_of_slot.cpu(),
+                         torch.bfloat16, DEV)  # fmt: skip
+    yield request.param, (E, H, I, K), w13, w2, lora13, lora2
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+def _f32(lora: LoraWeights) -> LoraWeights:
+    return LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+
+
+def _routing(T: int, E: int, K: int):
+    logits = torch.randn(T, E, device=DEV)
+    return reference.route_topk(logits, K, renormalize=True)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 256])
+@pytest.mark.parametrize("spread", SPREADS)
+def test_fused_moe_bf16(moe_weights, T, spread):
+    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, spread, DEV)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info)
+    ref = reference.fused_moe(
+        x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
+        lora13=_f32(lora13), lora2=_f32(lora2), info=info,
+    )  # fmt: skip
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2, (name, T, spread)
+
+
+@pytest.mark.parametrize("config", [MoeConfig(direct=True), MoeConfig(block_m=16)])
+@pytest.mark.parametrize("T", [1, 7])
+def test_fused_moe_both_paths_bf16(moe_weights, config, T):
+    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, "mixed", DEV)
+    out = fused_moe(
+        x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info, config=config
+    )
+    ref = reference.fused_moe(
+        x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
+        lora13=_f32(lora13), lora2=_f32(lora2), info=info,
+    )  # fmt: skip
+    assert rel_err(out, ref) <= 1e-2, (name, T, config)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 256])
+@pytest.mark.parametrize("E,K", [(128, 8), (8, 2), (60, 4)])
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_topk_gpu(T, E, K, scoring):
+    logits = (torch.stack([torch.randperm(E) for _ in range(T)]) * (4 / E) - 2).to(DEV)
+    w, ids = route_topk(logits.to(torch.bfloat16), K, scoring=scoring, renormalize=True)
+    ref_w, ref_ids = reference.route_topk(logits.to(torch.bfloat16), K, scoring=scoring,
+                                          renormalize=True)  # fmt: skip
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 256])
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize(
+    "in_dim,slices", [(2048, (4096, 512, 512)), (4096, (2048,)), (2048, (768, 768))]
+)  # q|k|v, o, shared-expert gate|up
+def test_add_lora_bf16(T, spread, in_dim, slices):
+    info = batch_info(T, spread, DEV)
+    lora = lora_weights(info.num_slots, (), len(slices), 64, in_dim, slices,
+                        info.rank_of_slot.cpu(), torch.bfloat16, DEV)  # fmt: skip
+    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
+    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    ref = reference.add_lora_(y.float(), x.float(), _f32(lora), info)
+    out = add_lora_(y.clone(), x, lora, info)
+    if spread == "none":
+        assert torch.equal(out, y)
+    else:
+        assert rel_err(out - y, ref - y.float()) <= 1e-2
+
+
+def test_cuda_graph_replay_with_new_batch_info():
+    """Captured with every slot disabled; replays see slots switched on and off in place."""
+    E, H, I, K = SHAPES["qwen3-30b-a3b"]
+    T, S = 16, 8
+    torch.manual_seed(1)
+    w13 = (torch.randn(E, 2 * I, H, device=DEV) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(torch.bfloat16)
+    ranks = batch_info(T, "none", DEV, S).rank_of_slot.cpu()
+    lora13 = lora_weights(S, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV)
+    lora2 = lora_weights(S, (E,), 1, R, I, (H,), ranks, torch.bfloat16, DEV)
+    qkv = lora_weights(S, (), 3, R, H, (4096, 512, 512), ranks, torch.bfloat16, DEV)
+    # static buffers, written in place before each replay
+    x = torch.zeros(T, H, device=DEV, dtype=torch.bfloat16)
+    logits = torch.zeros(T, E, device=DEV)
+    y = torch.zeros(T, 5120, device=DEV, dtype=torch.bfloat16)
+    y_in = torch.zeros_like(y)
+    info = batch_info(T, "none", DEV, S)
+
+    def step():
+        topk_weights, topk_ids = route_topk(logits, K, renormalize=True)
+        moe = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2,
+                        info=info)  # fmt: skip
+        y.copy_(y_in)
+        add_lora_(y, x, qkv, info)
+        return moe
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        moe_out = step()
+
+    for spread in ("mixed", "none", "distinct", "one"):
+        new = batch_info(T, spread, DEV, S)
+        for dst, src in zip(
+            (info.slot_of_token, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled),
+            (new.slot_of_token, new.rank_of_slot, new.scaling_of_slot, new.slot_enabled),
+        ):
+            dst.copy_(src)
+        x.copy_(torch.randn(T, H, device=DEV))
+        logits.copy_(torch.randn(T, E, device=DEV))
+        y_in.copy_(torch.randn(T, 5120, device=DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        topk_weights, topk_ids = reference.route_topk(logits, K, renormalize=True)
+        ref = reference.fused_moe(
+            x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
+            lora13=_f32(lora13), lora2=_f32(lora2), info=info,
+        )  # fmt: skip
+        assert rel_err(moe_out, ref) <= 1e-2, spread
+        ref_y = reference.add_lora_(y_in.float(), x.float(), _f32(qkv), info)
+        assert rel_err(y, ref_y) <= 1e-2, spread
+        if spread == "none":
+            assert torch.equal(y, y_in)
+
+
+def test_no_lora_work_without_enabled_slots():
+    """LoraBatchInfo with every slot disabled gives exactly the base MoE (same launches)."""
+    E, H, I, K = SHAPES["small-e8k2"]
+    T = 8
+    w13 = (torch.randn(E, 2 * I, H, device=DEV) / H**0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(torch.bfloat16)
+    info = batch_info(T, "distinct", DEV)
+    info = LoraBatchInfo(
+        info.slot_of_token, info.rank_of_slot, info.scaling_of_slot,
+        torch.zeros_like(info.slot_enabled),
+    )  # fmt: skip
+    lora13 = lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot.cpu(), torch.bfloat16, DEV)
+    lora2 = lora_weights(8, (E,), 1, R, I, (H,), info.rank_of_slot.cpu(), torch.bfloat16, DEV)
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    base = fused_moe(x, w13, w2, topk_weights, topk_ids)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info)
+    assert torch.equal(out, base)
