@@ -15,8 +15,9 @@ import hf_fixtures as hf  # noqa: E402
 class FixtureBank:
     """Builds each model/adapter on first use under one session temp dir; memoizes references."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, device: str) -> None:
         self.root = root
+        self.device = device  # where moelora runs; the reference always runs on the CPU
         self._paths: dict[str, Path] = {}
         self._refs: dict[tuple, hf.RefOutput] = {}
 
@@ -90,10 +91,18 @@ class FixtureBank:
         return [self._refs[k] for k in keys]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--moelora-device",
+        default="cpu",
+        help="device for moelora in the tests against transformers (default cpu)",
+    )
+
+
 @pytest.fixture(scope="session")
-def bank(tmp_path_factory: pytest.TempPathFactory) -> FixtureBank:
+def bank(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> FixtureBank:
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    return FixtureBank(tmp_path_factory.mktemp("hf"))
+    return FixtureBank(tmp_path_factory.mktemp("hf"), request.config.getoption("--moelora-device"))

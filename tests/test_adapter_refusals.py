@@ -235,7 +235,7 @@ class LiveEngine:
             max_loras=2,
             max_lora_rank=MAX_LORA_RANK,
             dtype="float32",
-            device="cpu",
+            device=bank.device,
         )
         self.before = snapshot(self.llm)
 
@@ -257,7 +257,7 @@ def test_refused_at_construction(bank: FixtureBank, bad, case: Case) -> None:
             lora_modules={"good": str(bank.peft_adapter(ARCH)), name: str(bad(case))},
             max_lora_rank=MAX_LORA_RANK,
             dtype="float32",
-            device="cpu",
+            device=bank.device,
         )
     assert_refusal(err, name, case)
 

@@ -241,12 +241,12 @@ def greedy_params(max_tokens: int = hf.MAX_TOKENS):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=1)
 
 
-def make_llm(model: Path, loras: dict[str, Path] | None = None, **kwargs):
+def make_llm(bank: FixtureBank, model: Path, loras: dict[str, Path] | None = None, **kwargs):
     from moelora import LLM
 
     kwargs = {"max_loras": 4, "max_lora_rank": MAX_LORA_RANK, **kwargs}
     lora_modules = {name: str(path) for name, path in (loras or {}).items()}
-    return LLM(str(model), lora_modules=lora_modules, dtype="float32", device="cpu", **kwargs)
+    return LLM(str(model), lora_modules=lora_modules, dtype="float32", device=bank.device, **kwargs)
 
 
 def run(llm, prompts: list[list[int]], lora, max_tokens: int = hf.MAX_TOKENS):
@@ -289,7 +289,7 @@ class Engines:
     def get(self, arch: str):
         if arch not in self._llms:
             loras = {"a": self.bank.peft_adapter(arch), "b": self.bank.per_expert_adapter(arch)}
-            self._llms[arch] = make_llm(self.bank.model(arch), loras)
+            self._llms[arch] = make_llm(self.bank, self.bank.model(arch), loras)
         return self._llms[arch]
 
 
@@ -325,7 +325,7 @@ def test_mixed_batch(bank: FixtureBank, engines: Engines, arch: str) -> None:
     assert_matches(outs, refs, hf.PROMPTS, f"{arch} mixed batch {loras}")
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_checkpoint_layouts_load_identically(bank: FixtureBank, arch: str) -> None:
     """Per-expert and fused 3D experts, single file and sharded: same outputs, base and LoRA."""
     loras = ["a", None, "a"]
@@ -333,7 +333,7 @@ def test_checkpoint_layouts_load_identically(bank: FixtureBank, arch: str) -> No
     peft = bank.peft_adapter(arch)
     refs = bank.reference(bank.model(arch), prompts, [peft, None, peft])
     for layout, shards in [("fused", 1), ("fused", 2), ("per_expert", 3)]:
-        llm = make_llm(bank.layout(arch, layout, shards), {"a": peft})
+        llm = make_llm(bank, bank.layout(arch, layout, shards), {"a": peft})
         assert_matches(run(llm, prompts, loras), refs, prompts, f"{arch} {layout} x{shards}")
 
 
@@ -356,7 +356,7 @@ def test_rslora(bank: FixtureBank) -> None:
     )
     assert json.loads((peft / "adapter_config.json").read_text())["use_rslora"] is True
     refs = bank.reference(model, hf.PROMPTS[:3], [peft, None, peft])
-    outs = run(make_llm(model, {"rs": peft}), hf.PROMPTS[:3], ["rs", None, "rs"])
+    outs = run(make_llm(bank, model, {"rs": peft}), hf.PROMPTS[:3], ["rs", None, "rs"])
     assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rslora PEFT")
 
     arch = "mixtral"
@@ -368,7 +368,7 @@ def test_rslora(bank: FixtureBank) -> None:
         ),
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [per_expert, None, per_expert])
-    outs = run(make_llm(model, {"rs": per_expert}), hf.PROMPTS[:3], ["rs", None, "rs"])
+    outs = run(make_llm(bank, model, {"rs": per_expert}), hf.PROMPTS[:3], ["rs", None, "rs"])
     assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rslora per-expert")
 
 
@@ -398,7 +398,7 @@ def test_rank_and_alpha_pattern(bank: FixtureBank) -> None:
     assert tensors[f"{prefix}.self_attn.q_proj.lora_A.weight"].shape[0] == 2
     assert tensors[f"{prefix}.mlp.shared_expert.gate_proj.lora_A.weight"].shape[0] == 6
     refs = bank.reference(model, hf.PROMPTS[:3], [adapter, None, adapter])
-    outs = run(make_llm(model, {"pat": adapter}), hf.PROMPTS[:3], ["pat", None, "pat"])
+    outs = run(make_llm(bank, model, {"pat": adapter}), hf.PROMPTS[:3], ["pat", None, "pat"])
     assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rank_pattern/alpha_pattern")
 
 
@@ -422,7 +422,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
     _, tensors = hf.read_adapter(layer2)
     assert {re.search(r"layers\.(\d+)\.", k)[1] for k in tensors} == {"2"}
     refs = bank.reference(model, hf.PROMPTS[:3], [layer2, None, layer2])
-    outs = run(make_llm(model, {"l2": layer2}), hf.PROMPTS[:3], ["l2", None, "l2"])
+    outs = run(make_llm(bank, model, {"l2": layer2}), hf.PROMPTS[:3], ["l2", None, "l2"])
     assert_matches(outs, refs, hf.PROMPTS[:3], "qwen2_moe PEFT on layer 2 only")
 
     model = bank.model("mixtral")
@@ -433,7 +433,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
         ),
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [layer0, None, layer0])
-    outs = run(make_llm(model, {"l0": layer0}), hf.PROMPTS[:3], ["l0", None, "l0"])
+    outs = run(make_llm(bank, model, {"l0": layer0}), hf.PROMPTS[:3], ["l0", None, "l0"])
     assert_matches(outs, refs, hf.PROMPTS[:3], "mixtral per-expert on layer 0 only")
 
     model = bank.model("olmoe")
@@ -454,7 +454,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
     }
     loras = ["gate_up_proj", "down_proj", None]
     refs = bank.reference(model, hf.PROMPTS[:3], [lone[n] if n else None for n in loras])
-    outs = run(make_llm(model, lone), hf.PROMPTS[:3], loras)
+    outs = run(make_llm(bank, model, lone), hf.PROMPTS[:3], loras)
     assert_matches(outs, refs, hf.PROMPTS[:3], "olmoe experts gate_up only / down only")
 
 
@@ -476,7 +476,7 @@ def test_more_adapters_than_slots(bank: FixtureBank) -> None:
         ),
     )
     paths = {"a": bank.peft_adapter(arch), "b": bank.per_expert_adapter(arch), "c": c, None: None}
-    llm = make_llm(model, {n: p for n, p in paths.items() if n}, max_loras=2)
+    llm = make_llm(bank, model, {n: p for n, p in paths.items() if n}, max_loras=2)
     loras = ["a", "b", "c", None, "c"]
     refs = bank.reference(model, hf.PROMPTS, [paths[n] for n in loras])
     assert_matches(run(llm, hf.PROMPTS, loras), refs, hf.PROMPTS, f"{arch} 3 adapters in 2 slots")
@@ -489,7 +489,7 @@ def test_more_adapters_than_slots(bank: FixtureBank) -> None:
 def test_load_and_unload_on_a_live_engine(bank: FixtureBank) -> None:
     arch = "olmoe"
     model = bank.model(arch)
-    llm = make_llm(model)
+    llm = make_llm(bank, model)
     assert list(llm.list_loras()) == []
     llm.load_lora("b", str(bank.per_expert_adapter(arch)))
     llm.load_lora("a", str(bank.peft_adapter(arch)))
@@ -504,6 +504,51 @@ def test_load_and_unload_on_a_live_engine(bank: FixtureBank) -> None:
     assert_matches(
         run(llm, hf.PROMPTS[:2], ["b", None]), refs, hf.PROMPTS[:2], f"{arch} after unload"
     )
+    # the name comes back with other weights: nothing of the old adapter may be reused
+    other = bank.adapter(
+        "olmoe-other",
+        lambda p: hf.make_peft_adapter(
+            model,
+            p,
+            targets=["k_proj", "o_proj"],
+            target_parameters=hf.EXPERT_PARAMS,
+            seed=19,
+            rank=6,
+            alpha=6,
+        ),
+    )
+    llm.load_lora("a", str(other))
+    refs = bank.reference(model, hf.PROMPTS[:3], [other, None, paths["b"]])
+    outs = run(llm, hf.PROMPTS[:3], loras)
+    assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} name 'a' reloaded with another adapter")
+
+
+def test_adapter_saved_as_bin_and_mixtral_mlp_alias(bank: FixtureBank) -> None:
+    """adapter_model.bin (PEFT safe_serialization=False) reads like safetensors; per-expert
+    Mixtral keys under `mlp.experts.{e}` (transformers 5 module names) equal `block_sparse_moe`."""
+    arch = "mixtral"
+    model, per_expert = bank.model(arch), bank.per_expert_adapter(arch)
+
+    def as_bin(dst: Path) -> Path:
+        config, tensors = hf.read_adapter(per_expert)
+        hf.write_adapter(dst, config, tensors)
+        (dst / "adapter_model.safetensors").unlink()
+        torch.save(tensors, dst / "adapter_model.bin")
+        return dst
+
+    def as_mlp(dst: Path) -> Path:
+        config, tensors = hf.read_adapter(per_expert)
+        renamed = {k.replace(".block_sparse_moe.", ".mlp."): t for k, t in tensors.items()}
+        return hf.write_adapter(dst, config, renamed)
+
+    variants = {
+        "bin": bank.adapter("mixtral-bin", as_bin),
+        "mlp": bank.adapter("mixtral-mlp-alias", as_mlp),
+    }
+    llm = make_llm(bank, model, variants)
+    loras = ["bin", None, "mlp"]
+    refs = bank.reference(model, hf.PROMPTS[:3], [per_expert, None, per_expert])
+    assert_matches(run(llm, hf.PROMPTS[:3], loras), refs, hf.PROMPTS[:3], f"{arch} .bin / mlp.")
 
 
 def test_yarn_rope_scaling(bank: FixtureBank) -> None:
@@ -519,7 +564,7 @@ def test_yarn_rope_scaling(bank: FixtureBank) -> None:
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [None] * 3)
     assert_matches(
-        run(make_llm(model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3_moe yarn"
+        run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3_moe yarn"
     )
 
 
@@ -527,4 +572,6 @@ def test_tied_embeddings_qwen3(bank: FixtureBank) -> None:
     model = bank.model_variant("tied", "qwen3_moe", tie_word_embeddings=True)
     assert "lm_head.weight" not in hf.read_checkpoint(model)
     refs = bank.reference(model, hf.PROMPTS[:3], [None] * 3)
-    assert_matches(run(make_llm(model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3 tied")
+    assert_matches(
+        run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3 tied"
+    )
