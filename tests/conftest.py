@@ -15,9 +15,10 @@ import hf_fixtures as hf  # noqa: E402
 class FixtureBank:
     """Builds each model/adapter on first use under one session temp dir; memoizes references."""
 
-    def __init__(self, root: Path, device: str) -> None:
+    def __init__(self, root: Path, device: str, logprob_tol: float) -> None:
         self.root = root
         self.device = device  # where moelora runs; the reference always runs on the CPU
+        self.logprob_tol = logprob_tol
         self._paths: dict[str, Path] = {}
         self._refs: dict[tuple, hf.RefOutput] = {}
 
@@ -97,6 +98,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default="cpu",
         help="device for moelora in the tests against transformers (default cpu)",
     )
+    parser.addoption(
+        "--moelora-logprob-tol",
+        type=float,
+        default=1e-4,
+        help="logprob tolerance against transformers (default 1e-4; looser only to diagnose)",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -105,4 +112,9 @@ def bank(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReques
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    return FixtureBank(tmp_path_factory.mktemp("hf"), request.config.getoption("--moelora-device"))
+    options = request.config.getoption
+    return FixtureBank(
+        tmp_path_factory.mktemp("hf"),
+        options("--moelora-device"),
+        options("--moelora-logprob-tol"),
+    )

@@ -236,6 +236,7 @@ class LiveEngine:
             max_lora_rank=MAX_LORA_RANK,
             dtype="float32",
             device=bank.device,
+            **({"num_pages": 64} if bank.device != "cpu" else {}),
         )
         self.before = snapshot(self.llm)
 
@@ -258,6 +259,7 @@ def test_refused_at_construction(bank: FixtureBank, bad, case: Case) -> None:
             max_lora_rank=MAX_LORA_RANK,
             dtype="float32",
             device=bank.device,
+            **({"num_pages": 64} if bank.device != "cpu" else {}),
         )
     assert_refusal(err, name, case)
 

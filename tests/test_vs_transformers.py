@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from conftest import FixtureBank
 
 ARCHS = hf.ARCHS
-LOGPROB_TOL = 1e-4
 MAX_LORA_RANK = 16
 
 # ---------------------------------------------------------------------------------------------
@@ -245,6 +244,8 @@ def make_llm(bank: FixtureBank, model: Path, loras: dict[str, Path] | None = Non
     from moelora import LLM
 
     kwargs = {"max_loras": 4, "max_lora_rank": MAX_LORA_RANK, **kwargs}
+    if bank.device != "cpu":
+        kwargs["num_pages"] = 64  # several engines live at once: no sizing from free memory
     lora_modules = {name: str(path) for name, path in (loras or {}).items()}
     return LLM(str(model), lora_modules=lora_modules, dtype="float32", device=bank.device, **kwargs)
 
@@ -253,7 +254,7 @@ def run(llm, prompts: list[list[int]], lora, max_tokens: int = hf.MAX_TOKENS):
     return llm.generate(prompts, greedy_params(max_tokens), lora=lora)
 
 
-def assert_matches(outs, refs: list[hf.RefOutput], prompts, label: str) -> None:
+def assert_matches(bank: FixtureBank, outs, refs: list[hf.RefOutput], prompts, label: str) -> None:
     assert len(outs) == len(refs), label
     for n, (out, ref, prompt) in enumerate(zip(outs, refs, prompts)):
         where = f"{label}, request {n}"
@@ -274,7 +275,7 @@ def assert_matches(outs, refs: list[hf.RefOutput], prompts, label: str) -> None:
         assert len(out.logprobs) == len(tokens), where
         for step, (token, want) in enumerate(zip(tokens, ref.logprobs)):
             got = out.logprobs[step][token]
-            assert abs(got - want) <= LOGPROB_TOL, (
+            assert abs(got - want) <= bank.logprob_tol, (
                 f"{where}, step {step}: logprob {got:.6f} vs transformers {want:.6f}"
             )
 
@@ -302,7 +303,7 @@ def engines(bank: FixtureBank) -> Engines:
 def test_base_model(bank: FixtureBank, engines: Engines, arch: str) -> None:
     refs = bank.reference(bank.model(arch), hf.PROMPTS, [None] * len(hf.PROMPTS))
     outs = run(engines.get(arch), hf.PROMPTS, None)
-    assert_matches(outs, refs, hf.PROMPTS, f"{arch} base")
+    assert_matches(bank, outs, refs, hf.PROMPTS, f"{arch} base")
 
 
 @pytest.mark.parametrize("adapter", ["a", "b"])
@@ -313,7 +314,7 @@ def test_one_adapter(bank: FixtureBank, engines: Engines, arch: str, adapter: st
     path = bank.peft_adapter(arch) if adapter == "a" else bank.per_expert_adapter(arch)
     refs = bank.reference(bank.model(arch), hf.PROMPTS, [path] * len(hf.PROMPTS))
     outs = run(engines.get(arch), hf.PROMPTS, adapter)
-    assert_matches(outs, refs, hf.PROMPTS, f"{arch} adapter {adapter}")
+    assert_matches(bank, outs, refs, hf.PROMPTS, f"{arch} adapter {adapter}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -322,7 +323,7 @@ def test_mixed_batch(bank: FixtureBank, engines: Engines, arch: str) -> None:
     paths = {"a": bank.peft_adapter(arch), "b": bank.per_expert_adapter(arch), None: None}
     refs = bank.reference(bank.model(arch), hf.PROMPTS, [paths[n] for n in loras])
     outs = run(engines.get(arch), hf.PROMPTS, loras)
-    assert_matches(outs, refs, hf.PROMPTS, f"{arch} mixed batch {loras}")
+    assert_matches(bank, outs, refs, hf.PROMPTS, f"{arch} mixed batch {loras}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -334,7 +335,7 @@ def test_checkpoint_layouts_load_identically(bank: FixtureBank, arch: str) -> No
     refs = bank.reference(bank.model(arch), prompts, [peft, None, peft])
     for layout, shards in [("fused", 1), ("fused", 2), ("per_expert", 3)]:
         llm = make_llm(bank, bank.layout(arch, layout, shards), {"a": peft})
-        assert_matches(run(llm, prompts, loras), refs, prompts, f"{arch} {layout} x{shards}")
+        assert_matches(bank, run(llm, prompts, loras), refs, prompts, f"{arch} {layout} x{shards}")
 
 
 def test_rslora(bank: FixtureBank) -> None:
@@ -357,7 +358,7 @@ def test_rslora(bank: FixtureBank) -> None:
     assert json.loads((peft / "adapter_config.json").read_text())["use_rslora"] is True
     refs = bank.reference(model, hf.PROMPTS[:3], [peft, None, peft])
     outs = run(make_llm(bank, model, {"rs": peft}), hf.PROMPTS[:3], ["rs", None, "rs"])
-    assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rslora PEFT")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], f"{arch} rslora PEFT")
 
     arch = "mixtral"
     model = bank.model(arch)
@@ -369,7 +370,7 @@ def test_rslora(bank: FixtureBank) -> None:
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [per_expert, None, per_expert])
     outs = run(make_llm(bank, model, {"rs": per_expert}), hf.PROMPTS[:3], ["rs", None, "rs"])
-    assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rslora per-expert")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], f"{arch} rslora per-expert")
 
 
 def test_rank_and_alpha_pattern(bank: FixtureBank) -> None:
@@ -399,7 +400,7 @@ def test_rank_and_alpha_pattern(bank: FixtureBank) -> None:
     assert tensors[f"{prefix}.mlp.shared_expert.gate_proj.lora_A.weight"].shape[0] == 6
     refs = bank.reference(model, hf.PROMPTS[:3], [adapter, None, adapter])
     outs = run(make_llm(bank, model, {"pat": adapter}), hf.PROMPTS[:3], ["pat", None, "pat"])
-    assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} rank_pattern/alpha_pattern")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], f"{arch} rank_pattern/alpha_pattern")
 
 
 def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> None:
@@ -423,7 +424,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
     assert {re.search(r"layers\.(\d+)\.", k)[1] for k in tensors} == {"2"}
     refs = bank.reference(model, hf.PROMPTS[:3], [layer2, None, layer2])
     outs = run(make_llm(bank, model, {"l2": layer2}), hf.PROMPTS[:3], ["l2", None, "l2"])
-    assert_matches(outs, refs, hf.PROMPTS[:3], "qwen2_moe PEFT on layer 2 only")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], "qwen2_moe PEFT on layer 2 only")
 
     model = bank.model("mixtral")
     layer0 = bank.adapter(
@@ -434,7 +435,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [layer0, None, layer0])
     outs = run(make_llm(bank, model, {"l0": layer0}), hf.PROMPTS[:3], ["l0", None, "l0"])
-    assert_matches(outs, refs, hf.PROMPTS[:3], "mixtral per-expert on layer 0 only")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], "mixtral per-expert on layer 0 only")
 
     model = bank.model("olmoe")
     lone = {
@@ -455,7 +456,7 @@ def test_adapters_on_some_layers_and_some_expert_weights(bank: FixtureBank) -> N
     loras = ["gate_up_proj", "down_proj", None]
     refs = bank.reference(model, hf.PROMPTS[:3], [lone[n] if n else None for n in loras])
     outs = run(make_llm(bank, model, lone), hf.PROMPTS[:3], loras)
-    assert_matches(outs, refs, hf.PROMPTS[:3], "olmoe experts gate_up only / down only")
+    assert_matches(bank, outs, refs, hf.PROMPTS[:3], "olmoe experts gate_up only / down only")
 
 
 def test_more_adapters_than_slots(bank: FixtureBank) -> None:
@@ -479,11 +480,13 @@ def test_more_adapters_than_slots(bank: FixtureBank) -> None:
     llm = make_llm(bank, model, {n: p for n, p in paths.items() if n}, max_loras=2)
     loras = ["a", "b", "c", None, "c"]
     refs = bank.reference(model, hf.PROMPTS, [paths[n] for n in loras])
-    assert_matches(run(llm, hf.PROMPTS, loras), refs, hf.PROMPTS, f"{arch} 3 adapters in 2 slots")
+    assert_matches(
+        bank, run(llm, hf.PROMPTS, loras), refs, hf.PROMPTS, f"{arch} 3 adapters in 2 slots"
+    )
     for name in ["c", "a", "b", "c"]:
         refs = bank.reference(model, hf.PROMPTS[:2], [paths[name], None])
         outs = run(llm, hf.PROMPTS[:2], [name, None])
-        assert_matches(outs, refs, hf.PROMPTS[:2], f"{arch} adapter {name} after swaps")
+        assert_matches(bank, outs, refs, hf.PROMPTS[:2], f"{arch} adapter {name} after swaps")
 
 
 def test_load_and_unload_on_a_live_engine(bank: FixtureBank) -> None:
@@ -497,12 +500,14 @@ def test_load_and_unload_on_a_live_engine(bank: FixtureBank) -> None:
     loras = ["a", None, "b"]
     paths = {"a": bank.peft_adapter(arch), "b": bank.per_expert_adapter(arch), None: None}
     refs = bank.reference(model, hf.PROMPTS[:3], [paths[n] for n in loras])
-    assert_matches(run(llm, hf.PROMPTS[:3], loras), refs, hf.PROMPTS[:3], f"{arch} live-loaded")
+    assert_matches(
+        bank, run(llm, hf.PROMPTS[:3], loras), refs, hf.PROMPTS[:3], f"{arch} live-loaded"
+    )
     llm.unload_lora("a")
     assert list(llm.list_loras()) == ["b"]
     refs = bank.reference(model, hf.PROMPTS[:2], [paths["b"], None])
     assert_matches(
-        run(llm, hf.PROMPTS[:2], ["b", None]), refs, hf.PROMPTS[:2], f"{arch} after unload"
+        bank, run(llm, hf.PROMPTS[:2], ["b", None]), refs, hf.PROMPTS[:2], f"{arch} after unload"
     )
     # the name comes back with other weights: nothing of the old adapter may be reused
     other = bank.adapter(
@@ -520,7 +525,9 @@ def test_load_and_unload_on_a_live_engine(bank: FixtureBank) -> None:
     llm.load_lora("a", str(other))
     refs = bank.reference(model, hf.PROMPTS[:3], [other, None, paths["b"]])
     outs = run(llm, hf.PROMPTS[:3], loras)
-    assert_matches(outs, refs, hf.PROMPTS[:3], f"{arch} name 'a' reloaded with another adapter")
+    assert_matches(
+        bank, outs, refs, hf.PROMPTS[:3], f"{arch} name 'a' reloaded with another adapter"
+    )
 
 
 def test_adapter_saved_as_bin_and_mixtral_mlp_alias(bank: FixtureBank) -> None:
@@ -548,7 +555,9 @@ def test_adapter_saved_as_bin_and_mixtral_mlp_alias(bank: FixtureBank) -> None:
     llm = make_llm(bank, model, variants)
     loras = ["bin", None, "mlp"]
     refs = bank.reference(model, hf.PROMPTS[:3], [per_expert, None, per_expert])
-    assert_matches(run(llm, hf.PROMPTS[:3], loras), refs, hf.PROMPTS[:3], f"{arch} .bin / mlp.")
+    assert_matches(
+        bank, run(llm, hf.PROMPTS[:3], loras), refs, hf.PROMPTS[:3], f"{arch} .bin / mlp."
+    )
 
 
 def test_yarn_rope_scaling(bank: FixtureBank) -> None:
@@ -564,7 +573,11 @@ def test_yarn_rope_scaling(bank: FixtureBank) -> None:
     )
     refs = bank.reference(model, hf.PROMPTS[:3], [None] * 3)
     assert_matches(
-        run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3_moe yarn"
+        bank,
+        run(make_llm(bank, model), hf.PROMPTS[:3], None),
+        refs,
+        hf.PROMPTS[:3],
+        "qwen3_moe yarn",
     )
 
 
@@ -573,5 +586,5 @@ def test_tied_embeddings_qwen3(bank: FixtureBank) -> None:
     assert "lm_head.weight" not in hf.read_checkpoint(model)
     refs = bank.reference(model, hf.PROMPTS[:3], [None] * 3)
     assert_matches(
-        run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3 tied"
+        bank, run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3 tied"
     )
