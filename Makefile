@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 run: install
-	$(VENV)/bin/moelora demo
+	$(VENV)/bin/moelora demo --serve
 
 test: install
 	$(PY) -m pytest -q tests

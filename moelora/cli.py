@@ -12,6 +12,16 @@ import sys
 import urllib.request
 from pathlib import Path
 
+ENGINE_FLAGS = (
+    "max_loras",
+    "max_lora_rank",
+    "max_model_len",
+    "enforce_eager",
+    "gpu_memory_utilization",
+    "device",
+    "dtype",
+    "seed",
+)
 DEMO_PROMPTS = [
     ("sql", "SELECT name FROM users WHERE"),
     ("chat", "Tell me a story about a cat."),
@@ -24,10 +34,14 @@ def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     cache = os.environ.get("MOELORA_CACHE")
     args.cache_dir = Path(cache) / "demo" if cache else None
+    from moelora.errors import MoeloraError
+
     try:
         args.func(args)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt:  # Ctrl-C is how a server is meant to stop
+        pass
+    except MoeloraError as e:  # the user's doing: the message says what to change
+        sys.exit(f"moelora: {e}")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,6 +103,7 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
 
 
 def _engine_config(args: argparse.Namespace):
+    """EngineConfig from the flags; 'demo' means the demo folder and its adapters."""
     from moelora.config import EngineConfig
 
     model, served_name = args.model, args.served_model_name
@@ -99,19 +114,15 @@ def _engine_config(args: argparse.Namespace):
         assets = ensure_demo(args.cache_dir)
         model, served_name = str(assets.model), served_name or "demo"
         lora_modules = {**{n: str(p) for n, p in assets.adapters.items()}, **lora_modules}
-    return EngineConfig(
-        model=model,
-        lora_modules=lora_modules,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_model_len=args.max_model_len,
-        enforce_eager=args.enforce_eager,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device=args.device,
-        dtype=args.dtype,
-        served_model_name=served_name,
-        seed=args.seed,
-    )
+    if not Path(model).is_dir():
+        sys.exit(f"moelora: model {model!r} is not a folder: expected a Hugging Face model folder")
+    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
+    try:
+        return EngineConfig(
+            model=model, lora_modules=lora_modules, served_model_name=served_name, **options
+        )
+    except ValueError as e:
+        sys.exit(f"moelora: {e}")
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

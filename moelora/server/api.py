@@ -10,6 +10,7 @@ for them to drain): the caller retries when the traffic on that adapter has stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -138,8 +139,10 @@ async def unless_disconnected(request: Request, work: Any) -> Any:
         watcher.cancel()
         if not task.done():
             task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     if task.cancelled():
-        return Response(status_code=499)
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
     return task.result()
 
 

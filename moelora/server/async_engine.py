@@ -77,13 +77,16 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator:
-        while not self.finished:
-            out = await self._outputs.get()
-            if isinstance(out, BaseException):
-                self.finished = True
-                raise out
-            self.finished = out.finished
-            yield out
+        try:
+            while not self.finished:
+                out = await self._outputs.get()
+                if isinstance(out, BaseException):
+                    self.finished = True
+                    raise out
+                self.finished = out.finished
+                yield out
+        finally:  # cancelled, or closed early by the consumer
+            self.abort()
 
     def abort(self) -> None:
         if not self.finished:
