@@ -32,7 +32,7 @@ class SamplingFields(OpenAIBody):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch seeds take
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -72,10 +72,13 @@ class SamplingFields(OpenAIBody):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit; more would only cost the engine time
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -126,7 +129,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @property
     def requested_max_tokens(self) -> int | None:

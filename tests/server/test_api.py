@@ -327,6 +327,9 @@ def _error(r: httpx.Response, status: int) -> dict:
         {"prompt": ""},
         {"max_tokens": "many"},
         {"prompt": None},
+        {"logprobs": 21},
+        {"seed": 2**64},
+        {"stop": [""]},
     ],
 )
 def test_bad_completion_params_are_400(server: Server, body: dict) -> None:
