@@ -154,6 +154,38 @@ def fmt_table(rows: list[dict]) -> list[str]:
     return out
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """One line per shape and M: the four targets side by side (rank 16 for the LoRA cases)."""
+    find = {(r["shape"], r["M"], r["case"], r["rank"]): r for r in rows}
+    out = [
+        "| shape | M | base µs | base % of floor | none-active vs disabled (worst rank) "
+        "| one adapter r16: added / LoRA floor | distinct r16: added / LoRA floor "
+        "| rank 8 in 64-pool vs 8-pool |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["case"] != "disabled":
+            continue
+        key = (r["shape"], r["M"])
+        nones = [100 * (x["ms"] / x["base"] - 1) for k, x in find.items()
+                 if k[:3] == (*key, "none")]  # fmt: skip
+
+        def ratio(case, rank="16/16", key=key):
+            x = find.get((*key, case, rank))
+            return f"{(x['ms'] - x['base']) / x['lora_floor']:.1f}x" if x else "-"
+
+        r8, r64 = find.get((*key, "one", "8/8")), find.get((*key, "one", "8/64"))
+        d8 = f"{100 * (r64['ms'] / r8['ms'] - 1):+.1f}%" if r8 and r64 else "-"
+        out.append(
+            f"| {key[0]} | {key[1]} | {r['ms'] * 1e3:.1f} | {100 * r['floor'] / r['ms']:.0f}% | "
+            f"{max(nones):+.1f}% | {ratio('one')} | {ratio('distinct')} | {d8} |"
+            if nones
+            else f"| {key[0]} | {key[1]} | {r['ms'] * 1e3:.1f} | "
+            f"{100 * r['floor'] / r['ms']:.0f}% | - | - | - | - |"
+        )
+    return out
+
+
 def targets(rows: list[dict]) -> list[str]:
     """The four targets of issue 3, checked per shape and M."""
     out = []
@@ -189,10 +221,12 @@ def main() -> None:
     for name in args.shapes:
         bench_shape(name, bw, rows)
     lines = result_header("Fused MoE + MoE-LoRA, one layer (H200)", bw)
-    lines += ["", *fmt_table(rows), "", "## Targets", "", *targets(rows), ""]
+    lines += ["", "## Summary", "", *summary(rows), "", "## All cases", "", *fmt_table(rows)]
+    lines += ["", "## Targets", "", *targets(rows), ""]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))
+    print("\n".join(summary(rows)))  # last, short
 
 
 if __name__ == "__main__":

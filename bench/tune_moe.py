@@ -26,11 +26,13 @@ def C(bm, bn, bk, bnd, bkd, warps=4, stages=3, direct=False) -> MoeConfig:
 
 
 DIRECT = [
+    C(16, 32, 128, 16, 128, direct=True),
+    C(16, 16, 128, 16, 128, stages=4, direct=True),
+    C(16, 32, 64, 16, 256, stages=4, direct=True),
     C(16, 64, 128, 32, 128, direct=True),
     C(16, 32, 128, 16, 256, stages=4, direct=True),
     C(16, 32, 256, 32, 256, direct=True),
     C(16, 16, 256, 16, 256, direct=True),
-    C(16, 64, 64, 16, 128, stages=4, direct=True),
 ]
 SMALL = [
     C(16, 64, 128, 64, 128),

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import active_slots, lora_delta, rank_block
+from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -167,6 +167,7 @@ def _gate_up_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BKL: tl.constexpr,
     BR: tl.constexpr,
 ):
     # -- map the program to a block of pairs (one expert) and BN columns of gate and up --
@@ -211,15 +212,10 @@ def _gate_up_kernel(
         if tl.max(slot_rows, axis=0) >= 0:
             a_e = a_ptr + expert.to(tl.int64) * stride_ae
             b_e = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g = lora_delta(
-                acc_g, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ar,
-                b_e, stride_bs, stride_bn, offs_n, n_ok,
-                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
-            )  # fmt: skip
-            acc_u = lora_delta(
-                acc_u, x_ptr, x_rows, slot_rows, H, a_e + stride_ai, stride_as, stride_ar,
-                b_e, stride_bs, stride_bn, I + offs_n, n_ok,
-                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
+            acc_g, acc_u = lora_delta(
+                acc_g, acc_u, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ai, stride_ar,
+                b_e, stride_bs, stride_bn, offs_n, I + offs_n, n_ok,
+                rank_ptr, scaling_ptr, S, True, BM, BKL, BR,
             )  # fmt: skip
 
     # -- activation and store --
@@ -244,7 +240,7 @@ def _down_tile(
     rank_ptr, scaling_ptr, a_ptr, b_ptr,
     stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
     S: tl.constexpr, HAS_LORA: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BKL: tl.constexpr, BR: tl.constexpr,
 ):  # fmt: skip
     """[BM, BN] fp32: rows h_rows of h times W2[expert, offs_n].T, plus their LoRA delta."""
     offs_k = tl.arange(0, BK)
@@ -267,11 +263,11 @@ def _down_tile(
         w_ptrs += BK
     if HAS_LORA:
         if tl.max(slot_rows, axis=0) >= 0:
-            acc = lora_delta(
-                acc, h_ptr, h_offs, slot_rows, I,
-                a_ptr + expert.to(tl.int64) * stride_ae, stride_as, stride_ar,
-                b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n, n_ok,
-                rank_ptr, scaling_ptr, S, BM, BN, BK, BR,
+            acc, _ = lora_delta(
+                acc, acc, h_ptr, h_offs, slot_rows, I,
+                a_ptr + expert.to(tl.int64) * stride_ae, stride_as, 0, stride_ar,
+                b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n, offs_n,
+                n_ok, rank_ptr, scaling_ptr, S, False, BM, BKL, BR,
             )  # fmt: skip
     return acc
 
@@ -312,6 +308,7 @@ def _down_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BKL: tl.constexpr,
     BR: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -329,7 +326,7 @@ def _down_kernel(
         h_ptr, pid_m * BM + tl.arange(0, BM), row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok,
         I, stride_we, stride_wn, rank_ptr, scaling_ptr, a_ptr, b_ptr,
         stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
-        S, HAS_LORA, BM, BN, BK, BR,
+        S, HAS_LORA, BM, BN, BK, BKL, BR,
     )  # fmt: skip
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
@@ -370,6 +367,7 @@ def _down_direct_kernel(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    BKL: tl.constexpr,
     BR: tl.constexpr,
 ):
     # -- a program owns one token and BN columns; it walks the token's K experts --
@@ -389,7 +387,7 @@ def _down_direct_kernel(
             h_ptr, tl.where(row_ok, pair, 0), row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok,
             I, stride_we, stride_wn, rank_ptr, scaling_ptr, a_ptr, b_ptr,
             stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
-            S, HAS_LORA, BM, BN, BK, BR,
+            S, HAS_LORA, BM, BN, BK, BKL, BR,
         )  # fmt: skip
         total += tl.sum(acc, axis=0) * tl.load(topk_weights_ptr + pair)
     out_ptrs = out_ptr + token.to(tl.int64) * H + offs_n
@@ -508,6 +506,7 @@ def fused_moe(
     any_lora = lora13 if has13 else (lora2 if has2 else None)
     S = any_lora.a.shape[0] if any_lora is not None else 1
     BR = rank_block(any_lora.max_rank) if any_lora is not None else 16
+    BKL = shrink_block_k(any_lora.max_rank) if any_lora is not None else 16
     slot, enabled, rank, scaling = (
         (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot)
         if any_lora is not None
@@ -535,7 +534,7 @@ def fused_moe(
         slot, enabled, rank, scaling, a13, b13,
         H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13,
         K=K, S=S, HAS_LORA=has13, DIRECT=cfg.direct,
-        BM=BM, BN=cfg.block_n, BK=cfg.block_k, BR=BR, **launch,
+        BM=BM, BN=cfg.block_n, BK=cfg.block_k, BKL=BKL, BR=BR, **launch,
     )  # fmt: skip
 
     down_args = (
@@ -543,7 +542,7 @@ def fused_moe(
         sa2[0], sa2[1], sa2[3], *sb2,
     )  # fmt: skip
     down_meta = dict(
-        K=K, S=S, HAS_LORA=has2, BM=BM, BN=cfg.block_n_down, BK=cfg.block_k_down, BR=BR
+        K=K, S=S, HAS_LORA=has2, BM=BM, BN=cfg.block_n_down, BK=cfg.block_k_down, BKL=BKL, BR=BR
     )
     grid_n = triton.cdiv(H, cfg.block_n_down)
     if cfg.direct:

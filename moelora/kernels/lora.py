@@ -34,64 +34,97 @@ def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
 
 
 @triton.jit
+def _shrink_expand(
+    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar, b_s, stride_bn,
+    offs_n0, offs_n1, n_ok, rank, scale,
+    TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):  # fmt: skip
+    """One slot: acc_i += scale * (x[rows_s] @ A[i].T) @ B[cols_i].T, i < 2 if TWO else 1."""
+    offs_r = tl.arange(0, BR)
+    offs_k = tl.arange(0, BK)
+    r_ok = offs_r < rank
+    # -- shrink over the whole input; the slices share each x tile --
+    xa0 = tl.zeros((BM, BR), dtype=tl.float32)
+    xa1 = tl.zeros((BM, BR), dtype=tl.float32)
+    for k0 in range(0, K_in, BK):
+        k_ok = offs_k < K_in - k0
+        xt = tl.load(
+            x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
+            mask=rows_s[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        a_ptrs = a_s + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None]
+        a_mask = r_ok[None, :] & k_ok[:, None]
+        xa0 = tl.dot(xt, tl.load(a_ptrs, mask=a_mask, other=0.0), xa0)
+        if TWO:
+            xa1 = tl.dot(xt, tl.load(a_ptrs + stride_ai, mask=a_mask, other=0.0), xa1)
+    # -- expand into this tile's columns --
+    b_mask = n_ok[None, :] & r_ok[:, None]
+    b0 = tl.load(b_s + offs_n0[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
+    acc0 = tl.dot((xa0 * scale).to(b0.dtype), b0, acc0)
+    if TWO:
+        b1 = tl.load(b_s + offs_n1[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
+        acc1 = tl.dot((xa1 * scale).to(b1.dtype), b1, acc1)
+    return acc0, acc1
+
+
+@triton.jit
 def lora_delta(
-    acc,  # [BM, BN] float32; the delta of each row's slot is added to it
+    # [BM, BN] float32 accumulators of one or two slices; each gets its slice's delta.
+    acc0,
+    acc1,
     # Input rows: x_ptr + x_rows[m] is row m (last dim contiguous), length K_in.
     x_ptr,
     x_rows,
     slot_rows,  # [BM] int32 from active_slots (-1: no delta)
     K_in,
-    # A of slot 0 for this expert and slice: [R, K_in], last dim contiguous.
+    # A of slot 0 for this expert and first slice: [R, K_in]; the second slice at + stride_ai.
     a_ptr,
     stride_as,
+    stride_ai,
     stride_ar,
-    # B of slot 0 for this expert: [out, R], last dim contiguous; offs_n index its rows.
+    # B of slot 0 for this expert: [out, R]; offs_n0 / offs_n1 are the two slices' columns.
     b_ptr,
     stride_bs,
     stride_bn,
-    offs_n,
+    offs_n0,
+    offs_n1,
     n_ok,
     # Per-slot batch info.
     rank_ptr,
     scaling_ptr,
     S: tl.constexpr,
+    TWO: tl.constexpr,
     BM: tl.constexpr,
-    BN: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
 ):
-    offs_r = tl.arange(0, BR)
-    offs_k = tl.arange(0, BK)
     for s in range(0, S):
         rows_s = slot_rows == s
         if tl.max(rows_s.to(tl.int32), axis=0) > 0:
             rank = tl.load(rank_ptr + s)
             scale = tl.load(scaling_ptr + s)
-            r_ok = offs_r < rank
             a_s = a_ptr + s * stride_as
-            # -- shrink: xa = x @ A[s].T over the whole input, rows of other slots zeroed --
-            xa = tl.zeros((BM, BR), dtype=tl.float32)
-            for k0 in range(0, K_in, BK):
-                k_ok = offs_k < K_in - k0
-                xt = tl.load(
-                    x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
-                    mask=rows_s[:, None] & k_ok[None, :],
-                    other=0.0,
-                )
-                at = tl.load(
-                    a_s + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None],
-                    mask=r_ok[None, :] & k_ok[:, None],
-                    other=0.0,
-                )
-                xa = tl.dot(xt, at, xa)
-            # -- expand: acc += scaling * xa @ B[s, cols].T --
-            bt = tl.load(
-                b_ptr + s * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                mask=n_ok[None, :] & r_ok[:, None],
-                other=0.0,
-            )
-            acc = tl.dot((xa * scale).to(bt.dtype), bt, acc)
-    return acc
+            b_s = b_ptr + s * stride_bs
+            # Small ranks take 16-wide rank tiles whatever the pool's rank: a rank-8 adapter in
+            # a rank-64 pool then costs what it costs in a rank-8 pool.
+            if BR > 16 and rank <= 16:
+                acc0, acc1 = _shrink_expand(
+                    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar,
+                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, BK, 16,
+                )  # fmt: skip
+            else:
+                acc0, acc1 = _shrink_expand(
+                    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar,
+                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, BK, BR,
+                )  # fmt: skip
+    return acc0, acc1
+
+
+def shrink_block_k(max_rank: int) -> int:
+    """Depth of the shrink's tiles: the shrink is a serial loop over the whole input, so its
+    tiles are deep (few trips); shallower for big ranks to bound registers."""
+    return 128 if max_rank <= 16 else 64
 
 
 @triton.jit
@@ -149,11 +182,11 @@ def _add_lora_kernel(
 
     # -- the delta, then one read-modify-write of y --
     acc = tl.zeros((BT, BN), dtype=tl.float32)
-    acc = lora_delta(
-        acc, x_ptr, offs_t.to(tl.int64) * stride_xt, slot_rows, K_in,
-        a_ptr + slice_i * stride_an, stride_as, stride_ar,
-        b_ptr, stride_bs, stride_bo, offs_n, n_ok,
-        rank_ptr, scaling_ptr, S, BT, BN, BK, BR,
+    acc, _ = lora_delta(
+        acc, acc, x_ptr, offs_t.to(tl.int64) * stride_xt, slot_rows, K_in,
+        a_ptr + slice_i * stride_an, stride_as, 0, stride_ar,
+        b_ptr, stride_bs, stride_bo, offs_n, offs_n, n_ok,
+        rank_ptr, scaling_ptr, S, False, BT, BK, BR,
     )  # fmt: skip
     y_ptrs = y_ptr + offs_t[:, None].to(tl.int64) * stride_yt + offs_n[None, :]
     mask = (slot_rows >= 0)[:, None] & n_ok[None, :]
@@ -185,7 +218,7 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
-    BT, BN, BK = 16, 64, 64
+    BT, BN = 16, 64
     col_blocks = sum(triton.cdiv(size, BN) for size in sizes)
     grid = (triton.cdiv(T, BT), col_blocks)
     _add_lora_kernel[grid](
@@ -194,6 +227,6 @@ def add_lora_(
         T, K_in, *sizes,
         y.stride(0), x.stride(0), lora.a.stride(0), lora.a.stride(1), lora.a.stride(2),
         lora.b.stride(0), lora.b.stride(1),
-        S=S, BT=BT, BN=BN, BK=BK, BR=rank_block(R),
+        S=S, BT=BT, BN=BN, BK=shrink_block_k(R), BR=rank_block(R),
     )  # fmt: skip
     return y

@@ -4,6 +4,7 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.fused_moe import MoeConfig, fused_moe
+from moelora.lora.batch_info import LoraBatchInfo
 
 H, I = 64, 32
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
@@ -58,11 +59,24 @@ def test_fused_moe_without_lora_and_with_one_half(poison_empty, config):
 
 
 def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
-    """A rank-8 slot in a rank-64 pool: NaN past the real rank must never be read."""
-    args, lora = moe_case(7, 4, 2, "distinct", torch.float32, R=64)
+    """Ranks 1..64 in a rank-64 pool: NaN past each slot's real rank must never be read."""
+    T, E, K, R = 7, 4, 2, 64
+    args, _ = moe_case(T, E, K, "none", torch.float32)
+    info = batch_info(T, "distinct")
+    info = LoraBatchInfo(
+        info.slot_of_token,
+        torch.tensor([0, 1, 8, 16, 0, 24, 40, 64], dtype=torch.int32),
+        info.scaling_of_slot,
+        torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32),
+    )
+    lora = dict(
+        lora13=lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot, torch.float32),
+        lora2=lora_weights(8, (E,), 1, R, I, (H,), info.rank_of_slot, torch.float32),
+        info=info,
+    )
     expect = reference.fused_moe(*args, **lora)
     for w in (lora["lora13"], lora["lora2"]):
-        for s, r in enumerate(lora["info"].rank_of_slot.tolist()):
+        for s, r in enumerate(info.rank_of_slot.tolist()):
             w.a[s, ..., r:, :] = float("nan")
             w.b[s, ..., r:] = float("nan")
     for config in (GROUPED, DIRECT):
