@@ -448,6 +448,7 @@ def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device)
 def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
     """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe)."""
     path = config_file(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     data[shape_key(E, H, I, K)] = {str(m): asdict(cfg) for m, cfg in sorted(table.items())}
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")

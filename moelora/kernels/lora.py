@@ -111,7 +111,7 @@ def lora_delta(
             if BR > 16 and rank <= 16:
                 acc0, acc1 = _shrink_expand(
                     acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar,
-                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, BK, 16,
+                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, 256, 16,
                 )  # fmt: skip
             else:
                 acc0, acc1 = _shrink_expand(
@@ -123,8 +123,9 @@ def lora_delta(
 
 def shrink_block_k(max_rank: int) -> int:
     """Depth of the shrink's tiles: the shrink is a serial loop over the whole input, so its
-    tiles are deep (few trips); shallower for big ranks to bound registers."""
-    return 128 if max_rank <= 16 else 64
+    tiles are deep (few trips); shallower for big ranks to bound registers. Ranks <= 16 always
+    take 16-wide, 256-deep tiles (lora_delta), whatever the pool's rank."""
+    return 256 if max_rank <= 16 else 64
 
 
 @triton.jit
