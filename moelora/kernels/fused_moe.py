@@ -10,14 +10,19 @@ Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
      applied in registers and only h = [rows, I] is written.
   3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
      writes one row per pair; a last small kernel sums each token's K rows.
-For one token (decode at batch 1) the pairs already have distinct experts, so the "direct"
-path skips the align (a block is one pair) and its down kernel loops over the token's K experts
-and writes the sum itself: two launches in all.
+For one token the pairs already have distinct experts, so a "direct" path (config.direct) skips
+the align (a block is one pair) and its down kernel loops over the token's K experts and writes
+the sum itself: two launches in all. On the H200 it lost to the grouped path even at one token
+(its programs each stream one expert's rows, too few to fill the GPU), so tuned configs and the
+default use the grouped path; it stays for devices where launches cost more.
 
-The LoRA deltas are added to the fp32 accumulators after the main loop and before the
-activation / the routing weight (lora.lora_delta). A block gathers its rows' slots and enabled
-flags before the main loop; when none is enabled the LoRA code is skipped, so a batch without
-active adapters runs the same launches as the base MoE and only pays those two gathers.
+The LoRA deltas are added to the fp32 accumulators before the activation / the routing
+weight. On the grouped path each shrink is done once per pair (moe_lora: x @ A13.T by extra
+programs of the align kernel, h @ A2.T split over gate_up's column blocks) and the GEMM
+epilogues only expand; the direct path shrinks inside its programs (lora.lora_delta). A block
+gathers its rows' slots and enabled flags before the main loop; when none is enabled the LoRA
+code is skipped, so a batch without active adapters runs the same launches as the base MoE and
+pays only those gathers (and align programs that exit at once).
 """
 
 from __future__ import annotations
@@ -32,6 +37,12 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
+from moelora.kernels.moe_lora import (
+    down_partial_shrink,
+    expand_rows,
+    pair_shrink,
+    pair_shrink_block_k,
+)
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -62,15 +73,43 @@ def _align_kernel(
     topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
     sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
     expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
-    # Sizes: pairs, experts, blocks (an upper bound on the blocks used).
+    # Pointers of the LoRA shrink programs (pid >= 1), see moe_lora.pair_shrink.
+    x_ptr,
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    a13_ptr,
+    xa13_ptr,
+    xa2_ptr,
+    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden.
     P,
     E,
     NB,
+    H,
+    # Strides.
+    stride_xt,
+    stride_as,
+    stride_ae,
+    stride_ai,
+    stride_ar,
     # Meta-parameters.
+    K: tl.constexpr,
+    HAS13: tl.constexpr,
+    HAS2: tl.constexpr,
+    BR: tl.constexpr,
+    BKS: tl.constexpr,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
     CH: tl.constexpr,
 ):
+    pid = tl.program_id(0)
+    if pid > 0:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
+        pair_shrink(
+            pid - 1, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
+            a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
+            HAS13, HAS2, BR, BKS,
+        )  # fmt: skip
+        return
     offs_e = tl.arange(0, E_PAD)
     offs_c = tl.arange(0, CH)
 
@@ -145,6 +184,9 @@ def _gate_up_kernel(
     scaling_ptr,
     a_ptr,  # [S, E, 2, R, H]
     b_ptr,  # [S, E, 2I, R]
+    xa13_ptr,  # [P, 2, BR] fp32, from the align kernel (grouped path)
+    a2_ptr,  # [S, E, 1, R, I]: h's columns feed xa2 here (grouped path)
+    xa2_ptr,  # [P, BR] fp32
     # Sizes.
     H,
     I,
@@ -159,10 +201,14 @@ def _gate_up_kernel(
     stride_bs,
     stride_be,
     stride_bn,
+    stride_a2s,
+    stride_a2e,
+    stride_a2r,
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_LORA2: tl.constexpr,
     DIRECT: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -180,7 +226,7 @@ def _gate_up_kernel(
         return
     row_ok = pair >= 0
     token = tl.where(row_ok, pair // K, 0)
-    if HAS_LORA:
+    if HAS_LORA or HAS_LORA2:
         # gathered before the main loop so their latency hides behind the weight stream
         slot_rows = active_slots(slot_ptr, token, row_ok, enabled_ptr)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -210,22 +256,45 @@ def _gate_up_kernel(
     # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
     if HAS_LORA:
         if tl.max(slot_rows, axis=0) >= 0:
-            a_e = a_ptr + expert.to(tl.int64) * stride_ae
             b_e = b_ptr + expert.to(tl.int64) * stride_be
-            acc_g, acc_u = lora_delta(
-                acc_g, acc_u, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ai, stride_ar,
-                b_e, stride_bs, stride_bn, offs_n, I + offs_n, n_ok,
-                rank_ptr, scaling_ptr, S, True, BM, BKL, BR,
-            )  # fmt: skip
+            if DIRECT:  # no align kernel ran: shrink here
+                a_e = a_ptr + expert.to(tl.int64) * stride_ae
+                acc_g, acc_u = lora_delta(
+                    acc_g, acc_u, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ai,
+                    stride_ar, b_e, stride_bs, stride_bn, offs_n, I + offs_n, n_ok,
+                    rank_ptr, scaling_ptr, S, True, BM, BKL, BR,
+                )  # fmt: skip
+            else:
+                offs_r = tl.arange(0, BR)
+                xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_r[None, :]
+                on = (slot_rows >= 0)[:, None]
+                xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
+                xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
+                acc_g = expand_rows(
+                    acc_g, xa_g, slot_rows, b_e, stride_bs, stride_bn, offs_n, n_ok,
+                    rank_ptr, scaling_ptr, S, BR,
+                )  # fmt: skip
+                acc_u = expand_rows(
+                    acc_u, xa_u, slot_rows, b_e, stride_bs, stride_bn, I + offs_n, n_ok,
+                    rank_ptr, scaling_ptr, S, BR,
+                )  # fmt: skip
 
     # -- activation and store --
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     if DIRECT:
         h_rows = pair
     else:
         h_rows = pid_m * BM + tl.arange(0, BM)
     h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(h_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
+
+    # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
+    if HAS_LORA2 and not DIRECT:
+        if tl.max(slot_rows, axis=0) >= 0:
+            down_partial_shrink(
+                xa2_ptr, pair, h, slot_rows, a2_ptr + expert.to(tl.int64) * stride_a2e,
+                stride_a2s, stride_a2r, offs_n, n_ok, rank_ptr, S, BM, BR,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,8 +356,9 @@ def _down_kernel(
     enabled_ptr,
     rank_ptr,
     scaling_ptr,
-    a_ptr,  # [S, E, 1, R, I]
+    a_ptr,  # [S, E, 1, R, I] (unused: the shrink is in xa2)
     b_ptr,  # [S, E, H, R]
+    xa2_ptr,  # [P, BR] fp32: h @ A2.T of each pair with an enabled slot
     # Sizes.
     H,
     I,
@@ -326,8 +396,20 @@ def _down_kernel(
         h_ptr, pid_m * BM + tl.arange(0, BM), row_ok, slot_rows, w2_ptr, expert, offs_n, n_ok,
         I, stride_we, stride_wn, rank_ptr, scaling_ptr, a_ptr, b_ptr,
         stride_as, stride_ae, stride_ar, stride_bs, stride_be, stride_bn,
-        S, HAS_LORA, BM, BN, BK, BKL, BR,
+        S, False, BM, BN, BK, BKL, BR,
     )  # fmt: skip
+    if HAS_LORA:
+        if tl.max(slot_rows, axis=0) >= 0:
+            offs_r = tl.arange(0, BR)
+            xa = tl.load(
+                xa2_ptr + pair[:, None] * BR + offs_r[None, :],
+                mask=(slot_rows >= 0)[:, None],
+                other=0.0,
+            )
+            acc = expand_rows(
+                acc, xa, slot_rows, b_ptr + expert.to(tl.int64) * stride_be, stride_bs,
+                stride_bn, offs_n, n_ok, rank_ptr, scaling_ptr, S, BR,
+            )  # fmt: skip
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
     out = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
@@ -440,8 +522,7 @@ def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device)
             buckets = sorted(int(m) for m in table)
             bucket = next((m for m in buckets if m >= T), buckets[-1])
             return MoeConfig(**table[str(bucket)])
-    if T == 1:
-        return MoeConfig(block_n_down=32, direct=True)
+    # measured on the H200 (bench/tune_moe.py): the grouped path wins even at one token
     return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
 
 
@@ -515,6 +596,9 @@ def fused_moe(
     )
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
+    if has13 and has2:
+        assert lora13.max_rank == lora2.max_rank, (lora13.a.shape, lora2.a.shape)
+    xa13 = xa2 = weights  # placeholders, replaced on the grouped path with LoRA
     if cfg.direct:
         NB, BM = P, 16
         sorted_pair = expert_of_block = ids  # unused by the direct kernels
@@ -524,17 +608,24 @@ def fused_moe(
         NB = min(P, triton.cdiv(P + min(E, P) * (BM - 1), BM))
         sorted_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
         expert_of_block = torch.empty(NB, dtype=torch.int32, device=x.device)
-        _align_kernel[(1,)](
-            ids, sorted_pair, expert_of_block, P, E, NB,
+        if any_lora is not None:  # scratch only pairs with an enabled slot write and read
+            xa13 = torch.empty(P, 2, BR, dtype=torch.float32, device=x.device)
+            xa2 = torch.empty(P, BR, dtype=torch.float32, device=x.device)
+        # program 0 aligns; with LoRA, programs 1..P shrink their pair (moe_lora.pair_shrink)
+        _align_kernel[(1 + (P if any_lora is not None else 0),)](
+            ids, sorted_pair, expert_of_block,
+            x, slot, enabled, rank, a13, xa13, xa2,
+            P, E, NB, H, x.stride(0), *sa13,
+            K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR),
             BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, num_warps=8,
         )  # fmt: skip
         h = torch.empty(NB * BM, I, dtype=x.dtype, device=x.device)
 
     _gate_up_kernel[(NB, triton.cdiv(I, cfg.block_n))](
         x, w13, h, ids, sorted_pair, expert_of_block,
-        slot, enabled, rank, scaling, a13, b13,
-        H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13,
-        K=K, S=S, HAS_LORA=has13, DIRECT=cfg.direct,
+        slot, enabled, rank, scaling, a13, b13, xa13, a2, xa2,
+        H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13, sa2[0], sa2[1], sa2[3],
+        K=K, S=S, HAS_LORA=has13, HAS_LORA2=has2, DIRECT=cfg.direct,
         BM=BM, BN=cfg.block_n, BK=cfg.block_k, BKL=BKL, BR=BR, **launch,
     )  # fmt: skip
 
@@ -553,8 +644,8 @@ def fused_moe(
         return out
     pair_out = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(NB, grid_n)](
-        h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args,
-        **down_meta, **launch,
+        h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args[:6], xa2,
+        *down_args[6:], **down_meta, **launch,
     )  # fmt: skip
     BH = min(1024, triton.next_power_of_2(H))
     _sum_topk_kernel[(T, triton.cdiv(H, BH))](pair_out, out, H, K=K, BH=BH)
