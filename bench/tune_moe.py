@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from kernels import DEV, DT, SHAPES, batch_info, graph_ms, lora_pool  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.fused_moe import MoeConfig, fused_moe, save_configs  # noqa: E402
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.kernels.moe_config import MoeConfig, save_configs  # noqa: E402
 
 
 def C(bm, bn, bk, bnd, bkd, warps=4, stages=3, direct=False) -> MoeConfig:

@@ -4,8 +4,8 @@ Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].
 e = ids[t, k]; d13, d2 are the LoRA deltas of token t's adapter slot for expert e.
 
 Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
-  1. Align (one program): sort the pairs by expert and pad each expert's group to BM rows, so
-     every BM-row block uses one expert. Its buffers are sized from T*K, E and BM only.
+  1. Align (moe_align.py, one program): sort the pairs by expert and pad each expert's group to
+     BM rows, so every BM-row block uses one expert. Buffers are sized from T*K, E and BM only.
   2. gate_up: a program owns one block and BN columns of both gate and up, so SiLU-and-mul is
      applied in registers and only h = [rows, I] is written.
   3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
@@ -27,121 +27,17 @@ pays only those gathers (and align programs that exit at once).
 
 from __future__ import annotations
 
-import functools
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
 from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
-from moelora.kernels.moe_lora import (
-    down_partial_shrink,
-    expand_rows,
-    pair_shrink,
-    pair_shrink_block_k,
-)
+from moelora.kernels.moe_align import align_kernel
+from moelora.kernels.moe_config import MoeConfig, default_config
+from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
-CONFIG_DIR = Path(__file__).parent / "configs"
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    """Tiles of the fused MoE: BM rows (pairs) x BN columns, BK deep; *_down for the down GEMM."""
-
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 64
-    block_n_down: int = 64
-    block_k_down: int = 64
-    num_warps: int = 4
-    num_stages: int = 3
-    direct: bool = False  # one pair per block, no align (only sensible for very few tokens)
-
-
-# --------------------------------------------------------------------------------------------
-# 1. Align: pairs sorted by expert, each expert's group padded to BM rows.
-# --------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _align_kernel(
-    # Pointers.
-    topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
-    sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
-    expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
-    # Pointers of the LoRA shrink programs (pid >= 1), see moe_lora.pair_shrink.
-    x_ptr,
-    slot_ptr,
-    enabled_ptr,
-    rank_ptr,
-    a13_ptr,
-    xa13_ptr,
-    xa2_ptr,
-    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden.
-    P,
-    E,
-    NB,
-    H,
-    # Strides.
-    stride_xt,
-    stride_as,
-    stride_ae,
-    stride_ai,
-    stride_ar,
-    # Meta-parameters.
-    K: tl.constexpr,
-    HAS13: tl.constexpr,
-    HAS2: tl.constexpr,
-    BR: tl.constexpr,
-    BKS: tl.constexpr,
-    BM: tl.constexpr,
-    E_PAD: tl.constexpr,
-    CH: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    if pid > 0:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
-        pair_shrink(
-            pid - 1, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
-            a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
-            HAS13, HAS2, BR, BKS,
-        )  # fmt: skip
-        return
-    offs_e = tl.arange(0, E_PAD)
-    offs_c = tl.arange(0, CH)
-
-    # -- pass 1: pairs per expert, then the first block of each expert --
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, P, CH):
-        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p0 + offs_c < P, other=-1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    blocks = (counts + BM - 1) // BM
-    blocks_end = tl.cumsum(blocks, axis=0)
-    blocks_start = blocks_end - blocks
-
-    # -- expert of each block: the number of experts that end at or before it --
-    for b0 in range(0, NB, CH):
-        b = b0 + offs_c
-        e = tl.sum((blocks_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_of_block_ptr + b, tl.where(e < E, e, -1), mask=b < NB)
-
-    # -- pass 2: every row starts as padding, then each pair goes to its place --
-    for r0 in range(0, NB * BM, CH):
-        tl.store(sorted_pair_ptr + r0 + offs_c, -1, mask=r0 + offs_c < NB * BM)
-    tl.debug_barrier()  # the padding stores above must land before the pair stores below
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, P, CH):
-        p_ok = p0 + offs_c < P
-        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p_ok, other=-1)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [CH, E_PAD]
-        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-        first = tl.sum(onehot * (blocks_start * BM + seen)[None, :], axis=1)
-        tl.store(sorted_pair_ptr + first + rank, p0 + offs_c, mask=p_ok)
-        seen += tl.sum(onehot, axis=0)
-
+# 1. Align: moe_align.py (one launch; with LoRA it also shrinks each pair, see moe_lora.py).
 
 # --------------------------------------------------------------------------------------------
 # 2. gate_up GEMM + LoRA + SiLU-and-mul.
@@ -495,46 +391,8 @@ def _sum_topk_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Tile configs and the wrapper.
+# The wrapper (tile configs: moe_config.py).
 # --------------------------------------------------------------------------------------------
-
-
-def config_file(device_name: str) -> Path:
-    return CONFIG_DIR / f"fused_moe_{device_name.replace(' ', '_')}.json"
-
-
-def shape_key(E: int, H: int, I: int, K: int) -> str:
-    return f"E={E},H={H},I={I},K={K}"
-
-
-@functools.cache
-def _load_configs(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device) -> MoeConfig:
-    """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
-    if device.type == "cuda":
-        table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
-            shape_key(E, H, I, K), {}
-        )
-        if table:
-            buckets = sorted(int(m) for m in table)
-            bucket = next((m for m in buckets if m >= T), buckets[-1])
-            return MoeConfig(**table[str(bucket)])
-    # measured on the H200 (bench/tune_moe.py): the grouped path wins even at one token
-    return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
-
-
-def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
-    """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe)."""
-    path = config_file(device_name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[shape_key(E, H, I, K)] = {str(m): asdict(cfg) for m, cfg in sorted(table.items())}
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    _load_configs.cache_clear()
-    return path
 
 
 def _lora_args(lora: LoraWeights | None, info: LoraBatchInfo | None, fallback: torch.Tensor):
@@ -612,7 +470,7 @@ def fused_moe(
             xa13 = torch.empty(P, 2, BR, dtype=torch.float32, device=x.device)
             xa2 = torch.empty(P, BR, dtype=torch.float32, device=x.device)
         # program 0 aligns; with LoRA, programs 1..P shrink their pair (moe_lora.pair_shrink)
-        _align_kernel[(1 + (P if any_lora is not None else 0),)](
+        align_kernel[(1 + (P if any_lora is not None else 0),)](
             ids, sorted_pair, expert_of_block,
             x, slot, enabled, rank, a13, xa13, xa2,
             P, E, NB, H, x.stride(0), *sa13,

@@ -1,0 +1,65 @@
+"""Tile configs of the fused MoE, kept as data: JSON per device in configs/, keyed by shape and
+by token-count bucket (bench/tune_moe.py writes them)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """Tiles of the fused MoE: BM rows (pairs) x BN columns, BK deep; *_down for the down GEMM."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 64
+    block_n_down: int = 64
+    block_k_down: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    direct: bool = False  # one pair per block, no align (see fused_moe)
+
+
+def config_file(device_name: str) -> Path:
+    return CONFIG_DIR / f"fused_moe_{device_name.replace(' ', '_')}.json"
+
+
+def shape_key(E: int, H: int, I: int, K: int) -> str:
+    return f"E={E},H={H},I={I},K={K}"
+
+
+@functools.cache
+def _load_configs(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device) -> MoeConfig:
+    """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
+    if device.type == "cuda":
+        table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
+            shape_key(E, H, I, K), {}
+        )
+        if table:
+            buckets = sorted(int(m) for m in table)
+            bucket = next((m for m in buckets if m >= T), buckets[-1])
+            return MoeConfig(**table[str(bucket)])
+    # measured on the H200 (bench/tune_moe.py): the grouped path wins even at one token
+    return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
+
+
+def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
+    """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe)."""
+    path = config_file(device_name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[shape_key(E, H, I, K)] = {str(m): asdict(cfg) for m, cfg in sorted(table.items())}
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _load_configs.cache_clear()
+    return path
