@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.dot import dot
 from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
 from moelora.kernels.moe_align import align_kernel
 from moelora.kernels.moe_config import MoeConfig, default_config
@@ -144,8 +145,8 @@ def _gate_up_kernel(
             other=0.0,
         )
         w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = tl.dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g)
-        acc_u = tl.dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
+        acc_g = dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g)
+        acc_u = dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
         wg_ptrs += BK
         wu_ptrs += BK
 
@@ -224,7 +225,7 @@ def _down_tile(
             mask=row_ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(ht, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+        acc = dot(ht, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
         w_ptrs += BK
     if HAS_LORA:
         if tl.max(slot_rows, axis=0) >= 0:
@@ -353,7 +354,7 @@ def _down_direct_kernel(
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = offs_n < H
     offs_m = tl.arange(0, BM)
-    row_ok = offs_m == 0  # a one-row tile: tl.dot needs 16 rows, the other rows are masked
+    row_ok = offs_m == 0  # a one-row tile: tl.tl.dot needs 16 rows, the other rows are masked
     slot_rows = tl.full((BM,), -1, tl.int32)
     if HAS_LORA:
         slot_rows = active_slots(slot_ptr, tl.where(row_ok, token, 0), row_ok, enabled_ptr)

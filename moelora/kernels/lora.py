@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.dot import dot
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 
@@ -55,16 +56,16 @@ def _shrink_expand(
         )
         a_ptrs = a_s + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None]
         a_mask = r_ok[None, :] & k_ok[:, None]
-        xa0 = tl.dot(xt, tl.load(a_ptrs, mask=a_mask, other=0.0), xa0)
+        xa0 = dot(xt, tl.load(a_ptrs, mask=a_mask, other=0.0), xa0)
         if TWO:
-            xa1 = tl.dot(xt, tl.load(a_ptrs + stride_ai, mask=a_mask, other=0.0), xa1)
+            xa1 = dot(xt, tl.load(a_ptrs + stride_ai, mask=a_mask, other=0.0), xa1)
     # -- expand into this tile's columns --
     b_mask = n_ok[None, :] & r_ok[:, None]
     b0 = tl.load(b_s + offs_n0[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-    acc0 = tl.dot((xa0 * scale).to(b0.dtype), b0, acc0)
+    acc0 = dot((xa0 * scale).to(b0.dtype), b0, acc0)
     if TWO:
         b1 = tl.load(b_s + offs_n1[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-        acc1 = tl.dot((xa1 * scale).to(b1.dtype), b1, acc1)
+        acc1 = dot((xa1 * scale).to(b1.dtype), b1, acc1)
     return acc0, acc1
 
 

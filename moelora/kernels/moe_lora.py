@@ -21,6 +21,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from moelora.kernels.dot import dot
+
 
 @triton.jit
 def pair_shrink(
@@ -103,7 +105,7 @@ def down_partial_shrink(
                 mask=n_ok[:, None] & r_ok[None, :],
                 other=0.0,
             )  # [BN, BR]
-            part = tl.dot(tl.where(rows_s[:, None], h, 0.0).to(at.dtype), at, part)
+            part = dot(tl.where(rows_s[:, None], h, 0.0).to(at.dtype), at, part)
     active = slot_rows >= 0
     tl.atomic_add(
         xa2_ptr + pair[:, None] * BR + offs_r[None, :], part, mask=active[:, None], sem="relaxed"
@@ -137,7 +139,7 @@ def expand_rows(
                 other=0.0,
             )  # [BR, BN]
             xs = tl.where(rows_s[:, None], xa * tl.load(scaling_ptr + s), 0.0)
-            acc = tl.dot(xs.to(bt.dtype), bt, acc)
+            acc = dot(xs.to(bt.dtype), bt, acc)
     return acc
 
 

@@ -15,6 +15,8 @@ from moelora import LLM, SamplingParams
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 NUM_ADAPTERS = 8
+# several engines live in one process: each takes a fixed KV cache, not a share of free memory
+ENGINE = dict(num_pages=2048)
 SHAPE = dict(
     hidden_size=256,
     head_dim=64,
@@ -58,6 +60,7 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets):
         max_graph_bs=96,
         max_num_seqs=96,
         max_num_batched_tokens=4096,
+        **ENGINE,
     )
     engine = llm.engine
     graphs = engine.runner.graphs
@@ -110,6 +113,7 @@ def test_a_request_does_not_depend_on_its_batch_mates(assets, dtype):
         dtype=dtype,
         max_graph_bs=32,
         max_num_seqs=32,
+        **ENGINE,
     )
     rng = random.Random(2)
     prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(13)]
@@ -148,11 +152,14 @@ def test_base_batch_after_a_mixed_one_equals_lora_disabled(assets):
         dtype="bfloat16",
         max_graph_bs=16,
         max_num_seqs=16,
+        **ENGINE,
     )
     mixed_names = [list(adapters)[i % NUM_ADAPTERS] if i % 3 else None for i in range(9)]
     mixed = with_lora.generate(prompts, params, lora=mixed_names)
     base_after = with_lora.generate(prompts, params)
-    without = LLM(model, dtype="bfloat16", max_graph_bs=16, max_num_seqs=16, enable_lora=False)
+    without = LLM(
+        model, dtype="bfloat16", max_graph_bs=16, max_num_seqs=16, enable_lora=False, **ENGINE
+    )
     base = without.generate(prompts, params)
     assert [o.token_ids for o in base_after] == [o.token_ids for o in base]
     assert [o.token_ids for o in mixed] != [o.token_ids for o in base]  # adapters did act
