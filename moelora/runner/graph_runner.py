@@ -182,10 +182,11 @@ class GraphRunner:
             self.graphs[(bs, STREAM_IDX)] = graph
             self.outputs[(bs, STREAM_IDX)] = out
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
         log.info(
             "captured %d CUDA graphs in %.1f s using %.0f MiB",
             len(self.sizes),
-            time.perf_counter() - start,
+            self.capture_seconds,
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
 
