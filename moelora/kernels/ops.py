@@ -21,6 +21,8 @@ class Ops:
     add_lora_: Callable
     store_kv: Callable
     paged_attention: Callable
+    rms_norm: Callable
+    rope_qk: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -30,6 +32,8 @@ REFERENCE_OPS = Ops(
     add_lora_=reference.add_lora_,
     store_kv=reference.store_kv,
     paged_attention=reference.paged_attention,
+    rms_norm=reference.rms_norm,
+    rope_qk=reference.rope_qk,
 )
 
 

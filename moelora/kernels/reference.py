@@ -193,3 +193,47 @@ def paged_attention(
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
     return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: s = x + residual (x alone when None); out = weight * rmsnorm(s).
+
+    The sum is rounded to x's dtype, the norm computed in float32 and cast back to x's dtype
+    before the weight multiplies it: the HF models' order, so float32 matches them exactly.
+    x, residual: [T, N]; weight: [N]. Returns (out [T, N], s [T, N]).
+    """
+    s = x if residual is None else x + residual
+    h = s.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(s.dtype), s
+
+
+def rope_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary.
+
+    q [T, Hq, D], k [T, Hkv, D] (strided views of the fused qkv output are fine);
+    positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None.
+    Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
+    """
+    if q_norm is not None:
+        q, _ = rms_norm(q, q_norm, eps)
+        k, _ = rms_norm(k, k_norm, eps)
+    c = cos[positions].to(q.dtype)[:, None, :]
+    s = sin[positions].to(q.dtype)[:, None, :]
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -6,12 +6,8 @@ from moelora.kernels import reference
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.lora import add_lora_
 from moelora.kernels.ops import Ops
+from moelora.kernels.paged_attention import paged_attention, store_kv
 from moelora.kernels.routing import route_topk
-
-try:  # written alongside (issue 3, attention part); the reference serves until it lands
-    from moelora.kernels.paged_attention import paged_attention, store_kv
-except ImportError:
-    paged_attention, store_kv = reference.paged_attention, reference.store_kv
 
 TRITON_OPS = Ops(
     name="triton",
@@ -20,4 +16,6 @@ TRITON_OPS = Ops(
     add_lora_=add_lora_,
     store_kv=store_kv,
     paged_attention=paged_attention,
+    rms_norm=reference.rms_norm,
+    rope_qk=reference.rope_qk,
 )

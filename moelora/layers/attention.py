@@ -28,11 +28,11 @@ class Attention(nn.Module):
         self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, **kw)
         eps = cfg.rms_norm_eps
         if cfg.qk_norm == "head":
-            self.q_norm = RMSNorm(cfg.head_dim, eps, **kw)
-            self.k_norm = RMSNorm(cfg.head_dim, eps, **kw)
+            self.q_norm = RMSNorm(cfg.head_dim, eps, ops, **kw)
+            self.k_norm = RMSNorm(cfg.head_dim, eps, ops, **kw)
         elif cfg.qk_norm == "full":
-            self.q_norm = RMSNorm(cfg.q_size, eps, **kw)
-            self.k_norm = RMSNorm(cfg.kv_size, eps, **kw)
+            self.q_norm = RMSNorm(cfg.q_size, eps, ops, **kw)
+            self.k_norm = RMSNorm(cfg.kv_size, eps, ops, **kw)
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
@@ -42,15 +42,21 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x, batch.lora)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q = q.reshape(T, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, batch.positions)
+        per_head = cfg.qk_norm == "head"
+        q, k = self.ops.rope_qk(
+            q.view(T, cfg.num_heads, cfg.head_dim),
+            k.view(T, cfg.num_kv_heads, cfg.head_dim),
+            batch.positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            self.q_norm.weight if per_head else None,
+            self.k_norm.weight if per_head else None,
+            cfg.rms_norm_eps,
+        )
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         k_cache, v_cache = kv_cache
         self.ops.store_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)

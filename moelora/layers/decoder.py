@@ -18,19 +18,27 @@ from moelora.runner.batch import ForwardBatch
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, sparse: bool, rotary: RotaryEmbedding, ops: Ops, **kw):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.self_attn = Attention(cfg, rotary, ops, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         if sparse:
             self.mlp = SparseMoE(cfg, ops, **kw)
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, ops, **kw)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x), batch.lora)
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the caller adds the two,
+        inside the next norm, so every add shares a kernel with a norm."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, batch, kv_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, batch.lora), residual
 
 
 class MoeCausalLM(nn.Module):
@@ -54,7 +62,7 @@ class MoeCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, sparse, rotary, ops, **kw) for sparse in cfg.sparse_layers
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
@@ -67,10 +75,10 @@ class MoeCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Returns the final hidden states [T, H] (normed)."""
-        x = F.embedding(batch.input_ids, self.embed_tokens)
+        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, batch, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, batch, kv)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head).float()

@@ -1,7 +1,8 @@
-"""Rotary position embedding (rotate-half style), with scaling as the HF config describes.
+"""Rotary position embedding tables (rotate-half style), scaled as the HF config describes.
 
 The inverse frequencies come from transformers' own rope functions so that every scaling kind
-it defines for a fixed context (linear, yarn, llama3, ...) matches the reference exactly.
+it defines for a fixed context (linear, yarn, llama3, ...) matches the reference exactly. The
+rotation itself is applied by ops.rope_qk, fused with the per-head q/k norm where a model has it.
 """
 
 from __future__ import annotations
@@ -24,19 +25,6 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D], positions [T]."""
-        cos = self.cos[positions].to(q.dtype)[:, None, :]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
 
 
 def _inv_freq(hf_config, device: torch.device) -> tuple[torch.Tensor, float]:
