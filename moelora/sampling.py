@@ -37,6 +37,12 @@ class SamplingParams:
             self.logprobs,
             "None or an integer >= 0",
         )
+        _check(
+            self.seed is None or -(2**63) <= self.seed < 2**64,
+            "seed",
+            self.seed,
+            "None or an integer in [-2**63, 2**64) (what torch generators take)",
+        )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
         _check(

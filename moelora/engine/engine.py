@@ -165,6 +165,11 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
             )
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise InvalidRequestError(
+                f"logprobs={params.logprobs} is invalid: expected at most the vocabulary size "
+                f"{vocab}"
+            )
         if lora is not None and lora not in self.adapters:
             raise AdapterNotFoundError(
                 f"adapter {lora!r} is not loaded: expected one of {sorted(self.adapters)}"

@@ -118,7 +118,19 @@ def test_seeded_sampling_repeats_and_logprobs_hold_the_chosen_token(roomy):
         assert tok in lp and 3 <= len(lp) <= 4 and all(v <= 0 for v in lp.values())
 
 
+def test_requests_the_engine_cannot_serve_are_refused_before_anything_runs(roomy):
+    with pytest.raises(InvalidRequestError, match="logprobs=100000"):
+        roomy.generate([PROMPTS[0]], SamplingParams(logprobs=100000))
+    with pytest.raises(InvalidRequestError, match="prompt token id 9999"):
+        roomy.generate([[1, 9999]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="lora has 1 entries"):
+        roomy.generate(PROMPTS[:2], GREEDY, lora=["a"])
+    assert not roomy.engine.has_unfinished_requests()
+
+
 def test_bad_sampling_params_are_refused_with_the_value_named():
+    with pytest.raises(InvalidRequestError, match="seed=18446744073709551616"):
+        SamplingParams(seed=2**64)
     with pytest.raises(InvalidRequestError, match="temperature=-1"):
         SamplingParams(temperature=-1)
     with pytest.raises(InvalidRequestError, match="top_p=0"):
