@@ -17,6 +17,7 @@ ENGINE_FLAGS = (
     "max_lora_rank",
     "max_model_len",
     "enforce_eager",
+    "force_reference_kernels",
     "gpu_memory_utilization",
     "device",
     "dtype",
@@ -78,6 +79,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument(
+        "--force-reference-kernels",
+        action="store_true",
+        help="run the torch reference kernels on the GPU too (debugging; implies eager)",
+    )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
