@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from moelora.kernels import reference
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.lora import add_lora_
+from moelora.kernels.norm_rope import rms_norm, rope_qk
 from moelora.kernels.ops import Ops
 from moelora.kernels.paged_attention import paged_attention, store_kv
 from moelora.kernels.routing import route_topk
@@ -16,6 +16,6 @@ TRITON_OPS = Ops(
     add_lora_=add_lora_,
     store_kv=store_kv,
     paged_attention=paged_attention,
-    rms_norm=reference.rms_norm,
-    rope_qk=reference.rope_qk,
+    rms_norm=rms_norm,
+    rope_qk=rope_qk,
 )
