@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import triton
+from common import commit, copy_bandwidth
 from triton.testing import do_bench
 
 from moelora.kernels.paged_attention import AttentionConfig, decode_plan, launch_paged_attention
@@ -42,14 +42,6 @@ SWEEP_CONFIGS = [
     AttentionConfig(block_m=16, block_n=128, num_warps=8, num_stages=2),
 ]
 SPLIT_FACTORS = (0.5, 1.0, 2.0)
-
-
-def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write)."""
-    src = torch.empty(2**30, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), return_mode="median")
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def decode_step(batch: int, context: int, layers: int):
@@ -105,15 +97,6 @@ def time_prefill(tokens: int) -> tuple[float, float]:
     )
     flops = 2 * 2 * HQ * D * tokens * tokens / 2  # QK^T and PV, causal half
     return ms, flops / (ms * 1e-3) / 1e12
-
-
-def commit() -> str:
-    if os.environ.get("MOELORA_COMMIT"):
-        return os.environ["MOELORA_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
