@@ -72,7 +72,8 @@ def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[SampleResult]:
     """logits [N, V] float32, one row per request that emits a token this step."""
-    logprobs_all = logits.log_softmax(dim=-1)
+    wants_logprobs = any(p.logprobs is not None for p in params)
+    logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
     need_probs = [not p.greedy for p in params]
     tokens = logits.argmax(dim=-1)
     if any(need_probs):
@@ -82,13 +83,15 @@ def sample(
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     results = []
     token_list = tokens.tolist()
-    for i, p in enumerate(params):
+    for i, (p, token) in enumerate(zip(params, token_list)):
         top = None
-        if p.logprobs is not None:
-            values, ids = logprobs_all[i].topk(p.logprobs) if p.logprobs else (None, None)
-            top = dict(zip(ids.tolist(), values.tolist())) if p.logprobs else {}
-            top[token_list[i]] = logprobs_all[i, token_list[i]].item()
-        results.append(SampleResult(token_list[i], top))
+        if p.logprobs is not None:  # vLLM's meaning: the top-k, plus the chosen token
+            top = {}
+            if p.logprobs:
+                values, ids = logprobs_all[i].topk(p.logprobs)
+                top = dict(zip(ids.tolist(), values.tolist()))
+            top[token] = logprobs_all[i, token].item()
+        results.append(SampleResult(token, top))
     return results
 
 
