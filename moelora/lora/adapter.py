@@ -31,6 +31,7 @@ _DENSE = re.compile(r"^layers\.(\d+)\.mlp\.(shared_expert\.)?(gate|up|down)_proj
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
 _EXPERTS_3D = re.compile(r"^layers\.(\d+)\.mlp\.experts(\.base_layer)*$")
 _REFUSED_TARGETS = ("embed_tokens", "lm_head")
+_SLICE_OF = {"gate": 0, "up": 1, "down": 0}  # which output slice of gate|up (or down) a proj is
 
 
 @dataclass(frozen=True)
@@ -66,10 +67,8 @@ def load_adapter(
 ) -> LoraAdapter:
     cfg = _read_config(name, path)
     tensors = _read_tensors(name, path)
-    pieces = [
-        _place(name, cfg, key, a, b, targets) for key, (a, b) in _pairs(name, tensors).items()
-    ]
-    pieces = [p for group in pieces for p in group]
+    placer = _Placer(name, cfg, targets)
+    pieces = [p for key, (a, b) in _pairs(name, tensors).items() for p in placer.place(key, a, b)]
     if not pieces:
         raise AdapterError(f"adapter {name!r} ({path}): no LoRA weights found")
     rank = max(p.a.shape[0] for p in pieces)
@@ -159,76 +158,84 @@ def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
     return {m: (a_of[m], b_of[m]) for m in a_of}
 
 
-def _place(name, cfg, key, a, b, targets) -> list[_Piece]:
-    peft_key = key  # as PEFT names the module: the key for rank/alpha patterns
-    canon = canonical_name(key)
-    if any(r in canon for r in _REFUSED_TARGETS):
-        raise AdapterError(
-            f"adapter {name!r}: key {key!r} targets an embedding or lm_head, "
-            "expected attention, MLP or expert projections"
-        )
-    if m := _ATTN.match(canon):
-        layer, proj = m.group(1), m.group(2)
-        tkey = f"layers.{layer}.{'o' if proj == 'o' else 'qkv'}"
-        index = 0 if proj == "o" else "qkv".index(proj)
-        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, None)]
-    if m := _DENSE.match(canon):
-        layer, shared, proj = m.group(1), m.group(2), m.group(3)
-        base = "shared" if shared else "mlp"
-        tkey = f"layers.{layer}.{base}.{'down' if proj == 'down' else 'gate_up'}"
-        index = {"gate": 0, "up": 1, "down": 0}[proj]
-        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, None)]
-    if m := _EXPERT.match(canon):
-        layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-        tkey = f"layers.{layer}.experts{'2' if proj == 'down' else '13'}"
-        index = {"gate": 0, "up": 1, "down": 0}[proj]
-        return [_dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, expert)]
-    if m := _EXPERTS_3D.match(canon):
-        return _experts_3d(name, cfg, key, a, b, targets, m.group(1))
-    raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
+@dataclass(frozen=True)
+class _Placer:
+    """Places one adapter's PEFT (A, B) pairs onto the model's LoRA targets."""
 
+    name: str
+    cfg: dict
+    targets: dict[str, LoraTarget]
 
-def _dense_piece(name, cfg, key, peft_key, a, b, targets, tkey, index, expert) -> _Piece:
-    t = targets.get(tkey)
-    if t is None or (expert is not None and expert >= t.num_experts):
-        raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
-    r = a.shape[0]
-    want_a, want_b = (r, t.in_features), (t.out_slices[index], r)
-    if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
-        raise AdapterError(
-            f"adapter {name!r}: key {key!r} has lora_A {tuple(a.shape)} / lora_B "
-            f"{tuple(b.shape)}, expected {want_a} / {want_b}"
-        )
-    return _Piece(tkey, index, expert, a, b, _module_scale(cfg, peft_key, r), key)
+    def place(self, key: str, a: torch.Tensor, b: torch.Tensor) -> list[_Piece]:
+        """key is PEFT's module name (also what rank/alpha patterns match against)."""
+        canon = canonical_name(key)
+        if any(r in canon for r in _REFUSED_TARGETS):
+            raise self.error(
+                key,
+                "targets an embedding or lm_head, expected attention, MLP or expert projections",
+            )
+        if m := _ATTN.match(canon):
+            layer, proj = m.group(1), m.group(2)
+            tkey = f"layers.{layer}.{'o' if proj == 'o' else 'qkv'}"
+            return [self.piece(key, a, b, tkey, 0 if proj == "o" else "qkv".index(proj))]
+        if m := _DENSE.match(canon):
+            layer, shared, proj = m.group(1), m.group(2), m.group(3)
+            base = "shared" if shared else "mlp"
+            tkey = f"layers.{layer}.{base}.{'down' if proj == 'down' else 'gate_up'}"
+            return [self.piece(key, a, b, tkey, _SLICE_OF[proj])]
+        if m := _EXPERT.match(canon):
+            layer, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            tkey = f"layers.{layer}.experts{'2' if proj == 'down' else '13'}"
+            return [self.piece(key, a, b, tkey, _SLICE_OF[proj], expert)]
+        if m := _EXPERTS_3D.match(canon):
+            return self.experts_3d(key, a, b, m.group(1))
+        raise self.error(key, "matches no module of the model")
 
+    def piece(self, key, a, b, tkey: str, index: int, expert: int | None = None) -> _Piece:
+        t = self.targets.get(tkey)
+        if t is None or (expert is not None and expert >= t.num_experts):
+            raise self.error(key, "matches no module of the model")
+        r = a.shape[0]
+        want_a, want_b = (r, t.in_features), (t.out_slices[index], r)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise self.error(
+                key,
+                f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
+                f"expected {want_a} / {want_b}",
+            )
+        return _Piece(tkey, index, expert, a, b, _module_scale(self.cfg, key, r), key)
 
-def _experts_3d(name, cfg, key, a, b, targets, layer) -> list[_Piece]:
-    """target_parameters on mlp.experts: gate_up (A [rE, H], B [2I, rE]) or down (A [rE, I],
-    B [H, rE]); which one is told by the shapes (H != I, or 2I != H, always holds one way)."""
-    t13, t2 = targets.get(f"layers.{layer}.experts13"), targets.get(f"layers.{layer}.experts2")
-    if t13 is None:
-        raise AdapterError(f"adapter {name!r}: key {key!r} matches no module of the model")
-    E = t13.num_experts
-    for t, param in ((t13, "gate_up_proj"), (t2, "down_proj")):
-        if a.shape[1] == t.in_features and b.shape[0] == t.out_features and a.shape[0] % E == 0:
+    def experts_3d(self, key, a, b, layer: str) -> list[_Piece]:
+        """target_parameters on mlp.experts: gate_up (A [rE, H], B [2I, rE]) or down (A [rE, I],
+        B [H, rE]); the shapes tell which (H != I, or 2I != H, always holds one way)."""
+        t13 = self.targets.get(f"layers.{layer}.experts13")
+        t2 = self.targets.get(f"layers.{layer}.experts2")
+        if t13 is None:
+            raise self.error(key, "matches no module of the model")
+        E = t13.num_experts
+        for t, param in ((t13, "gate_up_proj"), (t2, "down_proj")):
             r = a.shape[0] // E
-            if b.shape[1] != r * E:
-                break
-            peft_key = re.sub(r"(\.base_layer)+$", "", key) + "." + param
-            scale = _module_scale(cfg, peft_key, r)
-            pieces = []
-            for e in range(E):
-                a_e = a[e * r : (e + 1) * r]
-                b_e = b[:, e::E]  # PEFT interleaves the experts' columns of B
-                index = None if t is t13 else 0
-                pieces.append(_Piece(t.key, index, e, a_e, b_e, scale, key))
-            return pieces
-    H, I = t13.in_features, t2.in_features
-    raise AdapterError(
-        f"adapter {name!r}: key {key!r} has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
-        f"expected gate_up ([r*{E}, {H}] / [{2 * I}, r*{E}]) or down ([r*{E}, {I}] / "
-        f"[{H}, r*{E}])"
-    )
+            fits = a.shape[1] == t.in_features and b.shape[0] == t.out_features
+            if fits and a.shape[0] == r * E and b.shape[1] == r * E:
+                # rank/alpha patterns name the parameter, as PEFT's target_parameters do
+                scale = _module_scale(
+                    self.cfg, re.sub(r"(\.base_layer)+$", "", key) + "." + param, r
+                )
+                index = None if t is t13 else 0  # gate_up: one A serves both slices
+                # expert e: rows e*r:(e+1)*r of A, but columns e::E of B (PEFT interleaves B)
+                return [
+                    _Piece(t.key, index, e, a[e * r : (e + 1) * r], b[:, e::E], scale, key)
+                    for e in range(E)
+                ]
+        H, I = t13.in_features, t2.in_features
+        raise self.error(
+            key,
+            f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, expected gate_up "
+            f"([r*{E}, {H}] / [{2 * I}, r*{E}]) or down ([r*{E}, {I}] / [{H}, r*{E}])",
+        )
+
+    def error(self, key: str, what: str) -> AdapterError:
+        return AdapterError(f"adapter {self.name!r}: key {key!r} {what}")
 
 
 def _module_scale(cfg: dict, peft_key: str, r: int) -> float:
