@@ -10,25 +10,8 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
-
-
-def _index_fix(original):
-    """Triton 3.6's interpreter turns scalars into Python ints with int(array of shape [1]),
-    which NumPy >= 2.4 rejects (any range() over a runtime bound fails). Convert via .item()."""
-
-    def patch(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).item()))
-
-    return patch
-
-
-if tuple(int(p) for p in np.__version__.split(".")[:2]) >= (2, 4):
-    interpreter._patch_lang_tensor = _index_fix(interpreter._patch_lang_tensor)
 
 
 @pytest.fixture
