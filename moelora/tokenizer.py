@@ -33,6 +33,22 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
+    def decode_incremental(
+        self, ids: list[int], offsets: tuple[int, int]
+    ) -> tuple[str, tuple[int, int]]:
+        """The text the newest tokens add, decoding a short window instead of the whole list.
+
+        offsets = (prefix, read): ids[prefix:read] is the window already turned into text. The
+        window is decoded with and without the new tokens and the difference is the new text;
+        it is held back while it ends in an incomplete UTF-8 character.
+        """
+        prefix, read = offsets
+        before = self.decode(ids[prefix:read])
+        after = self.decode(ids[prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            return after[len(before) :], (read, len(ids))
+        return "", offsets
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self._tok.chat_template is None:
             raise InvalidRequestError("this model folder has no chat template")

@@ -217,9 +217,13 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params
         if self.tokenizer is not None:
-            req.text = self.tokenizer.decode(req.output_token_ids)
-            for stop in p.stop or []:
-                cut = req.text.find(stop)
+            seen = len(req.text)
+            delta, req.detok_offsets = self.tokenizer.decode_incremental(
+                req.output_token_ids, req.detok_offsets
+            )
+            req.text += delta
+            for stop in p.stop or []:  # only where the new text can complete a match
+                cut = req.text.find(stop, max(0, seen - len(stop) + 1))
                 if cut >= 0:
                     req.text = req.text[:cut]
                     return "stop"

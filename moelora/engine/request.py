@@ -27,6 +27,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
+    detok_offsets: tuple[int, int] = (0, 0)  # see Tokenizer.decode_incremental
     pages: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     slot: int | None = None  # adapter slot held while running
@@ -38,10 +39,13 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens start..stop of prompt + output, without copying the whole sequence."""
         prompt = len(self.prompt_token_ids)
         if stop <= prompt:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : stop - prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - prompt]
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

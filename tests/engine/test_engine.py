@@ -137,3 +137,19 @@ def test_bad_sampling_params_are_refused_with_the_value_named():
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="max_tokens=0"):
         SamplingParams(max_tokens=0)
+
+
+def test_incremental_detokenization_equals_decoding_everything(model_and_adapter):
+    from moelora.tokenizer import Tokenizer
+
+    tok = Tokenizer(model_and_adapter[0], [])
+    text = "héllo wörld, 日本語 and 🙂 emoji; plain ascii too."
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # byte-level: multi-byte characters span several tokens
+    out, offsets = "", (0, 0)
+    for n in range(1, len(ids) + 1):
+        delta, offsets = tok.decode_incremental(ids[:n], offsets)
+        assert "\ufffd" not in delta  # a character is never emitted half-done
+        out += delta
+        assert tok.decode(ids[:n]).startswith(out)
+    assert out == tok.decode(ids) == text
