@@ -1,21 +1,18 @@
 """OLMoE: q/k RMSNorm over all heads at once, optional qkv clipping, every layer sparse."""
 
-import dataclasses
-
 from moelora.models.config import ModelConfig, common_fields
 
 
 def model_config(hf) -> ModelConfig:
-    return dataclasses.replace(
-        ModelConfig(
-            **common_fields(hf, "olmoe"),
-            qkv_bias=bool(getattr(hf, "attention_bias", False)),
-            qk_norm="full",
-            num_experts=hf.num_experts,
-            top_k=hf.num_experts_per_tok,
-            moe_intermediate_size=hf.intermediate_size,
-            renormalize=bool(hf.norm_topk_prob),
-            sparse_layers=(True,) * hf.num_hidden_layers,
-        ),
-        clip_qkv=getattr(hf, "clip_qkv", None),
+    fields = common_fields(hf, "olmoe")
+    fields["clip_qkv"] = getattr(hf, "clip_qkv", None)
+    return ModelConfig(
+        **fields,
+        qkv_bias=bool(getattr(hf, "attention_bias", False)),
+        qk_norm="full",
+        num_experts=hf.num_experts,
+        top_k=hf.num_experts_per_tok,
+        moe_intermediate_size=hf.intermediate_size,
+        renormalize=bool(hf.norm_topk_prob),
+        sparse_layers=(True,) * hf.num_hidden_layers,
     )
