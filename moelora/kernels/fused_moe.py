@@ -4,8 +4,9 @@ Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].
 e = ids[t, k]; d13, d2 are the LoRA deltas of token t's adapter slot for expert e.
 
 Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
-  1. Align (moe_align.py, one program): sort the pairs by expert and pad each expert's group to
-     BM rows, so every BM-row block uses one expert. Buffers are sized from T*K, E and BM only.
+  1. Align (moe_align.py, one launch of a few programs): sort the pairs by expert and pad each
+     expert's group to BM rows, so every BM-row block uses one expert. Buffers are sized from
+     T*K, E and BM only.
   2. gate_up: a program owns one block and BN columns of both gate and up, so SiLU-and-mul is
      applied in registers and only h = [rows, I] is written.
   3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
@@ -33,7 +34,7 @@ import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
-from moelora.kernels.moe_align import align_kernel
+from moelora.kernels.moe_align import align_kernel, align_plan
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
@@ -470,13 +471,14 @@ def fused_moe(
         if any_lora is not None:  # scratch only pairs with an enabled slot write and read
             xa13 = torch.empty(P, 2, BR, dtype=torch.float32, device=x.device)
             xa2 = torch.empty(P, BR, dtype=torch.float32, device=x.device)
-        # program 0 aligns; with LoRA, programs 1..P shrink their pair (moe_lora.pair_shrink)
-        align_kernel[(1 + (P if any_lora is not None else 0),)](
+        # programs 0..NA-1 align; with LoRA, NA..NA+P-1 shrink their pair (moe_lora.pair_shrink)
+        NA, align_meta = align_plan(P, NB)
+        align_kernel[(NA + (P if any_lora is not None else 0),)](
             ids, sorted_pair, expert_of_block,
             x, slot, enabled, rank, a13, xa13, xa2,
-            P, E, NB, H, x.stride(0), *sa13,
+            P, E, NB, H, NA, x.stride(0), *sa13,
             K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR),
-            BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, num_warps=8,
+            BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **align_meta,
         )  # fmt: skip
         h = torch.empty(NB * BM, I, dtype=x.dtype, device=x.device)
 

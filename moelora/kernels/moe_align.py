@@ -1,66 +1,101 @@
 """Align for the fused MoE: the (token, expert) pairs sorted by expert, each expert's group padded
 to BM rows, so every BM-row block of the grouped GEMMs uses one expert.
 
-Algorithm (one program; buffers sized from T*K, E and BM only, no host sync): count the pairs
-of each expert with one-hot sums over chunks of pairs, turn the counts into each expert's first
-block (a cumsum of ceil(count / BM)), then place every pair at its expert's first row plus its
-rank among the expert's pairs (a cumsum down the one-hot chunk plus the count of earlier
-chunks). Padding rows hold -1, unused blocks expert -1. When the MoE has LoRA, programs 1..P
-of the same launch do each pair's gate_up shrink (moe_lora.pair_shrink), so that costs no
-launch of its own.
+Semantics: sorted_pair = the pair indices, stably sorted by expert, each expert's run padded with
+-1 to a multiple of BM rows, then -1 up to NB*BM; expert_of_block[b] = the expert of rows
+b*BM..b*BM+BM-1, -1 past the used blocks (align_reference is the torch statement of it).
+
+Algorithm. Buffers are sized from P = T*K, E and BM only, and nothing syncs with the host, so
+the launch is capturable in a CUDA graph. Up to PMAX pairs (every decode batch), the align is
+spread over NA programs that never talk to each other: each loads all P expert ids at once,
+histograms them into per-expert counts and turns those into each expert's first row (a cumsum
+of ceil(count / BM) * BM). Then program a
+  - places its PCH pairs: row = expert's first row + pairs of that expert in earlier programs
+    (a histogram of ids[:a*PCH]) + those earlier in its own chunk (a [PCH, PCH] compare);
+  - writes its RB blocks: the expert of each block (experts that end at or before it) and -1
+    in the block's rows past its expert's last pair.
+Pair rows and padding rows are disjoint, so the two halves need no ordering. Past PMAX (prefill,
+never in a graph) one program does the same serially over chunks of CH pairs, with a one-hot
+cumsum for the ranks. When the MoE has LoRA, programs NA..NA+P-1 of the same launch do each
+pair's gate_up shrink (moe_lora.pair_shrink), so that costs no launch of its own.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from moelora.kernels.moe_lora import pair_shrink
 
+# Largest P aligned by the parallel path: every program holds all P ids in registers.
+PMAX = 4096
+
 
 @triton.jit
-def align_kernel(
-    # Pointers.
-    topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
-    sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
-    expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
-    # Pointers of the LoRA shrink programs (pid >= 1), see moe_lora.pair_shrink.
-    x_ptr,
-    slot_ptr,
-    enabled_ptr,
-    rank_ptr,
-    a13_ptr,
-    xa13_ptr,
-    xa2_ptr,
-    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden.
+def _align_parallel(
+    a,
+    topk_ids_ptr,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
     P,
     E,
     NB,
-    H,
-    # Strides.
-    stride_xt,
-    stride_as,
-    stride_ae,
-    stride_ai,
-    stride_ar,
-    # Meta-parameters.
-    K: tl.constexpr,
-    HAS13: tl.constexpr,
-    HAS2: tl.constexpr,
-    BR: tl.constexpr,
-    BKS: tl.constexpr,
+    BM: tl.constexpr,
+    E_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    PCH: tl.constexpr,
+    RB: tl.constexpr,
+):
+    """Align program a of NA: pairs a*PCH.. and blocks a*RB.. (see the module docstring)."""
+    # -- every program: counts and first row of each expert, from all P ids --
+    offs_p = tl.arange(0, P_PAD)
+    ids_all = tl.load(topk_ids_ptr + offs_p, mask=offs_p < P, other=0)
+    counts = tl.histogram(ids_all, E_PAD, mask=offs_p < P)
+    blocks = (counts + BM - 1) // BM
+    blocks_end = tl.cumsum(blocks, axis=0)
+    row_start = (blocks_end - blocks) * BM
+
+    # -- pairs p0..p0+PCH-1: expert's first row + rank among the expert's pairs --
+    p0 = a * PCH
+    if p0 < P:
+        before = tl.histogram(ids_all, E_PAD, mask=offs_p < p0)  # same expert, earlier chunks
+        offs_c = p0 + tl.arange(0, PCH)
+        c_ok = offs_c < P
+        ids = tl.load(topk_ids_ptr + offs_c, mask=c_ok, other=0)
+        first = tl.gather(row_start + before, ids, 0)
+        earlier = (ids[:, None] == ids[None, :]) & (offs_c[None, :] < offs_c[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)  # same expert, earlier in this chunk
+        tl.store(sorted_pair_ptr + first + rank, offs_c, mask=c_ok)
+
+    # -- blocks b0..b0+RB-1: their expert, and -1 in rows past the expert's last pair --
+    b0 = a * RB
+    if b0 < NB:
+        offs_e = tl.arange(0, E_PAD)
+        b = b0 + tl.arange(0, RB)
+        e = tl.sum((blocks_end[None, :] <= b[:, None]).to(tl.int32), axis=1)  # [RB]
+        tl.store(expert_of_block_ptr + b, tl.where(e < E, e, -1), mask=b < NB)
+        # rows of expert e holding a pair end at row_start + count; past the used blocks no
+        # expert matches (or a padded one with count 0 at the end), so the whole block is -1
+        pairs_end = tl.sum(tl.where(offs_e[None, :] == e[:, None], row_start + counts, 0), 1)
+        rows = b[:, None] * BM + tl.arange(0, BM)[None, :]  # [RB, BM]
+        pad = (rows >= pairs_end[:, None]) & (b < NB)[:, None]
+        tl.store(sorted_pair_ptr + rows, -1, mask=pad)
+
+
+@triton.jit
+def _align_serial(
+    topk_ids_ptr,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    P,
+    E,
+    NB,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
     CH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if pid > 0:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
-        pair_shrink(
-            pid - 1, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
-            a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
-            HAS13, HAS2, BR, BKS,
-        )  # fmt: skip
-        return
+    """The whole align in one program, in chunks of CH pairs: any P."""
     offs_e = tl.arange(0, E_PAD)
     offs_c = tl.arange(0, CH)
 
@@ -92,3 +127,126 @@ def align_kernel(
         first = tl.sum(onehot * (blocks_start * BM + seen)[None, :], axis=1)
         tl.store(sorted_pair_ptr + first + rank, p0 + offs_c, mask=p_ok)
         seen += tl.sum(onehot, axis=0)
+
+
+@triton.jit
+def align_kernel(
+    # Pointers.
+    topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
+    sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
+    expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
+    # Pointers of the LoRA shrink programs (pid >= NA), see moe_lora.pair_shrink.
+    x_ptr,
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    a13_ptr,
+    xa13_ptr,
+    xa2_ptr,
+    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden, align programs.
+    P,
+    E,
+    NB,
+    H,
+    NA,
+    # Strides.
+    stride_xt,
+    stride_as,
+    stride_ae,
+    stride_ai,
+    stride_ar,
+    # Meta-parameters: LoRA shrink, then align (align_plan picks PARALLEL, P_PAD, PCH, RB).
+    K: tl.constexpr,
+    HAS13: tl.constexpr,
+    HAS2: tl.constexpr,
+    BR: tl.constexpr,
+    BKS: tl.constexpr,
+    BM: tl.constexpr,
+    E_PAD: tl.constexpr,
+    CH: tl.constexpr,
+    PARALLEL: tl.constexpr,
+    P_PAD: tl.constexpr,
+    PCH: tl.constexpr,
+    RB: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid >= NA:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
+        pair_shrink(
+            pid - NA, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
+            a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
+            HAS13, HAS2, BR, BKS,
+        )  # fmt: skip
+    elif PARALLEL:
+        _align_parallel(
+            pid, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, P, E, NB,
+            BM, E_PAD, P_PAD, PCH, RB,
+        )  # fmt: skip
+    else:
+        _align_serial(topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, P, E, NB, BM, E_PAD, CH)
+
+
+def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
+    """(NA, meta-parameters) of the align programs for P pairs and NB blocks: NA depends on P,
+    NB (so on P, E, BM) only, never on the ids, so a graph replay launches the same grid."""
+    if P > pmax:
+        return 1, dict(PARALLEL=False, P_PAD=1, PCH=1, RB=1, num_warps=8)
+    # Swept on an H200 (E=128, K=8, BM 16 and 64): narrow programs win up to P=1024 (1.8 us at
+    # P=8, 2.7 at 1024); past it every program's histogram of all P ids dominates, so fewer,
+    # wider ones (3.3 us at 2048).
+    small = P <= 1024
+    PCH, RB = (16, 2) if small else (32, 4)
+    NA = max(triton.cdiv(P, PCH), triton.cdiv(NB, RB))
+    P_PAD = max(32, triton.next_power_of_2(P))  # at least a warp's lanes for the histogram
+    return NA, dict(PARALLEL=True, P_PAD=P_PAD, PCH=PCH, RB=RB, num_warps=4 if small else 8)
+
+
+def num_blocks(P: int, E: int, BM: int) -> int:
+    """Upper bound on the BM-row blocks used: every expert with a pair wastes < BM rows."""
+    return min(P, triton.cdiv(P + min(E, P) * (BM - 1), BM))
+
+
+def moe_align(
+    topk_ids: torch.Tensor, E: int, BM: int, *, pmax: int = PMAX
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: see the module docstring. topk_ids [T, K] int32, ids in [0, E).
+
+    Returns sorted_pair [NB*BM] int32 and expert_of_block [NB] int32, NB = num_blocks(T*K, E, BM).
+    fused_moe launches align_kernel itself, with its LoRA shrink programs; this is the align
+    alone.
+    """
+    assert topk_ids.dtype == torch.int32, topk_ids.dtype
+    ids = topk_ids.contiguous().view(-1)
+    P = ids.numel()
+    NB = num_blocks(P, E, BM)
+    sorted_pair = torch.empty(NB * BM, dtype=torch.int32, device=ids.device)
+    expert_of_block = torch.empty(NB, dtype=torch.int32, device=ids.device)
+    if P == 0:
+        return sorted_pair, expert_of_block
+    NA, meta = align_plan(P, NB, pmax=pmax)
+    align_kernel[(NA,)](
+        ids, sorted_pair, expert_of_block,
+        ids, ids, ids, ids, ids, ids, ids,
+        P, E, NB, 0, NA, 0, 0, 0, 0, 0,
+        K=1, HAS13=False, HAS2=False, BR=16, BKS=16,
+        BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta,
+    )  # fmt: skip
+    return sorted_pair, expert_of_block
+
+
+def align_reference(
+    topk_ids: torch.Tensor, E: int, BM: int, NB: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The align in torch: a stable sort of the pairs by expert, each expert's run padded."""
+    ids = topk_ids.reshape(-1).long()
+    counts = torch.bincount(ids, minlength=E)
+    blocks = (counts + BM - 1) // BM
+    order = torch.sort(ids, stable=True).indices
+    expert = ids[order]
+    rank = torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    row_start = (torch.cumsum(blocks, 0) - blocks) * BM
+    sorted_pair = torch.full((NB * BM,), -1, dtype=torch.int32, device=ids.device)
+    sorted_pair[row_start[expert] + rank] = order.to(torch.int32)
+    expert_of_block = torch.full((NB,), -1, dtype=torch.int32, device=ids.device)
+    used = int(blocks.sum())
+    expert_of_block[:used] = torch.repeat_interleave(torch.arange(E, device=ids.device), blocks)
+    return sorted_pair, expert_of_block

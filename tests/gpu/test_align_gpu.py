@@ -1,0 +1,69 @@
+"""The MoE align on the GPU against its torch statement, bit for bit, at decode batch sizes.
+
+Qwen3-30B-A3B routing (E=128, K=8) for T in {1, 8, 64, 128, 256} (P up to 2048: the parallel
+path every CUDA-graph batch takes) and each block size, on random and skewed ids, with the
+serial path (pmax=0) checked too. Output buffers start poisoned, so a row no program writes
+shows up.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (see kernels/conftest)
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+from moelora.kernels.moe_align import PMAX, align_reference, moe_align, num_blocks  # noqa: E402
+
+DEV = "cuda"
+E, K = 128, 8
+
+
+@pytest.fixture
+def poison_empty(monkeypatch):
+    """torch.empty returns -7 for ints: a row or block the kernel leaves unwritten shows up."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def routed_ids(T: int, spread: str) -> torch.Tensor:
+    if spread == "skewed":  # every token the same K experts: K groups of T pairs
+        return torch.arange(K, dtype=torch.int32, device=DEV).flip(0).repeat(T, 1)
+    return torch.rand(T, E, device=DEV).argsort(dim=1)[:, :K].to(torch.int32)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 128, 256])
+@pytest.mark.parametrize("BM", [16, 32, 64])
+@pytest.mark.parametrize("spread", ["random", "skewed"])
+def test_align_matches_reference(poison_empty, T, BM, spread):
+    torch.manual_seed(T * BM)
+    for _ in range(3):  # fresh ids each time
+        ids = routed_ids(T, spread)
+        expect = align_reference(ids, E, BM, num_blocks(T * K, E, BM))
+        for pmax in (PMAX, 0):
+            got = moe_align(ids, E, BM, pmax=pmax)
+            assert torch.equal(got[0], expect[0]), (pmax, got[0], expect[0])
+            assert torch.equal(got[1], expect[1]), (pmax, got[1], expect[1])
+
+
+def test_align_replays_in_a_cuda_graph():
+    """Captured once, replayed on other ids written in place: the grid never depends on them."""
+    T, BM = 64, 16
+    ids = routed_ids(T, "random")
+    moe_align(ids, E, BM)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        sorted_pair, expert_of_block = moe_align(ids, E, BM)
+    for spread in ("random", "skewed", "random"):
+        ids.copy_(routed_ids(T, spread))
+        graph.replay()
+        expect = align_reference(ids, E, BM, num_blocks(T * K, E, BM))
+        assert torch.equal(sorted_pair, expect[0]), spread
+        assert torch.equal(expert_of_block, expect[1]), spread
