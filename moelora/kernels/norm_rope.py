@@ -109,6 +109,7 @@ def _rope_qk_kernel(
     # Pointers.
     q_ptr,  # [T, Hq, D], strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, Hkv, D], strides (stride_kt, stride_kh, 1)
+    v_ptr,  # [T, Hkv, D], strides (stride_vt, stride_vh, 1); q_ptr without STORE_KV
     pos_ptr,  # [T] int64
     cos_ptr,  # [L, D] float32, row stride stride_cl
     sin_ptr,  # [L, D] float32, row stride stride_sl
@@ -116,24 +117,51 @@ def _rope_qk_kernel(
     k_norm_ptr,  # [D] likewise
     q_out_ptr,  # [T, Hq, D] contiguous
     k_out_ptr,  # [T, Hkv, D] contiguous
+    k_cache_ptr,  # [num_pages, page_size, Hkv, D], strides (stride_cp, stride_cs, stride_ch, 1)
+    v_cache_ptr,  # the same strides; both q_ptr without STORE_KV
+    slot_ptr,  # [T] int64, -1 = do not store; pos_ptr without STORE_KV
     # Sizes and strides.
     Hq,
     Hkv,
     D,
+    page_size,
     stride_qt,
     stride_qh,
     stride_kt,
     stride_kh,
+    stride_vt,
+    stride_vh,
     stride_cl,
     stride_sl,
+    stride_cp,
+    stride_cs,
+    stride_ch,
     eps,
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
+    STORE_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # -- map the program to one head of one token: q heads first, then k heads --
+    # -- map the program to one head of one token: q heads, then k heads, then v heads --
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    dtype = q_out_ptr.dtype.element_ty
+
+    # -- the cache row of this token, as store_kv computes it; padded rows (-1) store nothing --
+    if STORE_KV:
+        slot = tl.load(slot_ptr + t)
+        cache_row = (slot // page_size) * stride_cp + (slot % page_size) * stride_cs
+        store_mask = mask & (slot >= 0)
+        if h >= Hq + Hkv:
+            # v heads are only copied; they have no other output
+            hv = h - Hq - Hkv
+            x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
+            v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
+            tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+            return
+
     if h < Hq:
         src = q_ptr + t * stride_qt + h * stride_qh
         dst = q_out_ptr + (t * Hq + h) * D
@@ -142,11 +170,8 @@ def _rope_qk_kernel(
         src = k_ptr + t * stride_kt + (h - Hq) * stride_kh
         dst = k_out_ptr + (t * Hkv + (h - Hq)) * D
         norm_w = k_norm_ptr
-    dtype = q_out_ptr.dtype.element_ty
 
     # -- the head in place and its rotate_half partner, D/2 lanes away --
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
     half = D // 2
     partner = (offs + half) % D
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
@@ -167,7 +192,14 @@ def _rope_qk_kernel(
     s = tl.load(sin_ptr + pos * stride_sl + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
     a = (x * c).to(dtype).to(tl.float32)
     b = (x_rot * s).to(dtype).to(tl.float32)
-    tl.store(dst + offs, (a + b).to(dtype), mask=mask)
+    out = (a + b).to(dtype)
+    tl.store(dst + offs, out, mask=mask)
+
+    # -- the rotated k, rounded to x's dtype first, is what store_kv would cache from k_out --
+    if STORE_KV:
+        if h >= Hq:
+            k_dst = k_cache_ptr + cache_row + (h - Hq) * stride_ch + offs
+            tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 def rope_qk(
@@ -179,12 +211,20 @@ def rope_qk(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
+    *,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary.
+    """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
+    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping).
 
-    q [T, Hq, D], k [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
+    q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
     contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
-    k_norm [D] in q's dtype, or both None. Returns new contiguous q [T, Hq, D], k [T, Hkv, D].
+    k_norm [D] in q's dtype, or both None; k_cache, v_cache [num_pages, page_size, Hkv, D] with
+    the same strides, the last dim contiguous; slot_mapping [T] int64, -1 for rows not stored.
+    Returns new contiguous q [T, Hq, D], k [T, Hkv, D].
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
@@ -197,17 +237,30 @@ def rope_qk(
     if q_norm is not None:
         for w in (q_norm, k_norm):
             assert w.shape == (D,) and w.dtype == q.dtype and w.is_contiguous(), (w.shape, w.dtype)
+    store = slot_mapping is not None
+    assert all((x is None) != store for x in (v, k_cache, v_cache)), "v, caches, slots together"
+    if store:
+        assert v.shape == k.shape and v.dtype == k.dtype, (v.shape, k.shape, v.dtype, k.dtype)
+        assert v.stride(-1) == 1, v.stride()
+        assert k_cache.ndim == 4 and k_cache.shape[2:] == (Hkv, D), (k_cache.shape, k.shape)
+        assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
+        assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
+        assert slot_mapping.shape == (T,), slot_mapping.shape
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, Hkv, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out, k_out
     has_norm = q_norm is not None
-    _rope_qk_kernel[(T, Hq + Hkv)](
-        q, k, positions, cos, sin,
+    v_stride = v.stride()[:2] if store else (0, 0)
+    cache_stride = k_cache.stride()[:3] if store else (0, 0, 0)
+    page_size = k_cache.shape[1] if store else 1
+    _rope_qk_kernel[(T, Hq + (2 if store else 1) * Hkv)](
+        q, k, v if store else q, positions, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_out,
-        Hq, Hkv, D, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        cos.stride(0), sin.stride(0), eps,
-        HAS_NORM=has_norm, BLOCK_D=triton.next_power_of_2(D),
+        k_cache if store else q, v_cache if store else q, slot_mapping if store else positions,
+        Hq, Hkv, D, page_size, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_stride,
+        cos.stride(0), sin.stride(0), *cache_stride, eps,
+        HAS_NORM=has_norm, STORE_KV=store, BLOCK_D=triton.next_power_of_2(D),
         num_warps=1 if D <= 128 else 2, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out

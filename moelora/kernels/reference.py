@@ -219,11 +219,18 @@ def rope_qk(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
+    *,
+    v: torch.Tensor | None = None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary.
+    """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
+    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping).
 
-    q [T, Hq, D], k [T, Hkv, D] (strided views of the fused qkv output are fine);
-    positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None.
+    q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine);
+    positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None;
+    k_cache, v_cache [num_pages, page_size, Hkv, D]; slot_mapping [T] int64, -1 = not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
     """
     if q_norm is not None:
@@ -231,7 +238,10 @@ def rope_qk(
         k, _ = rms_norm(k, k_norm, eps)
     c = cos[positions].to(q.dtype)[:, None, :]
     s = sin[positions].to(q.dtype)[:, None, :]
-    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    if slot_mapping is not None:
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,8 @@ class Attention(nn.Module):
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         per_head = cfg.qk_norm == "head"
+        k_cache, v_cache = kv_cache
+        # the rotary launch also stores k and v in the cache: one launch fewer per layer
         q, k = self.ops.rope_qk(
             q.view(T, cfg.num_heads, cfg.head_dim),
             k.view(T, cfg.num_kv_heads, cfg.head_dim),
@@ -55,9 +57,10 @@ class Attention(nn.Module):
             self.q_norm.weight if per_head else None,
             self.k_norm.weight if per_head else None,
             cfg.rms_norm_eps,
+            v=v.view(T, cfg.num_kv_heads, cfg.head_dim),
+            k_cache=k_cache,
+            v_cache=v_cache,
+            slot_mapping=batch.attn.slot_mapping,
         )
-        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        k_cache, v_cache = kv_cache
-        self.ops.store_kv(k, v, k_cache, v_cache, batch.attn.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
         return self.o_proj(out.reshape(T, cfg.q_size), batch.lora)
