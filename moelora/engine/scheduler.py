@@ -2,7 +2,8 @@
 adapters must be copied into slots first. It owns the waiting/running queues, the pages and
 the slot references; the engine carries the plan out.
 
-- Running requests go first (decode or the next chunk of a prefill), oldest first.
+- Running requests go first (decode or the next chunk of a prefill), oldest first; the step's
+  rows are then grouped by adapter slot.
 - Waiting requests are admitted while the token budget, free pages, max_num_seqs and adapter
   slots allow. A request whose adapter cannot get a slot waits; others may pass it.
 - When pages run out, the newest running request is preempted by recompute: its pages and its
@@ -83,6 +84,10 @@ class Scheduler:
                 budget -= n
         if not plan.preempted:
             self._admit(plan, budget)
+        # Rows of one adapter side by side: a LoRA kernel's 16-row tile then mixes one or two
+        # adapters, not up to max_loras, and reads that many A and B. Stable, so each
+        # adapter's requests keep their age order; no result depends on a row's place.
+        plan.chunks.sort(key=lambda c: -1 if c.request.slot is None else c.request.slot)
         return plan
 
     def _admit(self, plan: StepPlan, budget: int) -> None:

@@ -44,3 +44,16 @@ def test_add_lora_rank_beyond_real_rank_is_ignored():
     expect = reference.add_lora_(y.clone(), x, lora, info)
     out = add_lora_(y.clone(), x, garbage, info)
     assert rel_err(out, expect) <= 1e-5
+
+
+@pytest.mark.parametrize("R", [32, 64])
+def test_add_lora_big_pool_rank_and_wide_slices(R):
+    """Rank tiles of 32/64 take the slots a few at a time, and a slice wider than one program's
+    column group (512) is split over several programs: both paths against the reference."""
+    T, H, slices = 19, 40, (1100, 64, 72)
+    info = batch_info(T, "mixed")
+    lora = lora_weights(info.num_slots, (), 3, R, H, slices, info.rank_of_slot, torch.float32)
+    x, y = torch.randn(T, H), torch.randn(T, sum(slices))
+    expect = reference.add_lora_(y.clone(), x, lora, info)
+    out = add_lora_(y.clone(), x, lora, info)
+    assert rel_err(out - y, expect - y) <= 1e-5
