@@ -41,6 +41,10 @@ SMALL = [
     C(16, 64, 64, 64, 64, stages=4),
     C(16, 128, 64, 128, 64),
     C(16, 32, 256, 32, 256),
+    # narrow columns: more programs when few experts are touched (one token: 8 blocks)
+    C(16, 16, 256, 16, 256, stages=4),
+    C(16, 16, 128, 32, 128, stages=4),
+    C(16, 32, 256, 16, 256, stages=4),
 ]
 LARGE = [
     C(64, 64, 64, 64, 64),
@@ -48,7 +52,7 @@ LARGE = [
     C(32, 64, 128, 64, 128),
     C(16, 64, 128, 64, 128),
 ]
-CANDIDATES = {1: DIRECT + SMALL[:2], 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
+CANDIDATES = {1: DIRECT[:2] + SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 
 
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:

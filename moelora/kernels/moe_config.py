@@ -55,11 +55,15 @@ def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device)
 
 
 def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
-    """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe)."""
+    """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe),
+    keeping the shape's other buckets."""
     path = config_file(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data[shape_key(E, H, I, K)] = {str(m): asdict(cfg) for m, cfg in sorted(table.items())}
+    # merged into the shape's table: tuning some buckets keeps the others
+    entry = data.setdefault(shape_key(E, H, I, K), {})
+    entry.update({str(m): asdict(cfg) for m, cfg in table.items()})
+    data[shape_key(E, H, I, K)] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     _load_configs.cache_clear()
     return path
