@@ -22,7 +22,7 @@ from triton.testing import do_bench
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
 from moelora.lora.adapter import LoraAdapter, ModuleLora
-from moelora.runner.graph_runner import STREAM_IDX, padded_batch_size
+from moelora.runner.graph_runner import STREAM_IDX, graph_batch_sizes, padded_batch_size
 from moelora.sampling import SamplingParams
 
 QWEN3_30B_A3B = dict(
@@ -241,8 +241,9 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
         f"- layers: {args.layers} of 48; bf16; {CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras 8, adapters on q/k/v/o and every expert's gate/up/down",
         f"- graph capture: {capture.get('disabled', 0):.1f} s (LoRA disabled), "
-        f"{capture.get('lora', 0):.1f} s (LoRA enabled), {len(BATCHES)} .. "
-        f"{max(BATCHES)} batch sizes",
+        f"{capture.get('lora', 0):.1f} s (LoRA enabled), the "
+        f"{len(graph_batch_sizes(max(BATCHES)))} batch sizes 1 .. {max(BATCHES)}; the first "
+        "engine's capture includes compiling the kernels when the Triton cache is cold",
         "- time: median of CUDA-graph replays (do_bench), forward only (no sampling)",
         "",
         "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",

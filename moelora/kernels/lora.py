@@ -2,14 +2,14 @@
 
 Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
-Algorithm (add_lora_, the dense layers). A program owns a tile of 16 tokens and a group of up
-to 512 columns of one slice. It shrinks its rows against the A of several slots at once: the
-slots go SG at a time (SG * rank tile <= 128 columns), one dot per input tile for the whole
-group, so the serial chain is in / BK steps however many adapters the tile mixes (walking the
-slots one by one made it S times longer: 137 µs per layer for q|k|v and o at 64 tokens of 8
-adapters on an H200). Each row then keeps its own slot's columns of the shrink, and one dot per
-64 columns expands them. Slots no row of the tile uses, and rows of A or B past a slot's real
-rank, are masked off, so they are never read: a rank-8 adapter in a rank-64 pool reads 8 rows.
+Algorithm (add_lora_, the dense layers). A program owns a tile of 16 tokens and a group of
+64 to 256 columns of one slice. It shrinks its rows against the A of several slots at once:
+the slots go SG at a time (SG * rank tile <= 64 columns), one dot per input tile for the whole
+group, so the serial chain does not grow with each adapter the tile mixes (walking the slots
+one by one cost 137 µs per layer for q|k|v and o at 64 tokens of 8 adapters on an H200). Each
+row then keeps its own slot's columns of the shrink, and one dot per 64 columns expands them.
+Slots no row of the tile uses, and rows of A or B past a slot's real rank, are masked off, so
+they are never read: a rank-8 adapter in a rank-64 pool reads 8 rows.
 
 lora_delta (the fused MoE's direct path and down tile) walks the slots one at a time instead,
 inside a GEMM program that already owns BN columns.
@@ -260,12 +260,13 @@ def add_lora_(
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
     BT, BN, BR = 16, 64, rank_block(R)
-    # A program expands up to 512 columns of one slice (wide enough that few programs redo
-    # the shrink, narrow enough that several run per row tile); slots go SG at a time, so the
-    # shrink's A tile is at most [BK, 128] and stays in registers.
-    CW = min(512, BN * triton.cdiv(max(sizes), BN))
-    SG = max(1, min(triton.next_power_of_2(S), 128 // BR))
-    BK = max(32, min(128, 16384 // (SG * BR)))
+    # The program's chain is (in / BK) shrink steps then (CW / BN) expand steps, each about
+    # 0.7 µs of load latency on an H200, so both stay short: the slots go SG at a time in a
+    # 64-column group with 256-deep tiles, and programs expand few columns when few row tiles
+    # share the work (more programs, each shrinking again from L2).
+    SG = max(1, min(triton.next_power_of_2(S), 64 // BR))
+    BK = 256 if SG * BR <= 64 else 128
+    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * triton.cdiv(max(sizes), BN))
     col_groups = sum(triton.cdiv(size, CW) for size in sizes)
     grid = (triton.cdiv(T, BT), col_groups)
     _add_lora_kernel[grid](
