@@ -159,6 +159,7 @@ def _add_lora_kernel(
     stride_bo,
     # Meta-parameters: S slots taken SG at a time; a program expands CW columns, BN at a time.
     S: tl.constexpr,
+    S_PAD: tl.constexpr,
     SG: tl.constexpr,
     BT: tl.constexpr,
     CW: tl.constexpr,
@@ -171,6 +172,13 @@ def _add_lora_kernel(
     pid_c = tl.program_id(1)
     offs_t = pid_t * BT + tl.arange(0, BT)
     t_ok = offs_t < T
+    # A step with no enabled slot (a base-only batch) exits after one load of the S flags
+    # instead of two dependent gathers (the rows' slots, then their flags): this launch runs
+    # in every decode graph, so its empty path is what base requests pay.
+    offs_s = tl.arange(0, S_PAD)
+    any_on = tl.max(tl.load(enabled_ptr + offs_s, mask=offs_s < S, other=0), axis=0)
+    if any_on == 0:
+        return
     slot_rows = active_slots(slot_ptr, offs_t, t_ok, enabled_ptr)
     # tokens on the base model, padding and disabled slots: nothing to do
     if tl.max(slot_rows, axis=0) < 0:
@@ -275,6 +283,6 @@ def add_lora_(
         T, K_in, *sizes,
         y.stride(0), x.stride(0), lora.a.stride(0), lora.a.stride(1), lora.a.stride(2),
         lora.b.stride(0), lora.b.stride(1),
-        S=S, SG=SG, BT=BT, CW=CW, BN=BN, BK=BK, BR=BR,
+        S=S, S_PAD=triton.next_power_of_2(S), SG=SG, BT=BT, CW=CW, BN=BN, BK=BK, BR=BR,
     )  # fmt: skip
     return y
