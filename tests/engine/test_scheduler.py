@@ -97,6 +97,23 @@ def test_decode_and_prefill_share_a_step():
     assert [(c.request, c.num_tokens) for c in plan.chunks] == [(old, 1), (new, 7)]
 
 
+def test_a_steps_rows_are_grouped_by_adapter_slot_in_age_order():
+    """The LoRA kernels' row tiles then mix few adapters; within an adapter, oldest first."""
+    sched, _, table = make_scheduler(num_pages=64, slots=3)
+    loras = ["b", None, "a", "b", None, "c", "a", "b"]
+    reqs = [make_request(i, 2, lora) for i, lora in enumerate(loras)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(2):  # the admitting prefill step, then a decode step
+        plan = run_step(sched)
+        keys = [(-1 if c.request.slot is None else c.request.slot) for c in plan.chunks]
+        assert keys == sorted(keys)
+        for s in set(keys):
+            ages = [c.request.arrival for c, k in zip(plan.chunks, keys) if k == s]
+            assert ages == sorted(ages)
+    assert len(plan.chunks) == 8 and sorted(table.names) == ["a", "b", "c"]
+
+
 def test_preemption_frees_the_newest_request_and_recomputes_it():
     sched, pages, table = make_scheduler(num_pages=4, page_size=2, slots=2)
     old, new = make_request(0, 4, "a"), make_request(1, 4, "b")
