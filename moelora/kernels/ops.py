@@ -19,7 +19,6 @@ class Ops:
     route_topk: Callable
     fused_moe: Callable
     add_lora_: Callable
-    store_kv: Callable
     paged_attention: Callable
     rms_norm: Callable
     rope_qk: Callable
@@ -30,7 +29,6 @@ REFERENCE_OPS = Ops(
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
     add_lora_=reference.add_lora_,
-    store_kv=reference.store_kv,
     paged_attention=reference.paged_attention,
     rms_norm=reference.rms_norm,
     rope_qk=reference.rope_qk,

@@ -6,7 +6,7 @@ from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rope_qk
 from moelora.kernels.ops import Ops
-from moelora.kernels.paged_attention import paged_attention, store_kv
+from moelora.kernels.paged_attention import paged_attention
 from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
@@ -14,7 +14,6 @@ TRITON_OPS = Ops(
     route_topk=route_topk,
     fused_moe=fused_moe,
     add_lora_=add_lora_,
-    store_kv=store_kv,
     paged_attention=paged_attention,
     rms_norm=rms_norm,
     rope_qk=rope_qk,
