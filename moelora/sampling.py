@@ -20,6 +20,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token, plus the chosen one
+    # vLLM's penalties: presence and frequency count generated tokens only, repetition counts
+    # the prompt too (logit / p where positive, * p where negative)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         _check(
@@ -43,6 +48,15 @@ class SamplingParams:
             self.seed,
             "None or an integer in [-2**63, 2**64) (what torch generators take)",
         )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _check(
+            0 < self.repetition_penalty < float("inf"),
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a finite number > 0",
+        )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
         _check(
@@ -55,6 +69,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
@@ -69,11 +89,19 @@ class SampleResult:
 
 
 def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    history: list[tuple[list[int], list[int]]] | None = None,
 ) -> list[SampleResult]:
-    """logits [N, V] float32, one row per request that emits a token this step."""
+    """logits [N, V] float32, one row per request that emits a token this step; history:
+    each row's (prompt, generated) token ids, needed when a request asks for penalties.
+    Logprobs are the model's own (before penalties and temperature), as vLLM reports them."""
     wants_logprobs = any(p.logprobs is not None for p in params)
     logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
+    if any(p.penalized for p in params):
+        assert history is not None and len(history) == len(params)
+        logits = apply_penalties(logits, params, history)
     need_probs = [not p.greedy for p in params]
     tokens = logits.argmax(dim=-1)
     if any(need_probs):
@@ -93,6 +121,31 @@ def sample(
             top[token] = logprobs_all[i, token].item()
         results.append(SampleResult(token, top))
     return results
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], list[int]]]
+) -> torch.Tensor:
+    """vLLM's order: repetition (prompt and generated tokens), then frequency and presence
+    (generated tokens). Rows without penalties are returned unchanged. [N, V] -> [N, V]."""
+    logits = logits.clone()
+    V = logits.shape[-1]
+    for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
+        if not p.penalized:
+            continue
+        row = logits[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=row.device)
+            seen[torch.tensor(prompt + generated, dtype=torch.long, device=row.device)] = True
+            row[seen] = torch.where(
+                row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty
+            )
+        if generated and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(
+                torch.tensor(generated, dtype=torch.long, device=row.device), minlength=V
+            )[:V].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    return logits
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -90,7 +90,13 @@ class ModelRunner:
         last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [plan.chunks[i].request for i in sampling]
-        return sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        params = [r.params for r in reqs]
+        history = (
+            [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+            if any(p.penalized for p in params)
+            else None
+        )
+        return sample(logits, params, [r.generator for r in reqs], history)
 
     def host_batch(self, plan: StepPlan) -> HostBatch:
         ids, positions, slot_mapping, slots, q_lens, seq_lens = [], [], [], [], [], []

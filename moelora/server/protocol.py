@@ -40,15 +40,13 @@ class SamplingFields(OpenAIBody):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
             raise InvalidRequestError(f"n={self.n!r} is not supported: expected 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise InvalidRequestError(f"{name}={getattr(self, name)!r} is not supported")
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported")
 
@@ -65,6 +63,9 @@ class SamplingFields(OpenAIBody):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
 
     @property

@@ -153,3 +153,20 @@ def test_incremental_detokenization_equals_decoding_everything(model_and_adapter
         out += delta
         assert tok.decode(ids[:n]).startswith(out)
     assert out == tok.decode(ids) == text
+
+
+def test_frequency_and_presence_penalties_steer_greedy_decoding(roomy):
+    """Each greedy token is the argmax of the step's raw logprobs (all 257 tokens) minus the
+    penalties of the tokens generated before it; and the penalties change the output."""
+    params = SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.5,
+        presence_penalty=0.5, logprobs=hf.VOCAB_SIZE,
+    )  # fmt: skip
+    outs = roomy.generate(PROMPTS, params, lora=[None, "a", None, "a"])
+    for out in outs:
+        for t, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+            before = out.token_ids[:t]
+            score = {v: x - 1.5 * before.count(v) - 0.5 * (v in before) for v, x in lp.items()}
+            assert token == max(score, key=score.get)
+    plain = generate(roomy)
+    assert [o.token_ids for o in outs] != plain

@@ -41,6 +41,24 @@ def test_completion_equals_offline(server: Server, offline: Offline, model: str)
     assert resp.usage.completion_tokens == 12
 
 
+def test_penalties_pass_through_to_the_engine(server: Server, offline: Offline) -> None:
+    """presence/frequency (OpenAI) and repetition (vLLM's extra field) penalties over HTTP give
+    what LLM.generate gives with the same SamplingParams."""
+    from moelora import SamplingParams
+
+    prompt = PROMPTS[1]
+    penalties = dict(presence_penalty=0.7, frequency_penalty=1.1, repetition_penalty=1.3)
+    resp = server.client().completions.create(
+        model="sql", prompt=prompt, max_tokens=10, temperature=0,
+        presence_penalty=0.7, frequency_penalty=1.1, extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    params = SamplingParams(max_tokens=10, temperature=0, **penalties)
+    ids = offline.tokenizer.encode(prompt)
+    expected = offline.llm.generate([ids], params, lora=["sql"])[0]
+    assert resp.choices[0].text == expected.text
+    assert expected.text != offline.text("sql", prompt, 10)  # the penalties changed something
+
+
 @pytest.mark.parametrize("model", ["sql", "chat"])
 def test_completion_stream_equals_offline(server: Server, offline: Offline, model: str) -> None:
     prompt = PROMPTS[4]
@@ -330,6 +348,8 @@ def _error(r: httpx.Response, status: int) -> dict:
         {"logprobs": 21},
         {"seed": 2**64},
         {"stop": [""]},
+        {"presence_penalty": 2.5},
+        {"repetition_penalty": 0},
     ],
 )
 def test_bad_completion_params_are_400(server: Server, body: dict) -> None:

@@ -1,0 +1,64 @@
+"""vLLM's penalties in the sampler: the math against a per-token loop, the engine's greedy
+choices against its own raw logprobs, and the range checks."""
+
+import pytest
+import torch
+
+from moelora.errors import InvalidRequestError
+from moelora.sampling import SamplingParams, apply_penalties, sample
+
+
+def penalized_by_loop(logits, p, prompt, generated):
+    out = logits.clone()
+    for v in set(prompt) | set(generated):
+        x = out[v].item()
+        out[v] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+    for v in set(generated):
+        out[v] -= p.frequency_penalty * generated.count(v) + p.presence_penalty
+    return out
+
+
+def test_penalties_match_a_per_token_loop():
+    V = 50
+    logits = torch.randn(4, V) * 3
+    params = [
+        SamplingParams(repetition_penalty=1.7),
+        SamplingParams(frequency_penalty=0.8, presence_penalty=-0.5),
+        SamplingParams(),  # no penalty: the row stays as it is
+        SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.2, presence_penalty=2.0),
+    ]
+    history = [
+        (torch.randint(0, V, (7,)).tolist(), torch.randint(0, V, (n,)).tolist())
+        for n in (5, 9, 3, 12)
+    ]
+    out = apply_penalties(logits, params, history)
+    for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
+        torch.testing.assert_close(out[i], penalized_by_loop(logits[i], p, prompt, generated))
+    assert torch.equal(out[2], logits[2])
+
+
+def test_greedy_takes_the_penalized_argmax_and_logprobs_stay_raw():
+    V = 40
+    logits = torch.randn(2, V)
+    prompt, generated = [1, 2, 3], [int(logits[0].argmax()), 7, 7]
+    params = [SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0)] * 2
+    results = sample(logits, params, [None, None], [(prompt, generated), ([], [])])
+    expect = penalized_by_loop(logits[0], params[0], prompt, generated).argmax().item()
+    assert results[0].token_id == expect != logits[0].argmax().item()
+    assert results[1].token_id == logits[1].argmax().item()  # nothing generated yet
+    raw = logits[0].log_softmax(-1)[expect].item()
+    assert results[0].logprobs == pytest.approx({expect: raw})
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    ],
+)
+def test_penalties_out_of_range_are_refused_with_the_value_named(kw, name):
+    with pytest.raises(InvalidRequestError, match=name):
+        SamplingParams(**kw)
