@@ -148,18 +148,23 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         default_max = body.max_tokens is None
         params = body.sampling_params(1 if default_max else body.max_tokens, body.logprobs)
         lora = lora_of(body.model)
-        inputs = [GenerateInput(p, params, lora, default_max) for p in body.prompts()]
+        # choice i is sample i % n of prompt i // n, as OpenAI numbers them
+        inputs = [
+            GenerateInput(p, sample, lora, default_max)
+            for p in body.prompts()
+            for sample in body.samples(params)
+        ]
         request_id = protocol.new_id("cmpl")
         streams = await start(inputs, body.model, request_id)
         head = {"id": request_id, "object": "text_completion", "created": protocol.now()}
         head["model"] = body.model
         if body.stream:
             return EngineStreamingResponse(
-                stream_completion(head, streams, params.stop, body.include_usage), streams
+                stream_completion(head, streams, params.stop, body.include_usage, body.n), streams
             )
-        return await unless_disconnected(raw, complete_completion(head, streams))
+        return await unless_disconnected(raw, complete_completion(head, streams, body.n))
 
-    async def complete_completion(head: dict, streams: list[RequestStream]) -> dict:
+    async def complete_completion(head: dict, streams: list[RequestStream], n: int) -> dict:
         finals = await asyncio.gather(*(last_output(s) for s in streams))
         choices = [
             {
@@ -170,10 +175,14 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             }
             for i, out in enumerate(finals)
         ]
-        return {**head, "choices": choices, "usage": total_usage(streams, finals)}
+        return {**head, "choices": choices, "usage": total_usage(streams, finals, n)}
 
     async def stream_completion(
-        head: dict, streams: list[RequestStream], stop: list[str] | None, include_usage: bool
+        head: dict,
+        streams: list[RequestStream],
+        stop: list[str] | None,
+        include_usage: bool,
+        n: int,
     ) -> AsyncIterator[str]:
         deltas = [TextDeltas(stop) for _ in streams]
         finals: list[Any] = [None] * len(streams)
@@ -194,7 +203,7 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
                     finals[i] = out
                 yield sse({**head, "choices": [choice]})
             if include_usage:
-                yield sse({**head, "choices": [], "usage": total_usage(streams, finals)})
+                yield sse({**head, "choices": [], "usage": total_usage(streams, finals, n)})
         except EngineError as e:
             yield sse(protocol.error_body(str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"
@@ -222,52 +231,62 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(max_tokens or 1, body.num_logprobs)
         messages = [m.for_template() for m in body.messages]
-        inp = GenerateInput(messages, params, lora_of(body.model), max_tokens is None)
+        lora, default_max = lora_of(body.model), max_tokens is None
+        inputs = [GenerateInput(messages, p, lora, default_max) for p in body.samples(params)]
         request_id = protocol.new_id("chatcmpl")
-        streams = await start([inp], body.model, request_id)
+        streams = await start(inputs, body.model, request_id)
         head = {"id": request_id, "object": "chat.completion", "created": protocol.now()}
         head["model"] = body.model
         top = body.top_logprobs or 0
         if body.stream:
-            chunks = stream_chat(head, streams[0], params.stop, top, body.include_usage)
+            chunks = stream_chat(head, streams, params.stop, top, body.include_usage)
             return EngineStreamingResponse(chunks, streams)
-        return await unless_disconnected(raw, complete_chat(head, streams[0], top))
+        return await unless_disconnected(raw, complete_chat(head, streams, top))
 
-    async def complete_chat(head: dict, stream: RequestStream, top: int) -> dict:
-        out = await last_output(stream)
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out.token_ids, out.logprobs, top),
-            "finish_reason": out.finish_reason,
-        }
-        return {**head, "choices": [choice], "usage": total_usage([stream], [out])}
+    async def complete_chat(head: dict, streams: list[RequestStream], top: int) -> dict:
+        finals = await asyncio.gather(*(last_output(s) for s in streams))
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(out.token_ids, out.logprobs, top),
+                "finish_reason": out.finish_reason,
+            }
+            for i, out in enumerate(finals)
+        ]
+        return {**head, "choices": choices, "usage": total_usage(streams, finals, len(streams))}
 
     async def stream_chat(
-        head: dict, stream: RequestStream, stop: list[str] | None, top: int, include_usage: bool
+        head: dict,
+        streams: list[RequestStream],
+        stop: list[str] | None,
+        top: int,
+        include_usage: bool,
     ) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
 
-        def chunk(delta: dict, finish_reason: str | None = None, logprobs: Any = None) -> str:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs}
+        def chunk(i: int, delta: dict, finish_reason: str | None = None, logprobs: Any = None):
+            choice = {"index": i, "delta": delta, "logprobs": logprobs}
             return sse({**head, "choices": [{**choice, "finish_reason": finish_reason}]})
 
-        deltas = TextDeltas(stop)
-        final = None
+        deltas = [TextDeltas(stop) for _ in streams]
+        finals: list[Any] = [None] * len(streams)
         try:
-            yield chunk({"role": "assistant", "content": ""})
-            async for out in stream:
-                text = deltas.text(out)
-                token_ids, logprobs = deltas.tokens(out)
+            for i in range(len(streams)):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            async for i, out in merged(streams):
+                text = deltas[i].text(out)
+                token_ids, logprobs = deltas[i].tokens(out)
                 logprobs_json = chat_logprobs(token_ids, logprobs, top)
                 if out.finished:
-                    final = out
+                    finals[i] = out
                     delta = {"content": text} if text else {}
-                    yield chunk(delta, out.finish_reason, logprobs_json)
+                    yield chunk(i, delta, out.finish_reason, logprobs_json)
                 elif text or logprobs_json:
-                    yield chunk({"content": text}, None, logprobs_json)
+                    yield chunk(i, {"content": text}, None, logprobs_json)
             if include_usage:
-                yield sse({**head, "choices": [], "usage": total_usage([stream], [final])})
+                usage = total_usage(streams, finals, len(streams))
+                yield sse({**head, "choices": [], "usage": usage})
         except EngineError as e:
             yield sse(protocol.error_body(str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"
@@ -309,8 +328,10 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     return app
 
 
-def total_usage(streams: list[RequestStream], finals: list[Any]) -> dict[str, int]:
-    prompt = sum(len(s.prompt_token_ids) for s in streams)
+def total_usage(streams: list[RequestStream], finals: list[Any], n: int) -> dict[str, int]:
+    """Prompt tokens once per prompt (its n samples share it, as OpenAI counts), completion
+    tokens of every sample."""
+    prompt = sum(len(s.prompt_token_ids) for s in streams[::n])
     completion = sum(len(out.token_ids) for out in finals if out is not None)
     return protocol.usage(prompt, completion)
 

@@ -6,6 +6,7 @@ server does), and known-but-unsupported ones are refused with a 400 when set to 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -14,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from moelora.errors import InvalidRequestError
 from moelora.sampling import SamplingParams
+
+MAX_N = 128  # samples per prompt: each is a request of its own (no shared prefix yet)
 
 
 class OpenAIBody(BaseModel):
@@ -45,8 +48,10 @@ class SamplingFields(OpenAIBody):
     user: str | None = None
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise InvalidRequestError(f"n={self.n!r} is not supported: expected 1")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(
+                f"n={self.n!r} is invalid: expected an integer in [1, {MAX_N}]"
+            )
         if self.logit_bias:
             raise InvalidRequestError("logit_bias is not supported")
 
@@ -67,6 +72,18 @@ class SamplingFields(OpenAIBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
         )
+
+    def samples(self, params: SamplingParams) -> list[SamplingParams]:
+        """The n samples of one prompt. With a seed, sample j is seeded seed + j, so the n
+        samples differ from each other and the request repeats (vLLM draws them from one
+        generator; its exact tokens are not ours anyway)."""
+        if params.seed is None:
+            return [params] * self.n
+        seed = params.seed
+        return [
+            dataclasses.replace(params, seed=seed + j if seed + j < 2**64 else seed - j)
+            for j in range(self.n)
+        ]
 
     @property
     def include_usage(self) -> bool:

@@ -118,6 +118,47 @@ def test_chat_equals_offline(server: Server, offline: Offline, model: str) -> No
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_n_samples_per_prompt_numbered_as_openai_does(server: Server, offline: Offline) -> None:
+    """n=2 over two prompts: choice i is sample i % 2 of prompt i // 2; sample j of a seeded
+    request is LLM.generate with seed + j; the prompt's tokens count once in the usage."""
+    from moelora import SamplingParams
+
+    prompts = PROMPTS[:2]
+    resp = server.client().completions.create(
+        model="sql", prompt=prompts, n=2, max_tokens=8, temperature=1.0, seed=7
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    params = [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j) for j in range(2)]
+    expected = offline.llm.generate(
+        [ids[0], ids[0], ids[1], ids[1]], params * 2, lora=["sql"] * 4
+    )  # fmt: skip
+    assert [c.text for c in resp.choices] == [o.text for o in expected]
+    assert resp.choices[0].text != resp.choices[1].text  # different seeds, different samples
+    assert resp.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+    assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+
+
+def test_chat_n_streams_every_choice(server: Server) -> None:
+    """Streaming with n=3: each choice gets its role chunk, its text and its finish reason,
+    and the texts equal the non-streamed answer to the same seeded request."""
+    client = server.client()
+    kw = dict(
+        model="chat", messages=[{"role": "user", "content": "Hello"}], n=3, max_tokens=6,
+        temperature=0.9, seed=123,
+    )  # fmt: skip
+    whole = client.chat.completions.create(**kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts, roles, finish = ["", "", ""], [None] * 3, [None] * 3
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] = roles[c.index] or c.delta.role
+            finish[c.index] = c.finish_reason or finish[c.index]
+    assert texts == [c.message.content for c in whole.choices]
+    assert roles == ["assistant"] * 3 and finish == [c.finish_reason for c in whole.choices]
+
+
 def test_chat_content_parts_and_default_max_tokens(server: Server, offline: Offline) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}]}]
     resp = server.client().chat.completions.create(model="sql", messages=messages, temperature=0)
@@ -340,7 +381,8 @@ def _error(r: httpx.Response, status: int) -> dict:
         {"temperature": -0.5},
         {"top_p": 0},
         {"top_p": 1.5},
-        {"n": 2},
+        {"n": 0},
+        {"n": 129},
         {"prompt": [1] * (MAX_MODEL_LEN + 1)},
         {"prompt": ""},
         {"max_tokens": "many"},
