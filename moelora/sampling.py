@@ -25,6 +25,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
         _check(
@@ -57,6 +58,9 @@ class SamplingParams:
             self.repetition_penalty,
             "a finite number > 0",
         )
+        for token, bias in (self.logit_bias or {}).items():
+            _check(isinstance(token, int) and token >= 0, "logit_bias token", token, "an id >= 0")
+            _check(-100 <= bias <= 100, f"logit_bias[{token}]", bias, "a number in [-100, 100]")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
         _check(
@@ -72,7 +76,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or (
+        """Anything that changes the logits before sampling: a bias or a penalty."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or (
             self.repetition_penalty != 1.0
         )
 
@@ -101,7 +106,7 @@ def sample(
     logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
     if any(p.penalized for p in params):
         assert history is not None and len(history) == len(params)
-        logits = apply_penalties(logits, params, history)
+        logits = apply_penalties(logits, params, history)  # and the logit biases
     need_probs = [not p.greedy for p in params]
     tokens = logits.argmax(dim=-1)
     if any(need_probs):
@@ -126,14 +131,18 @@ def sample(
 def apply_penalties(
     logits: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], list[int]]]
 ) -> torch.Tensor:
-    """vLLM's order: repetition (prompt and generated tokens), then frequency and presence
-    (generated tokens). Rows without penalties are returned unchanged. [N, V] -> [N, V]."""
+    """vLLM's order: the logit bias, then repetition (prompt and generated tokens), then
+    frequency and presence (generated tokens). Rows without any are returned unchanged.
+    [N, V] -> [N, V]."""
     logits = logits.clone()
     V = logits.shape[-1]
     for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
         if not p.penalized:
             continue
         row = logits[i]
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(V, dtype=torch.bool, device=row.device)
             seen[torch.tensor(prompt + generated, dtype=torch.long, device=row.device)] = True

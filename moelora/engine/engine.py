@@ -165,6 +165,11 @@ class Engine:
             raise InvalidRequestError(
                 f"prompt token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
             )
+        bad = [t for t in params.logit_bias or {} if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
+            )
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequestError(
                 f"logprobs={params.logprobs} is invalid: expected at most the vocabulary size "

@@ -52,8 +52,6 @@ class SamplingFields(OpenAIBody):
             raise InvalidRequestError(
                 f"n={self.n!r} is invalid: expected an integer in [1, {MAX_N}]"
             )
-        if self.logit_bias:
-            raise InvalidRequestError("logit_bias is not supported")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError (HTTP 400) for values out of range."""
@@ -71,7 +69,22 @@ class SamplingFields(OpenAIBody):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._token_biases(),
         )
+
+    def _token_biases(self) -> dict[int, float] | None:
+        """OpenAI sends token ids as JSON object keys, so as strings."""
+        if not self.logit_bias:
+            return None
+        biases = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                biases[int(key)] = bias
+            except ValueError:
+                raise InvalidRequestError(
+                    f"logit_bias key {key!r} is invalid: expected a token id"
+                ) from None
+        return biases
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """The n samples of one prompt. With a seed, sample j is seeded seed + j, so the n

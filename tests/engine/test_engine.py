@@ -170,3 +170,8 @@ def test_frequency_and_presence_penalties_steer_greedy_decoding(roomy):
             assert token == max(score, key=score.get)
     plain = generate(roomy)
     assert [o.token_ids for o in outs] != plain
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused(roomy):
+    with pytest.raises(InvalidRequestError, match="logit_bias token id 257"):
+        roomy.generate([PROMPTS[0]], SamplingParams(logit_bias={257: 1.0}))

@@ -10,6 +10,8 @@ from moelora.sampling import SamplingParams, apply_penalties, sample
 
 def penalized_by_loop(logits, p, prompt, generated):
     out = logits.clone()
+    for v, bias in (p.logit_bias or {}).items():
+        out[v] += bias
     for v in set(prompt) | set(generated):
         x = out[v].item()
         out[v] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
@@ -20,16 +22,17 @@ def penalized_by_loop(logits, p, prompt, generated):
 
 def test_penalties_match_a_per_token_loop():
     V = 50
-    logits = torch.randn(4, V) * 3
+    logits = torch.randn(5, V) * 3
     params = [
         SamplingParams(repetition_penalty=1.7),
         SamplingParams(frequency_penalty=0.8, presence_penalty=-0.5),
         SamplingParams(),  # no penalty: the row stays as it is
         SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.2, presence_penalty=2.0),
+        SamplingParams(logit_bias={3: 5.0, 7: -100.0}, repetition_penalty=1.4),
     ]
     history = [
         (torch.randint(0, V, (7,)).tolist(), torch.randint(0, V, (n,)).tolist())
-        for n in (5, 9, 3, 12)
+        for n in (5, 9, 3, 12, 4)
     ]
     out = apply_penalties(logits, params, history)
     for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
@@ -57,8 +60,24 @@ def test_greedy_takes_the_penalized_argmax_and_logprobs_stay_raw():
         (dict(frequency_penalty=-3), "frequency_penalty"),
         (dict(repetition_penalty=0), "repetition_penalty"),
         (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+        (dict(logit_bias={5: 100.5}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias token"),
     ],
 )
 def test_penalties_out_of_range_are_refused_with_the_value_named(kw, name):
     with pytest.raises(InvalidRequestError, match=name):
         SamplingParams(**kw)
+
+
+def test_logit_bias_forces_and_forbids_tokens():
+    logits = torch.randn(2, 30)
+    top = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0, logit_bias={11: 100.0}),
+        SamplingParams(temperature=0, logit_bias={top: -100.0}),
+    ]
+    results = sample(logits, params, [None, None], [([1], []), ([1], [])])
+    assert results[0].token_id == 11
+    second = logits[1].clone()
+    second[top] = float("-inf")
+    assert results[1].token_id == int(second.argmax())

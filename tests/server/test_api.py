@@ -118,6 +118,15 @@ def test_chat_equals_offline(server: Server, offline: Offline, model: str) -> No
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_logit_bias_forces_a_token(server: Server, offline: Offline) -> None:
+    """A +100 bias on one token makes greedy decoding emit only that token."""
+    token = offline.tokenizer.encode("x")[-1]
+    resp = server.client().completions.create(
+        model=BASE, prompt=PROMPTS[0], max_tokens=5, temperature=0, logit_bias={str(token): 100}
+    )
+    assert resp.choices[0].text == offline.tokenizer.decode([token] * 5)
+
+
 def test_n_samples_per_prompt_numbered_as_openai_does(server: Server, offline: Offline) -> None:
     """n=2 over two prompts: choice i is sample i % 2 of prompt i // 2; sample j of a seeded
     request is LLM.generate with seed + j; the prompt's tokens count once in the usage."""
@@ -391,6 +400,9 @@ def _error(r: httpx.Response, status: int) -> dict:
         {"seed": 2**64},
         {"stop": [""]},
         {"presence_penalty": 2.5},
+        {"logit_bias": {"abc": 1}},
+        {"logit_bias": {"5": 101}},
+        {"logit_bias": {"100000000": 1}},
         {"repetition_penalty": 0},
     ],
 )
