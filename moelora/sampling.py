@@ -20,6 +20,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token, plus the chosen one
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     # vLLM's penalties: presence and frequency count generated tokens only, repetition counts
     # the prompt too (logit / p where positive, * p where negative)
     presence_penalty: float = 0.0
@@ -41,6 +42,12 @@ class SamplingParams:
             self.logprobs is None or self.logprobs >= 0,
             "logprobs",
             self.logprobs,
+            "None or an integer >= 0",
+        )
+        _check(
+            self.prompt_logprobs is None or self.prompt_logprobs >= 0,
+            "prompt_logprobs",
+            self.prompt_logprobs,
             "None or an integer >= 0",
         )
         _check(
@@ -126,6 +133,21 @@ def sample(
             top[token] = logprobs_all[i, token].item()
         results.append(SampleResult(token, top))
     return results
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, tokens: torch.Tensor, top: int
+) -> list[dict[int, float]]:
+    """vLLM's logprobs entries: per row, the `top` best tokens plus the given one.
+    logprobs [N, V] (log-softmax), tokens [N] -> N dicts."""
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+    best = logprobs.topk(top, dim=-1) if top else None
+    entries = []
+    for i, (token, value) in enumerate(zip(tokens.tolist(), chosen)):
+        entry = dict(zip(best.indices[i].tolist(), best.values[i].tolist())) if top else {}
+        entry[token] = value
+        entries.append(entry)
+    return entries
 
 
 def apply_penalties(

@@ -588,3 +588,30 @@ def test_tied_embeddings_qwen3(bank: FixtureBank) -> None:
     assert_matches(
         bank, run(make_llm(bank, model), hf.PROMPTS[:3], None), refs, hf.PROMPTS[:3], "qwen3 tied"
     )
+
+
+def test_prompt_logprobs_equal_transformers_in_chunks(bank: FixtureBank) -> None:
+    """prompt_logprobs (vLLM's layout: None, then one entry per prompt token) for a base and an
+    adapter request in one batch, with the prompts prefilled in 7-token chunks, against one
+    transformers(+PEFT) forward over each prompt."""
+    from moelora import SamplingParams
+
+    arch = "qwen3_moe"
+    model, adapter = bank.model(arch), bank.peft_adapter(arch)
+    llm = make_llm(bank, model, {"a": adapter}, max_num_batched_tokens=7)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    prompts = [p for p in hf.PROMPTS if len(p) > 8][:2]
+    outs = llm.generate(prompts, params, lora=[None, "a"])
+    for out, prompt, path in zip(outs, prompts, [None, adapter]):
+        ref = hf.load_reference_model(model, path)
+        with torch.no_grad():
+            logits = ref(input_ids=torch.tensor([prompt])).logits[0].float()
+        want = logits.log_softmax(-1)
+        lps = out.prompt_logprobs
+        assert len(lps) == len(prompt) and lps[0] is None
+        for j in range(1, len(prompt)):
+            entry = lps[j]
+            assert prompt[j] in entry and len(entry) in (3, 4)
+            assert abs(entry[prompt[j]] - want[j - 1, prompt[j]].item()) <= bank.logprob_tol
+            best = want[j - 1].topk(3).indices.tolist()
+            assert set(best) <= set(entry)

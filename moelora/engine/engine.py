@@ -170,6 +170,11 @@ class Engine:
             raise InvalidRequestError(
                 f"logit_bias token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
             )
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
+            raise InvalidRequestError(
+                f"prompt_logprobs={params.prompt_logprobs} is invalid: expected at most the "
+                f"vocabulary size {vocab}"
+            )
         if params.logprobs is not None and params.logprobs > vocab:
             raise InvalidRequestError(
                 f"logprobs={params.logprobs} is invalid: expected at most the vocabulary size "
@@ -203,11 +208,12 @@ class Engine:
             return []
         for slot, name in plan.lora_loads:
             self.slot_pool.fill(slot, self.adapters[name])
-        results = self.runner.execute(plan)
+        step = self.runner.execute(plan)
         outputs = []
-        for chunk in plan.chunks:
+        for i, chunk in enumerate(plan.chunks):
             chunk.request.num_computed_tokens += chunk.num_tokens
-        for chunk, result in zip((c for c in plan.chunks if c.samples), results):
+            chunk.request.prompt_logprobs += step.prompt_logprobs.get(i, [])
+        for chunk, result in zip((c for c in plan.chunks if c.samples), step.samples):
             req = chunk.request
             req.output_token_ids.append(result.token_id)
             if result.logprobs is not None:

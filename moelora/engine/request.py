@@ -26,6 +26,8 @@ class Request:
     generator: torch.Generator | None = None  # set for seeded sampling
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # entry j is for prompt token j + 1 (the first prompt token has none), when asked for
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     detok_offsets: tuple[int, int] = (0, 0)  # see Tokenizer.decode_incremental
     pages: list[int] = field(default_factory=list)
@@ -56,6 +58,9 @@ class Request:
             finish_reason=self.finish_reason,
             logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
             lora=self.lora,
+            prompt_logprobs=(
+                [None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None
+            ),
         )
 
 
@@ -68,6 +73,8 @@ class RequestOutput:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None
     lora: str | None = None
+    # vLLM's layout: None for the first prompt token, then one entry per prompt token
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

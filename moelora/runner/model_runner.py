@@ -13,7 +13,15 @@ from moelora.engine.scheduler import StepPlan
 from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo
 from moelora.lora.slots import SlotPool
 from moelora.runner.batch import AttentionMetadata, ForwardBatch
-from moelora.sampling import SampleResult, sample
+from moelora.sampling import SampleResult, sample, token_logprobs
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    samples: list[SampleResult]  # one per chunk that samples, in chunk order
+    prompt_logprobs: dict[int, list[dict[int, float]]]  # chunk index -> its new entries
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,9 @@ class ModelRunner:
         self.num_eager_steps = 0
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[SampleResult]:
-        """One forward over every chunk; a sample for each chunk that reaches its last token."""
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """One forward over every chunk: a sample for each chunk that reaches its last token,
+        and prompt logprobs for the chunks of requests that ask for them."""
         host = self.host_batch(plan)
         if self.graphs is not None and self.graphs.can_run(host):
             hidden = self.graphs.run(host)
@@ -84,9 +93,10 @@ class ModelRunner:
         else:
             hidden = self.model(host.to_device(self.device, self.slot_pool), self.kv_caches)
             self.num_eager_steps += 1
+        prompt_logprobs = self._prompt_logprobs(plan, host, hidden)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not sampling:
-            return []
+            return StepOutput([], prompt_logprobs)
         last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [plan.chunks[i].request for i in sampling]
@@ -96,7 +106,35 @@ class ModelRunner:
             if any(p.penalized for p in params)
             else None
         )
-        return sample(logits, params, [r.generator for r in reqs], history)
+        samples = sample(logits, params, [r.generator for r in reqs], history)
+        return StepOutput(samples, prompt_logprobs)
+
+    def _prompt_logprobs(
+        self, plan: StepPlan, host: HostBatch, hidden: torch.Tensor
+    ) -> dict[int, list[dict[int, float]]]:
+        """{chunk index: entries} for the prompt tokens this step's rows predict (row p of a
+        sequence predicts token p + 1), for requests with prompt_logprobs set. Positions a
+        preempted request already reported are skipped; logits go PROMPT_LOGITS_ROWS rows at a
+        time, so a long prompt does not hold [tokens, vocab] floats at once."""
+        found = {}
+        for i, c in enumerate(plan.chunks):
+            req = c.request
+            top = req.params.prompt_logprobs
+            if top is None:
+                continue
+            first = max(c.start, len(req.prompt_logprobs))  # position predicting token first+1
+            last = min(c.start + c.num_tokens, len(req.prompt_token_ids) - 1)
+            if first >= last:
+                continue
+            row0 = int(host.cu_seqlens_q[i]) + first - c.start
+            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=self.device)
+            entries = []
+            for r in range(0, last - first, PROMPT_LOGITS_ROWS):
+                rows = slice(row0 + r, row0 + min(r + PROMPT_LOGITS_ROWS, last - first))
+                logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
+                entries += token_logprobs(logprobs, targets[r : r + PROMPT_LOGITS_ROWS], top)
+            found[i] = entries
+        return found
 
     def host_batch(self, plan: StepPlan) -> HostBatch:
         ids, positions, slot_mapping, slots, q_lens, seq_lens = [], [], [], [], [], []

@@ -10,6 +10,7 @@ for them to drain): the caller retries when the traffic on that adapter has stop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -143,38 +144,69 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
             "text_offset": offsets,
         }
 
+    def echoed(prompt: str | list[int], out: Any) -> tuple[str, dict | None]:
+        """echo=true: the prompt's text (as sent, or decoded from its ids) and, with logprobs,
+        its tokens' entries (the first token has none, as in OpenAI's and vLLM's answers)."""
+        text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
+        if out.prompt_logprobs is None:
+            return text, None
+        ids = out.prompt_token_ids
+        rest = completion_logprobs(ids[1:], out.prompt_logprobs[1:], len(token_text(ids[0])))
+        first = token_text(ids[0])
+        return text, {
+            "tokens": [first, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [0, *rest["text_offset"]],
+        }
+
+    def with_echo(choice: dict, echo: tuple[str, dict | None]) -> dict:
+        """The choice with the echoed prompt in front of its text and logprobs."""
+        text, logprobs = echo
+        choice = {**choice, "text": text + choice["text"]}
+        if logprobs is not None and choice["logprobs"] is not None:
+            gen = choice["logprobs"]
+            shift = [o + len(text) for o in gen["text_offset"]]
+            choice["logprobs"] = {k: logprobs[k] + gen[k] for k in logprobs if k != "text_offset"}
+            choice["logprobs"]["text_offset"] = logprobs["text_offset"] + shift
+        return choice
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         default_max = body.max_tokens is None
         params = body.sampling_params(1 if default_max else body.max_tokens, body.logprobs)
+        if body.echo and body.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
         lora = lora_of(body.model)
         # choice i is sample i % n of prompt i // n, as OpenAI numbers them
-        inputs = [
-            GenerateInput(p, sample, lora, default_max)
-            for p in body.prompts()
-            for sample in body.samples(params)
-        ]
+        prompts = [p for p in body.prompts() for _ in range(body.n)]
+        samples = body.samples(params) * (len(prompts) // body.n)
+        inputs = [GenerateInput(p, s, lora, default_max) for p, s in zip(prompts, samples)]
         request_id = protocol.new_id("cmpl")
         streams = await start(inputs, body.model, request_id)
         head = {"id": request_id, "object": "text_completion", "created": protocol.now()}
         head["model"] = body.model
+        echo = prompts if body.echo else None
         if body.stream:
             return EngineStreamingResponse(
-                stream_completion(head, streams, params.stop, body.include_usage, body.n), streams
+                stream_completion(head, streams, params.stop, body.include_usage, body.n, echo),
+                streams,
             )
-        return await unless_disconnected(raw, complete_completion(head, streams, body.n))
+        return await unless_disconnected(raw, complete_completion(head, streams, body.n, echo))
 
-    async def complete_completion(head: dict, streams: list[RequestStream], n: int) -> dict:
+    async def complete_completion(
+        head: dict, streams: list[RequestStream], n: int, echo: list | None
+    ) -> dict:
         finals = await asyncio.gather(*(last_output(s) for s in streams))
-        choices = [
-            {
+        choices = []
+        for i, out in enumerate(finals):
+            choice = {
                 "index": i,
                 "text": out.text,
                 "logprobs": completion_logprobs(out.token_ids, out.logprobs, 0),
                 "finish_reason": out.finish_reason,
             }
-            for i, out in enumerate(finals)
-        ]
+            choices.append(with_echo(choice, echoed(echo[i], out)) if echo else choice)
         return {**head, "choices": choices, "usage": total_usage(streams, finals, n)}
 
     async def stream_completion(
@@ -183,12 +215,20 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         stop: list[str] | None,
         include_usage: bool,
         n: int,
+        echo: list | None,
     ) -> AsyncIterator[str]:
         deltas = [TextDeltas(stop) for _ in streams]
         finals: list[Any] = [None] * len(streams)
+        echoing = [echo is not None] * len(streams)  # the prompt goes first, once per choice
         try:
             async for i, out in merged(streams):
-                text_offset = deltas[i].sent_text
+                if echoing[i]:
+                    echoing[i] = False
+                    text, logprobs = echoed(echo[i], out)
+                    choice = {"index": i, "text": text, "logprobs": logprobs}
+                    yield sse({**head, "choices": [{**choice, "finish_reason": None}]})
+                    deltas[i].offset = len(text)
+                text_offset = deltas[i].offset + deltas[i].sent_text
                 text = deltas[i].text(out)
                 token_ids, logprobs = deltas[i].tokens(out)
                 if not text and not out.finished and logprobs is None:

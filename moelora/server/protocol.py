@@ -125,8 +125,6 @@ class CompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise InvalidRequestError("echo=true is not supported")
         if self.suffix:
             raise InvalidRequestError("suffix is not supported")
         if self.best_of not in (None, 1):

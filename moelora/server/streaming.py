@@ -86,6 +86,7 @@ class TextDeltas:
         self.holdback = max((len(s) for s in stop or []), default=1) - 1
         self.sent_text = 0
         self.sent_tokens = 0
+        self.offset = 0  # characters sent before the generated text (an echoed prompt)
 
     def text(self, out: Any) -> str:
         text = out.text

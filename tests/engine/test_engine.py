@@ -52,6 +52,17 @@ def test_chunked_prefill_and_preemption_change_no_token(model_and_adapter, roomy
     assert generate(tight) == expected
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.stats().kv_pages_used == 0
+    # prompt logprobs: one entry per prompt token whether or not the prompt was recomputed
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    before = tight.engine.scheduler.num_preemptions
+    got = tight.generate(PROMPTS, params, lora=[None, "a", None, "a"])
+    assert tight.engine.scheduler.num_preemptions > before
+    want = roomy.generate(PROMPTS, params, lora=[None, "a", None, "a"])
+    for g, w, prompt in zip(got, want, PROMPTS):
+        assert len(g.prompt_logprobs) == len(prompt) and g.prompt_logprobs[0] is None
+        for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert a.keys() == b.keys()
+            assert all(abs(a[k] - b[k]) <= 1e-5 for k in a)
 
 
 def test_a_request_does_not_depend_on_its_batch_mates(roomy):

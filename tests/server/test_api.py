@@ -127,6 +127,44 @@ def test_logit_bias_forces_a_token(server: Server, offline: Offline) -> None:
     assert resp.choices[0].text == offline.tokenizer.decode([token] * 5)
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_in_front(server: Server, offline: Offline):
+    """echo=true: the prompt's text before the completion; with logprobs, one entry per prompt
+    token (None for the first) equal to LLM.generate's prompt_logprobs, offsets consistent;
+    streamed, the prompt comes first and the whole text is the same."""
+    from moelora import SamplingParams
+
+    client, prompt = server.client(), PROMPTS[2]
+    plain = client.completions.create(
+        model="sql", prompt=prompt, max_tokens=4, temperature=0, echo=True
+    )
+    assert plain.choices[0].text == prompt + offline.text("sql", prompt, 4)
+    resp = client.completions.create(
+        model="sql", prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    ids = offline.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2)
+    want = offline.llm.generate([ids], params, lora=["sql"])[0]
+    lp = resp.choices[0].logprobs
+    assert resp.choices[0].text == plain.choices[0].text
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None
+    for j in range(1, len(ids)):
+        assert lp.token_logprobs[j] == pytest.approx(want.prompt_logprobs[j][ids[j]], abs=1e-5)
+        assert len(lp.top_logprobs[j]) in (2, 3)
+    assert lp.text_offset == [len("".join(lp.tokens[:k])) for k in range(len(lp.tokens))]
+    streamed = list(
+        client.completions.create(
+            model="sql", prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+        )
+    )
+    assert streamed[0].choices[0].text == prompt
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    by_ids = client.completions.create(
+        model="sql", prompt=ids, max_tokens=4, temperature=0, echo=True
+    )
+    assert by_ids.choices[0].text == offline.tokenizer.decode(ids) + offline.text("sql", ids, 4)
+
+
 def test_n_samples_per_prompt_numbered_as_openai_does(server: Server, offline: Offline) -> None:
     """n=2 over two prompts: choice i is sample i % 2 of prompt i // 2; sample j of a seeded
     request is LLM.generate with seed + j; the prompt's tokens count once in the usage."""
