@@ -1,4 +1,4 @@
-"""moelora serve | generate | demo.
+"""moelora serve | generate | bench | demo.
 
 Environment variables are read here, once, at startup: MOELORA_CACHE (where the demo lives).
 """
@@ -63,6 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0)
     _engine_args(generate)
     generate.set_defaults(func=cmd_generate)
+
+    bench = commands.add_parser(
+        "bench", help="offline throughput on random prompts (vLLM's `bench throughput`)"
+    )
+    bench.add_argument("model", help="a Hugging Face model folder, or 'demo'")
+    bench.add_argument("--num-prompts", type=int, default=64)
+    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    bench.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    bench.add_argument(
+        "--lora", action="append", default=None,
+        help="repeatable; requests cycle through these adapters ('base' for none)",
+    )  # fmt: skip
+    _engine_args(bench)
+    bench.set_defaults(func=cmd_bench)
 
     demo = commands.add_parser("demo", help="the built-in demo model and its two adapters")
     demo.add_argument("--serve", action="store_true", help="serve it and query it over HTTP")
@@ -139,16 +153,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _llm(config):
+    """The offline engine with every engine flag the command line gave."""
     from moelora import LLM
 
+    options = {name: getattr(config, name) for name in ENGINE_FLAGS}
     return LLM(
         config.model,
         lora_modules=dict(config.lora_modules),
-        max_loras=config.max_loras,
-        max_lora_rank=config.max_lora_rank,
-        dtype=config.dtype,
-        device=config.device,
-        seed=config.seed,
+        served_model_name=config.served_model_name,
+        **options,
     )
 
 
@@ -159,6 +172,43 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     for out in llm.generate(args.prompt, params, lora=args.lora):
         print(out.text)
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    """Random token prompts, ignore_eos, greedy: every request runs input + output tokens, so
+    the figure depends on the engine, not on the text."""
+    import time
+
+    import torch
+
+    from moelora import SamplingParams
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            sys.exit(f"moelora: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+    llm = _llm(_engine_config(args))
+    vocab = llm.engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(0, vocab, (args.num_prompts, args.input_len), generator=gen).tolist()
+    cycle = [None if name == "base" else name for name in args.lora or ["base"]]
+    loras = [cycle[i % len(cycle)] for i in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), lora=loras[:1])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, lora=loras)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outs)
+    total = generated + args.num_prompts * args.input_len
+    names = [n or "base" for n in cycle]
+    print(f"model: {llm.engine.config.model} on {llm.engine.config.torch_device}")
+    print(
+        f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
+        f"adapters cycled: {names}"
+    )
+    print(
+        f"throughput: {args.num_prompts / seconds:.2f} requests/s, {total / seconds:.1f} total "
+        f"tokens/s, {generated / seconds:.1f} output tokens/s ({seconds:.2f} s)"
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:

@@ -42,3 +42,20 @@ def test_demo_serve_queries_each_adapter_then_stops(cache: Path) -> None:
         assert f"[{name:>5}]" in out
     assert f"curl http://127.0.0.1:{port}/v1/completions" in out
     assert "OpenAI(base_url=" in out
+
+
+def test_bench_reports_throughput_and_refuses_unknown_adapters(cache: Path) -> None:
+    env = {**os.environ, "MOELORA_CACHE": str(cache)}
+    cmd = [sys.executable, "-m", "moelora.cli", "bench", "demo", "--device", "cpu"]
+    sizes = ["--num-prompts", "6", "--input-len", "12", "--output-len", "5"]
+    done = subprocess.run(
+        [*cmd, *sizes, "--lora", "sql", "--lora", "base"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "6 x (12 in, 5 out)" in done.stdout and "['sql', 'base']" in done.stdout
+    assert "output tokens/s" in done.stdout
+    bad = subprocess.run(
+        [*cmd, *sizes, "--lora", "nope"], env=env, capture_output=True, text=True, timeout=180
+    )
+    assert bad.returncode != 0 and "'nope'" in bad.stderr
