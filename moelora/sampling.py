@@ -122,15 +122,10 @@ def sample(
         for j, i in enumerate(rows.tolist()):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     results = []
-    token_list = tokens.tolist()
-    for i, (p, token) in enumerate(zip(params, token_list)):
+    for i, (p, token) in enumerate(zip(params, tokens.tolist())):
         top = None
         if p.logprobs is not None:  # vLLM's meaning: the top-k, plus the chosen token
-            top = {}
-            if p.logprobs:
-                values, ids = logprobs_all[i].topk(p.logprobs)
-                top = dict(zip(ids.tolist(), values.tolist()))
-            top[token] = logprobs_all[i, token].item()
+            top = token_logprobs(logprobs_all[i : i + 1], tokens[i : i + 1], p.logprobs)[0]
         results.append(SampleResult(token, top))
     return results
 
