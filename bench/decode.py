@@ -51,7 +51,7 @@ CONTEXT = 256  # prompt tokens per sequence before the timed decode step
 RANK = 16
 
 
-def make_engine(folder: str, *, lora: bool, eager: bool) -> Engine:
+def make_engine(folder: str, *, lora: bool, eager: bool, max_bs: int = max(BATCHES)) -> Engine:
     cfg = EngineConfig(
         model=folder,
         load_format="dummy",
@@ -59,11 +59,11 @@ def make_engine(folder: str, *, lora: bool, eager: bool) -> Engine:
         enable_lora=lora,
         max_loras=8,
         max_lora_rank=RANK if lora else 1,
-        max_graph_bs=max(BATCHES),
-        max_num_seqs=max(BATCHES),
-        max_num_batched_tokens=max(BATCHES) * CONTEXT,
+        max_graph_bs=max_bs,
+        max_num_seqs=max_bs,
+        max_num_batched_tokens=max_bs * CONTEXT,
         max_model_len=CONTEXT + 64,
-        num_pages=max(BATCHES) * (CONTEXT + 64) // 16 + 16,
+        num_pages=max_bs * (CONTEXT + 64) // 16 + 16,
         enforce_eager=eager,
     )
     return Engine(cfg)

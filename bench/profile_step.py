@@ -63,11 +63,8 @@ def main() -> None:
     Path(folder, "config.json").write_text(
         json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
     )
-    import decode
-
-    decode.BATCHES = (1, 8, 64)
     for lora in (False, True):
-        engine = make_engine(folder, lora=lora, eager=False)
+        engine = make_engine(folder, lora=lora, eager=False, max_bs=64)
         names = [f"a{i}" for i in range(8)]
         for i, n in enumerate(names if lora else []):
             engine.adapters[n] = random_adapter(engine, n, seed=i)

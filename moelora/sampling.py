@@ -82,7 +82,7 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
+    def adjusts_logits(self) -> bool:
         """Anything that changes the logits before sampling: a bias or a penalty."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or (
             self.repetition_penalty != 1.0
@@ -111,9 +111,9 @@ def sample(
     Logprobs are the model's own (before penalties and temperature), as vLLM reports them."""
     wants_logprobs = any(p.logprobs is not None for p in params)
     logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
-    if any(p.penalized for p in params):
+    if any(p.adjusts_logits for p in params):
         assert history is not None and len(history) == len(params)
-        logits = apply_penalties(logits, params, history)  # and the logit biases
+        logits = adjust_logits(logits, params, history)
     need_probs = [not p.greedy for p in params]
     tokens = logits.argmax(dim=-1)
     if any(need_probs):
@@ -145,7 +145,7 @@ def token_logprobs(
     return entries
 
 
-def apply_penalties(
+def adjust_logits(
     logits: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], list[int]]]
 ) -> torch.Tensor:
     """vLLM's order: the logit bias, then repetition (prompt and generated tokens), then
@@ -154,7 +154,7 @@ def apply_penalties(
     logits = logits.clone()
     V = logits.shape[-1]
     for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
-        if not p.penalized:
+        if not p.adjusts_logits:
             continue
         row = logits[i]
         if p.logit_bias:

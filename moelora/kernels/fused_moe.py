@@ -34,7 +34,7 @@ import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
-from moelora.kernels.moe_align import align_kernel, align_plan
+from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
@@ -465,7 +465,7 @@ def fused_moe(
         h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     else:
         BM = cfg.block_m
-        NB = min(P, triton.cdiv(P + min(E, P) * (BM - 1), BM))
+        NB = num_blocks(P, E, BM)
         sorted_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)
         expert_of_block = torch.empty(NB, dtype=torch.int32, device=x.device)
         if any_lora is not None:  # scratch only pairs with an enabled slot write and read

@@ -63,7 +63,6 @@ def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) 
     # merged into the shape's table: tuning some buckets keeps the others
     entry = data.setdefault(shape_key(E, H, I, K), {})
     entry.update({str(m): asdict(cfg) for m, cfg in table.items()})
-    data[shape_key(E, H, I, K)] = dict(sorted(entry.items(), key=lambda kv: int(kv[0])))
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     _load_configs.cache_clear()
     return path

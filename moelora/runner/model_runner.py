@@ -103,7 +103,7 @@ class ModelRunner:
         params = [r.params for r in reqs]
         history = (
             [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
-            if any(p.penalized for p in params)
+            if any(p.adjusts_logits for p in params)
             else None
         )
         samples = sample(logits, params, [r.generator for r in reqs], history)

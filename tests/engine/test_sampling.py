@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from moelora.errors import InvalidRequestError
-from moelora.sampling import SamplingParams, apply_penalties, sample
+from moelora.sampling import SamplingParams, adjust_logits, sample
 
 
-def penalized_by_loop(logits, p, prompt, generated):
+def adjusted_by_loop(logits, p, prompt, generated):
     out = logits.clone()
     for v, bias in (p.logit_bias or {}).items():
         out[v] += bias
@@ -34,9 +34,9 @@ def test_penalties_match_a_per_token_loop():
         (torch.randint(0, V, (7,)).tolist(), torch.randint(0, V, (n,)).tolist())
         for n in (5, 9, 3, 12, 4)
     ]
-    out = apply_penalties(logits, params, history)
+    out = adjust_logits(logits, params, history)
     for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
-        torch.testing.assert_close(out[i], penalized_by_loop(logits[i], p, prompt, generated))
+        torch.testing.assert_close(out[i], adjusted_by_loop(logits[i], p, prompt, generated))
     assert torch.equal(out[2], logits[2])
 
 
@@ -46,7 +46,7 @@ def test_greedy_takes_the_penalized_argmax_and_logprobs_stay_raw():
     prompt, generated = [1, 2, 3], [int(logits[0].argmax()), 7, 7]
     params = [SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0)] * 2
     results = sample(logits, params, [None, None], [(prompt, generated), ([], [])])
-    expect = penalized_by_loop(logits[0], params[0], prompt, generated).argmax().item()
+    expect = adjusted_by_loop(logits[0], params[0], prompt, generated).argmax().item()
     assert results[0].token_id == expect != logits[0].argmax().item()
     assert results[1].token_id == logits[1].argmax().item()  # nothing generated yet
     raw = logits[0].log_softmax(-1)[expect].item()
