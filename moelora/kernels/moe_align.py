@@ -129,7 +129,9 @@ def _align_serial(
         seen += tl.sum(onehot, axis=0)
 
 
-@triton.jit
+# Sizes that change with the batch are not specialized on (divisibility by 16): each graph
+# batch size would otherwise compile its own variant, and capture pays for every compile.
+@triton.jit(do_not_specialize=["P", "NB", "NA"])
 def align_kernel(
     # Pointers.
     topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)

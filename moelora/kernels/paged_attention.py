@@ -183,7 +183,7 @@ def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(per_split, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_rows"])  # one compile for all batch sizes
 def _paged_attention_kernel(
     # Pointers
     q_ptr,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
 def _route_topk_kernel(
     # Pointers.
     logits_ptr,  # [T, E], any float dtype
