@@ -25,7 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
 # Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
+
+
+@triton.jit
+def _lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row):
+    """(slot, rank, scaling) of the row's adapter; rank 0 when the row has none enabled."""
+    slot = tl.load(slot_ptr + row)
+    slot_c = tl.maximum(slot, 0)
+    on = (slot >= 0) & (tl.load(enabled_ptr + slot_c) != 0)
+    rank = tl.where(on, tl.load(rank_ptr + slot_c), 0)
+    return slot_c.to(tl.int64), rank, tl.load(scaling_ptr + slot_c)
 
 
 @triton.jit
@@ -36,14 +48,32 @@ def _rms_norm_kernel(
     weight_ptr,  # [N], x's dtype
     out_ptr,  # [T, N] contiguous
     sum_ptr,  # [T, N] contiguous, x + residual; unused without a residual
+    # LoRA batch info ([T] int32, [S] int32, [S] int32, [S] float32); x_ptr when unused.
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    din_ptr,  # [T, K_IN] rows stride_dt: the input of the projection that produced x (DELTA)
+    da_ptr,  # [S, 1, R, K_IN] its A
+    db_ptr,  # [S, N, R] its B
+    sa_ptr,  # [S, NS, R, N] the A of the projection that reads out (SHRINK)
+    shrunk_ptr,  # [T, NS, R] float32, written for rows with an enabled slot only
     # Sizes and strides.
     N,
     stride_xt,
     stride_rt,
+    stride_dt,
     eps,
     # Meta-parameters.
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    DELTA: tl.constexpr,
+    SHRINK: tl.constexpr,
+    K_IN: tl.constexpr,
+    NS: tl.constexpr,
+    R: tl.constexpr,
+    RC: tl.constexpr,
+    BK: tl.constexpr,
 ):
     # -- map the program to its row --
     row = tl.program_id(0).to(tl.int64)
@@ -51,11 +81,47 @@ def _rms_norm_kernel(
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
 
-    # -- the residual add, rounded to x's dtype like torch's add --
     x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
+    if DELTA or SHRINK:
+        slot, rank, scaling = _lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
+
+    # -- the LoRA of the projection that produced x: shrink its input, expand over the row --
+    # RC rank rows at a time, unrolled, so the loads of every step can be in flight at once;
+    # rank rows past the adapter's real rank are masked, never read.
+    if DELTA:
+        if rank > 0:
+            delta = tl.zeros((BLOCK,), dtype=tl.float32)
+            offs_k = tl.arange(0, BK)
+            for r0 in tl.static_range(0, R, RC):
+                offs_r = r0 + tl.arange(0, RC)
+                r_ok = offs_r < rank
+                acc = tl.zeros((RC, BK), dtype=tl.float32)
+                for k0 in tl.static_range(0, K_IN, BK):
+                    k_ok = k0 + offs_k < K_IN
+                    xin = tl.load(din_ptr + row * stride_dt + k0 + offs_k, mask=k_ok, other=0.0)
+                    a = tl.load(
+                        da_ptr + slot * R * K_IN + offs_r[:, None] * K_IN + (k0 + offs_k)[None, :],
+                        mask=r_ok[:, None] & k_ok[None, :],
+                        other=0.0,
+                    )
+                    acc += a.to(tl.float32) * xin.to(tl.float32)[None, :]
+                s_r = tl.sum(acc, axis=1) * scaling  # [RC]
+                b = tl.load(
+                    db_ptr + slot * N * R + offs[:, None] * R + offs_r[None, :],
+                    mask=mask[:, None] & r_ok[None, :],
+                    other=0.0,
+                )  # [BLOCK, RC]
+                delta += tl.sum(b.to(tl.float32) * s_r[None, :], axis=1)
+            # PEFT's order: the delta is rounded to x's dtype, then added
+            x = (x.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
+
+    # -- the residual add, rounded to x's dtype like torch's add --
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(sum_ptr + row * N + offs, x, mask=mask)
+    elif DELTA:
+        # s is x itself without a residual; with a delta, x is no longer the caller's tensor
         tl.store(sum_ptr + row * N + offs, x, mask=mask)
 
     # -- the norm in float32; masked lanes are 0 and add nothing to the sum of squares --
@@ -67,6 +133,23 @@ def _rms_norm_kernel(
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
     tl.store(out_ptr + row * N + offs, out, mask=mask)
+
+    # -- the first half of the LoRA of the projection that reads out: out @ A.T, scaled --
+    # Rank rows j of all NS slices in turn, RC at a time over the whole row held in registers.
+    if SHRINK:
+        if rank > 0:
+            o = out.to(tl.float32)
+            for j0 in tl.static_range(0, NS * R, RC):
+                offs_j = j0 + tl.arange(0, RC)
+                j_ok = (offs_j % R < rank) & (offs_j < NS * R)
+                a = tl.load(
+                    sa_ptr + slot * NS * R * N + offs_j[:, None] * N + offs[None, :],
+                    mask=j_ok[:, None] & mask[None, :],
+                    other=0.0,
+                )  # [RC, BLOCK]
+                s_j = tl.sum(a.to(tl.float32) * o[None, :], axis=1) * scaling
+                # zeros past the rank too: an active row's shrink is whole
+                tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
 def rms_norm(
@@ -96,12 +179,105 @@ def rms_norm(
     BLOCK = triton.next_power_of_2(N)
     res = x if residual is None else residual
     _rms_norm_kernel[(T,)](
-        x, res, weight, out, s,
-        N, x.stride(0), res.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        x, res, weight, out, s, *[x] * 9,
+        N, x.stride(0), res.stride(0), 0, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, DELTA=False, SHRINK=False,
+        K_IN=1, NS=1, R=1, RC=1, BK=1,
         num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out, s
+
+
+def rms_norm_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    info: LoraBatchInfo,
+    *,
+    delta: tuple[torch.Tensor, LoraWeights] | None = None,
+    shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rms_norm with the LoRA of the projections on either side folded in (one launch).
+
+    Semantics: see reference.rms_norm_lora. x, residual: [T, N] as rms_norm's; delta =
+    (x_in [T, in] with the last dim contiguous, lora_in with one slice of width N, a [S, 1, R,
+    in], b [S, N, R] contiguous); shrink: a [S, n, R, N] contiguous. Rows of shrunk whose
+    token has no enabled slot are left unwritten (readers check the slot first).
+    Returns (out, s, shrunk [T, n, R] float32 or None).
+
+    Why here: a program owns the whole row, so the LoRA of a row costs two gathers and one
+    pass over its slot's A (and B) from L2, with no launch of its own: a base-only batch pays
+    two scalar loads per row (DESIGN.md: the LoRA path is always in the graph).
+    """
+    T, N = x.shape
+    assert x.stride(-1) == 1, x.stride()
+    assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+        assert residual.stride(-1) == 1, residual.stride()
+    assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
+    R, K_in, NS = 1, 1, 1
+    if delta is not None:
+        x_in, lora_in = delta
+        S, n_in, R, K_in = lora_in.a.shape
+        assert n_in == 1 and lora_in.b.shape == (S, N, R), (lora_in.a.shape, lora_in.b.shape, N)
+        assert x_in.shape == (T, K_in) and x_in.stride(-1) == 1, (x_in.shape, x_in.stride())
+        assert lora_in.a.is_contiguous() and lora_in.b.is_contiguous()
+    if shrink is not None:
+        S, NS, R_s, N_s = shrink.a.shape
+        assert N_s == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
+        assert delta is None or R_s == R, (R_s, R)
+        R = R_s
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    s = (
+        torch.empty(T, N, dtype=x.dtype, device=x.device)
+        if residual is not None or delta is not None
+        else x
+    )
+    shrunk = (
+        torch.empty(T, NS, R, dtype=torch.float32, device=x.device) if shrink is not None else None
+    )
+    if T == 0:
+        return out, s, shrunk
+    BLOCK = triton.next_power_of_2(N)
+    res = x if residual is None else residual
+    x_in = delta[0] if delta is not None else x
+    # RC rank rows per step: a [RC, BLOCK] tile is at most 64 values per lane
+    num_warps = min(max(BLOCK // 512, 1), 8)
+    RC = max(1, min(triton.next_power_of_2(R), 64 * 32 * num_warps // BLOCK))
+    _rms_norm_kernel[(T,)](
+        x, res, weight, out, s,
+        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
+        x_in,
+        delta[1].a if delta is not None else x, delta[1].b if delta is not None else x,
+        shrink.a if shrink is not None else x, shrunk if shrunk is not None else x,
+        N, x.stride(0), res.stride(0), x_in.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        DELTA=delta is not None, SHRINK=shrink is not None,
+        K_IN=K_in, NS=NS, R=R, RC=RC, BK=min(triton.next_power_of_2(K_in), 512),
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out, s, shrunk
+
+
+@triton.jit
+def _lora_expand_cols(shrunk_ptr, b_ptr, t, rank, slice_i, col, mask, R: tl.constexpr,
+                      RC: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    """[BLOCK_D] float32: shrunk[t, slice_i] @ B[col].T over the real rank (b_ptr: the slot's
+    B, [out, R])."""
+    d = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in tl.static_range(0, R, RC):
+        offs_r = r0 + tl.arange(0, RC)
+        r_ok = offs_r < rank
+        s_r = tl.load(shrunk_ptr + (t * 3 + slice_i) * R + offs_r, mask=r_ok, other=0.0)
+        b = tl.load(
+            b_ptr + col[:, None] * R + offs_r[None, :],
+            mask=mask[:, None] & r_ok[None, :],
+            other=0.0,
+        )
+        d += tl.sum(b.to(tl.float32) * s_r[None, :], axis=1)
+    return d
 
 
 @triton.jit
@@ -120,6 +296,14 @@ def _rope_qk_kernel(
     k_cache_ptr,  # [num_pages, page_size, Hkv, D], strides (stride_cp, stride_cs, stride_ch, 1)
     v_cache_ptr,  # the same strides; both q_ptr without STORE_KV
     slot_ptr,  # [T] int64, -1 = do not store; pos_ptr without STORE_KV
+    # LoRA (LORA): batch info as in _rms_norm_kernel, the q|k|v shrink [T, 3, R] float32 and
+    # the q|k|v B [S, (Hq + 2 Hkv) D, R]; pos_ptr when unused.
+    lslot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    shrunk_ptr,
+    lb_ptr,
     # Sizes and strides.
     Hq,
     Hkv,
@@ -136,11 +320,15 @@ def _rope_qk_kernel(
     stride_cp,
     stride_cs,
     stride_ch,
+    stride_lbs,
     eps,
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LORA: tl.constexpr,
+    R: tl.constexpr,
+    RC: tl.constexpr,
 ):
     # -- map the program to one head of one token: q heads, then k heads, then v heads --
     t = tl.program_id(0).to(tl.int64)
@@ -148,6 +336,14 @@ def _rope_qk_kernel(
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     dtype = q_out_ptr.dtype.element_ty
+    half = D // 2
+    partner = (offs + half) % D
+    if LORA:
+        # columns of this head in the q|k|v output (v heads come last, as in the grid)
+        slice_i = (h >= Hq).to(tl.int32) + (h >= Hq + Hkv).to(tl.int32)
+        col = h * D + offs
+        lslot, rank, _ = _lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+        lb_row = lb_ptr + lslot * stride_lbs
 
     # -- the cache row of this token, as store_kv computes it; padded rows (-1) store nothing --
     if STORE_KV:
@@ -158,6 +354,11 @@ def _rope_qk_kernel(
             # v heads are only copied; they have no other output
             hv = h - Hq - Hkv
             x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
+            if LORA:
+                if rank > 0:
+                    d_v = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i, col,
+                                            mask, R, RC, BLOCK_D)  # fmt: skip
+                    x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
             v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
             tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
             return
@@ -172,10 +373,18 @@ def _rope_qk_kernel(
         norm_w = k_norm_ptr
 
     # -- the head in place and its rotate_half partner, D/2 lanes away --
-    half = D // 2
-    partner = (offs + half) % D
     x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
     x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+
+    # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
+    if LORA:
+        if rank > 0:
+            d = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i, col, mask, R, RC,
+                                  BLOCK_D)  # fmt: skip
+            d_rot = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i,
+                                      h * D + partner, mask, R, RC, BLOCK_D)  # fmt: skip
+            x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
     # -- per-head RMSNorm of both copies with the one row scale (reference.rms_norm's order) --
     if HAS_NORM:
@@ -216,9 +425,12 @@ def rope_qk(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, LoraWeights, LoraBatchInfo] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
-    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping).
+    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
+    lora = (shrunk, lora_qkv, info), q|k|v first take reference.lora_expand_ of shrunk [T, 3, R]
+    float32 (from rms_norm_lora; needs v); lora_qkv.b [S, (Hq + 2 Hkv) D, R] contiguous.
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
     contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
@@ -246,11 +458,30 @@ def rope_qk(
         assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
         assert slot_mapping.shape == (T,), slot_mapping.shape
+    R = 1
+    if lora is not None:
+        shrunk, lora_qkv, info = lora
+        assert store, "the folded LoRA needs v (and the caches): it expands into v as well"
+        S, _, R = lora_qkv.b.shape
+        assert lora_qkv.b.shape[1] == (Hq + 2 * Hkv) * D, (lora_qkv.b.shape, Hq, Hkv, D)
+        assert lora_qkv.b.is_contiguous() and shrunk.is_contiguous(), "contiguous b, shrunk"
+        assert shrunk.shape == (T, 3, R) and shrunk.dtype == torch.float32, shrunk.shape
+        assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, Hkv, D, dtype=q.dtype, device=q.device)
     if T == 0:
         return q_out, k_out
     has_norm = q_norm is not None
+    BLOCK_D = triton.next_power_of_2(D)
+    # a [BLOCK_D, RC] tile of B is at most 32 values per lane
+    num_warps = 1 if D <= 128 else 2
+    RC = max(1, min(triton.next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
+    lora_ptrs = (
+        (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
+         shrunk, lora_qkv.b)
+        if lora is not None
+        else (positions,) * 6
+    )  # fmt: skip
     v_stride = v.stride()[:2] if store else (0, 0)
     cache_stride = k_cache.stride()[:3] if store else (0, 0, 0)
     page_size = k_cache.shape[1] if store else 1
@@ -258,9 +489,11 @@ def rope_qk(
         q, k, v if store else q, positions, cos, sin,
         q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_out,
         k_cache if store else q, v_cache if store else q, slot_mapping if store else positions,
+        *lora_ptrs,
         Hq, Hkv, D, page_size, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_stride,
-        cos.stride(0), sin.stride(0), *cache_stride, eps,
-        HAS_NORM=has_norm, STORE_KV=store, BLOCK_D=triton.next_power_of_2(D),
-        num_warps=1 if D <= 128 else 2, enable_fp_fusion=False,
+        cos.stride(0), sin.stride(0), *cache_stride,
+        lora_qkv.b.stride(0) if lora is not None else 0, eps,
+        HAS_NORM=has_norm, STORE_KV=store, BLOCK_D=BLOCK_D, LORA=lora is not None, R=R, RC=RC,
+        num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return q_out, k_out

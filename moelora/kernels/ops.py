@@ -21,6 +21,7 @@ class Ops:
     add_lora_: Callable
     paged_attention: Callable
     rms_norm: Callable
+    rms_norm_lora: Callable
     rope_qk: Callable
 
 
@@ -31,6 +32,7 @@ REFERENCE_OPS = Ops(
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
     rms_norm=reference.rms_norm,
+    rms_norm_lora=reference.rms_norm_lora,
     rope_qk=reference.rope_qk,
 )
 

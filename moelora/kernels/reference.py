@@ -67,29 +67,56 @@ def _lora_delta(
     return torch.cat(pieces, dim=-1) * scaling[:, None]
 
 
+def lora_shrink(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torch.Tensor:
+    """Semantics: shrunk[t, i] = scaling[s] * x[t] @ A[s, i].T, s = slot[t], for tokens whose
+    slot is enabled; other rows are zero (and kernels leave them unwritten: readers check the
+    slot first). Computed in float32 from x as given.
+
+    x: [T, in]; lora.a [S, n, R, in]. Returns [T, n, R] float32.
+    """
+    T = x.shape[0]
+    S, n, R, _ = lora.a.shape
+    shrunk = torch.zeros(T, n, R, dtype=torch.float32, device=x.device)
+    slots = info.slot_of_token[:T]
+    active = _slot_mask(info, slots)
+    for s in torch.unique(slots[active]).tolist():
+        rows = (slots == s).nonzero().squeeze(1)
+        shrunk[rows] = torch.einsum("ti,nri->tnr", x[rows].float(), lora.a[s].float())
+        shrunk[rows] *= info.scaling_of_slot[s].float()
+    return shrunk
+
+
+def lora_expand_(
+    y: torch.Tensor, shrunk: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+) -> torch.Tensor:
+    """Semantics: y[t, slice_i] += (shrunk[t, i] @ B[s, slice_i].T) rounded to y's dtype, for
+    tokens whose slot s is enabled (PEFT's order: the delta is rounded, then added).
+
+    y: [T, out]; shrunk: [T, n, R] float32 from lora_shrink. In place; returns y.
+    """
+    T = y.shape[0]
+    slots = info.slot_of_token[:T]
+    active = _slot_mask(info, slots)
+    for s in torch.unique(slots[active]).tolist():
+        rows = (slots == s).nonzero().squeeze(1)
+        pieces, offset = [], 0
+        for i, size in enumerate(lora.out_slices):
+            b_i = lora.b[s, offset : offset + size].float()  # [size, R]
+            pieces.append(shrunk[rows, i] @ b_i.T)
+            offset += size
+        y[rows] += torch.cat(pieces, dim=-1).to(y.dtype)
+    return y
+
+
 def add_lora_(
     y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
 ) -> torch.Tensor:
     """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
     y: [T, out], x: [T, in], same dtype; only tokens whose slot is enabled change. In place;
-    returns y. Vectorized over tokens: one slot's rows at a time (S is small).
+    returns y.
     """
-    slots = info.slot_of_token[: x.shape[0]]
-    active = _slot_mask(info, slots)
-    for s in torch.unique(slots[active]).tolist():
-        rows = (slots == s).nonzero().squeeze(1)
-        n = rows.numel()
-        scale = info.scaling_of_slot[s].float().expand(n)
-        delta = _lora_delta(
-            x[rows],
-            lora.a[s].expand(n, *lora.a.shape[1:]),
-            lora.b[s].expand(n, *lora.b.shape[1:]),
-            lora.out_slices,
-            scale,
-        )
-        y[rows] += delta.to(y.dtype)
-    return y
+    return lora_expand_(y, lora_shrink(x, lora, info), lora, info)
 
 
 def fused_moe(
@@ -210,6 +237,31 @@ def rms_norm(
     return weight * h.to(s.dtype), s
 
 
+def rms_norm_lora(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    info: LoraBatchInfo,
+    *,
+    delta: tuple[torch.Tensor, LoraWeights] | None = None,
+    shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """rms_norm with the LoRA of the projections on either side folded in.
+
+    Semantics: with delta = (x_in, lora_in), x first takes add_lora_(x, x_in, lora_in, info)
+    (the LoRA of the projection that produced x); then (out, s) = rms_norm(x, weight, eps,
+    residual); with shrink, also shrunk = lora_shrink(out, shrink, info) (the first half of the
+    LoRA of the projection that reads out). x_in [T, in]; lora_in has one slice of width N.
+    Returns (out, s, shrunk or None).
+    """
+    if delta is not None:
+        x_in, lora_in = delta
+        x = add_lora_(x.clone(), x_in, lora_in, info)
+    out, s = rms_norm(x, weight, eps, residual)
+    return out, s, None if shrink is None else lora_shrink(out, shrink, info)
+
+
 def rope_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -224,15 +276,25 @@ def rope_qk(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    lora: tuple[torch.Tensor, LoraWeights, LoraBatchInfo] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
-    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping).
+    with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
+    lora = (shrunk, lora_qkv, info), q|k|v first take lora_expand_ of shrunk (the second half
+    of the q|k|v projection's LoRA; needs v).
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine);
     positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None;
     k_cache, v_cache [num_pages, page_size, Hkv, D]; slot_mapping [T] int64, -1 = not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
     """
+    if lora is not None:
+        shrunk, lora_qkv, info = lora
+        T, Hq, D = q.shape
+        qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
+        qkv = lora_expand_(qkv, shrunk, lora_qkv, info)
+        q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
+        q, k, v = q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
     if q_norm is not None:
         q, _ = rms_norm(q, q_norm, eps)
         k, _ = rms_norm(k, k_norm, eps)

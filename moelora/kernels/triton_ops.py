@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.lora import add_lora_
-from moelora.kernels.norm_rope import rms_norm, rope_qk
+from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
 from moelora.kernels.paged_attention import paged_attention
 from moelora.kernels.routing import route_topk
@@ -16,5 +16,6 @@ TRITON_OPS = Ops(
     add_lora_=add_lora_,
     paged_attention=paged_attention,
     rms_norm=rms_norm,
+    rms_norm_lora=rms_norm_lora,
     rope_qk=rope_qk,
 )

@@ -15,6 +15,12 @@ from moelora.lora.layers import LoraLinear
 from moelora.models.config import ModelConfig
 from moelora.runner.batch import ForwardBatch
 
+# Up to this many tokens in a step, the q|k|v and o LoRA ride in the two norms around the
+# attention and in rotary: a program that owns a row reads its slot's A and B once, and the
+# LoRA has no launch of its own (a base-only batch pays a few scalar loads). Longer steps (big
+# prefill chunks) take add_lora_, whose 16-row tiles share each tile of A.
+FOLD_LORA_MAX_TOKENS = 256
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, **kw):
@@ -34,12 +40,33 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.q_size, eps, ops, **kw)
             self.k_norm = RMSNorm(cfg.kv_size, eps, ops, **kw)
 
+    def folds_lora(self, batch: ForwardBatch, num_tokens: int) -> bool:
+        """Whether this step's q|k|v and o LoRA go into the norms and rotary (see forward).
+        Not with a full-width q/k norm or clip_qkv, which come between q|k|v and rotary."""
+        return (
+            batch.lora is not None
+            and self.qkv_proj.lora is not None
+            and self.o_proj.lora is not None
+            and self.cfg.qk_norm != "full"
+            and self.cfg.clip_qkv is None
+            and num_tokens <= FOLD_LORA_MAX_TOKENS
+        )
+
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
-    ) -> torch.Tensor:
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        qkv_shrunk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_proj's output, its input). With qkv_shrunk (folds_lora: the norm before took the
+        q|k|v LoRA's shrink), rotary adds the q|k|v LoRA and the o LoRA is left to the norm
+        after, which reads the returned input; otherwise both projections add their own."""
         cfg = self.cfg
         T = x.shape[0]
-        qkv = self.qkv_proj(x, batch.lora)  # [T, (Hq + 2 Hkv) D]
+        folded = qkv_shrunk is not None
+        own_lora = None if folded else batch.lora
+        qkv = self.qkv_proj(x, own_lora)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -61,6 +88,8 @@ class Attention(nn.Module):
             k_cache=k_cache,
             v_cache=v_cache,
             slot_mapping=batch.attn.slot_mapping,
+            lora=(qkv_shrunk, self.qkv_proj.lora, batch.lora) if folded else None,
         )
         out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
-        return self.o_proj(out.reshape(T, cfg.q_size), batch.lora)
+        o_in = out.reshape(T, cfg.q_size)
+        return self.o_proj(o_in, own_lora), o_in

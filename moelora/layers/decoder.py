@@ -35,9 +35,20 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two,
         inside the next norm, so every add shares a kernel with a norm."""
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, batch, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        attn = self.self_attn
+        if attn.folds_lora(batch, x.shape[0]):
+            # the attention's LoRA rides in the norms on either side of it and in rotary
+            h, residual, shrunk = self.input_layernorm.with_lora(
+                x, residual, batch.lora, shrink=attn.qkv_proj.lora
+            )
+            h, o_in = attn(h, batch, kv_cache, qkv_shrunk=shrunk)
+            h, residual, _ = self.post_attention_layernorm.with_lora(
+                h, residual, batch.lora, delta=(o_in, attn.o_proj.lora)
+            )
+        else:
+            h, residual = self.input_layernorm(x, residual)
+            h, _ = attn(h, batch, kv_cache)
+            h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, batch.lora), residual
 
 

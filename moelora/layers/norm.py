@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from moelora.kernels.ops import Ops
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 
 class RMSNorm(nn.Module):
@@ -22,3 +23,19 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
         return self.ops.rms_norm(x, self.weight, self.eps, residual)
+
+    def with_lora(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        info: LoraBatchInfo,
+        *,
+        delta: tuple[torch.Tensor, LoraWeights] | None = None,
+        shrink: LoraWeights | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """forward with the neighbouring projections' LoRA folded in: x first takes the LoRA
+        of delta = (its projection's input, LoRA weights); shrink's A is applied to the output
+        (see reference.rms_norm_lora). Returns (out, x + residual, shrunk or None)."""
+        return self.ops.rms_norm_lora(
+            x, self.weight, self.eps, residual, info, delta=delta, shrink=shrink
+        )
