@@ -30,6 +30,84 @@ from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 
 @triton.jit
+def lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row):
+    """(slot, rank, scaling) of the row's adapter; rank 0 when the row has none enabled. Two
+    dependent loads: the slot, then its flag, rank and scaling together."""
+    slot = tl.load(slot_ptr + row)
+    slot_c = tl.maximum(slot, 0)
+    on = tl.load(enabled_ptr + slot_c, mask=slot >= 0, other=0) != 0
+    rank = tl.load(rank_ptr + slot_c, mask=slot >= 0, other=0)
+    return slot_c.to(tl.int64), tl.where(on, rank, 0), tl.load(scaling_ptr + slot_c)
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr,  # [T, K_in], row stride stride_xt
+    a_ptr,  # [S, NS, R, K_in]
+    part_ptr,  # [T, KS, NS, R] float32 out, written for rows with an enabled slot only
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
+    K_in,
+    stride_xt,
+    NS: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    BK: tl.constexpr,
+):
+    # -- one row, one BK-wide slice of its input; rows without an adapter leave at once --
+    row = tl.program_id(0).to(tl.int64)
+    ks = tl.program_id(1)
+    slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
+    if rank == 0:
+        return
+    offs_k = ks * BK + tl.arange(0, BK)
+    k_ok = offs_k < K_in
+    offs_r = tl.arange(0, RP)
+    r_ok = offs_r < rank
+    x = tl.load(x_ptr + row * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+    for i in tl.static_range(NS):
+        a = tl.load(
+            a_ptr + (slot * NS + i) * R * K_in + offs_r[:, None] * K_in + offs_k[None, :],
+            mask=r_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [RP, BK]
+        part = tl.sum(a.to(tl.float32) * x[None, :], axis=1) * scaling
+        dst = part_ptr + ((row * tl.num_programs(1) + ks) * NS + i) * R + offs_r
+        tl.store(dst, part, mask=offs_r < R)  # zeros past the rank: whole rows
+
+
+def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torch.Tensor:
+    """Semantics: see reference.lora_shrink_split: reference.lora_shrink in KS partial sums,
+    summed by the reader; part[t, j] is row t's shrink over input columns j*BK .. (j+1)*BK.
+
+    x [T, in] (last dim contiguous); lora.a [S, n, R, in] contiguous. Returns [T, KS, n, R]
+    float32; rows whose token has no enabled slot are left unwritten (readers check the slot).
+
+    Why split: a row's whole A (128 KB for a rank-16 o_proj of 4096 inputs) read by one
+    program is bound by that program's load latency; KS programs each read one slice at once.
+    """
+    T, K_in = x.shape
+    S, n, R, K_a = lora.a.shape
+    assert K_a == K_in and x.stride(-1) == 1, (lora.a.shape, x.shape, x.stride())
+    assert lora.a.is_contiguous(), lora.a.stride()
+    assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
+    RP = triton.next_power_of_2(R)
+    BK = min(max(8192 // RP, 16), triton.next_power_of_2(K_in))  # [RP, BK]: 64 values a lane
+    KS = triton.cdiv(K_in, BK)
+    part = torch.empty(T, KS, n, R, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return part
+    _lora_shrink_kernel[(T, KS)](
+        x, lora.a, part,
+        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
+        K_in, x.stride(0), NS=n, R=R, RP=RP, BK=BK, num_warps=4,
+    )  # fmt: skip
+    return part
+
+
+@triton.jit
 def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
     """[BM] slot of each row, or -1 where the row is padding, on the base model or disabled."""
     slot = tl.load(slot_ptr + token_rows, mask=row_ok, other=-1)
@@ -132,7 +210,7 @@ def shrink_block_k(max_rank: int) -> int:
     return 256 if max_rank <= 16 else 64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
 def _add_lora_kernel(
     # Pointers.
     y_ptr,  # [T, out], updated in place

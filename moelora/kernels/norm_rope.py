@@ -25,19 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.lora import lora_row
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 # Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
-
-
-@triton.jit
-def _lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row):
-    """(slot, rank, scaling) of the row's adapter; rank 0 when the row has none enabled."""
-    slot = tl.load(slot_ptr + row)
-    slot_c = tl.maximum(slot, 0)
-    on = (slot >= 0) & (tl.load(enabled_ptr + slot_c) != 0)
-    rank = tl.where(on, tl.load(rank_ptr + slot_c), 0)
-    return slot_c.to(tl.int64), rank, tl.load(scaling_ptr + slot_c)
 
 
 @triton.jit
@@ -48,81 +39,94 @@ def _rms_norm_kernel(
     weight_ptr,  # [N], x's dtype
     out_ptr,  # [T, N] contiguous
     sum_ptr,  # [T, N] contiguous, x + residual; unused without a residual
-    # LoRA batch info ([T] int32, [S] int32, [S] int32, [S] float32); x_ptr when unused.
+    # LoRA shrink (SHRINK; x_ptr when unused): batch info ([T] int32, [S] int32, [S] int32,
+    # [S] float32), the A of the projection that reads out [S, NS, R, N] and the shrink
+    # [T, NS, R] float32, written for rows with an enabled slot only.
     slot_ptr,
     enabled_ptr,
     rank_ptr,
     scaling_ptr,
-    din_ptr,  # [T, K_IN] rows stride_dt: the input of the projection that produced x (DELTA)
-    da_ptr,  # [S, 1, R, K_IN] its A
-    db_ptr,  # [S, N, R] its B
-    sa_ptr,  # [S, NS, R, N] the A of the projection that reads out (SHRINK)
-    shrunk_ptr,  # [T, NS, R] float32, written for rows with an enabled slot only
+    a_ptr,
+    shrunk_ptr,
+    # LoRA expand (DELTA; x_ptr when unused): the partial shrinks of the projection that
+    # produced x [T, KS, 1, R] float32 (lora.lora_shrink_split) and its B [S, N, R].
+    part_ptr,
+    b_ptr,
     # Sizes and strides.
     N,
     stride_xt,
     stride_rt,
-    stride_dt,
     eps,
     # Meta-parameters.
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    DELTA: tl.constexpr,
     SHRINK: tl.constexpr,
-    K_IN: tl.constexpr,
+    DELTA: tl.constexpr,
     NS: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
-    BK: tl.constexpr,
+    KS: tl.constexpr,
+    KS_PAD: tl.constexpr,
 ):
-    # -- map the program to its row --
+    # -- map the program to its row; with SHRINK, also to RC of the row's NS * R shrink rows --
     row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
 
-    x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
-    if DELTA or SHRINK:
-        slot, rank, scaling = _lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
+    if SHRINK:
+        if g > 0:
+            # only program 0 of a row has work without an adapter: the norm itself
+            slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
+            if rank == 0:
+                return
 
-    # -- the LoRA of the projection that produced x: shrink its input, expand over the row --
-    # RC rank rows at a time, unrolled, so the loads of every step can be in flight at once;
-    # rank rows past the adapter's real rank are masked, never read.
+    # -- the residual add, rounded to x's dtype like torch's add --
+    # (program 0 asks for its rows before the adapter's: in-order issue would otherwise hold
+    # the row's loads behind the slot's two dependent gathers)
+    x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    if SHRINK:
+        slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
+        offs_j = g * RC + tl.arange(0, RC)
+        j_ok = (offs_j % R < rank) & (offs_j < NS * R)
+        a = tl.load(
+            a_ptr + slot * NS * R * N + offs_j[:, None] * N + offs[None, :],
+            mask=j_ok[:, None] & mask[None, :],
+            other=0.0,
+        )  # [RC, BLOCK] this program's tile of A
+    # -- the LoRA of the projection that produced x: sum its partial shrinks, expand the row --
+    # RC rank rows per step, unrolled: every step's loads can be in flight at once.
     if DELTA:
+        slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
         if rank > 0:
             delta = tl.zeros((BLOCK,), dtype=tl.float32)
-            offs_k = tl.arange(0, BK)
+            offs_ks = tl.arange(0, KS_PAD)
             for r0 in tl.static_range(0, R, RC):
                 offs_r = r0 + tl.arange(0, RC)
                 r_ok = offs_r < rank
-                acc = tl.zeros((RC, BK), dtype=tl.float32)
-                for k0 in tl.static_range(0, K_IN, BK):
-                    k_ok = k0 + offs_k < K_IN
-                    xin = tl.load(din_ptr + row * stride_dt + k0 + offs_k, mask=k_ok, other=0.0)
-                    a = tl.load(
-                        da_ptr + slot * R * K_IN + offs_r[:, None] * K_IN + (k0 + offs_k)[None, :],
-                        mask=r_ok[:, None] & k_ok[None, :],
-                        other=0.0,
-                    )
-                    acc += a.to(tl.float32) * xin.to(tl.float32)[None, :]
-                s_r = tl.sum(acc, axis=1) * scaling  # [RC]
+                part = tl.load(
+                    part_ptr + (row * KS + offs_ks[:, None]) * R + offs_r[None, :],
+                    mask=(offs_ks[:, None] < KS) & r_ok[None, :],
+                    other=0.0,
+                )  # [KS, RC], already scaled
                 b = tl.load(
-                    db_ptr + slot * N * R + offs[:, None] * R + offs_r[None, :],
+                    b_ptr + slot * N * R + offs[:, None] * R + offs_r[None, :],
                     mask=mask[:, None] & r_ok[None, :],
                     other=0.0,
                 )  # [BLOCK, RC]
-                delta += tl.sum(b.to(tl.float32) * s_r[None, :], axis=1)
+                delta += tl.sum(b.to(tl.float32) * tl.sum(part, axis=0)[None, :], axis=1)
             # PEFT's order: the delta is rounded to x's dtype, then added
             x = (x.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
-
-    # -- the residual add, rounded to x's dtype like torch's add --
     if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-        tl.store(sum_ptr + row * N + offs, x, mask=mask)
+        if g == 0:
+            tl.store(sum_ptr + row * N + offs, x, mask=mask)
     elif DELTA:
-        # s is x itself without a residual; with a delta, x is no longer the caller's tensor
-        tl.store(sum_ptr + row * N + offs, x, mask=mask)
+        tl.store(sum_ptr + row * N + offs, x, mask=mask)  # s is x, which the delta changed
 
     # -- the norm in float32; masked lanes are 0 and add nothing to the sum of squares --
     h = x.to(tl.float32)
@@ -130,26 +134,15 @@ def _rms_norm_kernel(
     normed = (h * scale).to(dtype)
 
     # -- the weight multiplies the rounded norm, and the product is rounded again --
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     out = (w.to(tl.float32) * normed.to(tl.float32)).to(dtype)
-    tl.store(out_ptr + row * N + offs, out, mask=mask)
+    if g == 0:
+        tl.store(out_ptr + row * N + offs, out, mask=mask)
 
-    # -- the first half of the LoRA of the projection that reads out: out @ A.T, scaled --
-    # Rank rows j of all NS slices in turn, RC at a time over the whole row held in registers.
+    # -- this program's rows of out @ A.T, scaled; zeros past the rank (a whole shrink row) --
     if SHRINK:
         if rank > 0:
-            o = out.to(tl.float32)
-            for j0 in tl.static_range(0, NS * R, RC):
-                offs_j = j0 + tl.arange(0, RC)
-                j_ok = (offs_j % R < rank) & (offs_j < NS * R)
-                a = tl.load(
-                    sa_ptr + slot * NS * R * N + offs_j[:, None] * N + offs[None, :],
-                    mask=j_ok[:, None] & mask[None, :],
-                    other=0.0,
-                )  # [RC, BLOCK]
-                s_j = tl.sum(a.to(tl.float32) * o[None, :], axis=1) * scaling
-                # zeros past the rank too: an active row's shrink is whole
-                tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
+            s_j = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1) * scaling
+            tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
 def rms_norm(
@@ -178,11 +171,11 @@ def rms_norm(
         return out, s
     BLOCK = triton.next_power_of_2(N)
     res = x if residual is None else residual
-    _rms_norm_kernel[(T,)](
-        x, res, weight, out, s, *[x] * 9,
-        N, x.stride(0), res.stride(0), 0, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, DELTA=False, SHRINK=False,
-        K_IN=1, NS=1, R=1, RC=1, BK=1,
+    _rms_norm_kernel[(T, 1)](
+        x, res, weight, out, s, *[x] * 8,
+        N, x.stride(0), res.stride(0), eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, SHRINK=False, DELTA=False,
+        NS=1, R=1, RC=1, KS=1, KS_PAD=1,
         num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False,
     )  # fmt: skip
     return out, s
@@ -195,20 +188,20 @@ def rms_norm_lora(
     residual: torch.Tensor | None,
     info: LoraBatchInfo,
     *,
-    delta: tuple[torch.Tensor, LoraWeights] | None = None,
     shrink: LoraWeights | None = None,
+    delta: tuple[torch.Tensor, LoraWeights] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """rms_norm with the LoRA of the projections on either side folded in (one launch).
+    """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: see reference.rms_norm_lora. x, residual: [T, N] as rms_norm's; delta =
-    (x_in [T, in] with the last dim contiguous, lora_in with one slice of width N, a [S, 1, R,
-    in], b [S, N, R] contiguous); shrink: a [S, n, R, N] contiguous. Rows of shrunk whose
-    token has no enabled slot are left unwritten (readers check the slot first).
-    Returns (out, s, shrunk [T, n, R] float32 or None).
+    Semantics: see reference.rms_norm_lora. x, residual: [T, N] as rms_norm's; shrink.a
+    [S, n, R, N] contiguous; delta = (partial shrinks [T, KS, 1, R] float32 from lora_shrink_split,
+    LoRA weights with b [S, N, R] contiguous). Rows of shrunk whose token has no enabled slot
+    are left unwritten (readers check the slot first). Returns (out, s, shrunk [T, n, R]
+    float32, or None without shrink).
 
-    Why here: a program owns the whole row, so the LoRA of a row costs two gathers and one
-    pass over its slot's A (and B) from L2, with no launch of its own: a base-only batch pays
-    two scalar loads per row (DESIGN.md: the LoRA path is always in the graph).
+    Why here: neither half needs a launch of its own (a base-only batch pays one gather per
+    row). Each row's n * R shrink rows are spread over programs, RC each, because one program
+    reading a whole slot's A is bound by its own load latency (about 18 µs for 196 KB).
     """
     T, N = x.shape
     assert x.stride(-1) == 1, x.stride()
@@ -217,18 +210,18 @@ def rms_norm_lora(
         assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
         assert residual.stride(-1) == 1, residual.stride()
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
-    R, K_in, NS = 1, 1, 1
-    if delta is not None:
-        x_in, lora_in = delta
-        S, n_in, R, K_in = lora_in.a.shape
-        assert n_in == 1 and lora_in.b.shape == (S, N, R), (lora_in.a.shape, lora_in.b.shape, N)
-        assert x_in.shape == (T, K_in) and x_in.stride(-1) == 1, (x_in.shape, x_in.stride())
-        assert lora_in.a.is_contiguous() and lora_in.b.is_contiguous()
+    NS, R, KS = 1, 1, 1
     if shrink is not None:
-        S, NS, R_s, N_s = shrink.a.shape
-        assert N_s == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
-        assert delta is None or R_s == R, (R_s, R)
-        R = R_s
+        _, NS, R, N_a = shrink.a.shape
+        assert N_a == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
+    if delta is not None:
+        part, lora_in = delta
+        S, R_d = lora_in.b.shape[0], lora_in.b.shape[2]
+        assert lora_in.b.shape == (S, N, R_d) and lora_in.b.is_contiguous(), lora_in.b.shape
+        assert part.shape[0] == T and part.shape[2:] == (1, R_d), (part.shape, T, R_d)
+        assert part.is_contiguous() and part.dtype == torch.float32, (part.stride(), part.dtype)
+        assert shrink is None or R_d == R, (R_d, R)
+        R, KS = R_d, part.shape[1]
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = (
         torch.empty(T, N, dtype=x.dtype, device=x.device)
@@ -241,43 +234,50 @@ def rms_norm_lora(
     if T == 0:
         return out, s, shrunk
     BLOCK = triton.next_power_of_2(N)
-    res = x if residual is None else residual
-    x_in = delta[0] if delta is not None else x
-    # RC rank rows per step: a [RC, BLOCK] tile is at most 64 values per lane
     num_warps = min(max(BLOCK // 512, 1), 8)
-    RC = max(1, min(triton.next_power_of_2(R), 64 * 32 * num_warps // BLOCK))
-    _rms_norm_kernel[(T,)](
+    # RC shrink rows per program: more programs per row when there are few rows; a [RC, BLOCK]
+    # tile of A (or [BLOCK, RC] of B) is at most 64 values per lane
+    RC = min(4 if T <= 16 or delta is not None else 8, triton.next_power_of_2(NS * R))
+    RC = max(1, min(RC, 64 * 32 * num_warps // BLOCK))
+    res = x if residual is None else residual
+    _rms_norm_kernel[(T, triton.cdiv(NS * R, RC) if shrink is not None else 1)](
         x, res, weight, out, s,
         info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        x_in,
-        delta[1].a if delta is not None else x, delta[1].b if delta is not None else x,
         shrink.a if shrink is not None else x, shrunk if shrunk is not None else x,
-        N, x.stride(0), res.stride(0), x_in.stride(0), eps,
+        delta[0] if delta is not None else x, delta[1].b if delta is not None else x,
+        N, x.stride(0), res.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-        DELTA=delta is not None, SHRINK=shrink is not None,
-        K_IN=K_in, NS=NS, R=R, RC=RC, BK=min(triton.next_power_of_2(K_in), 512),
+        SHRINK=shrink is not None, DELTA=delta is not None, NS=NS, R=R, RC=RC, KS=KS,
+        KS_PAD=triton.next_power_of_2(KS),
         num_warps=num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return out, s, shrunk
 
 
 @triton.jit
-def _lora_expand_cols(shrunk_ptr, b_ptr, t, rank, slice_i, col, mask, R: tl.constexpr,
-                      RC: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
-    """[BLOCK_D] float32: shrunk[t, slice_i] @ B[col].T over the real rank (b_ptr: the slot's
-    B, [out, R])."""
-    d = tl.zeros((BLOCK_D,), dtype=tl.float32)
+def _lora_expand_head(shrunk_ptr, b_ptr, t, rank, slice_i, col0, R: tl.constexpr,
+                      RC: tl.constexpr, D: tl.constexpr):  # fmt: skip
+    """(d, d_rot), [D] float32 each: d = shrunk[t, slice_i] @ B[col0 : col0 + D].T over the
+    real rank (b_ptr: the slot's B, [out, R]) and d_rot = d with its halves swapped, the
+    rotate_half partner of each lane. D is a power of two."""
+    HALF: tl.constexpr = D // 2
+    ii = tl.arange(0, 2)
+    cols = col0 + ii[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [2, HALF]
+    d2 = tl.zeros((2, HALF), dtype=tl.float32)
     for r0 in tl.static_range(0, R, RC):
         offs_r = r0 + tl.arange(0, RC)
         r_ok = offs_r < rank
         s_r = tl.load(shrunk_ptr + (t * 3 + slice_i) * R + offs_r, mask=r_ok, other=0.0)
         b = tl.load(
-            b_ptr + col[:, None] * R + offs_r[None, :],
-            mask=mask[:, None] & r_ok[None, :],
+            b_ptr + cols[:, :, None] * R + offs_r[None, None, :],
+            mask=r_ok[None, None, :],
             other=0.0,
-        )
-        d += tl.sum(b.to(tl.float32) * s_r[None, :], axis=1)
-    return d
+        )  # [2, HALF, RC]
+        d2 += tl.sum(b.to(tl.float32) * s_r[None, None, :], axis=2)
+    # the swap picks the other half's value plus an exact zero: no rounding, no second load
+    other = ii[:, None, None] != ii[None, :, None]  # [2, 2, 1]
+    d2_rot = tl.sum(tl.where(other, d2[None, :, :], 0.0), axis=1)
+    return tl.reshape(d2, (D,)), tl.reshape(d2_rot, (D,))
 
 
 @triton.jit
@@ -339,11 +339,9 @@ def _rope_qk_kernel(
     half = D // 2
     partner = (offs + half) % D
     if LORA:
-        # columns of this head in the q|k|v output (v heads come last, as in the grid)
+        # this head's slice of q|k|v (its columns start at h * D: v heads come last, as in
+        # the grid)
         slice_i = (h >= Hq).to(tl.int32) + (h >= Hq + Hkv).to(tl.int32)
-        col = h * D + offs
-        lslot, rank, _ = _lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
-        lb_row = lb_ptr + lslot * stride_lbs
 
     # -- the cache row of this token, as store_kv computes it; padded rows (-1) store nothing --
     if STORE_KV:
@@ -355,9 +353,11 @@ def _rope_qk_kernel(
             hv = h - Hq - Hkv
             x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
             if LORA:
+                lslot, rank, _ = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+                lb_row = lb_ptr + lslot * stride_lbs
                 if rank > 0:
-                    d_v = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i, col,
-                                            mask, R, RC, BLOCK_D)  # fmt: skip
+                    d_v, _ = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D,
+                                               R, RC, BLOCK_D)  # fmt: skip
                     x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
             v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
             tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
@@ -378,11 +378,11 @@ def _rope_qk_kernel(
 
     # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
     if LORA:
+        lslot, rank, _ = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+        lb_row = lb_ptr + lslot * stride_lbs
         if rank > 0:
-            d = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i, col, mask, R, RC,
-                                  BLOCK_D)  # fmt: skip
-            d_rot = _lora_expand_cols(shrunk_ptr, lb_row, t, rank, slice_i,
-                                      h * D + partner, mask, R, RC, BLOCK_D)  # fmt: skip
+            d, d_rot = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D, R, RC,
+                                         BLOCK_D)  # fmt: skip
             x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
@@ -462,6 +462,7 @@ def rope_qk(
     if lora is not None:
         shrunk, lora_qkv, info = lora
         assert store, "the folded LoRA needs v (and the caches): it expands into v as well"
+        assert D & (D - 1) == 0, f"the folded LoRA needs a power-of-two head dim, got {D}"
         S, _, R = lora_qkv.b.shape
         assert lora_qkv.b.shape[1] == (Hq + 2 * Hkv) * D, (lora_qkv.b.shape, Hq, Hkv, D)
         assert lora_qkv.b.is_contiguous() and shrunk.is_contiguous(), "contiguous b, shrunk"
@@ -474,7 +475,7 @@ def rope_qk(
     has_norm = q_norm is not None
     BLOCK_D = triton.next_power_of_2(D)
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
-    num_warps = 1 if D <= 128 else 2
+    num_warps = (1 if D <= 128 else 2) * (2 if lora is not None else 1)
     RC = max(1, min(triton.next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
     lora_ptrs = (
         (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,

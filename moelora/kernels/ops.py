@@ -22,6 +22,7 @@ class Ops:
     paged_attention: Callable
     rms_norm: Callable
     rms_norm_lora: Callable
+    lora_shrink_split: Callable
     rope_qk: Callable
 
 
@@ -33,6 +34,7 @@ REFERENCE_OPS = Ops(
     paged_attention=reference.paged_attention,
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
+    lora_shrink_split=reference.lora_shrink_split,
     rope_qk=reference.rope_qk,
 )
 

@@ -237,6 +237,12 @@ def rms_norm(
     return weight * h.to(s.dtype), s
 
 
+def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torch.Tensor:
+    """Semantics: lora_shrink in KS partial sums over slices of the input, summed by the reader
+    (rms_norm_lora's delta). Returns [T, KS, n, R] float32; here KS = 1."""
+    return lora_shrink(x, lora, info)[:, None]
+
+
 def rms_norm_lora(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -244,20 +250,20 @@ def rms_norm_lora(
     residual: torch.Tensor | None,
     info: LoraBatchInfo,
     *,
-    delta: tuple[torch.Tensor, LoraWeights] | None = None,
     shrink: LoraWeights | None = None,
+    delta: tuple[torch.Tensor, LoraWeights] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """rms_norm with the LoRA of the projections on either side folded in.
+    """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: with delta = (x_in, lora_in), x first takes add_lora_(x, x_in, lora_in, info)
-    (the LoRA of the projection that produced x); then (out, s) = rms_norm(x, weight, eps,
-    residual); with shrink, also shrunk = lora_shrink(out, shrink, info) (the first half of the
-    LoRA of the projection that reads out). x_in [T, in]; lora_in has one slice of width N.
-    Returns (out, s, shrunk or None).
+    Semantics: with delta = (partial shrinks [T, KS, 1, R] from lora_shrink_split, lora_in),
+    x first takes lora_expand_(x, partials summed over KS, lora_in, info): the second half of
+    the LoRA of the projection that produced x. Then (out, s) = rms_norm(x, weight, eps,
+    residual), and with shrink, shrunk = lora_shrink(out, shrink, info): the first half of the
+    LoRA of the projection that reads out. Returns (out, s, shrunk [T, n, R] float32 or None).
     """
     if delta is not None:
-        x_in, lora_in = delta
-        x = add_lora_(x.clone(), x_in, lora_in, info)
+        part, lora_in = delta
+        x = lora_expand_(x.clone(), part.sum(dim=1), lora_in, info)
     out, s = rms_norm(x, weight, eps, residual)
     return out, s, None if shrink is None else lora_shrink(out, shrink, info)
 

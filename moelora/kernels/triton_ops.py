@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.lora import add_lora_
+from moelora.kernels.lora import add_lora_, lora_shrink_split
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
 from moelora.kernels.paged_attention import paged_attention
@@ -17,5 +17,6 @@ TRITON_OPS = Ops(
     paged_attention=paged_attention,
     rms_norm=rms_norm,
     rms_norm_lora=rms_norm_lora,
+    lora_shrink_split=lora_shrink_split,
     rope_qk=rope_qk,
 )

@@ -15,10 +15,13 @@ from moelora.lora.layers import LoraLinear
 from moelora.models.config import ModelConfig
 from moelora.runner.batch import ForwardBatch
 
-# Up to this many tokens in a step, the q|k|v and o LoRA ride in the two norms around the
-# attention and in rotary: a program that owns a row reads its slot's A and B once, and the
-# LoRA has no launch of its own (a base-only batch pays a few scalar loads). Longer steps (big
-# prefill chunks) take add_lora_, whose 16-row tiles share each tile of A.
+# Up to this many tokens in a step, the attention's LoRA is folded into the kernels around it:
+# q|k|v's shrink into the input RMSNorm and its expand into rotary; o's shrink is one split
+# launch (lora_shrink_split) and its expand rides in the post-attention RMSNorm. Each row reads
+# its slot's A and B once, spread over programs (one program per row reading a whole A is
+# bound by its load latency: 18 µs per norm at one token on an H200). A base-only batch pays a
+# few scalar loads and one launch. Longer steps (big prefill chunks) take add_lora_, whose
+# 16-row tiles share each tile of A.
 FOLD_LORA_MAX_TOKENS = 256
 
 
@@ -41,14 +44,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.kv_size, eps, ops, **kw)
 
     def folds_lora(self, batch: ForwardBatch, num_tokens: int) -> bool:
-        """Whether this step's q|k|v and o LoRA go into the norms and rotary (see forward).
-        Not with a full-width q/k norm or clip_qkv, which come between q|k|v and rotary."""
+        """Whether this step's LoRA is folded into the norms and rotary (see forward). Not with
+        a full-width q/k norm or clip_qkv, which come between q|k|v and rotary, nor with a
+        head dim that is not a power of two (rotary's LoRA swaps the halves of a head)."""
         return (
             batch.lora is not None
             and self.qkv_proj.lora is not None
             and self.o_proj.lora is not None
             and self.cfg.qk_norm != "full"
             and self.cfg.clip_qkv is None
+            and self.cfg.head_dim & (self.cfg.head_dim - 1) == 0
             and num_tokens <= FOLD_LORA_MAX_TOKENS
         )
 
@@ -58,15 +63,15 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         qkv_shrunk: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o_proj's output, its input). With qkv_shrunk (folds_lora: the norm before took the
-        q|k|v LoRA's shrink), rotary adds the q|k|v LoRA and the o LoRA is left to the norm
-        after, which reads the returned input; otherwise both projections add their own."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(o_proj's output, the split shrink of its LoRA or None). With qkv_shrunk
+        (folds_lora: the norm before took the q|k|v LoRA's shrink), rotary adds the q|k|v LoRA
+        and the o LoRA's expand is left to the norm after; otherwise both projections add
+        their own LoRA and the second value is None."""
         cfg = self.cfg
         T = x.shape[0]
         folded = qkv_shrunk is not None
-        own_lora = None if folded else batch.lora
-        qkv = self.qkv_proj(x, own_lora)  # [T, (Hq + 2 Hkv) D]
+        qkv = self.qkv_proj(x, None if folded else batch.lora)  # [T, (Hq + 2 Hkv) D]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm == "full":
             q, k = self.q_norm(q)[0], self.k_norm(k)[0]
@@ -92,4 +97,7 @@ class Attention(nn.Module):
         )
         out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
         o_in = out.reshape(T, cfg.q_size)
-        return self.o_proj(o_in, own_lora), o_in
+        if not folded:
+            return self.o_proj(o_in, batch.lora), None
+        o_shrunk = self.ops.lora_shrink_split(o_in, self.o_proj.lora, batch.lora)
+        return self.o_proj(o_in, None), o_shrunk

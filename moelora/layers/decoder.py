@@ -41,9 +41,9 @@ class DecoderLayer(nn.Module):
             h, residual, shrunk = self.input_layernorm.with_lora(
                 x, residual, batch.lora, shrink=attn.qkv_proj.lora
             )
-            h, o_in = attn(h, batch, kv_cache, qkv_shrunk=shrunk)
+            h, o_shrunk = attn(h, batch, kv_cache, qkv_shrunk=shrunk)
             h, residual, _ = self.post_attention_layernorm.with_lora(
-                h, residual, batch.lora, delta=(o_in, attn.o_proj.lora)
+                h, residual, batch.lora, delta=(o_shrunk, attn.o_proj.lora)
             )
         else:
             h, residual = self.input_layernorm(x, residual)

@@ -30,12 +30,13 @@ class RMSNorm(nn.Module):
         residual: torch.Tensor | None,
         info: LoraBatchInfo,
         *,
-        delta: tuple[torch.Tensor, LoraWeights] | None = None,
         shrink: LoraWeights | None = None,
+        delta: tuple[torch.Tensor, LoraWeights] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """forward with the neighbouring projections' LoRA folded in: x first takes the LoRA
-        of delta = (its projection's input, LoRA weights); shrink's A is applied to the output
-        (see reference.rms_norm_lora). Returns (out, x + residual, shrunk or None)."""
+        """forward with the LoRA of the projections on either side folded in: delta = (the
+        split shrink of the projection that produced x, its LoRA) is expanded into x first;
+        shrink's A is applied to the output (see reference.rms_norm_lora).
+        Returns (out, x + residual, shrunk or None)."""
         return self.ops.rms_norm_lora(
-            x, self.weight, self.eps, residual, info, delta=delta, shrink=shrink
+            x, self.weight, self.eps, residual, info, shrink=shrink, delta=delta
         )
