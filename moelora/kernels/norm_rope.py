@@ -353,10 +353,10 @@ def _rope_qk_kernel(
             hv = h - Hq - Hkv
             x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
             if LORA:
-                lslot, rank, _ = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+                lslot, rank, lscale = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
                 lb_row = lb_ptr + lslot * stride_lbs
                 if rank > 0:
-                    d_v, _ = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D,
+                    d_v, d_unused = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D,
                                                R, RC, BLOCK_D)  # fmt: skip
                     x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
             v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
@@ -378,7 +378,7 @@ def _rope_qk_kernel(
 
     # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
     if LORA:
-        lslot, rank, _ = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+        lslot, rank, lscale = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
         lb_row = lb_ptr + lslot * stride_lbs
         if rank > 0:
             d, d_rot = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D, R, RC,
