@@ -23,7 +23,7 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
-from moelora.kernels.lora import add_lora_  # noqa: E402
+from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
 from moelora.kernels.routing import route_topk  # noqa: E402
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -105,6 +105,24 @@ def test_route_topk_gpu(T, E, K, scoring):
                                           renormalize=True)  # fmt: skip
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "T,spread", [(1, "one"), (64, "distinct"), (64, "mixed"), (256, "distinct"), (256, "one")]
+)  # one token enables an adapter only with "one": slot 0 has rank 0, "mixed" starts on base
+@pytest.mark.parametrize("rank", [16, 64])
+def test_lora_shrink_split_bf16(T, spread, rank):
+    """o_proj's split shrink (4096 inputs): the partials sum to the fp32 shrink."""
+    info = batch_info(T, spread, DEV)
+    lora = lora_weights(info.num_slots, (), 1, rank, 4096, (2048,), info.rank_of_slot.cpu(),
+                        torch.bfloat16, DEV)  # fmt: skip
+    x = torch.randn(T, 4096, device=DEV).to(torch.bfloat16)
+    part = lora_shrink_split(x, lora, info)
+    slots = info.slot_of_token
+    on = (slots >= 0) & (info.slot_enabled[slots.clamp(min=0)] != 0)
+    expect = reference.lora_shrink(x.float(), _f32(lora), info)
+    assert on.any()
+    assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-2
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 256])

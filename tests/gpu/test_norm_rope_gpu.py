@@ -8,10 +8,16 @@ result). Hence: <= 1% of elements differ (a wrong rounding order makes most of t
 rms_norm elements within 2 bf16 ulps, and the relative error of the whole output <= 1e-2.
 The KV store fused into rope_qk must cache exactly what store_kv would from the returned k.
 The CUDA-graph tests capture the kernels once and replay them with new inputs.
+The LoRA folded into rms_norm_lora and rope_qk (bf16) is checked against the reference run in
+float32 on float32 copies: max abs error <= 2e-2 of the reference's max abs, on the rows whose
+slot is enabled for the shrink (the kernel leaves the others unwritten).
 Legend: T = tokens, N = hidden, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
 """
 
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,8 +26,12 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from lora_cases import batch_info, lora_weights  # noqa: E402
+
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.norm_rope import rms_norm, rope_qk  # noqa: E402
+from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk  # noqa: E402
+from moelora.lora.batch_info import LoraWeights  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6
@@ -216,3 +226,227 @@ def test_rope_qk_store_kv_cuda_graph():
         ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
         _assert_matches(q_out, ref_q)
         _assert_matches(k_out, ref_k)
+
+
+# -- the LoRA folded into the norm and the rotary, bf16 against the float32 reference ----------
+# N = hidden (2048). rms_norm_lora's delta: o's LoRA, lora_shrink_split's KS partial shrinks of
+# the attention output [T, Hq D = 4096] expanded by o's B into N; its shrink: q|k|v's A over N
+# (slices Hq D | Hkv D | Hkv D). R = pool rank.
+LORA_TOL = 2e-2  # max abs error relative to the reference's max abs
+LORA_N, LORA_K_IN = 2048, Hq * D
+
+
+def _f32(lora: LoraWeights) -> LoraWeights:
+    return LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+
+
+def _max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((out.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12)).item()
+
+
+def _enabled_rows(info, T: int) -> torch.Tensor:
+    slots = info.slot_of_token[:T]
+    return (slots >= 0) & (info.slot_enabled[slots.clamp(min=0).long()] != 0)
+
+
+def _lora_info(T: int, spread: str, R: int):
+    """batch_info whose rank-16 slots take the pool rank R and rank-8 ones R // 2 + 3 (when
+    R > 16), so that ranks past 16 are exercised."""
+    info = batch_info(T, spread, DEV)
+    if R > 16:
+        ranks = info.rank_of_slot
+        ranks[ranks == 16] = R
+        ranks[ranks == 8] = R // 2 + 3
+    return info
+
+
+def _partials(x_in: torch.Tensor, lora_in: LoraWeights, info, KS: int) -> torch.Tensor:
+    """lora_shrink_split's output for KS slices of the input columns, [T, KS, 1, R] float32;
+    rows without an enabled slot are NaN (the Triton split leaves them unwritten)."""
+    parts = []
+    for cols in torch.arange(x_in.shape[1], device=DEV).chunk(KS):
+        a = lora_in.a[..., cols].contiguous()
+        lora = LoraWeights(a, lora_in.b, lora_in.out_slices)
+        parts.append(reference.lora_shrink(x_in[:, cols], lora, info))
+    part = torch.stack(parts, dim=1)
+    part[~_enabled_rows(info, x_in.shape[0])] = float("nan")
+    return part
+
+
+def _norm_lora_inputs(T: int, R: int, info, *, with_residual: bool = True, KS: int = 8):
+    """x, weight, residual, delta = (partials, o's LoRA into N), shrink = q|k|v's LoRA."""
+    dtype, S, ranks = torch.bfloat16, info.num_slots, info.rank_of_slot.cpu()
+    x = torch.randn(T, LORA_N, device=DEV, dtype=dtype)
+    weight = (1 + 0.5 * torch.randn(LORA_N, device=DEV)).to(dtype)
+    residual = torch.randn(T, LORA_N, device=DEV, dtype=dtype) if with_residual else None
+    x_in = torch.randn(T, LORA_K_IN, device=DEV, dtype=dtype)
+    lora_in = lora_weights(S, (), 1, R, LORA_K_IN, (LORA_N,), ranks, dtype, DEV)
+    delta = (_partials(x_in, lora_in, info, KS), lora_in)
+    slices = (Hq * D, Hkv * D, Hkv * D)
+    shrink = lora_weights(S, (), 3, R, LORA_N, slices, ranks, dtype, DEV)
+    return x, weight, residual, delta, shrink
+
+
+def _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink):
+    """Against reference.rms_norm_lora in bf16 (_assert_matches: the kernel rounds in its
+    order) and in float32 on float32 copies (LORA_TOL); shrunk on enabled rows only."""
+    T = x.shape[0]
+    on = _enabled_rows(info, T)
+    part = None if delta is None else delta[0].nan_to_num(0.0)  # the reference reads every row
+    bf = reference.rms_norm_lora(
+        x, weight, EPS, residual, info, shrink=shrink,
+        delta=None if delta is None else (part, delta[1]),
+    )  # fmt: skip
+    f32 = reference.rms_norm_lora(
+        x.float(), weight.float(), EPS, None if residual is None else residual.float(), info,
+        shrink=None if shrink is None else _f32(shrink),
+        delta=None if delta is None else (part, _f32(delta[1])),
+    )  # fmt: skip
+    if delta is None:  # the plain norm, as test_rms_norm_gpu checks it
+        _assert_matches(out, bf[0], max_ulps=2)
+        assert torch.equal(s, bf[1])
+    else:
+        _assert_matches(out, bf[0])
+        _assert_matches(s, bf[1])
+    assert _max_rel(out, f32[0]) <= LORA_TOL
+    assert _max_rel(s, f32[1]) <= LORA_TOL
+    if shrink is None:
+        assert shrunk is None
+        return
+    assert shrunk.shape == f32[2].shape and shrunk.dtype == torch.float32
+    assert torch.isfinite(shrunk[on]).all()
+    if on.any():
+        assert _max_rel(shrunk[on], f32[2][on]) <= LORA_TOL
+
+
+@pytest.mark.parametrize("T", [1, 64, 200])
+@pytest.mark.parametrize("R", [16, 64])
+@pytest.mark.parametrize("spread", ["mixed", "distinct", "one"])
+def test_rms_norm_lora_gpu(T, R, spread):
+    """The post-attention norm: o's LoRA into x, the residual add, q|k|v's shrink of out."""
+    torch.manual_seed(T + R)
+    info = _lora_info(T, spread, R)
+    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info)
+    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+    _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)
+
+
+@pytest.mark.parametrize("mode", ["delta", "shrink"])
+def test_rms_norm_lora_gpu_one_side(mode):
+    """Only the delta (with the residual), or only the shrink (the first layer's input norm:
+    no residual, s is x itself)."""
+    T, R = 64, 16
+    torch.manual_seed(3)
+    info = _lora_info(T, "mixed", R)
+    with_residual = mode == "delta"
+    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info, with_residual=with_residual)
+    if mode == "delta":
+        shrink = None
+    else:
+        delta = None
+    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+    if mode == "shrink":
+        assert s is x
+    _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)
+
+
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_rope_qk_lora_gpu(T, with_norm):
+    """q|k|v take the expand of the shrink (base rows of the shrink are NaN: never read), then
+    the norm, the rotary and the KV store; against the float32 reference."""
+    dtype, R, K_IN = torch.bfloat16, 16, LORA_N
+    torch.manual_seed(T + 7)
+    q, k, v, positions, cos, sin, k_cache, v_cache, slots = _store_inputs(T, dtype)
+    if T == 1:
+        slots.fill_(5)  # the one row is stored
+    q_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
+    k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
+    info = batch_info(T, "one" if T == 1 else "mixed", DEV)
+    slices = (Hq * D, Hkv * D, Hkv * D)
+    lora_qkv = lora_weights(info.num_slots, (), 3, R, K_IN, slices, info.rank_of_slot.cpu(),
+                            dtype, DEV)  # fmt: skip
+    shrunk = reference.lora_shrink(torch.randn(T, K_IN, device=DEV, dtype=dtype), lora_qkv, info)
+    on = _enabled_rows(info, T)
+    k_shrunk = shrunk.clone()
+    k_shrunk[~on] = float("nan")
+    # the references, on copies of the caches, before the kernel runs
+    bf_caches = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone(), slot_mapping=slots)
+    bf_q, bf_k = reference.rope_qk(
+        q, k, positions, cos, sin, q_norm, k_norm, EPS, v=v, lora=(shrunk, lora_qkv, info),
+        **bf_caches,
+    )  # fmt: skip
+    qf, kf, vf = q.float(), k.float(), v.float()
+    k_ref = torch.full(k_cache.shape, SENTINEL, device=DEV)
+    v_ref = torch.full(v_cache.shape, SENTINEL, device=DEV)
+
+    q_out, k_out = rope_qk(
+        q, k, positions, cos, sin, q_norm, k_norm, EPS,
+        v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+        lora=(k_shrunk, lora_qkv, info),
+    )  # fmt: skip
+    ref_q, ref_k = reference.rope_qk(
+        qf, kf, positions, cos, sin,
+        None if q_norm is None else q_norm.float(), None if k_norm is None else k_norm.float(),
+        EPS, v=vf, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots,
+        lora=(shrunk, _f32(lora_qkv), info),
+    )  # fmt: skip
+    assert q_out.dtype == dtype and q_out.shape == (T, Hq, D) and q_out.is_contiguous()
+    assert k_out.dtype == dtype and k_out.shape == (T, Hkv, D) and k_out.is_contiguous()
+    assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
+    assert _max_rel(q_out, ref_q) <= LORA_TOL
+    assert _max_rel(k_out, ref_k) <= LORA_TOL
+    # and the bf16 reference, as test_rope_qk_store_kv_gpu checks the rotary alone
+    _assert_matches(q_out, bf_q)
+    _assert_matches(k_out, bf_k)
+    # the cached k is exactly the returned k; both caches against the reference where stored
+    k_sep = torch.full_like(k_cache, SENTINEL)
+    reference.store_kv(k_out, v, k_sep, torch.full_like(v_cache, SENTINEL), slots)
+    assert torch.equal(k_cache, k_sep)
+    stored = slots[slots >= 0]
+    untouched = torch.ones(NUM_PAGES * PAGE_SIZE, dtype=torch.bool, device=DEV)
+    untouched[stored] = False
+    for cache, ref_cache in ((k_cache, k_ref), (v_cache, v_ref)):
+        flat, ref_flat = cache.view(-1, Hkv, D), ref_cache.view(-1, Hkv, D)
+        assert (flat[untouched] == SENTINEL).all()
+        assert _max_rel(flat[stored], ref_flat[stored]) <= LORA_TOL
+    bf_v = bf_caches["v_cache"].view(-1, Hkv, D)[stored]
+    _assert_matches(v_cache.view(-1, Hkv, D)[stored], bf_v)
+
+
+def test_rms_norm_lora_cuda_graph():
+    """Captured once with shrink and delta; each replay sees a new batch info (slots, enabled
+    flags, scalings), new activations and new partial shrinks written in place."""
+    T, R = 64, 16
+    torch.manual_seed(4)
+    info = _lora_info(T, "mixed", R)
+    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info)
+    part, lora_in = delta
+
+    def step():
+        return rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, s, shrunk = step()
+
+    for spread in ("distinct", "none", "one", "mixed"):
+        new = _lora_info(T, spread, R)
+        for dst, src in zip(
+            (info.slot_of_token, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled),
+            (new.slot_of_token, new.rank_of_slot, new.scaling_of_slot, new.slot_enabled),
+        ):
+            dst.copy_(src)
+        x.copy_(torch.randn(T, LORA_N, device=DEV))
+        residual.copy_(torch.randn(T, LORA_N, device=DEV))
+        x_in = torch.randn(T, LORA_K_IN, device=DEV, dtype=x.dtype)
+        part.copy_(_partials(x_in, lora_in, info, part.shape[1]))
+        graph.replay()
+        torch.cuda.synchronize()
+        _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)

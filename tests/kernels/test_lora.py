@@ -3,7 +3,7 @@ import torch
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 
 from moelora.kernels import reference
-from moelora.kernels.lora import add_lora_
+from moelora.kernels.lora import add_lora_, lora_shrink_split
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 SLICES = {1: (48,), 2: (40, 40), 3: (64, 16, 16)}  # o / gate|up / q|k|v (GQA: small k, v)
@@ -57,3 +57,21 @@ def test_add_lora_big_pool_rank_and_wide_slices(R):
     expect = reference.add_lora_(y.clone(), x, lora, info)
     out = add_lora_(y.clone(), x, lora, info)
     assert rel_err(out - y, expect - y) <= 1e-5
+
+
+@pytest.mark.parametrize("T,spread", [(1, "one"), (7, "mixed"), (9, "distinct"), (4, "none")])
+@pytest.mark.parametrize("R,K_in", [(16, 96), (64, 1000)])
+def test_lora_shrink_split_sums_to_the_shrink(T, spread, R, K_in):
+    """The split shrink (o_proj's LoRA when folded): its KS partial sums add up to the
+    reference shrink on rows with an enabled slot, whole rows (zeros past the rank); R=64 over
+    1000 inputs takes 8 slices, the last one partial."""
+    info = batch_info(T, spread)
+    lora = lora_weights(info.num_slots, (), 1, R, K_in, (32,), info.rank_of_slot, torch.float32)
+    x = torch.randn(T, K_in)
+    part = lora_shrink_split(x, lora, info)
+    assert part.shape[0] == T and part.shape[2:] == (1, R) and part.dtype == torch.float32
+    assert part.shape[1] == (1 if K_in <= 128 else 8)
+    on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
+    expect = reference.lora_shrink_split(x, lora, info).sum(dim=1)
+    if on.any():
+        assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-5

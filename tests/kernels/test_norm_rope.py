@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 
 from moelora.kernels import reference
-from moelora.kernels.norm_rope import rms_norm, rope_qk
+from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 
 # float32 differs by a few ulps: the sum of squares is reduced in another order
 TOL = {torch.float32: dict(rtol=4e-6, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -107,3 +108,274 @@ def test_rope_qk_stores_kv(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
     torch.testing.assert_close(k_out, ref_k, **TOL[dtype])
     torch.testing.assert_close(k_cache, k_ref, **TOL[dtype])
     assert torch.equal(v_cache, v_ref)
+
+
+# -- the LoRA folded into the norm and the rotary ------------------------------------------------
+# rms_norm_lora folds in the second half of the LoRA of the projection that produced x (delta:
+# lora_shrink_split's partial shrinks [T, KS, 1, R], expanded by lora_in's B into the N columns)
+# and the first half of the LoRA of the projection that reads out (shrink: q|k|v, 3 slices).
+# rope_qk(lora=...) expands q|k|v's shrink first. Slots have ranks {0, 1, 8, 16} (lora_cases),
+# R = pool rank; _widen_ranks stretches them to a bigger pool. Rows without an enabled slot are
+# the plain rms_norm's bit for bit; their shrinks are neither written nor read (NaN here).
+
+LORA_TOL = {torch.float32: 1e-5, torch.float16: 5e-3}  # rel_err, as in test_lora
+
+
+def _enabled_rows(info, T: int) -> torch.Tensor:
+    slots = info.slot_of_token[:T]
+    return (slots >= 0) & (info.slot_enabled[slots.clamp(min=0).long()] != 0)
+
+
+def _widen_ranks(info, R: int) -> None:
+    """In place: rank-16 slots take the pool rank R and rank-8 ones R // 2 + 3 (> 16), so the
+    rank rows past the first 16 are read, and partly masked. Zero ranks stay zero."""
+    ranks = info.rank_of_slot
+    ranks[ranks == 16] = R
+    ranks[ranks == 8] = R // 2 + 3
+
+
+def _partials(x_in, lora_in, info, KS: int) -> torch.Tensor:
+    """lora_shrink_split's output for KS slices of the input columns, [T, KS, 1, R] float32;
+    rows without an enabled slot are NaN (the Triton split leaves them unwritten)."""
+    parts = []
+    for cols in torch.arange(x_in.shape[1]).chunk(KS):
+        a = lora_in.a[..., cols].contiguous()
+        parts.append(
+            reference.lora_shrink(
+                x_in[:, cols], type(lora_in)(a, lora_in.b, lora_in.out_slices), info
+            )
+        )
+    part = torch.stack(parts, dim=1)
+    part[~_enabled_rows(info, x_in.shape[0])] = float("nan")
+    return part
+
+
+def _norm_lora_inputs(dtype, T, spread, with_residual, mode, R, N=64, KS=1, strided=False):
+    """x [T, N] (a row slice of a wider tensor when strided); delta from x_in [T, 96]."""
+    K_IN = 96
+    info = batch_info(T, spread)
+    if R > 16:
+        _widen_ranks(info, R)
+    S, ranks = info.num_slots, info.rank_of_slot
+    wide = torch.randn(T, N + 24 if strided else N, dtype=dtype)
+    x = wide[:, 8 : 8 + N] if strided else wide
+    weight = (1 + 0.5 * torch.randn(N)).to(dtype)
+    residual = torch.randn(T, N, dtype=dtype) if with_residual else None
+    delta = shrink = None
+    if mode in ("delta", "both"):
+        lora_in = lora_weights(S, (), 1, R, K_IN, (N,), ranks, dtype)
+        delta = (_partials(torch.randn(T, K_IN, dtype=dtype), lora_in, info, KS), lora_in)
+    if mode in ("shrink", "both"):
+        shrink = lora_weights(S, (), 3, R, N, (N, 16, 16), ranks, dtype)
+    return info, x, weight, residual, delta, shrink
+
+
+def _check_rms_norm_lora(info, x, weight, residual, delta, shrink, *, ref_lora=None):
+    """Kernel vs reference on enabled rows; base rows bit-equal to the plain Triton rms_norm.
+    ref_lora = (delta, shrink) for the reference when the kernel's weights carry garbage."""
+    T, N = x.shape
+    dtype = x.dtype
+    x0 = x.clone()
+    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+    r_delta, r_shrink = ref_lora if ref_lora is not None else (delta, shrink)
+    if r_delta is not None:  # the reference sums the partials of every row: zeros, not NaN
+        r_delta = (r_delta[0].nan_to_num(0.0), r_delta[1])
+    ref = reference.rms_norm_lora(x, weight, EPS, residual, info, shrink=r_shrink, delta=r_delta)
+    ref_out, ref_s, ref_shrunk = ref
+    assert torch.equal(x, x0), "x must not be modified"
+    assert out.shape == (T, N) and out.is_contiguous() and out.dtype == dtype
+    on = _enabled_rows(info, T)
+    base = ~on
+
+    plain_out, plain_s = rms_norm(x, weight, EPS, residual)
+    assert torch.equal(out[base], plain_out[base])
+    if delta is None:  # nothing changes x: out and s are the plain norm's on every row
+        assert torch.equal(out, plain_out)
+        assert s is x if residual is None else torch.equal(s, plain_s)
+    else:
+        assert s.shape == (T, N) and s.dtype == dtype
+        assert torch.equal(s[base], plain_s[base])
+        assert rel_err(s[on], ref_s[on]) <= LORA_TOL[dtype]
+        if dtype == torch.float16:  # PEFT's order, delta rounded then added: ~every bit equal
+            differ = (s[on] != ref_s[on]).sum().item()
+            assert differ <= 0.02 * s[on].numel() + 1, f"{differ} of {s[on].numel()} differ"
+    assert rel_err(out[on], ref_out[on]) <= LORA_TOL[dtype]
+
+    if shrink is None:
+        assert shrunk is None
+    else:
+        assert shrunk.shape == ref_shrunk.shape and shrunk.dtype == torch.float32
+        assert torch.isfinite(shrunk[on]).all()
+        assert rel_err(shrunk[on], ref_shrunk[on]) <= LORA_TOL[dtype]
+
+
+NORM_LORA_CASES = [  # (T, spread, with_residual, N, KS, strided): every spread, both residuals
+    (1, "one", True, 64, 1, False),
+    (7, "mixed", True, 96, 3, False),
+    (7, "distinct", False, 64, 2, True),
+    (7, "none", True, 64, 1, False),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,spread,with_residual,N,KS,strided", NORM_LORA_CASES)
+@pytest.mark.parametrize("mode", ["delta", "shrink", "both"])
+def test_rms_norm_lora_matches_reference(
+    poison_empty, dtype, T, spread, with_residual, N, KS, strided, mode
+):
+    """delta: KS partial shrinks of a [T, 96] input through a one-slice lora_in into x; shrink:
+    out through a 3-slice A over N; both: the engine's post-attention norm (o's LoRA in,
+    q|k|v's out). Pool rank 16."""
+    torch.manual_seed(T * 31 + N + len(spread) + len(mode))
+    inputs = _norm_lora_inputs(dtype, T, spread, with_residual, mode, 16, N, KS, strided)
+    _check_rms_norm_lora(*inputs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_lora_pool_rank_32(poison_empty, dtype):
+    """Pool rank 32 with slot ranks {0, 1, 19, 32}: rank rows past 16, in both halves."""
+    torch.manual_seed(32)
+    _check_rms_norm_lora(*_norm_lora_inputs(dtype, 7, "distinct", True, "both", 32, KS=2))
+
+
+def test_rms_norm_lora_rank_beyond_real_rank_is_ignored(poison_empty):
+    """NaN past a slot's real rank must never be read: in the shrink's A (the kernel writes
+    zeros there instead: an enabled row's shrink is whole), in lora_in's B and in the partial
+    shrinks."""
+    torch.manual_seed(5)
+    inputs = _norm_lora_inputs(torch.float32, 8, "distinct", True, "both", 32, KS=2)
+    info, x, weight, residual, delta, shrink = inputs
+    part, lora_in = delta
+    bad_part = part.clone()
+    bad_in = type(lora_in)(lora_in.a.clone(), lora_in.b.clone(), lora_in.out_slices)
+    bad_shrink = type(shrink)(shrink.a.clone(), shrink.b.clone(), shrink.out_slices)
+    for t, s in enumerate(info.slot_of_token.tolist()):
+        if s >= 0:
+            bad_part[t, :, :, info.rank_of_slot[s] :] = float("nan")
+    for s, r in enumerate(info.rank_of_slot.tolist()):
+        bad_in.b[s, :, r:] = float("nan")
+        bad_shrink.a[s, :, r:] = float("nan")
+    _check_rms_norm_lora(
+        info, x, weight, residual, (bad_part, bad_in), bad_shrink, ref_lora=(delta, shrink)
+    )
+
+
+def _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D, R=16, K_IN=32):
+    """Batch info, the q|k|v LoraWeights (in K_IN, slices Hq D | Hkv D | Hkv D) and the
+    float32 shrink of a random x, as rms_norm_lora would hand it over."""
+    info = batch_info(T, spread)
+    slices = (Hq * D, Hkv * D, Hkv * D)
+    lora_qkv = lora_weights(info.num_slots, (), 3, R, K_IN, slices, info.rank_of_slot, dtype)
+    shrunk = reference.lora_shrink(torch.randn(T, K_IN, dtype=dtype), lora_qkv, info)
+    return info, lora_qkv, shrunk
+
+
+def _qkv_views(qkv: torch.Tensor, Hq: int, Hkv: int, D: int):
+    T = qkv.shape[0]
+    q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+    return q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+
+
+def _check_rope_qk_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False):
+    q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
+    qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)  # [T, (Hq + 2 Hkv) D]
+    info, lora_qkv, shrunk = _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D)
+    on = _enabled_rows(info, T)
+    # what the kernel reads: base rows of the shrink are never written by rms_norm_lora
+    k_shrunk = shrunk.clone()
+    k_shrunk[~on] = float("nan")
+    k_lora = lora_qkv
+    if garbage:
+        k_lora = type(lora_qkv)(lora_qkv.a.clone(), lora_qkv.b.clone(), lora_qkv.out_slices)
+        for s, r in enumerate(info.rank_of_slot.tolist()):
+            k_lora.b[s, :, r:] = float("nan")
+    num_pages, page_size = 5, 4
+    slots = torch.randperm(num_pages * page_size)[:T]
+    if T > 2:
+        slots[[0, T - 2]] = -1  # padded rows of a graph batch
+    shape = (num_pages, page_size, Hkv, D)
+    k_cache = torch.full(shape, SENTINEL, dtype=dtype)
+    v_cache = torch.full(shape, SENTINEL, dtype=dtype)
+    k_ref, v_ref = torch.full_like(k_cache, SENTINEL), torch.full_like(v_cache, SENTINEL)
+
+    kq, kk, kv = _qkv_views(qkv.clone(), Hq, Hkv, D)  # strided, like the engine's
+    q_out, k_out = rope_qk(
+        kq, kk, positions, cos, sin, q_norm, k_norm, EPS,
+        v=kv, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
+        lora=(k_shrunk, k_lora, info),
+    )  # fmt: skip
+    rq, rk, rv = _qkv_views(qkv, Hq, Hkv, D)
+    ref_q, ref_k = reference.rope_qk(
+        rq, rk, positions, cos, sin, q_norm, k_norm, EPS,
+        v=rv, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots,
+        lora=(shrunk, lora_qkv, info),
+    )  # fmt: skip
+
+    assert q_out.shape == (T, Hq, D) and q_out.is_contiguous() and q_out.dtype == dtype
+    assert k_out.shape == (T, Hkv, D) and k_out.is_contiguous() and k_out.dtype == dtype
+    assert rel_err(q_out, ref_q) <= LORA_TOL[dtype]
+    assert rel_err(k_out, ref_k) <= LORA_TOL[dtype]
+    # the cached k is exactly the returned k, stored
+    k_sep = torch.full_like(k_cache, SENTINEL)
+    reference.store_kv(k_out, kv, k_sep, torch.full_like(v_cache, SENTINEL), slots)
+    assert torch.equal(k_cache, k_sep)
+    # stored rows against the reference (v takes its delta too); the rest keep the sentinel
+    flat = lambda c: c.view(-1, Hkv, D)  # noqa: E731
+    stored = slots[slots >= 0]
+    untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
+    untouched[stored] = False
+    for cache, ref_cache in ((k_cache, k_ref), (v_cache, v_ref)):
+        assert (flat(cache)[untouched] == SENTINEL).all()
+        assert rel_err(flat(cache)[stored], flat(ref_cache)[stored]) <= LORA_TOL[dtype]
+    # v of rows without an enabled slot is stored as given; v + delta in PEFT's order (the
+    # delta rounded, then added): in float16, ~every bit equal to the reference's
+    plain = (slots >= 0) & ~on
+    assert torch.equal(flat(v_cache)[slots[plain]], rv[plain])
+    if dtype == torch.float16:
+        got, want = flat(v_cache)[stored], flat(v_ref)[stored]
+        differ = (got != want).sum().item()
+        assert differ <= 0.02 * got.numel() + 1, f"{differ} of {got.numel()} differ"
+
+
+ROPE_LORA_CASES = [(1, "one", 16), (9, "mixed", 64), (9, "distinct", 16), (9, "none", 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,spread,D", ROPE_LORA_CASES)
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_rope_qk_lora_matches_reference(poison_empty, dtype, T, spread, D, with_norm):
+    """q|k|v take the expand of the shrink before the norm and rotary; v is stored with its
+    delta. Base rows of the shrink are NaN: the kernel must check the slot first."""
+    torch.manual_seed(T * D + len(spread) + with_norm)
+    _check_rope_qk_lora(dtype, T, spread, 4, 2, D, with_norm)
+
+
+def test_rope_qk_lora_rank_beyond_real_rank_is_ignored(poison_empty):
+    """NaN in the columns of B past a slot's real rank must never be read."""
+    torch.manual_seed(11)
+    _check_rope_qk_lora(torch.float32, 9, "distinct", 4, 2, 16, True, garbage=True)
+
+
+@pytest.mark.parametrize("spread", SPREADS)
+def test_reference_add_lora_is_the_per_row_formula(spread):
+    """reference.add_lora_ (now lora_shrink + lora_expand_) still computes, per row,
+    y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, here in float64."""
+    torch.manual_seed(3)
+    T, H, slices = 9, 40, (24, 8, 8)
+    info = batch_info(T, spread)
+    lora = lora_weights(info.num_slots, (), 3, 16, H, slices, info.rank_of_slot, torch.float32)
+    x, y = torch.randn(T, H), torch.randn(T, sum(slices))
+    out = reference.add_lora_(y.clone(), x, lora, info)
+
+    expect = y.double()
+    for t, s in enumerate(info.slot_of_token.tolist()):
+        if s < 0 or info.slot_enabled[s] == 0:
+            continue
+        scaling = info.scaling_of_slot[s].double()
+        for i, (start, size) in enumerate(zip(lora.slice_offsets, slices)):
+            a = lora.a[s, i].double()  # [R, H]
+            b = lora.b[s, start : start + size].double()  # [size, R]
+            expect[t, start : start + size] += scaling * (x[t].double() @ a.T) @ b.T
+    on = _enabled_rows(info, T)
+    assert torch.equal(out[~on], y[~on])
+    assert rel_err(out - y, expect - y.double()) <= 1e-6
