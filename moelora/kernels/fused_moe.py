@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
-from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
+from moelora.kernels.lora import active_slots, enabled_only, lora_delta, rank_block, shrink_block_k
 from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
@@ -125,8 +125,9 @@ def _gate_up_kernel(
     row_ok = pair >= 0
     token = tl.where(row_ok, pair // K, 0)
     if HAS_LORA or HAS_LORA2:
-        # gathered before the main loop so their latency hides behind the weight stream
-        slot_rows = active_slots(slot_ptr, token, row_ok, enabled_ptr)
+        # the slots are gathered before the main loop so their latency hides behind the weight
+        # stream; their flags after it (lora.enabled_only)
+        slot_rows = tl.load(slot_ptr + token, mask=row_ok, other=-1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BK)
@@ -152,6 +153,8 @@ def _gate_up_kernel(
         wu_ptrs += BK
 
     # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
+    if HAS_LORA or HAS_LORA2:
+        slot_rows = enabled_only(slot_rows, enabled_ptr)
     if HAS_LORA:
         if tl.max(slot_rows, axis=0) >= 0:
             b_e = b_ptr + expert.to(tl.int64) * stride_be
@@ -286,8 +289,8 @@ def _down_kernel(
         return
     row_ok = pair >= 0
     slot_rows = tl.full((BM,), -1, tl.int32)
-    if HAS_LORA:
-        slot_rows = active_slots(slot_ptr, tl.where(row_ok, pair // K, 0), row_ok, enabled_ptr)
+    if HAS_LORA:  # the slots now, their flags after the main loop (lora.enabled_only)
+        slot_rows = tl.load(slot_ptr + tl.where(row_ok, pair // K, 0), mask=row_ok, other=-1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < H
     acc = _down_tile(
@@ -297,6 +300,7 @@ def _down_kernel(
         S, False, BM, BN, BK, BKL, BR,
     )  # fmt: skip
     if HAS_LORA:
+        slot_rows = enabled_only(slot_rows, enabled_ptr)
         if tl.max(slot_rows, axis=0) >= 0:
             offs_r = tl.arange(0, BR)
             xa = tl.load(

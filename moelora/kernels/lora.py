@@ -33,7 +33,13 @@ from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 def lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row):
     """(slot, rank, scaling) of the row's adapter; rank 0 when the row has none enabled. Two
     dependent loads: the slot, then its flag, rank and scaling together."""
-    slot = tl.load(slot_ptr + row)
+    return lora_slot(tl.load(slot_ptr + row), enabled_ptr, rank_ptr, scaling_ptr)
+
+
+@triton.jit
+def lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr):
+    """lora_row for a slot already loaded (kernels ask for it first, their rows next, then
+    this: the dependent gather then overlaps the rows' loads)."""
     slot_c = tl.maximum(slot, 0)
     on = tl.load(enabled_ptr + slot_c, mask=slot >= 0, other=0) != 0
     rank = tl.load(rank_ptr + slot_c, mask=slot >= 0, other=0)
@@ -110,7 +116,14 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
 @triton.jit
 def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
     """[BM] slot of each row, or -1 where the row is padding, on the base model or disabled."""
-    slot = tl.load(slot_ptr + token_rows, mask=row_ok, other=-1)
+    return enabled_only(tl.load(slot_ptr + token_rows, mask=row_ok, other=-1), enabled_ptr)
+
+
+@triton.jit
+def enabled_only(slot, enabled_ptr):
+    """slot where its slot is enabled, else -1. GEMM kernels gather the slots before their main
+    loop and call this after it: the flags' gather waits on the slots' (in-order issue), so
+    before the loop it would hold back the loop's first loads by a round trip."""
     on = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     return tl.where(on != 0, slot, -1)
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import lora_row
+from moelora.kernels.lora import lora_slot
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 # Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
@@ -75,22 +75,25 @@ def _rms_norm_kernel(
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
 
+    if SHRINK or DELTA:
+        slot_in = tl.load(slot_ptr + row)
     if SHRINK:
         if g > 0:
             # only program 0 of a row has work without an adapter: the norm itself
-            slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
-            if rank == 0:
+            _, rank_g, _ = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
+            if rank_g == 0:
                 return
 
     # -- the residual add, rounded to x's dtype like torch's add --
-    # (program 0 asks for its rows before the adapter's: in-order issue would otherwise hold
-    # the row's loads behind the slot's two dependent gathers)
+    # (the slot first, the row next, then the slot's flag and rank: in-order issue would
+    # otherwise hold the row's loads behind the slot's two dependent gathers)
     x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    if SHRINK or DELTA:
+        slot, rank, scaling = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
     if SHRINK:
-        slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
         offs_j = g * RC + tl.arange(0, RC)
         j_ok = (offs_j % R < rank) & (offs_j < NS * R)
         a = tl.load(
@@ -101,7 +104,6 @@ def _rms_norm_kernel(
     # -- the LoRA of the projection that produced x: sum its partial shrinks, expand the row --
     # RC rank rows per step, unrolled: every step's loads can be in flight at once.
     if DELTA:
-        slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
         if rank > 0:
             delta = tl.zeros((BLOCK,), dtype=tl.float32)
             offs_ks = tl.arange(0, KS_PAD)
@@ -339,6 +341,7 @@ def _rope_qk_kernel(
     half = D // 2
     partner = (offs + half) % D
     if LORA:
+        lslot_in = tl.load(lslot_ptr + t)  # asked for first: its flag and rank depend on it
         # this head's slice of q|k|v (its columns start at h * D: v heads come last, as in
         # the grid)
         slice_i = (h >= Hq).to(tl.int32) + (h >= Hq + Hkv).to(tl.int32)
@@ -353,7 +356,7 @@ def _rope_qk_kernel(
             hv = h - Hq - Hkv
             x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
             if LORA:
-                lslot, rank, lscale = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+                lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
                 lb_row = lb_ptr + lslot * stride_lbs
                 if rank > 0:
                     d_v, d_unused = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D,
@@ -378,7 +381,7 @@ def _rope_qk_kernel(
 
     # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
     if LORA:
-        lslot, rank, lscale = lora_row(lslot_ptr, enabled_ptr, rank_ptr, scaling_ptr, t)
+        lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
         lb_row = lb_ptr + lslot * stride_lbs
         if rank > 0:
             d, d_rot = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D, R, RC,
