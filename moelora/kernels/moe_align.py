@@ -22,6 +22,8 @@ pair's gate_up shrink (moe_lora.pair_shrink), so that costs no launch of its own
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -198,7 +200,9 @@ def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
     small = P <= 1024
     PCH, RB = (16, 2) if small else (32, 4)
     NA = max(triton.cdiv(P, PCH), triton.cdiv(NB, RB))
-    P_PAD = max(32, triton.next_power_of_2(P))  # at least a warp's lanes for the histogram
+    # the histogram's width: at least a warp's lanes, in powers of 4 (not 2): each width is a
+    # compile of its own, and a cold graph capture pays for every one
+    P_PAD = max(64, 4 ** math.ceil(math.log(P, 4) - 1e-9))
     return NA, dict(PARALLEL=True, P_PAD=P_PAD, PCH=PCH, RB=RB, num_warps=4 if small else 8)
 
 

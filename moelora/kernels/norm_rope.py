@@ -237,10 +237,13 @@ def rms_norm_lora(
         return out, s, shrunk
     BLOCK = triton.next_power_of_2(N)
     num_warps = min(max(BLOCK // 512, 1), 8)
-    # RC shrink rows per program: more programs per row when there are few rows; a [RC, BLOCK]
-    # tile of A (or [BLOCK, RC] of B) is at most 64 values per lane
-    RC = min(4 if T <= 16 or delta is not None else 8, triton.next_power_of_2(NS * R))
-    RC = max(1, min(RC, 64 * 32 * num_warps // BLOCK))
+    if delta is not None:
+        # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
+        # program: twice the warps halve the steps
+        num_warps = min(2 * num_warps, 16)
+    # RC rank rows per step (the shrink: per program): a [RC, BLOCK] tile of A (or [BLOCK, RC]
+    # of B) is at most 64 values per lane
+    RC = max(1, min(triton.next_power_of_2(NS * R), 64 * 32 * num_warps // BLOCK))
     res = x if residual is None else residual
     _rms_norm_kernel[(T, triton.cdiv(NS * R, RC) if shrink is not None else 1)](
         x, res, weight, out, s,
