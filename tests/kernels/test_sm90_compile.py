@@ -1,0 +1,185 @@
+"""Every Triton kernel the engine launches compiles for sm_90 (H100 / H200), checked on the CPU.
+
+The interpreter that runs the kernel tests here does not type-check as the compiler does: a name
+bound to two types in an `if`, for one, passes there and fails on the GPU. So the op wrappers run
+on CPU tensors with every kernel launch recorded instead of run, at the engine's meta-parameters
+(the H200 MoE tile table, the attention configs, LoRA on and off), and each distinct launch is
+compiled down to a cubin by Triton and ptxas for sm_90, as the device would. It runs in a
+subprocess: the kernels must be decorated without the TRITON_INTERPRET that conftest.py sets.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def test_every_kernel_compiles_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(Path(__file__).parent)])
+    done = subprocess.run(
+        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    # every kernel module's kernels were launched at least once and compiled
+    assert "kernels: " in done.stdout, done.stdout[-4000:]
+
+
+# -- the subprocess ------------------------------------------------------------------------------
+
+DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.bool: "i1",
+}
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def _record_launches() -> list:
+    """kernel[grid](...) records the launch instead of running it (the kernels themselves stay
+    as they are: compiling one reads its module's globals)."""
+    from triton.runtime.jit import KernelInterface
+
+    launches = []
+    KernelInterface.__getitem__ = lambda kernel, grid: (
+        lambda *args, **kwargs: launches.append((kernel, args, kwargs))
+    )
+    return launches
+
+
+def _arg_type(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"unexpected kernel argument {value!r}")
+
+
+def _compile(kernel, args, kwargs):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    params = list(inspect.signature(kernel.fn).parameters)
+    options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
+    bound = dict(zip(params, args)) | kwargs
+    assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
+    constexprs = {p for p in params if p in kwargs}
+    signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(params.index(p),): bound[p] for p in constexprs},
+    )
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _moe_configs():
+    from moelora.kernels.moe_config import MoeConfig
+
+    path = Path(__file__).parents[2] / "moelora/kernels/configs/fused_moe_NVIDIA_H200.json"
+    table = json.loads(path.read_text())["E=128,H=2048,I=768,K=8"]
+    return [(int(m), MoeConfig(**cfg)) for m, cfg in table.items()] + [(3, MoeConfig(direct=True))]
+
+
+def _launch_every_op() -> None:
+    """The engine's ops at a Qwen3-30B-A3B layer's sizes (the MoE narrowed in H and I, which
+    the kernels take at run time): small batches, one decode and one prefill of each kind."""
+    from lora_cases import batch_info, lora_weights
+
+    from moelora.kernels import lora, moe_align, norm_rope, paged_attention, routing
+    from moelora.kernels.fused_moe import fused_moe
+    from moelora.runner.batch import AttentionMetadata
+
+    bf16 = torch.bfloat16
+    H, Hq, Hkv, D, R, S = 2048, 32, 4, 128, 16, 8
+    for T in (1, 64):
+        info = batch_info(T, "mixed")
+        qkv = lora_weights(S, (), 3, R, H, (Hq * D, Hkv * D, Hkv * D), info.rank_of_slot, bf16)
+        o = lora_weights(S, (), 1, R, Hq * D, (H,), info.rank_of_slot, bf16)
+        x, res, w = torch.randn(T, H, dtype=bf16), torch.randn(T, H, dtype=bf16), torch.ones(H)
+        w = w.to(bf16)
+        norm_rope.rms_norm(x, w, 1e-6, res)
+        norm_rope.rms_norm(x, w, 1e-6, None)
+        _, _, shrunk = norm_rope.rms_norm_lora(x, w, 1e-6, None, info, shrink=qkv)
+        part = lora.lora_shrink_split(torch.randn(T, Hq * D, dtype=bf16), o, info)
+        norm_rope.rms_norm_lora(x, w, 1e-6, res, info, delta=(part, o))
+        lora.add_lora_(torch.randn(T, (Hq + 2 * Hkv) * D, dtype=bf16), x, qkv, info)
+        y = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=bf16)
+        q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q, k, v = q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
+        pos = torch.arange(T)
+        cos = sin = torch.randn(4096, D)
+        cache = torch.zeros(8, 16, Hkv, D, dtype=bf16)
+        slots = torch.arange(T, dtype=torch.int64)
+        for norm in (None, torch.ones(D, dtype=bf16)):
+            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6)
+            store = dict(v=v, k_cache=cache, v_cache=cache, slot_mapping=slots)
+            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6, **store)
+            folded = (shrunk, qkv, info)
+            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6, **store, lora=folded)
+        for scoring in ("softmax", "sigmoid"):
+            routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
+
+    # attention: decode without and with splits, and a prefill
+    pages = torch.arange(8, dtype=torch.int32).view(2, 4)
+    decode = AttentionMetadata(
+        torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([40, 64], dtype=torch.int32),
+        pages, torch.tensor([39, 63]), 1,
+    )  # fmt: skip
+    prefill = AttentionMetadata(
+        torch.tensor([0, 40, 64], dtype=torch.int32), torch.tensor([40, 64], dtype=torch.int32),
+        pages, torch.arange(64), 40,
+    )  # fmt: skip
+    cache = torch.zeros(8, 16, Hkv, D, dtype=bf16)
+    run = paged_attention.launch_paged_attention
+    q = torch.randn(2, Hq, D, dtype=bf16)
+    run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_CONFIG, num_splits=1)
+    run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4)
+    q = torch.randn(64, Hq, D, dtype=bf16)
+    run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
+
+    # the MoE at every tuned tile config, LoRA off and on; the align's serial path past PMAX
+    E, Hm, Im, K = 128, 256, 128, 8
+    w13 = torch.randn(E, 2 * Im, Hm, dtype=bf16)
+    w2 = torch.randn(E, Hm, Im, dtype=bf16)
+    for T, config in _moe_configs():
+        info = batch_info(T, "mixed")
+        l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, bf16)
+        l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, bf16)
+        x = torch.randn(T, Hm, dtype=bf16)
+        weights, ids = torch.rand(T, K), torch.randint(0, E, (T, K), dtype=torch.int32)
+        fused_moe(x, w13, w2, weights, ids, config=config)
+        fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)
+    moe_align.moe_align(torch.randint(0, E, (600, K), dtype=torch.int32), E, 64)
+
+
+def main() -> None:
+    launches = _record_launches()
+    _launch_every_op()
+    seen, names = set(), set()
+    for kernel, args, kwargs in launches:
+        key = (kernel.fn.__name__, repr([_arg_type(a) for a in args]), repr(sorted(kwargs.items())))
+        if key not in seen:
+            seen.add(key)
+            names.add(kernel.fn.__name__)
+            _compile(kernel, args, dict(kwargs))
+    print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
+
+
+if __name__ == "__main__":
+    main()
