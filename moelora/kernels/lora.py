@@ -1,4 +1,5 @@
-"""Multi-LoRA in one launch: the per-tile LoRA delta, and dense `add_lora_` built on it.
+"""Multi-LoRA in one launch: the per-tile LoRA delta, and dense `add_lora_` built on it; the
+split shrink the folded attention LoRA uses (`lora_shrink_split`), and the per-row gathers.
 
 Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
@@ -13,6 +14,11 @@ they are never read: a rank-8 adapter in a rank-64 pool reads 8 rows.
 
 lora_delta (the fused MoE's direct path and down tile) walks the slots one at a time instead,
 inside a GEMM program that already owns BN columns.
+
+Decode steps (up to 256 tokens) fold the attention's LoRA into the norms and rotary instead of
+add_lora_ (layers/attention.py, norm_rope.py): there a program owns a row, gets its adapter
+with `lora_row` / `lora_slot`, and the o projection's shrink is `lora_shrink_split`, KS
+programs per row over slices of the input, summed by the norm that expands it.
 
 What keeps the path free when no adapter is active: the slot of each row and the slot's
 enabled flag are gathered first (`active_slots`); a tile whose rows have no enabled slot skips

@@ -13,6 +13,12 @@ gives rotate_half without a shuffle (x_rot[d] = -x[d + D/2] for d < D/2, x[d - D
 normalizes both copies with the same row scale, then forms x * cos + x_rot * sin, each product
 and the sum rounded to the input dtype.
 
+The attention's LoRA, folded in (rms_norm_lora, rope_qk's lora): the input norm also shrinks
+its output for q|k|v, each row's n * R shrink rows spread over programs that each redo the
+cheap norm; rotary expands that shrink into each q, k and v head first (the delta rounded, then
+added, as PEFT does) and swaps the halves of the head's delta for the partner lanes; the norm
+after attention expands o's split shrink into the row before the residual add.
+
 Rounding. Every op is computed in float32 and rounded once to the input dtype, which is what
 torch's elementwise kernels do for bf16 and fp16 (a product of two bf16 is exact in float32).
 The kernels are compiled without fp fusion so that float32 inputs are not contracted to an FMA
