@@ -65,6 +65,28 @@ def test_chunked_prefill_and_preemption_change_no_token(model_and_adapter, roomy
             assert all(abs(a[k] - b[k]) <= 1e-5 for k in a)
 
 
+def test_folded_and_row_tiled_attention_lora_agree(model_and_adapter, roomy):
+    """Steps of up to FOLD_LORA_MAX_TOKENS tokens fold the attention's LoRA into the norms and
+    rotary; longer ones take add_lora_. Two 180-token prompts prefilled in one 360-token step
+    (add_lora_) and in 64-token chunks (folded) give the same tokens and logprobs."""
+    from moelora.layers.attention import FOLD_LORA_MAX_TOKENS
+
+    model, adapter = model_and_adapter
+    prompts = [[(7 * i + 3) % 200 + 1 for i in range(180)]]
+    prompts.append([(11 * i) % 250 + 2 for i in range(180)])
+
+    assert sum(map(len, prompts)) > FOLD_LORA_MAX_TOKENS > 64
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    whole = roomy.generate(prompts, params, lora=["a", "a"])
+    chunked = LLM(
+        model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8, max_num_batched_tokens=64
+    ).generate(prompts, params, lora=["a", "a"])
+    for w, c in zip(whole, chunked):
+        assert w.token_ids == c.token_ids
+        for a, b in zip(w.logprobs, c.logprobs):
+            assert a.keys() == b.keys() and all(abs(a[k] - b[k]) <= 1e-5 for k in a)
+
+
 def test_a_request_does_not_depend_on_its_batch_mates(roomy):
     together = generate(roomy)
     alone = [
