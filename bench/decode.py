@@ -21,6 +21,7 @@ from triton.testing import do_bench
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
+from moelora.kernels.pdl import pdl_kwargs
 from moelora.lora.adapter import LoraAdapter, ModuleLora
 from moelora.runner.graph_runner import STREAM_IDX, graph_batch_sizes, padded_batch_size
 from moelora.sampling import SamplingParams
@@ -47,6 +48,7 @@ QWEN3_30B_A3B = dict(
     eos_token_id=151645,
 )
 BATCHES = (1, 8, 32, 64, 128)
+CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
 CONTEXT = 256  # prompt tokens per sequence before the timed decode step
 RANK = 16
 
@@ -182,8 +184,8 @@ def time_step(engine: Engine, batch, *, eager: bool) -> float:
         return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
 
 
-def measure(engine: Engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool):
-    for B in BATCHES:
+def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, batches):
+    for B in batches:
         if case == "base-only" or case == "disabled":
             loras = [None] * B
         elif case == "1 adapter":
@@ -209,7 +211,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--out", default="bench/results/decode-h200.md")
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
+    parser.add_argument("--no-eager", action="store_true", help="graph replays only")
     args = parser.parse_args()
+    eager = not args.no_eager
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(
         json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
@@ -217,26 +223,30 @@ def main() -> None:
     bw = copy_bandwidth()
     rows, capture = [], {}
     t0 = time.perf_counter()
-    engine = make_engine(folder, lora=False, eager=False)
-    capture["disabled"] = engine.runner.graphs.capture_seconds
-    measure(engine, "disabled", [], bw, rows, eager_too=True)
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
-    engine = make_engine(folder, lora=True, eager=False)
-    capture["lora"] = engine.runner.graphs.capture_seconds
-    names = [f"a{i}" for i in range(8)]
-    for i, n in enumerate(names):
-        engine.adapters[n] = random_adapter(engine, n, seed=i)
-    measure(engine, "base-only", names, bw, rows, eager_too=True)
-    measure(engine, "1 adapter", names, bw, rows, eager_too=False)
-    measure(engine, "8 distinct", names, bw, rows, eager_too=False)
+    if "disabled" in args.cases:
+        engine = make_engine(folder, lora=False, eager=False)
+        capture["disabled"] = engine.runner.graphs.capture_seconds
+        measure(engine, "disabled", [], bw, rows, eager, args.batches)
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    lora_cases = [c for c in CASES[1:] if c in args.cases]
+    if lora_cases:
+        engine = make_engine(folder, lora=True, eager=False)
+        capture["lora"] = engine.runner.graphs.capture_seconds
+        names = [f"a{i}" for i in range(8)]
+        for i, n in enumerate(names):
+            engine.adapters[n] = random_adapter(engine, n, seed=i)
+        for case in lora_cases:
+            eager_too = eager and case == "base-only"
+            measure(engine, case, names, bw, rows, eager_too, args.batches)
     print(f"total {time.perf_counter() - t0:.0f} s")
     write(args, bw, rows, capture)
 
 
 def write(args, bw: float, rows: list, capture: dict) -> None:
     lines = result_header("Decode step, Qwen3-30B-A3B shape (random weights), H200", bw)
+    pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
     lines += [
         f"- layers: {args.layers} of 48; bf16; {CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras 8, adapters on q/k/v/o and every expert's gate/up/down",
@@ -245,6 +255,7 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
         f"{len(graph_batch_sizes(max(BATCHES)))} batch sizes 1 .. {max(BATCHES)}; the first "
         "engine's capture includes compiling the kernels when the Triton cache is cold",
         "- time: median of CUDA-graph replays (do_bench), forward only (no sampling)",
+        f"- programmatic dependent launch: {'on' if pdl else 'off'} (kernels/pdl.py)",
         "",
         "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",
         "|---|---:|---:|---:|---:|---:|---:|",
@@ -254,12 +265,13 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
             f"| {case} | {B} | {g:.3f} | {'' if e is None else f'{e:.3f}'} | "
             f"{floor:.3f} | {g / floor:.2f} | {tbs:.2f} |"
         )
-    base = {B: g for case, B, g, *_ in rows if case == "disabled"}
+    graph = {(case, B): g for case, B, g, *_ in rows}
     lines += ["", "| B | base-only / disabled | 8 distinct / disabled |", "|---:|---:|---:|"]
-    for B in BATCHES:
-        b = next(g for c, bb, g, *_ in rows if c == "base-only" and bb == B)
-        d = next(g for c, bb, g, *_ in rows if c == "8 distinct" and bb == B)
-        lines.append(f"| {B} | {b / base[B]:.3f} | {d / base[B]:.3f} |")
+    for B in args.batches:
+        base = graph.get(("disabled", B))
+        ratios = [graph.get((c, B)) for c in ("base-only", "8 distinct")]
+        cells = [f"{r / base:.3f}" if r and base else "" for r in ratios]
+        lines.append(f"| {B} | {cells[0]} | {cells[1]} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -37,6 +37,7 @@ from moelora.kernels.lora import active_slots, enabled_only, lora_delta, rank_bl
 from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 # 1. Align: moe_align.py (one launch; with LoRA it also shrinks each pair, see moe_lora.py).
@@ -113,7 +114,9 @@ def _gate_up_kernel(
     BK: tl.constexpr,
     BKL: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map the program to a block of pairs (one expert) and BN columns of gate and up --
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -281,7 +284,9 @@ def _down_kernel(
     BK: tl.constexpr,
     BKL: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert, pair = _block_rows(pid_m, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, BM, 0)
@@ -353,7 +358,9 @@ def _down_direct_kernel(
     BK: tl.constexpr,
     BKL: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- a program owns one token and BN columns; it walks the token's K experts --
     token = tl.program_id(0)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -385,7 +392,9 @@ def _sum_topk_kernel(
     H,
     K: tl.constexpr,
     BH: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     token = tl.program_id(0)
     offs = tl.program_id(1) * BH + tl.arange(0, BH)
     ok = offs < H
@@ -458,7 +467,7 @@ def fused_moe(
         if any_lora is not None
         else (ids, ids, ids, weights)
     )
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
 
     if has13 and has2:
         assert lora13.max_rank == lora2.max_rank, (lora13.a.shape, lora2.a.shape)
@@ -482,7 +491,7 @@ def fused_moe(
             x, slot, enabled, rank, a13, xa13, xa2,
             P, E, NB, H, NA, x.stride(0), *sa13,
             K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR),
-            BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **align_meta,
+            BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **align_meta, **pdl_kwargs(x.device),
         )  # fmt: skip
         h = torch.empty(NB * BM, I, dtype=x.dtype, device=x.device)
 
@@ -513,5 +522,5 @@ def fused_moe(
         *down_args[6:], **down_meta, **launch,
     )  # fmt: skip
     BH = min(1024, triton.next_power_of_2(H))
-    _sum_topk_kernel[(T, triton.cdiv(H, BH))](pair_out, out, H, K=K, BH=BH)
+    _sum_topk_kernel[(T, triton.cdiv(H, BH))](pair_out, out, H, K=K, BH=BH, **pdl_kwargs(x.device))
     return out

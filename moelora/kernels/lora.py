@@ -18,7 +18,8 @@ inside a GEMM program that already owns BN columns.
 Decode steps (up to 256 tokens) fold the attention's LoRA into the norms and rotary instead of
 add_lora_ (layers/attention.py, norm_rope.py): there a program owns a row, gets its adapter
 with `lora_row` / `lora_slot`, and the o projection's shrink is `lora_shrink_split`, KS
-programs per row over slices of the input, summed by the norm that expands it.
+programs per row over slices of the input, summed by the norm that expands it (a split decode
+computes it in the attention's combine instead, paged_attention.py).
 
 What keeps the path free when no adapter is active: the slot of each row and the slot's
 enabled flag are gathered first (`active_slots`); a tile whose rows have no enabled slot skips
@@ -32,6 +33,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 
@@ -67,7 +69,9 @@ def _lora_shrink_kernel(
     R: tl.constexpr,
     RP: tl.constexpr,
     BK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- one row, one BK-wide slice of its input; rows without an adapter leave at once --
     row = tl.program_id(0).to(tl.int64)
     ks = tl.program_id(1)
@@ -114,7 +118,7 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
     _lora_shrink_kernel[(T, KS)](
         x, lora.a, part,
         info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        K_in, x.stride(0), NS=n, R=R, RP=RP, BK=BK, num_warps=4,
+        K_in, x.stride(0), NS=n, R=R, RP=RP, BK=BK, num_warps=4, **pdl_kwargs(x.device),
     )  # fmt: skip
     return part
 
@@ -263,7 +267,9 @@ def _add_lora_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map program ids to a token tile and to (slice, group of CW columns) --
     pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -381,5 +387,6 @@ def add_lora_(
         y.stride(0), x.stride(0), lora.a.stride(0), lora.a.stride(1), lora.a.stride(2),
         lora.b.stride(0), lora.b.stride(1),
         S=S, S_PAD=triton.next_power_of_2(S), SG=SG, BT=BT, CW=CW, BN=BN, BK=BK, BR=BR,
+        **pdl_kwargs(x.device),
     )  # fmt: skip
     return y

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.moe_lora import pair_shrink
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 
 # Largest P aligned by the parallel path: every program holds all P ids in registers.
 PMAX = 4096
@@ -172,7 +173,9 @@ def align_kernel(
     P_PAD: tl.constexpr,
     PCH: tl.constexpr,
     RB: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     if pid >= NA:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
         pair_shrink(
@@ -234,7 +237,7 @@ def moe_align(
         ids, ids, ids, ids, ids, ids, ids,
         P, E, NB, 0, NA, 0, 0, 0, 0, 0,
         K=1, HAS13=False, HAS2=False, BR=16, BKS=16,
-        BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta,
+        BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta, **pdl_kwargs(ids.device),
     )  # fmt: skip
     return sorted_pair, expert_of_block
 

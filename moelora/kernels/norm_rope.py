@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.lora import lora_slot
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
 # Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
@@ -55,7 +56,7 @@ def _rms_norm_kernel(
     a_ptr,
     shrunk_ptr,
     # LoRA expand (DELTA; x_ptr when unused): the partial shrinks of the projection that
-    # produced x [T, KS, 1, R] float32 (lora.lora_shrink_split) and its B [S, N, R].
+    # produced x [T, KS, 1, R] float32 (paged_attention_lora) and its B [S, N, R].
     part_ptr,
     b_ptr,
     # Sizes and strides.
@@ -73,7 +74,9 @@ def _rms_norm_kernel(
     RC: tl.constexpr,
     KS: tl.constexpr,
     KS_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map the program to its row; with SHRINK, also to RC of the row's NS * R shrink rows --
     row = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -184,7 +187,7 @@ def rms_norm(
         N, x.stride(0), res.stride(0), eps,
         HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, SHRINK=False, DELTA=False,
         NS=1, R=1, RC=1, KS=1, KS_PAD=1,
-        num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False,
+        num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out, s
 
@@ -260,7 +263,7 @@ def rms_norm_lora(
         HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
         SHRINK=shrink is not None, DELTA=delta is not None, NS=NS, R=R, RC=RC, KS=KS,
         KS_PAD=triton.next_power_of_2(KS),
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out, s, shrunk
 
@@ -340,7 +343,9 @@ def _rope_qk_kernel(
     LORA: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map the program to one head of one token: q heads, then k heads, then v heads --
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -507,6 +512,6 @@ def rope_qk(
         cos.stride(0), sin.stride(0), *cache_stride,
         lora_qkv.b.stride(0) if lora is not None else 0, eps,
         HAS_NORM=has_norm, STORE_KV=store, BLOCK_D=BLOCK_D, LORA=lora is not None, R=R, RC=RC,
-        num_warps=num_warps, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(q.device),
     )  # fmt: skip
     return q_out, k_out

@@ -20,9 +20,9 @@ class Ops:
     fused_moe: Callable
     add_lora_: Callable
     paged_attention: Callable
+    paged_attention_lora: Callable
     rms_norm: Callable
     rms_norm_lora: Callable
-    lora_shrink_split: Callable
     rope_qk: Callable
 
 
@@ -32,9 +32,9 @@ REFERENCE_OPS = Ops(
     fused_moe=reference.fused_moe,
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
+    paged_attention_lora=reference.paged_attention_lora,
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
-    lora_shrink_split=reference.lora_shrink_split,
     rope_qk=reference.rope_qk,
 )
 

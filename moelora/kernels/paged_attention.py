@@ -34,6 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.lora import lora_shrink_split, lora_slot
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+
 if TYPE_CHECKING:
     from moelora.runner.batch import AttentionMetadata
 
@@ -96,7 +100,9 @@ def _store_kv_kernel(
     # Meta-parameters
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # One program per token; padded rows (slot -1) store nothing.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
@@ -168,6 +174,7 @@ def store_kv(
         *v_cache.stride(),
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **pdl_kwargs(k.device),
     )
 
 
@@ -228,7 +235,9 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr,
     ZERO_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
 
     # -- Map the program to (sequence, KV head, query block, split) ---------------------------
@@ -358,6 +367,12 @@ def _combine_splits_kernel(
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
+    a_ptr,  # [max_loras, 1, R, Hq * D]: the o projection's LoRA A, only with LORA
+    shrink_ptr,  # [T, Hq, 1, R] float32 out: each head's part of the shrink, only with LORA
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    scaling_ptr,
     # Sizes
     head_dim,
     num_splits,
@@ -369,13 +384,20 @@ def _combine_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    LORA: tl.constexpr,
+    R: tl.constexpr,
+    RP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # One program per (sequence, query head); sequences without a token write nothing.
     pid_b = tl.program_id(0)
     pid_hq = tl.program_id(1)
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     if tl.load(cu_seqlens_q_ptr + pid_b + 1) == q_start:
         return
+    if LORA:
+        slot = tl.load(slot_ptr + q_start)  # asked first: its flag's gather waits on it
     seq_len = tl.load(seq_lens_ptr + pid_b)
     num_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
 
@@ -395,8 +417,25 @@ def _combine_splits_kernel(
     weight = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     total = tl.sum(weight, 0)
     out = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
+    out = out.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + q_start * stride_ot + pid_hq * stride_oh + offs_d * stride_od
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(out_ptrs, out, mask=d_mask)
+    if LORA:
+        # The o projection's LoRA shrink of this head's columns (of the rounded output, as
+        # lora_shrink_split reads it): the heads' parts are summed by the norm that expands.
+        slot, rank, scaling = lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr)
+        if rank > 0:
+            offs_r = tl.arange(0, RP)
+            K_in = tl.num_programs(1) * head_dim
+            a_head = a_ptr + slot * R * K_in + pid_hq * head_dim
+            a = tl.load(
+                a_head + offs_r[:, None] * K_in + offs_d[None, :],
+                mask=(offs_r < rank)[:, None] & d_mask[None, :],
+                other=0.0,
+            )  # [RP, BLOCK_D]
+            shrunk = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1) * scaling
+            dst = shrink_ptr + (q_start.to(tl.int64) * tl.num_programs(1) + pid_hq) * R + offs_r
+            tl.store(dst, shrunk, mask=offs_r < R)  # zeros past the rank: whole rows
 
 
 def decode_plan(
@@ -434,7 +473,30 @@ def paged_attention(
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
     (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
     """
-    return launch_paged_attention(q, k_cache, v_cache, attn, scale)
+    return _launch(q, k_cache, v_cache, attn, scale)[0]
+
+
+def paged_attention_lora(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: see reference.paged_attention_lora: (out, lora_shrink_split(out as [T, Hq*D],
+    lora, info)), the shrink of the o projection's LoRA that the next norm expands.
+
+    A split decode (up to about 32 sequences on an H200) computes the shrink in its combine
+    kernel, KS = Hq partials (one head's columns each): no launch of its own, which is what a
+    base-only batch would otherwise pay for it (about 1 µs a layer). Otherwise it is
+    lora_shrink_split's launch.
+    """
+    out, shrunk = _launch(q, k_cache, v_cache, attn, scale, o_lora=(lora, info))
+    if shrunk is None:
+        shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
+    return out, shrunk
 
 
 def launch_paged_attention(
@@ -447,11 +509,32 @@ def launch_paged_attention(
     config: AttentionConfig | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """paged_attention with the tiles, the decode split count or the output given by the caller.
+    o_lora: tuple[LoraWeights, LoraBatchInfo] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """paged_attention with the tiles, the decode split count or the output given by the caller;
+    returns (out, the o LoRA's shrink partials or None). The partials come from the combine of a
+    split decode only (see paged_attention_lora).
 
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
+    return _launch(
+        q, k_cache, v_cache, attn, scale,
+        config=config, num_splits=num_splits, out=out, o_lora=o_lora,
+    )  # fmt: skip
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    *,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    o_lora: tuple[LoraWeights, LoraBatchInfo] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert q.ndim == 3 and k_cache.ndim == 4, f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
     assert k_cache.shape == v_cache.shape, f"k {k_cache.shape} vs v cache {v_cache.shape}"
     num_rows, num_q_heads, head_dim = q.shape
@@ -487,7 +570,7 @@ def launch_paged_attention(
     else:
         part_out = part_lse = out  # unused
     if num_rows == 0 or num_seqs == 0:
-        return out.zero_()
+        return out.zero_(), None
 
     block_d = triton.next_power_of_2(head_dim)
     _paged_attention_kernel[grid](
@@ -521,19 +604,40 @@ def launch_paged_attention(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_kwargs(q.device),
     )
-    if num_splits > 1:
-        _combine_splits_kernel[(num_seqs, num_q_heads)](
-            part_out,
-            part_lse,
-            out,
-            attn.cu_seqlens_q,
-            attn.seq_lens,
-            head_dim,
-            num_splits,
-            *out.stride(),
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            BLOCK_N=config.block_n,
-            BLOCK_D=block_d,
-        )
-    return out
+    if num_splits == 1:
+        return out, None
+    lora, info = o_lora if o_lora is not None else (None, None)
+    if lora is not None:
+        S, n, R, K_a = lora.a.shape
+        assert n == 1 and K_a == num_q_heads * head_dim, (lora.a.shape, q.shape)
+        assert lora.a.is_contiguous(), lora.a.stride()
+        assert info.slot_of_token.shape[0] >= num_rows, (info.slot_of_token.shape, num_rows)
+        # rows without an enabled slot are left unwritten, as lora_shrink_split leaves them
+        shrunk = q.new_empty(num_rows, num_q_heads, 1, R, dtype=torch.float32)
+        lora_args = (
+            lora.a, shrunk,
+            info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
+        )  # fmt: skip
+    else:
+        R, shrunk, lora_args = 1, None, (out,) * 6  # unused
+    _combine_splits_kernel[(num_seqs, num_q_heads)](
+        part_out,
+        part_lse,
+        out,
+        attn.cu_seqlens_q,
+        attn.seq_lens,
+        *lora_args,
+        head_dim,
+        num_splits,
+        *out.stride(),
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        LORA=lora is not None,
+        R=R,
+        RP=triton.next_power_of_2(R),
+        **pdl_kwargs(q.device),
+    )
+    return out, shrunk

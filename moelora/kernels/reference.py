@@ -222,6 +222,21 @@ def paged_attention(
     return out
 
 
+def paged_attention_lora(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: (out = paged_attention(...), lora_shrink_split(out as [T, Hq * D], lora,
+    info)): the attention and the first half of its o projection's LoRA (folded decode)."""
+    out = paged_attention(q, k_cache, v_cache, attn, scale)
+    return out, lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
 def _route_topk_kernel(
@@ -30,7 +32,9 @@ def _route_topk_kernel(
     RENORMALIZE: tl.constexpr,
     BT: tl.constexpr,
     E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- load BT rows of logits, padding experts past E with -inf --
     offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_e = tl.arange(0, E_PAD)
@@ -90,6 +94,6 @@ def route_topk(
     _route_topk_kernel[(triton.cdiv(T, BT),)](
         router_logits, weights, ids, T, E, router_logits.stride(0),
         K=top_k, SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
-        BT=BT, E_PAD=triton.next_power_of_2(E),
+        BT=BT, E_PAD=triton.next_power_of_2(E), **pdl_kwargs(router_logits.device),
     )  # fmt: skip
     return weights, ids

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.lora import add_lora_, lora_shrink_split
+from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
-from moelora.kernels.paged_attention import paged_attention
+from moelora.kernels.paged_attention import paged_attention, paged_attention_lora
 from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
@@ -15,8 +15,8 @@ TRITON_OPS = Ops(
     fused_moe=fused_moe,
     add_lora_=add_lora_,
     paged_attention=paged_attention,
+    paged_attention_lora=paged_attention_lora,
     rms_norm=rms_norm,
     rms_norm_lora=rms_norm_lora,
-    lora_shrink_split=lora_shrink_split,
     rope_qk=rope_qk,
 )

@@ -16,11 +16,12 @@ from moelora.models.config import ModelConfig
 from moelora.runner.batch import ForwardBatch
 
 # Up to this many tokens in a step, the attention's LoRA is folded into the kernels around it:
-# q|k|v's shrink into the input RMSNorm and its expand into rotary; o's shrink is one split
-# launch (lora_shrink_split) and its expand rides in the post-attention RMSNorm. Each row reads
-# its slot's A and B once, spread over programs (one program per row reading a whole A is
-# bound by its load latency: 18 µs per norm at one token on an H200). A base-only batch pays a
-# few scalar loads and one launch. Longer steps (big prefill chunks) take add_lora_, whose
+# q|k|v's shrink into the input RMSNorm and its expand into rotary; o's shrink comes out of the
+# attention (paged_attention_lora: in the combine of a split decode, else one split launch)
+# and its expand rides in the post-attention RMSNorm. Each row reads its slot's A and B once,
+# spread over programs (one program per row reading a whole A is bound by its load latency:
+# 18 µs per norm at one token on an H200). A base-only batch pays a few scalar loads, and one
+# launch when the decode is not split. Longer steps (big prefill chunks) take add_lora_, whose
 # 16-row tiles share each tile of A.
 FOLD_LORA_MAX_TOKENS = 256
 
@@ -95,9 +96,10 @@ class Attention(nn.Module):
             slot_mapping=batch.attn.slot_mapping,
             lora=(qkv_shrunk, self.qkv_proj.lora, batch.lora) if folded else None,
         )
-        out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
-        o_in = out.reshape(T, cfg.q_size)
         if not folded:
-            return self.o_proj(o_in, batch.lora), None
-        o_shrunk = self.ops.lora_shrink_split(o_in, self.o_proj.lora, batch.lora)
-        return self.o_proj(o_in, None), o_shrunk
+            out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
+            return self.o_proj(out.reshape(T, cfg.q_size), batch.lora), None
+        out, o_shrunk = self.ops.paged_attention_lora(
+            q, k_cache, v_cache, batch.attn, self.scale, self.o_proj.lora, batch.lora
+        )
+        return self.o_proj(out.reshape(T, cfg.q_size), None), o_shrunk

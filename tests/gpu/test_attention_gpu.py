@@ -13,8 +13,19 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytest.importorskip("triton")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from lora_cases import batch_info, lora_weights, rel_err  # noqa: E402
+
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.paged_attention import paged_attention, store_kv  # noqa: E402
+from moelora.kernels.paged_attention import (  # noqa: E402
+    paged_attention,
+    paged_attention_lora,
+    store_kv,
+)
+from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
 from moelora.runner.batch import AttentionMetadata  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
@@ -100,6 +111,36 @@ def test_decode(seq_lens, page_size):
 def test_decode_batch_128():
     seq_lens = torch.randint(1, 8193, (128,), generator=torch.Generator().manual_seed(3))
     run_case([1] * 128, seq_lens.tolist(), 16)
+
+
+@pytest.mark.parametrize("B", [1, 8, 40])  # split (the combine shrinks) up to 32, then not
+@pytest.mark.parametrize("spread", ["one", "mixed"])
+@pytest.mark.parametrize("rank", [16, 64])
+def test_decode_o_lora_shrink_bf16(B, spread, rank):
+    """paged_attention_lora: the o LoRA's shrink partials of the output sum to the fp32
+    shrink of that output, on rows with an enabled slot; a padded row has no slot."""
+    gen = torch.Generator().manual_seed(B + rank)
+    seq_lens = torch.randint(1, 4097, (B,), generator=gen).tolist()
+    k_cache, v_cache, page_table, _ = make_cache(seq_lens, 16, seed=B)
+    attn = metadata([1] * B, seq_lens, page_table, pad_rows=1)
+    T = B + 1
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    info = batch_info(T, spread, "cuda")
+    info.slot_of_token[B:] = NO_SLOT
+    lora = lora_weights(info.num_slots, (), 1, rank, HQ * D, (2048,), info.rank_of_slot.cpu(),
+                        torch.bfloat16, "cuda")  # fmt: skip
+    out, part = paged_attention_lora(q, k_cache, v_cache, attn, SCALE, lora, info)
+    assert_close_to_reference(out, q, k_cache, v_cache, attn)
+    assert part.shape[0] == T and part.shape[2:] == (1, rank)
+    if B <= 8:
+        assert part.shape[1] == HQ  # computed in the combine
+    f32 = LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+    expect = reference.lora_shrink(out.float().reshape(T, -1), f32, info)
+    slots = info.slot_of_token
+    on = (slots >= 0) & (info.slot_enabled[slots.clamp(min=0)] != 0)
+    assert on.any() or spread == "mixed"
+    if on.any():
+        assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-2
 
 
 @pytest.mark.parametrize(

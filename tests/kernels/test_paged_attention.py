@@ -13,13 +13,16 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the ke
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.paged_attention import (  # noqa: E402
     launch_paged_attention,
     paged_attention,
+    paged_attention_lora,
     store_kv,
 )
+from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
 from moelora.runner.batch import AttentionMetadata  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
@@ -85,7 +88,9 @@ def check_attention(q, k_cache, v_cache, attn, *, num_splits: int | None = None)
     scale = q.shape[-1] ** -0.5
     expected = reference.paged_attention(q, k_cache.nan_to_num(), v_cache.nan_to_num(), attn, scale)
     out = torch.full_like(q, float("nan"))
-    got = launch_paged_attention(q, k_cache, v_cache, attn, scale, num_splits=num_splits, out=out)
+    got, _ = launch_paged_attention(
+        q, k_cache, v_cache, attn, scale, num_splits=num_splits, out=out
+    )
     assert got.data_ptr() == out.data_ptr()
     assert torch.isfinite(got).all(), "a row was left unwritten or read NaN past seq_len"
     torch.testing.assert_close(got.float(), expected.float(), **TOL[q.dtype])
@@ -128,8 +133,52 @@ def test_decode_padded_graph_batch(dtype, num_splits):
         page_size=16, dtype=dtype, pad_rows=3,
     )  # fmt: skip
     check_attention(q, k_cache, v_cache, attn, num_splits=num_splits)
-    out = launch_paged_attention(q, k_cache, v_cache, attn, 0.25, num_splits=num_splits)
+    out = launch_paged_attention(q, k_cache, v_cache, attn, 0.25, num_splits=num_splits)[0]
     assert (out[1] == 0).all() and (out[3:] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spread", SPREADS)
+@pytest.mark.parametrize("num_splits,R", [(None, 16), (3, 8), (1, 16)])
+def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
+    """paged_attention_lora: the output, and the o LoRA's shrink of it summed over its partials
+    (from the combine of a split decode, KS = Hq; from lora_shrink_split without splits) on the
+    rows with an enabled slot. A graph batch: a padded sequence and padded rows (no slot). A's
+    rows past each slot's rank are NaN, so reading them would show."""
+    Hq, Hkv, D = 4, 1, 16
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 0, 1], [45, 70, 0, 9], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
+        page_size=16, dtype=dtype, pad_rows=2, seed=R,
+    )  # fmt: skip
+    T, tokens = q.shape[0], int(attn.cu_seqlens_q[-1])
+    info = batch_info(T, spread)
+    info.slot_of_token[tokens:] = NO_SLOT
+    clean = lora_weights(info.num_slots, (), 1, R, Hq * D, (24,), info.rank_of_slot, dtype)
+    lora = LoraWeights(clean.a.clone(), clean.b, clean.out_slices)
+    for s, r in enumerate(info.rank_of_slot.tolist()):
+        lora.a[s, :, r:] = float("nan")
+    scale = D**-0.5
+    expect_out = reference.paged_attention(
+        q, k_cache.nan_to_num(), v_cache.nan_to_num(), attn, scale
+    )
+    expect = reference.lora_shrink(expect_out.reshape(T, -1), clean, info)
+    if num_splits is None:  # the plan splits: 4 sequences x 1 KV head fill no 8 "SMs"
+        out, part = paged_attention_lora(q, k_cache, v_cache, attn, scale, lora, info)
+        assert part.shape == (T, Hq, 1, R)
+    else:
+        out, part = launch_paged_attention(
+            q, k_cache, v_cache, attn, scale, num_splits=num_splits, o_lora=(lora, info)
+        )
+        assert (part is None) == (num_splits == 1)
+        if part is None:  # what paged_attention_lora does then
+            _, part = paged_attention_lora(q, k_cache, v_cache, attn, scale, lora, info)
+    torch.testing.assert_close(out.float(), expect_out.float(), **TOL[dtype])
+    on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
+    assert part.dtype == torch.float32 and part.shape[0] == T and part.shape[2:] == (1, R)
+    if on.any():
+        got = part[on].sum(dim=1)[:, 0]
+        assert torch.isfinite(got).all()
+        assert rel_err(got, expect[on][:, 0]) <= (1e-5 if dtype == torch.float32 else 5e-3)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -42,7 +42,7 @@ DTYPES = {
     torch.int64: "i64",
     torch.bool: "i1",
 }
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 
 
 def _record_launches() -> list:
@@ -75,6 +75,9 @@ def _compile(kernel, args, kwargs):
     from triton.compiler import ASTSource
 
     params = list(inspect.signature(kernel.fn).parameters)
+    # every kernel takes kernels/pdl.py's PDL, off on a CPU: compile what the H200 launches
+    assert kwargs.get("PDL") is False, (kernel.fn.__name__, "launched without pdl_kwargs")
+    kwargs |= {"PDL": True, "launch_pdl": True}
     options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
     bound = dict(zip(params, args)) | kwargs
     assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
@@ -150,6 +153,10 @@ def _launch_every_op() -> None:
     q = torch.randn(2, Hq, D, dtype=bf16)
     run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_CONFIG, num_splits=1)
     run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4)
+    info = batch_info(2, "mixed")
+    o = lora_weights(S, (), 1, R, Hq * D, (H,), info.rank_of_slot, bf16)
+    split = dict(config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4, o_lora=(o, info))
+    run(q, cache, cache, decode, 0.1, **split)
     q = torch.randn(64, Hq, D, dtype=bf16)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
 
