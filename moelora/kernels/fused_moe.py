@@ -33,10 +33,15 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
-from moelora.kernels.lora import active_slots, enabled_only, lora_delta, rank_block, shrink_block_k
+from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_block_k
 from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
-from moelora.kernels.moe_lora import down_partial_shrink, expand_rows, pair_shrink_block_k
+from moelora.kernels.moe_lora import (
+    down_partial_shrink,
+    expand_rows,
+    lora_rows,
+    pair_shrink_block_k,
+)
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
@@ -129,7 +134,7 @@ def _gate_up_kernel(
     token = tl.where(row_ok, pair // K, 0)
     if HAS_LORA or HAS_LORA2:
         # the slots are gathered before the main loop so their latency hides behind the weight
-        # stream; their flags after it (lora.enabled_only)
+        # stream; their flags, ranks and scalings after it (moe_lora.lora_rows)
         slot_rows = tl.load(slot_ptr + token, mask=row_ok, other=-1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
@@ -157,7 +162,7 @@ def _gate_up_kernel(
 
     # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
     if HAS_LORA or HAS_LORA2:
-        slot_rows = enabled_only(slot_rows, enabled_ptr)
+        slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
     if HAS_LORA:
         if tl.max(slot_rows, axis=0) >= 0:
             b_e = b_ptr + expert.to(tl.int64) * stride_be
@@ -174,13 +179,9 @@ def _gate_up_kernel(
                 on = (slot_rows >= 0)[:, None]
                 xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
                 xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
-                acc_g = expand_rows(
-                    acc_g, xa_g, slot_rows, b_e, stride_bs, stride_bn, offs_n, n_ok,
-                    rank_ptr, scaling_ptr, S, BR,
-                )  # fmt: skip
-                acc_u = expand_rows(
-                    acc_u, xa_u, slot_rows, b_e, stride_bs, stride_bn, I + offs_n, n_ok,
-                    rank_ptr, scaling_ptr, S, BR,
+                acc_g, acc_u = expand_rows(
+                    acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, b_e, stride_bs,
+                    stride_bn, offs_n, I + offs_n, n_ok, S, BR, True,
                 )  # fmt: skip
 
     # -- activation and store --
@@ -196,8 +197,8 @@ def _gate_up_kernel(
     if HAS_LORA2 and not DIRECT:
         if tl.max(slot_rows, axis=0) >= 0:
             down_partial_shrink(
-                xa2_ptr, pair, h, slot_rows, a2_ptr + expert.to(tl.int64) * stride_a2e,
-                stride_a2s, stride_a2r, offs_n, n_ok, rank_ptr, S, BM, BR,
+                xa2_ptr, pair, h, slot_rows, rank_rows, a2_ptr + expert.to(tl.int64) * stride_a2e,
+                stride_a2s, stride_a2r, offs_n, n_ok, S, BM, BR,
             )  # fmt: skip
 
 
@@ -294,7 +295,7 @@ def _down_kernel(
         return
     row_ok = pair >= 0
     slot_rows = tl.full((BM,), -1, tl.int32)
-    if HAS_LORA:  # the slots now, their flags after the main loop (lora.enabled_only)
+    if HAS_LORA:  # the slots now, their flags after the main loop (moe_lora.lora_rows)
         slot_rows = tl.load(slot_ptr + tl.where(row_ok, pair // K, 0), mask=row_ok, other=-1)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < H
@@ -305,7 +306,7 @@ def _down_kernel(
         S, False, BM, BN, BK, BKL, BR,
     )  # fmt: skip
     if HAS_LORA:
-        slot_rows = enabled_only(slot_rows, enabled_ptr)
+        slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
         if tl.max(slot_rows, axis=0) >= 0:
             offs_r = tl.arange(0, BR)
             xa = tl.load(
@@ -313,9 +314,10 @@ def _down_kernel(
                 mask=(slot_rows >= 0)[:, None],
                 other=0.0,
             )
-            acc = expand_rows(
-                acc, xa, slot_rows, b_ptr + expert.to(tl.int64) * stride_be, stride_bs,
-                stride_bn, offs_n, n_ok, rank_ptr, scaling_ptr, S, BR,
+            acc, _ = expand_rows(
+                acc, acc, xa, xa, slot_rows, rank_rows, scale_rows,
+                b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n, offs_n,
+                n_ok, S, BR, False,
             )  # fmt: skip
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]

@@ -12,7 +12,8 @@ per program. Here it is split by who has the data anyway:
     program when no slot is enabled. The same programs zero xa2 rows of their pair.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
     BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
-  - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile.
+  - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
+    (gate and up: two), the next slot's loaded while this one's dots run.
 No scratch is read for a pair without an enabled slot, so none needs clearing.
 """
 
@@ -77,35 +78,83 @@ def pair_shrink(
 
 
 @triton.jit
+def lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr):
+    """(slot, rank, scaling) of each row; slot -1 and rank 0 where the row has no enabled slot.
+    The GEMMs gather the slots before their main loop and call this after it: the three gathers
+    wait on the slots only, so they go out together, one round trip."""
+    has = slot_rows >= 0
+    safe = tl.maximum(slot_rows, 0)
+    on = tl.load(enabled_ptr + safe, mask=has, other=0) != 0
+    rank = tl.load(rank_ptr + safe, mask=has, other=0)
+    scaling = tl.load(scaling_ptr + safe, mask=has, other=0.0)
+    return tl.where(on, slot_rows, -1), tl.where(on, rank, 0), scaling
+
+
+@triton.jit
+def next_slot(slot_rows, s, S: tl.constexpr):
+    """The smallest slot above s among the block's rows, or S when none is left."""
+    return tl.min(tl.where(slot_rows > s, slot_rows, S), axis=0)
+
+
+@triton.jit
+def _slot_rank(slot_rows, rank_rows, s):
+    """Slot s's rank (0 when no row has it, s == S included: its tiles then load nothing)."""
+    return tl.max(tl.where(slot_rows == s, rank_rows, 0), axis=0)
+
+
+@triton.jit
+def _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n, n_ok, rank, BR: tl.constexpr):
+    """[BR, BN]: B[s, offs_n, :BR].T, rows past the rank masked off (never read)."""
+    offs_r = tl.arange(0, BR)
+    return tl.load(
+        b_ptr + s * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+        mask=n_ok[None, :] & (offs_r < rank)[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _a_tile(a_ptr, s, stride_as, stride_ar, offs_n, n_ok, rank, BR: tl.constexpr):
+    """[BN, BR]: A[s, :BR, offs_n].T, columns past the rank masked off (never read)."""
+    offs_r = tl.arange(0, BR)
+    return tl.load(
+        a_ptr + s * stride_as + offs_r[None, :] * stride_ar + offs_n[:, None],
+        mask=n_ok[:, None] & (offs_r < rank)[None, :],
+        other=0.0,
+    )
+
+
+@triton.jit
 def down_partial_shrink(
     xa2_ptr,  # [P, BR] fp32, zeroed by pair_shrink for pairs with an enabled slot
     pair,  # [BM]
     h,  # [BM, BN] this program's columns of h, in the dtype h is stored in
-    slot_rows,  # [BM] from lora.active_slots
+    slot_rows,  # [BM] from lora_rows
+    rank_rows,  # [BM] from lora_rows
     a_ptr,  # A2 of slot 0 and this block's expert: [R, I] at slot stride stride_as
     stride_as,
     stride_ar,
     offs_n,
     n_ok,
-    rank_ptr,
     S: tl.constexpr,
     BM: tl.constexpr,
     BR: tl.constexpr,
 ):
     """xa2[pair] += h[:, cols] @ A2[s, e, :, cols].T, per row's slot (the other columns' shares
-    come from the other column blocks)."""
-    offs_r = tl.arange(0, BR)
+    come from the other column blocks). Walks the block's slots as expand_rows does."""
     part = tl.zeros((BM, BR), dtype=tl.float32)
-    for s in range(0, S):
-        rows_s = slot_rows == s
-        if tl.max(rows_s.to(tl.int32), axis=0) > 0:
-            r_ok = offs_r < tl.load(rank_ptr + s)
-            at = tl.load(
-                a_ptr + s * stride_as + offs_r[None, :] * stride_ar + offs_n[:, None],
-                mask=n_ok[:, None] & r_ok[None, :],
-                other=0.0,
-            )  # [BN, BR]
-            part = dot(tl.where(rows_s[:, None], h, 0.0).to(at.dtype), at, part)
+    s = next_slot(slot_rows, -1, S)
+    at = _a_tile(
+        a_ptr, s, stride_as, stride_ar, offs_n, n_ok, _slot_rank(slot_rows, rank_rows, s), BR
+    )
+    while s < S:
+        s_next = next_slot(slot_rows, s, S)
+        rank_next = _slot_rank(slot_rows, rank_rows, s_next)
+        at_next = _a_tile(a_ptr, s_next, stride_as, stride_ar, offs_n, n_ok, rank_next, BR)
+        part = dot(tl.where((slot_rows == s)[:, None], h, 0.0).to(at.dtype), at, part)
+        s = s_next
+        at = at_next
+    offs_r = tl.arange(0, BR)
     active = slot_rows >= 0
     tl.atomic_add(
         xa2_ptr + pair[:, None] * BR + offs_r[None, :], part, mask=active[:, None], sem="relaxed"
@@ -114,33 +163,52 @@ def down_partial_shrink(
 
 @triton.jit
 def expand_rows(
-    acc,  # [BM, BN] fp32
-    xa,  # [BM, BR] fp32 shrink of each row (zero past its slot's rank)
-    slot_rows,  # [BM]
+    acc0,  # [BM, BN] fp32
+    acc1,  # [BM, BN] fp32, only with TWO
+    xa0,  # [BM, BR] fp32 shrink of each row (zero past its slot's rank)
+    xa1,  # [BM, BR] fp32, only with TWO
+    slot_rows,  # [BM] from lora_rows
+    rank_rows,  # [BM]
+    scale_rows,  # [BM]
     b_ptr,  # B of slot 0 and this block's expert: [out, R]
     stride_bs,
     stride_bn,
-    offs_n,
+    offs_n0,
+    offs_n1,
     n_ok,
-    rank_ptr,
-    scaling_ptr,
     S: tl.constexpr,
     BR: tl.constexpr,
+    TWO: tl.constexpr,
 ):
-    """acc[m] += scaling[s] * xa[m] @ B[s, cols].T for each row m of slot s."""
-    offs_r = tl.arange(0, BR)
-    for s in range(0, S):
-        rows_s = slot_rows == s
-        if tl.max(rows_s.to(tl.int32), axis=0) > 0:
-            r_ok = offs_r < tl.load(rank_ptr + s)
-            bt = tl.load(
-                b_ptr + s * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
-                mask=n_ok[None, :] & r_ok[:, None],
-                other=0.0,
-            )  # [BR, BN]
-            xs = tl.where(rows_s[:, None], xa * tl.load(scaling_ptr + s), 0.0)
-            acc = dot(xs.to(bt.dtype), bt, acc)
-    return acc
+    """acc_i[m] += scaling[s] * xa_i[m] @ B[s, cols_i].T for each row m of slot s, i < 2 if TWO
+    (gate and up share the walk). Only the slots the block's rows use are visited, in
+    ascending order, and the next slot's tiles are loaded before this slot's dots: each step
+    then waits on one load's latency at most, with no rank or scaling load in the chain (a loop
+    over all S slots with a load of the rank, then of the tile, in each cost gate_up +28 µs and
+    down +18 µs per layer at 64 tokens of 8 adapters on an H200)."""
+    xs0 = xa0 * scale_rows[:, None]
+    xs1 = xa1 * scale_rows[:, None]
+    s = next_slot(slot_rows, -1, S)
+    rank = _slot_rank(slot_rows, rank_rows, s)
+    bt0 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n0, n_ok, rank, BR)
+    bt1 = bt0
+    if TWO:
+        bt1 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n1, n_ok, rank, BR)
+    while s < S:
+        s_next = next_slot(slot_rows, s, S)
+        rank_next = _slot_rank(slot_rows, rank_rows, s_next)
+        bt0_next = _b_tile(b_ptr, s_next, stride_bs, stride_bn, offs_n0, n_ok, rank_next, BR)
+        bt1_next = bt0_next
+        if TWO:
+            bt1_next = _b_tile(b_ptr, s_next, stride_bs, stride_bn, offs_n1, n_ok, rank_next, BR)
+        rows_s = (slot_rows == s)[:, None]
+        acc0 = dot(tl.where(rows_s, xs0, 0.0).to(bt0.dtype), bt0, acc0)
+        if TWO:
+            acc1 = dot(tl.where(rows_s, xs1, 0.0).to(bt1.dtype), bt1, acc1)
+        s = s_next
+        bt0 = bt0_next
+        bt1 = bt1_next
+    return acc0, acc1
 
 
 def pair_shrink_block_k(max_rank: int) -> int:
