@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 from collections import defaultdict
 from pathlib import Path
@@ -58,7 +59,15 @@ def kernel_table(engine, batch, layers: int) -> list[tuple[str, float, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="keep programmatic dependent launch on (its kernels start early and wait inside, "
+        "so their times include the wait for the kernel before: off by default)",
+    )
     args = parser.parse_args()
+    if not args.pdl:
+        os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
     folder = tempfile.mkdtemp()
     Path(folder, "config.json").write_text(
         json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
