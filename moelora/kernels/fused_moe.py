@@ -91,6 +91,7 @@ def _gate_up_kernel(
     xa13_ptr,  # [P, 2, BR] fp32, from the align kernel (grouped path)
     a2_ptr,  # [S, E, 1, R, I]: h's columns feed xa2 here (grouped path)
     xa2_ptr,  # [P, BR] fp32
+    any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
     # Sizes.
     H,
     I,
@@ -134,8 +135,11 @@ def _gate_up_kernel(
     token = tl.where(row_ok, pair // K, 0)
     if HAS_LORA or HAS_LORA2:
         # the slots are gathered before the main loop so their latency hides behind the weight
-        # stream; their flags, ranks and scalings after it (moe_lora.lora_rows)
+        # stream; their flags, ranks and scalings after it (moe_lora.lora_rows). The step's
+        # "any slot enabled" lets a batch without adapters skip the per-block test (a
+        # cross-warp reduction) in the epilogue.
         slot_rows = tl.load(slot_ptr + token, mask=row_ok, other=-1)
+        lora_on = tl.load(any_ptr) != 0
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < I
     offs_k = tl.arange(0, BK)
@@ -164,25 +168,26 @@ def _gate_up_kernel(
     if HAS_LORA or HAS_LORA2:
         slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
     if HAS_LORA:
-        if tl.max(slot_rows, axis=0) >= 0:
-            b_e = b_ptr + expert.to(tl.int64) * stride_be
-            if DIRECT:  # no align kernel ran: shrink here
-                a_e = a_ptr + expert.to(tl.int64) * stride_ae
-                acc_g, acc_u = lora_delta(
-                    acc_g, acc_u, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ai,
-                    stride_ar, b_e, stride_bs, stride_bn, offs_n, I + offs_n, n_ok,
-                    rank_ptr, scaling_ptr, S, True, BM, BKL, BR,
-                )  # fmt: skip
-            else:
-                offs_r = tl.arange(0, BR)
-                xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_r[None, :]
-                on = (slot_rows >= 0)[:, None]
-                xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
-                xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
-                acc_g, acc_u = expand_rows(
-                    acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, b_e, stride_bs,
-                    stride_bn, offs_n, I + offs_n, n_ok, S, BR, True,
-                )  # fmt: skip
+        if lora_on:
+            if tl.max(slot_rows, axis=0) >= 0:
+                b_e = b_ptr + expert.to(tl.int64) * stride_be
+                if DIRECT:  # no align kernel ran: shrink here
+                    a_e = a_ptr + expert.to(tl.int64) * stride_ae
+                    acc_g, acc_u = lora_delta(
+                        acc_g, acc_u, x_ptr, x_rows, slot_rows, H, a_e, stride_as, stride_ai,
+                        stride_ar, b_e, stride_bs, stride_bn, offs_n, I + offs_n, n_ok,
+                        rank_ptr, scaling_ptr, S, True, BM, BKL, BR,
+                    )  # fmt: skip
+                else:
+                    offs_r = tl.arange(0, BR)
+                    xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_r[None, :]
+                    on = (slot_rows >= 0)[:, None]
+                    xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
+                    xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
+                    acc_g, acc_u = expand_rows(
+                        acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, b_e,
+                        stride_bs, stride_bn, offs_n, I + offs_n, n_ok, S, BR, True,
+                    )  # fmt: skip
 
     # -- activation and store --
     h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
@@ -195,11 +200,13 @@ def _gate_up_kernel(
 
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2 and not DIRECT:
-        if tl.max(slot_rows, axis=0) >= 0:
-            down_partial_shrink(
-                xa2_ptr, pair, h, slot_rows, rank_rows, a2_ptr + expert.to(tl.int64) * stride_a2e,
-                stride_a2s, stride_a2r, offs_n, n_ok, S, BM, BR,
-            )  # fmt: skip
+        if lora_on:
+            if tl.max(slot_rows, axis=0) >= 0:
+                a2_e = a2_ptr + expert.to(tl.int64) * stride_a2e
+                down_partial_shrink(
+                    xa2_ptr, pair, h, slot_rows, rank_rows, a2_e, stride_a2s, stride_a2r,
+                    offs_n, n_ok, S, BM, BR,
+                )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,6 +271,7 @@ def _down_kernel(
     a_ptr,  # [S, E, 1, R, I] (unused: the shrink is in xa2)
     b_ptr,  # [S, E, H, R]
     xa2_ptr,  # [P, BR] fp32: h @ A2.T of each pair with an enabled slot
+    any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
     # Sizes.
     H,
     I,
@@ -297,6 +305,7 @@ def _down_kernel(
     slot_rows = tl.full((BM,), -1, tl.int32)
     if HAS_LORA:  # the slots now, their flags after the main loop (moe_lora.lora_rows)
         slot_rows = tl.load(slot_ptr + tl.where(row_ok, pair // K, 0), mask=row_ok, other=-1)
+        lora_on = tl.load(any_ptr) != 0
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < H
     acc = _down_tile(
@@ -307,18 +316,19 @@ def _down_kernel(
     )  # fmt: skip
     if HAS_LORA:
         slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
-        if tl.max(slot_rows, axis=0) >= 0:
-            offs_r = tl.arange(0, BR)
-            xa = tl.load(
-                xa2_ptr + pair[:, None] * BR + offs_r[None, :],
-                mask=(slot_rows >= 0)[:, None],
-                other=0.0,
-            )
-            acc, _ = expand_rows(
-                acc, acc, xa, xa, slot_rows, rank_rows, scale_rows,
-                b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n, offs_n,
-                n_ok, S, BR, False,
-            )  # fmt: skip
+        if lora_on:
+            if tl.max(slot_rows, axis=0) >= 0:
+                offs_r = tl.arange(0, BR)
+                xa = tl.load(
+                    xa2_ptr + pair[:, None] * BR + offs_r[None, :],
+                    mask=(slot_rows >= 0)[:, None],
+                    other=0.0,
+                )
+                acc, _ = expand_rows(
+                    acc, acc, xa, xa, slot_rows, rank_rows, scale_rows,
+                    b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n,
+                    offs_n, n_ok, S, BR, False,
+                )  # fmt: skip
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
     out = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
@@ -464,10 +474,16 @@ def fused_moe(
     S = any_lora.a.shape[0] if any_lora is not None else 1
     BR = rank_block(any_lora.max_rank) if any_lora is not None else 16
     BKL = shrink_block_k(any_lora.max_rank) if any_lora is not None else 16
-    slot, enabled, rank, scaling = (
-        (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot)
+    slot, enabled, rank, scaling, any_on = (
+        (
+            info.slot_of_token,
+            info.slot_enabled,
+            info.rank_of_slot,
+            info.scaling_of_slot,
+            info.any_enabled,
+        )
         if any_lora is not None
-        else (ids, ids, ids, weights)
+        else (ids, ids, ids, weights, ids)
     )
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
 
@@ -499,7 +515,7 @@ def fused_moe(
 
     _gate_up_kernel[(NB, triton.cdiv(I, cfg.block_n))](
         x, w13, h, ids, sorted_pair, expert_of_block,
-        slot, enabled, rank, scaling, a13, b13, xa13, a2, xa2,
+        slot, enabled, rank, scaling, a13, b13, xa13, a2, xa2, any_on,
         H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13, sa2[0], sa2[1], sa2[3],
         K=K, S=S, HAS_LORA=has13, HAS_LORA2=has2, DIRECT=cfg.direct,
         BM=BM, BN=cfg.block_n, BK=cfg.block_k, BKL=BKL, BR=BR, **launch,
@@ -520,7 +536,7 @@ def fused_moe(
         return out
     pair_out = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(NB, grid_n)](
-        h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args[:6], xa2,
+        h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args[:6], xa2, any_on,
         *down_args[6:], **down_meta, **launch,
     )  # fmt: skip
     BH = min(1024, triton.next_power_of_2(H))

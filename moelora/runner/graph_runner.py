@@ -45,7 +45,8 @@ class GraphBuffers:
     """
 
     i64: torch.Tensor  # device [3, max_bs]: input_ids, positions, slot_mapping
-    i32: torch.Tensor  # device: cu_seqlens_q | seq_lens | slot_of_token | slot_enabled | pages
+    # device: cu_seqlens_q | seq_lens | slot_of_token | slot_enabled | any_enabled | pages
+    i32: torch.Tensor
     host_i64: torch.Tensor  # pinned twins of the above
     host_i32: torch.Tensor
     max_bs: int
@@ -55,7 +56,7 @@ class GraphBuffers:
 
     @classmethod
     def init(cls, max_bs: int, max_pages: int, max_loras: int, spare_page: int, device):
-        n32 = (max_bs + 1) + 2 * max_bs + max_loras + max_bs * max_pages
+        n32 = (max_bs + 1) + 2 * max_bs + max_loras + 1 + max_bs * max_pages
         pin = torch.cuda.is_available()
         self = cls(
             i64=torch.zeros(3, max_bs, dtype=torch.int64, device=device),
@@ -74,7 +75,7 @@ class GraphBuffers:
 
     def _views(self, i64: torch.Tensor, i32: torch.Tensor) -> dict[str, torch.Tensor]:
         bs, pages, loras = self.max_bs, self.max_pages, self.max_loras
-        cu, seq, slot, enabled, table = i32.split([bs + 1, bs, bs, loras, bs * pages])
+        cu, seq, slot, enabled, any_on, table = i32.split([bs + 1, bs, bs, loras, 1, bs * pages])
         return dict(
             input_ids=i64[0],
             positions=i64[1],
@@ -83,6 +84,7 @@ class GraphBuffers:
             seq_lens=seq,
             slot_of_token=slot,
             slot_enabled=enabled,
+            any_enabled=any_on,
             page_table=table.view(bs, pages),
         )
 
@@ -103,6 +105,7 @@ class GraphBuffers:
                 pool.rank_of_slot,
                 pool.scaling_of_slot,
                 v["slot_enabled"],
+                v["any_enabled"],
             )
         return ForwardBatch(v["input_ids"][:bs], v["positions"][:bs], attn, lora)
 
@@ -119,6 +122,7 @@ class GraphBuffers:
         v["slot_of_token"][:T] = batch.slot_of_token
         if batch.slot_enabled is not None:
             v["slot_enabled"][:] = batch.slot_enabled
+            v["any_enabled"][0] = int(batch.slot_enabled.any())
         width = batch.page_table.shape[1]
         v["page_table"][:T, :width] = batch.page_table
         # the pinned twins are reused: safe because every step ends in a sync (sampling reads
@@ -136,6 +140,7 @@ class GraphBuffers:
         v["seq_lens"][T:] = 0
         v["slot_of_token"][T:] = NO_SLOT
         v["slot_enabled"][:] = 0
+        v["any_enabled"][:] = 0
         v["page_table"][T:] = self.spare_page
 
 

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err
@@ -57,6 +59,21 @@ def test_fused_moe_without_lora_and_with_one_half(poison_empty, config):
         only = dict(lora, **{half: None})
         out = fused_moe(*args, **only, config=config)
         assert rel_err(out, reference.fused_moe(*args, **only)) <= 1e-5
+
+
+def test_fused_moe_grouped_path_reads_the_step_flag(poison_empty):
+    """The grouped GEMMs skip their LoRA epilogue when the step's any_enabled flag is 0 (the
+    runners write it with slot_enabled; LoraBatchInfo derives it when not given), and apply
+    it when the flag is 1."""
+    args, lora = moe_case(7, 8, 2, "distinct", torch.float32)
+    info = lora["info"]
+    assert info.any_enabled.tolist() == [1]
+    off = dataclasses.replace(info, any_enabled=torch.zeros(1, dtype=torch.int32))
+    base = reference.fused_moe(*args)
+    assert rel_err(fused_moe(*args, **dict(lora, info=off), config=GROUPED), base) <= 1e-5
+    out = fused_moe(*args, **lora, config=GROUPED)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= 1e-5
+    assert rel_err(out, base) > 1e-2
 
 
 def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):

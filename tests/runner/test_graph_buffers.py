@@ -40,3 +40,21 @@ def test_copy_from_writes_rows_and_pads_the_rest():
     assert torch.equal(views["slot_of_token"][:3], small.slot_of_token)
     assert (views["slot_of_token"][3:] == NO_SLOT).all()
     assert views["slot_enabled"].tolist() == [1, 0, 1, 1]
+
+
+def test_any_enabled_follows_the_batch():
+    """The step's "any slot enabled" flag, which the MoE GEMMs test before their LoRA epilogue:
+    set by a batch with an enabled slot, cleared by a base-only batch written after it; the
+    eager path's batch info carries the same flag."""
+    buffers = GraphBuffers.init(max_bs=16, max_pages=8, max_loras=4, spare_page=99, device="cpu")
+    lora, base = host_batch(5, 3), host_batch(6, 3)
+    base.slot_of_token.fill_(NO_SLOT)
+    base.slot_enabled.zero_()
+    views = buffers._views(buffers.i64, buffers.i32)
+    for batch, expect in [(lora, 1), (base, 0), (lora, 1)]:
+        buffers.copy_from(batch)
+        assert views["any_enabled"].tolist() == [expect]
+        pool = type("Pool", (), {"rank_of_slot": torch.ones(4), "scaling_of_slot": torch.ones(4)})
+        assert batch.to_device(torch.device("cpu"), pool).lora.any_enabled.tolist() == [expect]
+        graph_info = buffers.forward_batch(8, pool).lora  # what a captured graph reads
+        assert graph_info.any_enabled.data_ptr() == views["any_enabled"].data_ptr()
