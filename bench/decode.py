@@ -1,7 +1,8 @@
 """Decode step time of a Qwen3-30B-A3B-shaped model (random weights), next to its floor.
 
 Cases: LoRA disabled; LoRA enabled with a base-only batch; one adapter; 8 distinct rank-16
-adapters on attention and experts. Graph replay and eager at B in {1, 8, 32, 64, 128}.
+adapters on attention and experts. Graph replay and eager at B in {1, 8, 32, 64, 128}; each
+timed step is the forward and the lm_head (logits), as the floor counts the lm_head's weight.
 Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of this run; the
 experts touched are counted from the batch's real routing.
 """
@@ -144,7 +145,7 @@ def floor_bytes(engine: Engine, batch) -> tuple[int, int]:
     qkv = mc.q_size + 2 * mc.kv_size
     slots = batch.slot_of_token.long().cuda() if engine.slot_pool is not None else None
     attn = (H * qkv + mc.q_size * H) * elem
-    model, lora = mc.vocab_size * H * elem, 0
+    model, lora = mc.vocab_size * H * elem, 0  # the lm_head (the embedding reads B rows only)
     for ids in routed_ids(engine, batch):
         model += attn + E * H * elem + int(ids.unique().numel()) * 3 * H * I * elem
         if slots is None:
@@ -166,22 +167,30 @@ def graphs_size(graphs, batch) -> int:
 
 
 def time_step(engine: Engine, batch, *, eager: bool) -> float:
-    """Median ms of one decode forward: the eager model, or the replay of the batch's graph
-    (its static inputs written once beforehand; the timed part is the replay alone)."""
-    runner = engine.runner
+    """Median ms of one decode forward and its logits: the eager model, or the replay of the
+    batch's graph (its static inputs written once beforehand), then the lm_head on the batch's
+    rows as the runner does it after a replay. The floor counts the lm_head's weight, so the
+    timed part must run it too."""
+    runner, model = engine.runner, engine.model
+    T = batch.num_tokens
     with torch.inference_mode():
         if eager:
             device_batch = batch.to_device(runner.device, engine.slot_pool)
             return do_bench(
-                lambda: engine.model(device_batch, runner.kv_caches),
+                lambda: model.compute_logits(model(device_batch, runner.kv_caches)),
                 warmup=25,
                 rep=200,
                 return_mode="median",
             )
         runner.graphs.run(batch)
-        bs = padded_batch_size(batch.num_tokens, runner.graphs.sizes)
-        graph = runner.graphs.graphs[(bs, STREAM_IDX)]
-        return do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+        key = (padded_batch_size(T, runner.graphs.sizes), STREAM_IDX)
+        graph, hidden = runner.graphs.graphs[key], runner.graphs.outputs[key][:T]
+
+        def step():
+            graph.replay()
+            model.compute_logits(hidden)
+
+        return do_bench(step, warmup=25, rep=200, return_mode="median")
 
 
 def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, batches):
@@ -254,7 +263,8 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
         f"{capture.get('lora', 0):.1f} s (LoRA enabled), the "
         f"{len(graph_batch_sizes(max(BATCHES)))} batch sizes 1 .. {max(BATCHES)}; the first "
         "engine's capture includes compiling the kernels when the Triton cache is cold",
-        "- time: median of CUDA-graph replays (do_bench), forward only (no sampling)",
+        "- time: median (do_bench) of a CUDA-graph replay of the forward, then the lm_head on the"
+        " batch's rows (eager, as the runner does after a replay); no sampling",
         f"- programmatic dependent launch: {'on' if pdl else 'off'} (kernels/pdl.py)",
         "",
         "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",

@@ -473,7 +473,7 @@ def paged_attention(
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
     (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
     """
-    return _launch(q, k_cache, v_cache, attn, scale)[0]
+    return launch_paged_attention(q, k_cache, v_cache, attn, scale)[0]
 
 
 def paged_attention_lora(
@@ -493,7 +493,7 @@ def paged_attention_lora(
     base-only batch would otherwise pay for it (about 1 µs a layer). Otherwise it is
     lora_shrink_split's launch.
     """
-    out, shrunk = _launch(q, k_cache, v_cache, attn, scale, o_lora=(lora, info))
+    out, shrunk = launch_paged_attention(q, k_cache, v_cache, attn, scale, o_lora=(lora, info))
     if shrunk is None:
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
     return out, shrunk
@@ -517,24 +517,6 @@ def launch_paged_attention(
 
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
-    return _launch(
-        q, k_cache, v_cache, attn, scale,
-        config=config, num_splits=num_splits, out=out, o_lora=o_lora,
-    )  # fmt: skip
-
-
-def _launch(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    scale: float,
-    *,
-    config: AttentionConfig | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    o_lora: tuple[LoraWeights, LoraBatchInfo] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
     assert q.ndim == 3 and k_cache.ndim == 4, f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
     assert k_cache.shape == v_cache.shape, f"k {k_cache.shape} vs v cache {v_cache.shape}"
     num_rows, num_q_heads, head_dim = q.shape
