@@ -8,6 +8,7 @@ CUDA graph with every slot disabled and replays it with other batch infos writte
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -181,11 +182,8 @@ def test_cuda_graph_replay_with_new_batch_info():
 
     for spread in ("mixed", "none", "distinct", "one"):
         new = batch_info(T, spread, DEV, S)
-        for dst, src in zip(
-            (info.slot_of_token, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled),
-            (new.slot_of_token, new.rank_of_slot, new.scaling_of_slot, new.slot_enabled),
-        ):
-            dst.copy_(src)
+        for field in dataclasses.fields(info):  # every buffer, any_enabled included
+            getattr(info, field.name).copy_(getattr(new, field.name))
         x.copy_(torch.randn(T, H, device=DEV))
         logits.copy_(torch.randn(T, E, device=DEV))
         y_in.copy_(torch.randn(T, 5120, device=DEV))
