@@ -17,6 +17,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
@@ -175,14 +176,7 @@ def test_decode_cuda_graph_replay():
     attn = metadata([1] * graph_bs, [max_len] * graph_bs, page_table)
     q = torch.randn(graph_bs, HQ, D, device="cuda", dtype=torch.bfloat16)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        paged_attention(q, k_cache, v_cache, attn, SCALE)  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_attention(q, k_cache, v_cache, attn, SCALE)
+    graph, out = capture(lambda: paged_attention(q, k_cache, v_cache, attn, SCALE))
 
     gen = torch.Generator().manual_seed(4)
     num_pages = k_cache.shape[0]

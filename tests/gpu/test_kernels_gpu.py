@@ -20,6 +20,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from cuda_graphs import capture  # noqa: E402
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
@@ -171,14 +172,7 @@ def test_cuda_graph_replay_with_new_batch_info():
         add_lora_(y, x, qkv, info)
         return moe
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        moe_out = step()
+    graph, moe_out = capture(step)
 
     for spread in ("mixed", "none", "distinct", "one"):
         new = batch_info(T, spread, DEV, S)

@@ -27,6 +27,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, lora_weights  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
@@ -127,14 +128,7 @@ def test_cuda_graph_replay_with_new_inputs():
             q, k, positions, cos, sin, q_norm, k_norm, EPS
         )
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        (out, s), (q_out, k_out) = step()
+    graph, ((out, s), (q_out, k_out)) = capture(step)
 
     for _ in range(3):
         x.copy_(torch.randn(T, N, device=DEV))
@@ -201,14 +195,7 @@ def test_rope_qk_store_kv_cuda_graph():
     def step():
         return rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        q_out, k_out = step()
+    graph, (q_out, k_out) = capture(step)
 
     k_expect, v_expect = k_cache.clone(), v_cache.clone()
     for i in range(3):
@@ -427,14 +414,7 @@ def test_rms_norm_lora_cuda_graph():
     def step():
         return rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, s, shrunk = step()
+    graph, (out, s, shrunk) = capture(step)
 
     for spread in ("distinct", "none", "one", "mixed"):
         new = _lora_info(T, spread, R)
