@@ -21,9 +21,9 @@ The LoRA deltas are added to the fp32 accumulators before the activation / the r
 weight. On the grouped path each shrink is done once per pair (moe_lora: x @ A13.T by extra
 programs of the align kernel, h @ A2.T split over gate_up's column blocks) and the GEMM
 epilogues only expand; the direct path shrinks inside its programs (lora.lora_delta). A block
-gathers its rows' slots and enabled flags before the main loop; when none is enabled the LoRA
-code is skipped, so a batch without active adapters runs the same launches as the base MoE and
-pays only those gathers (and align programs that exit at once).
+gathers its rows' slots before the main loop and their flags after it; a step whose
+any_enabled flag is 0 skips the LoRA code, so a batch without active adapters runs the same
+launches as the base MoE and pays only those gathers (and align programs that exit at once).
 """
 
 from __future__ import annotations

@@ -125,15 +125,10 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
 
 @triton.jit
 def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
-    """[BM] slot of each row, or -1 where the row is padding, on the base model or disabled."""
-    return enabled_only(tl.load(slot_ptr + token_rows, mask=row_ok, other=-1), enabled_ptr)
-
-
-@triton.jit
-def enabled_only(slot, enabled_ptr):
-    """slot where its slot is enabled, else -1. GEMM kernels gather the slots before their main
-    loop and call this after it: the flags' gather waits on the slots' (in-order issue), so
-    before the loop it would hold back the loop's first loads by a round trip."""
+    """[BM] slot of each row, or -1 where the row is padding, on the base model or disabled.
+    (The grouped MoE GEMMs split this: slots before their main loop, flags after it, in
+    moe_lora.lora_rows, so the dependent gather does not hold back the loop's first loads.)"""
+    slot = tl.load(slot_ptr + token_rows, mask=row_ok, other=-1)
     on = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     return tl.where(on != 0, slot, -1)
 
