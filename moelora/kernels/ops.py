@@ -16,6 +16,7 @@ from moelora.kernels import reference
 @dataclass(frozen=True)
 class Ops:
     name: str
+    linear: Callable
     route_topk: Callable
     fused_moe: Callable
     add_lora_: Callable
@@ -28,6 +29,7 @@ class Ops:
 
 REFERENCE_OPS = Ops(
     name="torch",
+    linear=reference.linear,
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
     add_lora_=reference.add_lora_,

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from moelora.runner.batch import AttentionMetadata
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Semantics: y = x @ w.T (+ bias). x: [T, in], w: [out, in], bias: [out] or None."""
+    return F.linear(x, w, bias)
+
+
 def route_topk(
     router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.linear import linear
 from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
@@ -11,6 +12,7 @@ from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
     name="triton",
+    linear=linear,
     route_topk=route_topk,
     fused_moe=fused_moe,
     add_lora_=add_lora_,

@@ -6,7 +6,6 @@ Legend: T = tokens, H = hidden, I = expert intermediate, E = experts, K = top-k.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels.ops import Ops
@@ -47,7 +46,7 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
         cfg = self.cfg
-        router_logits = F.linear(x, self.gate)  # [T, E]
+        router_logits = self.ops.linear(x, self.gate)  # [T, E]
         weights, ids = self.ops.route_topk(
             router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
         )
@@ -63,5 +62,5 @@ class SparseMoE(nn.Module):
         )  # [T, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
-            out = out + torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
+            out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
         return out

@@ -7,7 +7,6 @@ kernel into the projection's output, so no separate add runs when no slot is ena
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelora.kernels.ops import Ops
@@ -36,7 +35,7 @@ class LoraLinear(nn.Module):
         self.lora: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
 
     def forward(self, x: torch.Tensor, lora_info: LoraBatchInfo | None) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.ops.linear(x, self.weight, self.bias)
         if self.lora is not None and lora_info is not None:
             self.ops.add_lora_(y, x, self.lora, lora_info)
         return y

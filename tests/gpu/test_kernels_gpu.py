@@ -25,6 +25,7 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
+from moelora.kernels.linear import skinny_linear  # noqa: E402
 from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
 from moelora.kernels.routing import route_topk  # noqa: E402
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights  # noqa: E402
@@ -213,3 +214,41 @@ def test_no_lora_work_without_enabled_slots():
     base = fused_moe(x, w13, w2, topk_weights, topk_ids)
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info)
     assert torch.equal(out, base)
+
+
+# Qwen3-30B-A3B's q|k|v, o and router, Mixtral's o, a shared-expert gate (N=1) with a bias
+LINEAR_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (4096, 4096), (1, 2048)]
+
+
+@pytest.mark.parametrize("N,K", LINEAR_SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
+def test_skinny_linear_bf16(N, K, M):
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
+    bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
+    ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert rel_err(skinny_linear(x, w, bias), ref) <= 1e-2
+
+
+def test_skinny_linear_chain_in_a_graph():
+    """Each projection reads the one before's output: with programmatic dependent launch the
+    weights are loaded before the wait and x after it, so a replay with a new input must give
+    the new chain's result, not one built on the last replay's activations."""
+    ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+          for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
+    x = torch.empty(2, 2048, device=DEV, dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for w in ws[:2]:
+            h = skinny_linear(h, w)
+        return skinny_linear(h, ws[2])
+
+    graph, out = capture(chain)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = x.float()
+        for w in ws[:2]:
+            ref = (ref @ w.float().T).to(torch.bfloat16).float()
+        assert rel_err(out, ref @ ws[2].float().T) <= 1e-2

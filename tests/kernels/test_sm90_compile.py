@@ -104,7 +104,7 @@ def _launch_every_op() -> None:
     the kernels take at run time): small batches, one decode and one prefill of each kind."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels import lora, moe_align, norm_rope, paged_attention, routing
+    from moelora.kernels import linear, lora, moe_align, norm_rope, paged_attention, routing
     from moelora.kernels.fused_moe import fused_moe
     from moelora.runner.batch import AttentionMetadata
 
@@ -137,6 +137,12 @@ def _launch_every_op() -> None:
             norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6, **store, lora=folded)
         for scoring in ("softmax", "sigmoid"):
             routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
+
+    # the skinny projections of one- to eight-token steps: q|k|v, o, router, with a bias
+    for M in (1, 2, 4, 8):
+        for N, K in ((Hq * D + 2 * Hkv * D, H), (H, Hq * D), (128, H)):
+            linear.skinny_linear(torch.randn(M, K, dtype=bf16), torch.randn(N, K, dtype=bf16))
+    linear.skinny_linear(x[:1], torch.randn(64, H, dtype=bf16), torch.randn(64, dtype=bf16))
 
     # attention: decode without and with splits, and a prefill
     pages = torch.arange(8, dtype=torch.int32).view(2, 4)
