@@ -54,7 +54,9 @@ CONTEXT = 256  # prompt tokens per sequence before the timed decode step
 RANK = 16
 
 
-def make_engine(folder: str, *, lora: bool, eager: bool, max_bs: int = max(BATCHES)) -> Engine:
+def make_engine(
+    folder: str, *, lora: bool, eager: bool, max_bs: int = max(BATCHES), skinny: bool = False
+) -> Engine:
     cfg = EngineConfig(
         model=folder,
         load_format="dummy",
@@ -68,6 +70,7 @@ def make_engine(folder: str, *, lora: bool, eager: bool, max_bs: int = max(BATCH
         max_model_len=CONTEXT + 64,
         num_pages=max_bs * (CONTEXT + 64) // 16 + 16,
         enforce_eager=eager,
+        skinny_projections=skinny,
     )
     return Engine(cfg)
 
@@ -223,6 +226,9 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
+    parser.add_argument(
+        "--skinny-projections", action="store_true", help="EngineConfig.skinny_projections"
+    )
     args = parser.parse_args()
     eager = not args.no_eager
     folder = tempfile.mkdtemp()
@@ -233,7 +239,7 @@ def main() -> None:
     rows, capture = [], {}
     t0 = time.perf_counter()
     if "disabled" in args.cases:
-        engine = make_engine(folder, lora=False, eager=False)
+        engine = make_engine(folder, lora=False, eager=False, skinny=args.skinny_projections)
         capture["disabled"] = engine.runner.graphs.capture_seconds
         measure(engine, "disabled", [], bw, rows, eager, args.batches)
         del engine
@@ -241,7 +247,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     lora_cases = [c for c in CASES[1:] if c in args.cases]
     if lora_cases:
-        engine = make_engine(folder, lora=True, eager=False)
+        engine = make_engine(folder, lora=True, eager=False, skinny=args.skinny_projections)
         capture["lora"] = engine.runner.graphs.capture_seconds
         names = [f"a{i}" for i in range(8)]
         for i, n in enumerate(names):
@@ -266,6 +272,8 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
         "- time: median (do_bench) of a CUDA-graph replay of the forward, then the lm_head on the"
         " batch's rows (eager, as the runner does after a replay); no sampling",
         f"- programmatic dependent launch: {'on' if pdl else 'off'} (kernels/pdl.py)",
+        f"- projections of 1-8 rows: "
+        f"{'kernels/linear.py' if args.skinny_projections else 'cuBLAS'} (skinny_projections)",
         "",
         "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -65,7 +65,11 @@ class Engine:
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
         max_len = cfg.max_model_len or mc.max_position_embeddings
-        ops = make_ops(device, force_reference=cfg.force_reference_kernels)
+        ops = make_ops(
+            device,
+            force_reference=cfg.force_reference_kernels,
+            skinny_projections=cfg.skinny_projections,
+        )
         self.model = MoeCausalLM(mc, hf, max_len, ops, dtype=dtype, device=device)
         with torch.no_grad():
             if cfg.load_format == "dummy":

@@ -41,10 +41,13 @@ REFERENCE_OPS = Ops(
 )
 
 
-def make_ops(device: torch.device, *, force_reference: bool = False) -> Ops:
-    """Triton kernels for CUDA tensors unless forced to the reference (for debugging)."""
+def make_ops(
+    device: torch.device, *, force_reference: bool = False, skinny_projections: bool = False
+) -> Ops:
+    """Triton kernels for CUDA tensors unless forced to the reference (for debugging); the
+    projections in cuBLAS unless skinny_projections (see EngineConfig)."""
     if device.type != "cuda" or force_reference:
         return REFERENCE_OPS
     from moelora.kernels import triton_ops  # imported lazily: triton is optional on CPU
 
-    return triton_ops.TRITON_OPS
+    return triton_ops.SKINNY_OPS if skinny_projections else triton_ops.TRITON_OPS

@@ -1,6 +1,8 @@
-"""The Triton kernel table the engine uses on CUDA (see ops.make_ops)."""
+"""The Triton kernel tables the engine uses on CUDA (see ops.make_ops)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.linear import linear
@@ -8,11 +10,12 @@ from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
 from moelora.kernels.paged_attention import paged_attention, paged_attention_lora
+from moelora.kernels.reference import linear as cublas_linear
 from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
     name="triton",
-    linear=linear,
+    linear=cublas_linear,
     route_topk=route_topk,
     fused_moe=fused_moe,
     add_lora_=add_lora_,
@@ -22,3 +25,6 @@ TRITON_OPS = Ops(
     rms_norm_lora=rms_norm_lora,
     rope_qk=rope_qk,
 )
+
+# EngineConfig.skinny_projections: decode projections of a few rows in kernels/linear.py
+SKINNY_OPS = dataclasses.replace(TRITON_OPS, name="triton-skinny", linear=linear)

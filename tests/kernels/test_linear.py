@@ -52,3 +52,12 @@ def test_skinny_config(N, K, config):
 def test_max_rows(N, rows):
     """q|k|v at one token only, o up to 2 rows, a router or a gate up to MAX_ROWS."""
     assert skinny.max_rows(N) == rows
+
+
+def test_the_engine_takes_the_skinny_kernel_only_when_asked():
+    """cuBLAS by default: the skinny kernel's sums differ from cuBLAS's by a bf16 rounding, so
+    a request's logits would depend on its batch size (EngineConfig.skinny_projections)."""
+    from moelora.kernels import triton_ops
+
+    assert triton_ops.TRITON_OPS.linear is reference.linear
+    assert triton_ops.SKINNY_OPS.linear is skinny.linear
