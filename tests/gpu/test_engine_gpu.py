@@ -49,7 +49,10 @@ def assets(tmp_path_factory):
     return str(model), adapters
 
 
-def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets):
+@pytest.mark.parametrize("skinny", [False, True], ids=["cublas", "skinny"])
+def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, skinny):
+    """Also with EngineConfig.skinny_projections: its kernel loads weights before the PDL wait
+    and walks slabs grid-stride, and a replay must still match the eager step bit for bit."""
     model, adapters = assets
     llm = LLM(
         model,
@@ -60,6 +63,7 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets):
         max_graph_bs=96,
         max_num_seqs=96,
         max_num_batched_tokens=4096,
+        skinny_projections=skinny,
         **ENGINE,
     )
     engine = llm.engine

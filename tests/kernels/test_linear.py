@@ -58,6 +58,10 @@ def test_the_engine_takes_the_skinny_kernel_only_when_asked():
     """cuBLAS by default: the skinny kernel's sums differ from cuBLAS's by a bf16 rounding, so
     a request's logits would depend on its batch size (EngineConfig.skinny_projections)."""
     from moelora.kernels import triton_ops
+    from moelora.kernels.ops import make_ops
 
+    cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
+    assert make_ops(cuda) is triton_ops.TRITON_OPS
+    assert make_ops(cuda, skinny_projections=True) is triton_ops.SKINNY_OPS
     assert triton_ops.TRITON_OPS.linear is reference.linear
     assert triton_ops.SKINNY_OPS.linear is skinny.linear
