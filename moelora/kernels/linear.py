@@ -3,10 +3,15 @@
 Semantics: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 accumulation, y in x's dtype.
 
 Why not cuBLAS. At one token a projection is a pure weight stream (q|k|v reads 21 MB at a
-Qwen3-30B-A3B layer, o 16.8 MB), and cuBLAS took 7.8 µs for q|k|v, 7.1 + 1.7 µs (split-K and
-its reduce) for o and 5.1 µs for the 0.5 MB router on an H200, against 5.0, 4.0 and ~1 µs at
-the copy bandwidth. It also breaks the chain of programmatic dependent launches (pdl.py): the
-kernel after a cuBLAS launch cannot start early.
+Qwen3-30B-A3B layer, o 16.8 MB), and cuBLAS took 8.6 µs for q|k|v, 10.0 µs for o and 5.6 µs
+for the 0.5 MB router on an H200, against 4.9, 4.0 and 0.1 µs at the copy bandwidth (this
+kernel: 6.4, 5.3 and 1.5; bench/results/linear-h200.md). A cuBLAS launch also breaks the chain
+of programmatic dependent launches (pdl.py): the kernel after it cannot start early.
+
+Why it is opt-in (EngineConfig.skinny_projections). Its sums are not cuBLAS's, and cuBLAS
+still takes the bigger batches, so a request's bf16 outputs can differ by a rounding between
+running alone and in a batch, enough to flip a near-tied expert choice
+(bench/results/decode-h200.md); cuBLAS alone keeps them identical.
 
 Algorithm. The grid is a few programs per SM; each walks slabs of BN output columns by
 BN x K weights (K <= MAX_K: the whole reduction is one register tile), grid-stride. A program
@@ -151,12 +156,8 @@ def skinny_linear(
     x: [M, K] with 1 <= M <= MAX_ROWS, K <= MAX_K, unit last stride; w: [N, K] same dtype,
     unit last stride; bias: [N] or None. Returns y [M, N] in x's dtype."""
     M, K = x.shape
-    assert 0 < M <= MAX_ROWS and K <= MAX_K and x.stride(1) == 1 and w.stride(1) == 1, (
-        x.shape,
-        x.stride(),
-        w.shape,
-        w.stride(),
-    )
+    assert 0 < M <= MAX_ROWS and K <= MAX_K, (x.shape, w.shape)
+    assert x.stride(1) == 1 and w.stride(1) == 1, (x.stride(), w.stride())
     assert x.dtype == w.dtype, (x.dtype, w.dtype)
     N = w.shape[0]
     assert w.shape[1] == K and (bias is None or bias.shape == (N,)), (x.shape, w.shape)
