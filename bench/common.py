@@ -1,4 +1,5 @@
-"""What every benchmark shares: the copy-bandwidth ceiling, the commit, the result header."""
+"""What every benchmark shares: the copy-bandwidth ceiling, graph timing, the commit, the result
+header."""
 
 from __future__ import annotations
 
@@ -18,6 +19,23 @@ def copy_bandwidth(gib: int = 2) -> float:
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def graph_ms(fn, layers: int) -> float:
+    """Median ms of one layer: fn() runs all layers; replays of its CUDA graph, L2 flushed."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    from triton.testing import do_bench
+
+    ms = do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    del graph
+    return ms / layers
 
 
 def commit() -> str:

@@ -19,10 +19,9 @@ import sys
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, result_header  # noqa: E402
+from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
@@ -34,21 +33,6 @@ RANKS = (8, 16, 64)
 MAX_LORAS = 8
 DT = torch.bfloat16
 DEV = "cuda"
-
-
-def graph_ms(fn, layers: int) -> float:
-    """Median ms of one layer: fn() runs all layers; replays of its CUDA graph, L2 flushed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    del graph
-    return ms / layers
 
 
 def lora_pool(E: int, H: int, I: int, R: int, rank: int) -> tuple[LoraWeights, LoraWeights]:

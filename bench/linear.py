@@ -18,10 +18,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, result_header  # noqa: E402
+from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
 
 from moelora.kernels.linear import MAX_ROWS, max_rows, skinny_config, skinny_linear  # noqa: E402
 
@@ -38,34 +37,20 @@ SWEEP = (16384, 32768, 65536, 131072)  # weights in flight an SM
 SWEEP_MS = (1, 8)
 
 
-def graph_ms(fn) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    ms = do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
-    del graph
-    return ms / LAYERS
-
-
 def bench_shape(name: str, N: int, K: int, bw: float, sweep: bool) -> list[str]:
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
     floor = N * K * 2 / bw * 1e3
     rows = []
     for M in MS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        cublas = graph_ms(lambda x=x: [F.linear(x, w) for w in ws])
+        cublas = graph_ms(lambda x=x: [F.linear(x, w) for w in ws], LAYERS)
         line = f"| {name} | {M} | {floor * 1e3:.2f} | {cublas * 1e3:.2f} |"
         if M > MAX_ROWS:
             rows.append(line + " | | |" + (" |" if sweep else ""))
             continue
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         config = skinny_config(N, K, sms)
-        ours = graph_ms(lambda x=x: [skinny_linear(x, w) for w in ws])
+        ours = graph_ms(lambda x=x: [skinny_linear(x, w) for w in ws], LAYERS)
         taken = "yes" if M <= max_rows(N) else "no"
         line += f" {ours * 1e3:.2f} ({ours / floor:.2f}x) | {tuple(config)} | {taken} |"
         if sweep and M in SWEEP_MS:
@@ -74,7 +59,7 @@ def bench_shape(name: str, N: int, K: int, bw: float, sweep: bool) -> list[str]:
                 c = skinny_config(N, K, sms, in_flight=in_flight)
                 if c not in tried:
                     run = lambda x=x, c=c: [skinny_linear(x, w, config=c) for w in ws]  # noqa: E731
-                    tried[c] = graph_ms(run)
+                    tried[c] = graph_ms(run, LAYERS)
             best = min(tried, key=tried.get)
             line += f" {tried[best] * 1e3:.2f} at {tuple(best)} |"
         rows.append(line)

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from kernels import DEV, DT, SHAPES, batch_info, graph_ms, lora_pool  # noqa: E402
+from common import graph_ms  # noqa: E402
+from kernels import DEV, DT, SHAPES, batch_info, lora_pool  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
