@@ -23,9 +23,9 @@ class LoraBatchInfo:
     slot_enabled: torch.Tensor  # [S] int32, 1 iff some token of the step uses it and rank > 0
     # [1] int32, 1 iff any slot is enabled. The MoE GEMMs test it before their LoRA epilogue:
     # one scalar load, where the per-block test costs a cross-warp reduction in every program
-    # (about 1 µs per GEMM and layer at 8 tokens on an H200). The runners pass a buffer they
-    # write with the step; when omitted it is computed from slot_enabled (one small op), once:
-    # whoever rewrites slot_enabled in place (a graph's inputs) must rewrite this with it.
+    # (about 1 µs per GEMM and layer at 8 tokens on an H200). The graph runner passes a buffer
+    # it writes with the step; when omitted it is computed from slot_enabled (one small op),
+    # once: whoever rewrites slot_enabled in place (a graph's inputs) must rewrite this too.
     any_enabled: torch.Tensor | None = None
 
     def __post_init__(self):

@@ -60,7 +60,6 @@ class HostBatch:
                 pool.rank_of_slot,
                 pool.scaling_of_slot,
                 dev(self.slot_enabled),
-                dev(self.slot_enabled.amax().reshape(1)),
             )
         return ForwardBatch(dev(self.input_ids), dev(self.positions), attn, lora)
 

@@ -24,7 +24,6 @@ from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_lora,
-    store_kv,
 )
 from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
 from moelora.runner.batch import AttentionMetadata  # noqa: E402
@@ -151,18 +150,6 @@ def test_decode_o_lora_shrink_bf16(B, spread, rank):
 )
 def test_prefill(q_lens, seq_lens):
     run_case(q_lens, seq_lens, 16, pad_rows=5)
-
-
-def test_store_kv_bf16():
-    k_cache, v_cache, page_table, _ = make_cache([300], 16)
-    slots = slots_of(page_table[0], 300, 16)[-40:].clone()
-    slots[::7] = -1
-    k, v = (torch.randn(40, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k, v, k_ref, v_ref, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache.nan_to_num(), k_ref.nan_to_num())
-    assert torch.equal(v_cache.nan_to_num(), v_ref.nan_to_num())
 
 
 def test_decode_cuda_graph_replay():

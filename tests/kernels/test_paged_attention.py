@@ -20,7 +20,6 @@ from moelora.kernels.paged_attention import (  # noqa: E402
     launch_paged_attention,
     paged_attention,
     paged_attention_lora,
-    store_kv,
 )
 from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
 from moelora.runner.batch import AttentionMetadata  # noqa: E402
@@ -206,24 +205,9 @@ def test_chunked_extend_mixed(dtype, heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv(dtype):
-    num_pages, page_size, num_kv_heads, head_dim = 6, 16, 2, 32
-    g = torch.Generator().manual_seed(1)
-    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    slots = torch.randperm(num_pages * page_size, generator=g)[:9]
-    slots[[2, 7]] = -1  # padded rows
-    k = torch.randn(9, num_kv_heads, head_dim, generator=g).to(dtype)
-    v = torch.randn(9, num_kv_heads, head_dim, generator=g).to(dtype)
-    k_ref, v_ref = k_cache.clone(), v_cache.clone()
-    reference.store_kv(k, v, k_ref, v_ref, slots)
-    store_kv(k, v, k_cache, v_cache, slots)
-    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
 def test_store_then_attend_chunked_prefill(dtype):
-    """A prompt in two chunks through store_kv + paged_attention equals one reference pass."""
+    """A prompt in two chunks, each stored then attended, equals one reference pass (the
+    engine's rotary stores k and v: tests/kernels/test_norm_rope.py checks that store)."""
     num_q_heads, num_kv_heads, head_dim, page_size, prompt = 4, 2, 16, 16, 45
     g = torch.Generator().manual_seed(2)
     pages = torch.tensor([[4, 1, 6, 0]], dtype=torch.int32)
@@ -242,7 +226,7 @@ def test_store_then_attend_chunked_prefill(dtype):
             slot_mapping=slots[start:end],
             max_query_len=end - start,
         )
-        store_kv(k[start:end], v[start:end], k_cache, v_cache, attn.slot_mapping)
+        reference.store_kv(k[start:end], v[start:end], k_cache, v_cache, attn.slot_mapping)
         outs.append(paged_attention(q[start:end], k_cache, v_cache, attn, 0.25))
 
     whole = AttentionMetadata(
