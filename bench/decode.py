@@ -22,6 +22,7 @@ from triton.testing import do_bench
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
+from moelora.kernels.ops import PROJECTIONS
 from moelora.kernels.pdl import pdl_kwargs
 from moelora.lora.adapter import LoraAdapter, ModuleLora
 from moelora.runner.graph_runner import STREAM_IDX, graph_batch_sizes, padded_batch_size
@@ -55,7 +56,12 @@ RANK = 16
 
 
 def make_engine(
-    folder: str, *, lora: bool, eager: bool, max_bs: int = max(BATCHES), skinny: bool = False
+    folder: str,
+    *,
+    lora: bool,
+    eager: bool,
+    max_bs: int = max(BATCHES),
+    projections: str = "batch-invariant",
 ) -> Engine:
     cfg = EngineConfig(
         model=folder,
@@ -70,7 +76,7 @@ def make_engine(
         max_model_len=CONTEXT + 64,
         num_pages=max_bs * (CONTEXT + 64) // 16 + 16,
         enforce_eager=eager,
-        skinny_projections=skinny,
+        projections=projections,
     )
     return Engine(cfg)
 
@@ -227,8 +233,9 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=list(BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
     parser.add_argument(
-        "--skinny-projections", action="store_true", help="EngineConfig.skinny_projections"
-    )
+        "--projections", choices=PROJECTIONS, default="batch-invariant",
+        help="EngineConfig.projections",
+    )  # fmt: skip
     args = parser.parse_args()
     eager = not args.no_eager
     folder = tempfile.mkdtemp()
@@ -239,7 +246,7 @@ def main() -> None:
     rows, capture = [], {}
     t0 = time.perf_counter()
     if "disabled" in args.cases:
-        engine = make_engine(folder, lora=False, eager=False, skinny=args.skinny_projections)
+        engine = make_engine(folder, lora=False, eager=False, projections=args.projections)
         capture["disabled"] = engine.runner.graphs.capture_seconds
         measure(engine, "disabled", [], bw, rows, eager, args.batches)
         del engine
@@ -247,7 +254,7 @@ def main() -> None:
         torch.cuda.empty_cache()
     lora_cases = [c for c in CASES[1:] if c in args.cases]
     if lora_cases:
-        engine = make_engine(folder, lora=True, eager=False, skinny=args.skinny_projections)
+        engine = make_engine(folder, lora=True, eager=False, projections=args.projections)
         capture["lora"] = engine.runner.graphs.capture_seconds
         names = [f"a{i}" for i in range(8)]
         for i, n in enumerate(names):
@@ -272,8 +279,7 @@ def write(args, bw: float, rows: list, capture: dict) -> None:
         "- time: median (do_bench) of a CUDA-graph replay of the forward, then the lm_head on the"
         " batch's rows (eager, as the runner does after a replay); no sampling",
         f"- programmatic dependent launch: {'on' if pdl else 'off'} (kernels/pdl.py)",
-        f"- projections of 1-8 rows: "
-        f"{'kernels/linear.py' if args.skinny_projections else 'cuBLAS'} (skinny_projections)",
+        f"- dense projections: {args.projections} (EngineConfig.projections, kernels/linear.py)",
         "",
         "| case | B | graph ms | eager ms | floor ms | × floor | TB/s |",
         "|---|---:|---:|---:|---:|---:|---:|",

@@ -1,11 +1,16 @@
-"""The skinny projection (kernels/linear.py) against cuBLAS at decode row counts, vs the floor.
+"""The decode projections (kernels/linear.py) against cuBLAS at decode row counts, vs the floor,
+and whether each keeps a row's bits independent of the row count.
 
-For each shape and row count M, LAYERS projections (each with its own weight, so nothing is
-read from L2) run back to back in one CUDA graph, replayed with the L2 cache flushed (triton's
-do_bench); the figure is the replay median over LAYERS. The chain is what a decode step
-launches: with programmatic dependent launch each skinny program loads its weights while the
-launch before it drains. `--sweep` also times other numbers of weights in flight an SM at M = 1
-and 8. The floor is a weight's bytes over the copy bandwidth measured in the same run.
+Timing: for each shape and row count M, LAYERS projections (each with its own weight, so
+nothing is read from L2) run back to back in one CUDA graph, replayed with the L2 cache flushed
+(triton's do_bench); the figure is the replay median over LAYERS. The chain is what a decode
+step launches: with programmatic dependent launch each kernel's weights start streaming while
+the launch before it drains. The floor is a weight's bytes over the copy bandwidth measured in
+the same run. `--sweep` also times each candidate config of the batch-invariant kernel.
+
+Invariance: rows 0-3 of an M-row product against the same rows of a 2048-row cuBLAS product
+(where cuBLAS does not split K), counted in mismatched elements; 0 everywhere is batch
+invariance.
 
     PYTHONPATH=. python bench/linear.py [--sweep] [--out PATH]
 """
@@ -22,7 +27,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
 
-from moelora.kernels.linear import MAX_ROWS, max_rows, skinny_config, skinny_linear  # noqa: E402
+from moelora.kernels.linear import (  # noqa: E402
+    INVARIANT_ROWS,
+    MAX_ROWS,
+    DotConfig,
+    batch_invariant_linear,
+    dot_config,
+    dot_linear,
+    fits,
+    skinny_linear,
+)
 
 SHAPES = {  # name: (N, K)
     "qwen3-30b-a3b q|k|v": (5120, 2048),
@@ -31,39 +45,72 @@ SHAPES = {  # name: (N, K)
     "mixtral q|k|v": (6144, 4096),
     "mixtral o": (4096, 4096),
 }
-MS = (1, 2, 4, 8, 16)
+MS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = 16
-SWEEP = (16384, 32768, 65536, 131072)  # weights in flight an SM
-SWEEP_MS = (1, 8)
+CANDIDATES = (  # (block_n, block_k, warps, stages); block_m follows M
+    (8, 512, 1, 4), (8, 256, 1, 8), (16, 256, 1, 8), (16, 512, 1, 4), (16, 256, 2, 8),
+    (16, 128, 2, 8), (16, 128, 4, 8), (32, 128, 4, 8), (32, 256, 4, 8), (32, 64, 4, 8),
+    (32, 128, 2, 8), (64, 128, 4, 4), (64, 64, 4, 6), (64, 128, 8, 4),
+)  # fmt: skip
+CHECK_MS = (1, 2, 3, 8, 13, 16, 24, 32, 64, 80, 100, 127, 128, 200, 256, 512)
+
+
+def us(ms: float) -> str:
+    return f"{ms * 1e3:.2f}"
 
 
 def bench_shape(name: str, N: int, K: int, bw: float, sweep: bool) -> list[str]:
-    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(LAYERS)]
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
     floor = N * K * 2 / bw * 1e3
     rows = []
     for M in MS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         cublas = graph_ms(lambda x=x: [F.linear(x, w) for w in ws], LAYERS)
-        line = f"| {name} | {M} | {floor * 1e3:.2f} | {cublas * 1e3:.2f} |"
-        if M > MAX_ROWS:
-            rows.append(line + " | | |" + (" |" if sweep else ""))
-            continue
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        config = skinny_config(N, K, sms)
-        ours = graph_ms(lambda x=x: [skinny_linear(x, w) for w in ws], LAYERS)
-        taken = "yes" if M <= max_rows(N) else "no"
-        line += f" {ours * 1e3:.2f} ({ours / floor:.2f}x) | {tuple(config)} | {taken} |"
-        if sweep and M in SWEEP_MS:
+        ours = graph_ms(lambda x=x: [dot_linear(x, w) for w in ws], LAYERS)
+        gemv = ""
+        if M <= MAX_ROWS:
+            t = graph_ms(lambda x=x: [skinny_linear(x, w) for w in ws], LAYERS)
+            gemv = f"{us(t)}{' (taken)' if fits(x, ws[0]) else ''}"
+        line = (
+            f"| {name} | {M} | {us(floor)} | {us(cublas)} | {us(ours)} ({ours / floor:.2f}x) "
+            f"| {tuple(dot_config(M, N))} | {gemv} |"
+        )
+        if sweep:
             tried = {}
-            for in_flight in SWEEP:
-                c = skinny_config(N, K, sms, in_flight=in_flight)
-                if c not in tried:
-                    run = lambda x=x, c=c: [skinny_linear(x, w, config=c) for w in ws]  # noqa: E731
+            for bn, bk, warps, stages in CANDIDATES:
+                c = DotConfig(dot_config(M, N).block_m, bn, bk, warps, stages)
+                try:
+                    run = lambda x=x, c=c: [dot_linear(x, w, config=c) for w in ws]  # noqa: E731
                     tried[c] = graph_ms(run, LAYERS)
+                except Exception as e:  # a config past the shared memory: say so, go on
+                    print(f"{name} M={M} {tuple(c)}: {type(e).__name__}", flush=True)
             best = min(tried, key=tried.get)
-            line += f" {tried[best] * 1e3:.2f} at {tuple(best)} |"
+            line += f" {us(tried[best])} at {tuple(best)} |"
         rows.append(line)
         print(line, flush=True)
+    return rows
+
+
+def check_shape(name: str, N: int, K: int, bias: bool) -> list[str]:
+    """Mismatched elements of rows 0-3, against the 2048-row cuBLAS product."""
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    b = torch.randn(N, device="cuda", dtype=torch.bfloat16) if bias else None
+    x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, w, b)[:4]
+    kinds = {
+        "batch-invariant": lambda x: batch_invariant_linear(x, w, b),
+        "cuBLAS": lambda x: F.linear(x, w, b),
+        "skinny GEMV": lambda x: skinny_linear(x, w, b) if x.shape[0] <= MAX_ROWS else None,
+    }
+    rows = []
+    for kind, fn in kinds.items():
+        cells = []
+        for M in CHECK_MS:
+            y = fn(x[:M])
+            r = min(M, 4)
+            cells.append("" if y is None else str((y[:r] != ref[:r]).sum().item()))
+        rows.append(f"| {name}{' + bias' if bias else ''} | {kind} | " + " | ".join(cells) + " |")
+    print("\n".join(rows), flush=True)
     return rows
 
 
@@ -73,19 +120,36 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/linear-h200.md")
     args = parser.parse_args()
     bw = copy_bandwidth()
+    torch.manual_seed(0)
     head = (
-        "| shape | M | floor µs | cuBLAS µs | skinny µs (x floor) | (block_n, programs, warps)"
-        " | taken by `linear` |"
+        "| shape | M | floor µs | cuBLAS µs | batch-invariant µs (x floor)"
+        " | config (bm, bn, bk, warps, stages) | skinny GEMV µs |"
     )
-    rule = "|---|---:|---:|---:|---:|---|---|"
+    rule = "|---|---:|---:|---:|---:|---|---:|"
     if args.sweep:
         head, rule = head + " best of sweep µs |", rule + "---|"
     rows = [head, rule]
     for name, (N, K) in SHAPES.items():
         rows += bench_shape(name, N, K, bw, args.sweep)
-    lines = result_header("Skinny projection vs cuBLAS, decode row counts (H200)", bw)
+    check = [
+        "| shape | kernel | " + " | ".join(f"M={M}" for M in CHECK_MS) + " |",
+        "|---|---|" + "---:|" * len(CHECK_MS),
+    ]
+    for name, (N, K) in SHAPES.items():
+        check += check_shape(name, N, K, bias=False)
+    check += check_shape("qwen2-moe-like q|k|v", 2048 * 3, 2048, bias=True)
+    lines = result_header("Decode projections vs cuBLAS, decode row counts (H200)", bw)
     lines += [f"- {LAYERS} projections with their own weights per CUDA graph, L2 flushed", ""]
-    lines += rows + [""]
+    lines += rows + ["", "## Batch invariance", ""]
+    lines += [
+        "Mismatched elements of rows 0-3 of an M-row product against the same rows of a "
+        f"2048-row cuBLAS product (bf16, random inputs). `batch_invariant_linear` takes the "
+        f"tensor-core kernel below {INVARIANT_ROWS} rows and cuBLAS from there; 0 in every "
+        "column is batch invariance.",
+        "",
+        *check,
+        "",
+    ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -18,7 +18,7 @@ ENGINE_FLAGS = (
     "max_model_len",
     "enforce_eager",
     "force_reference_kernels",
-    "skinny_projections",
+    "projections",
     "gpu_memory_utilization",
     "device",
     "dtype",
@@ -89,6 +89,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    from moelora.kernels.ops import PROJECTIONS
+
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=64)
@@ -100,10 +102,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="run the torch reference kernels on the GPU too (debugging; implies eager)",
     )
     p.add_argument(
-        "--skinny-projections",
-        action="store_true",
-        help="decode projections of 1-8 tokens in a Triton GEMV: faster at small batches, but a "
-        "request's bf16 logits then depend slightly on its batch size",
+        "--projections",
+        choices=PROJECTIONS,
+        default="batch-invariant",
+        help="dense projections on CUDA: batch-invariant (default: a request's logits do not "
+        "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
+        "bf16 logits move slightly with the batch size), cublas",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

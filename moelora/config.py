@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelora.kernels.ops import PROJECTIONS
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,16 +32,24 @@ class EngineConfig:
     enforce_eager: bool = False
     max_graph_bs: int = 256
     force_reference_kernels: bool = False  # run the torch references on CUDA too (debugging)
-    # Projections of 1 to 8 rows in a Triton GEMV (kernels/linear.py) instead of cuBLAS: 12%
-    # faster decode at one token on an H200. Off by default: its sums are not cuBLAS's, so a
-    # request's bf16 logits then depend on how many requests share its step (one bf16 rounding
-    # apart, which can flip an expert choice), where cuBLAS alone keeps them identical.
-    skinny_projections: bool = False
+    # How the dense projections are computed on CUDA (kernels/linear.py):
+    # - "batch-invariant": a request's logits do not depend on its batch-mates (a tensor-core
+    #   kernel below 128 rows, cuBLAS above, summing in the same order);
+    # - "skinny": a GEMV at 1 to 8 rows, fastest at one token, but a request's bf16 logits then
+    #   move by a rounding with its batch size, which can flip a near-tied expert choice;
+    # - "cublas": cuBLAS throughout (it splits K at some decode sizes: not batch-invariant).
+    projections: str = "batch-invariant"
     load_format: str = "auto"  # "dummy": random weights built on the device, no checkpoint read
     served_model_name: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.max_loras >= 1, "max_loras", self.max_loras, "an integer >= 1")
+        _check(
+            self.projections in PROJECTIONS,
+            "projections",
+            self.projections,
+            f"one of {', '.join(PROJECTIONS)}",
+        )
         _check(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank, "an integer >= 1")
         _check(
             self.dtype == "auto" or self.dtype in _DTYPES,

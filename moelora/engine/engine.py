@@ -68,7 +68,7 @@ class Engine:
         ops = make_ops(
             device,
             force_reference=cfg.force_reference_kernels,
-            skinny_projections=cfg.skinny_projections,
+            projections=cfg.projections,
         )
         self.model = MoeCausalLM(mc, hf, max_len, ops, dtype=dtype, device=device)
         with torch.no_grad():

@@ -1,19 +1,26 @@
-"""A skinny linear for decode steps of a few tokens: y = x @ W.T (+ bias) with W streamed once.
+"""Projections of decode steps: y = x @ W.T (+ bias), two kernels and the rule between them.
 
 Semantics: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 accumulation, y in x's dtype.
 
-Why not cuBLAS. At one token a projection is a pure weight stream (q|k|v reads 21 MB at a
-Qwen3-30B-A3B layer, o 16.8 MB), and cuBLAS took 8.6 µs for q|k|v, 10.0 µs for o and 5.6 µs
-for the 0.5 MB router on an H200, against 4.9, 4.0 and 0.1 µs at the copy bandwidth (this
-kernel: 6.4, 5.3 and 1.5; bench/results/linear-h200.md). A cuBLAS launch also breaks the chain
-of programmatic dependent launches (pdl.py): the kernel after it cannot start early.
+**Batch invariance is the default** (`batch_invariant_linear`, EngineConfig.projections =
+"batch-invariant"). A request's logits must not depend on how many requests share its step
+(issue 4's batch-mates test), and a bf16 rounding apart is enough to flip a near-tied expert
+choice. cuBLAS does not give that at decode sizes: on an H200 it splits K for Qwen3-30B-A3B's
+o (2048 x 4096) at 1 to 100 rows and for Mixtral's at 1 to 13, so a row's bits change with the
+row count (bench/results/linear-h200.md). A tensor-core product whose K loop runs in ascending
+order with one fp32 accumulator and no split gives every row the same chain of k16 MMAs
+whatever the tile shape or row count; measured, its rows equal cuBLAS's unsplit kernels' to
+the bit (at 128 rows and more, where cuBLAS does not split). So `_dot_linear_kernel` takes
+every 16-bit product of fewer than INVARIANT_ROWS rows, and cuBLAS the rest. At one to 16 rows
+it is also faster than cuBLAS (o: 7.8 against 9.9 µs at one row).
 
-Why it is opt-in (EngineConfig.skinny_projections). Its sums are not cuBLAS's, and cuBLAS
-still takes the bigger batches, so a request's bf16 outputs can differ by a rounding between
-running alone and in a batch, enough to flip a near-tied expert choice
-(bench/results/decode-h200.md); cuBLAS alone keeps them identical.
+**The skinny GEMV** (`skinny_linear`, projections = "skinny", opt-in) is the fastest at one
+token (q|k|v 6.4 µs, o 5.3, router 1.5) but sums each output as a tree of FMAs, not as the
+MMA chain, so its rows differ from the batch-invariant kernel's by a rounding: a request's
+logits then depend on its batch size. Why it beats the MMA chain at one row: the chain is
+serial in K (K / 16 dependent MMAs per output), the GEMV's reduction is not.
 
-Algorithm. The grid is a few programs per SM; each walks slabs of BN output columns by
+GEMV algorithm. The grid is a few programs per SM; each walks slabs of BN output columns by
 BN x K weights (K <= MAX_K: the whole reduction is one register tile), grid-stride. A program
 issues the load of its first slab before `pdl_wait`, so the weight stream starts while the
 kernel before is still finishing (W is a model weight: nothing in a step writes it); then it
@@ -35,7 +42,7 @@ import triton.language as tl
 from moelora.kernels import reference
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 
-MAX_ROWS = 8  # the rows a program reduces its slab against; past them cuBLAS
+MAX_ROWS = 8  # the rows a GEMV program reduces its slab against; past them the MMA kernel
 MAX_K = 8192  # the slab is one register tile: BN * next_pow2(K) elements per program
 MAX_SLAB = 16384  # elements: two slabs are 128 registers a thread at 8 warps
 
@@ -107,7 +114,7 @@ def max_rows(N: int) -> int:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear` takes the skinny kernel for this product (else cuBLAS)."""
+    """Whether `linear` takes the skinny GEMV for this product (else batch_invariant_linear)."""
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= max_rows(w.shape[0])
@@ -173,8 +180,137 @@ def skinny_linear(
     return y
 
 
+# -- the batch-invariant tensor-core kernel ------------------------------------------------------
+
+INVARIANT_ROWS = 128  # from here on cuBLAS: measured not to split K (bench/linear.py --check)
+
+
+@triton.jit(do_not_specialize=["M", "N"])
+def _dot_linear_kernel(
+    # Pointers.
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K]
+    bias_ptr,  # [N] or unused
+    y_ptr,  # [M, N]
+    # Sizes and strides.
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    # Meta-parameters.
+    BM: tl.constexpr,  # rows a program (tensor cores pad fewer than 16 for free)
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    STAGES: tl.constexpr,  # K blocks in flight: a program streams its BN x K slab alone
+    HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Every output is one chain of MMAs over K in ascending order into one fp32 accumulator.
+    # That order, not the tiling, decides the bits: keep it (no split-K, no second
+    # accumulator, no reordered K loop) or rows stop being independent of the row count.
+    pdl_wait(PDL)
+    offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
+    offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < K  # zeros past K add nothing to the chain
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+class DotConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def dot_config(M: int, N: int) -> DotConfig:
+    """The best of bench/linear.py's sweep on an H200 (q|k|v, o and router of Qwen3-30B-A3B,
+    q|k|v and o of Mixtral). Without split-K a projection has only N / BN programs, each
+    streaming its BN x K slab alone, so narrow slabs and deep pipelines win at few rows
+    (one- and two-warp programs of 8 or 16 columns with 4 to 8 blocks of K in flight), and
+    wider tiles as the rows grow."""
+    bm = min(64, triton.next_power_of_2(M))
+    if N > 4096:  # q|k|v
+        if M <= 8:
+            return DotConfig(bm, 16, 128, 2, 8)
+        return DotConfig(bm, 64, 128, 8 if M <= 32 else 4, 4)
+    if M == 1 or (M == 2 and N <= 2048):
+        return DotConfig(bm, 8, 512, 1, 4)
+    if M <= 8:
+        return DotConfig(bm, 8, 256, 1, 8) if N <= 2048 else DotConfig(bm, 16, 128, 2, 8)
+    if M <= 16:
+        return DotConfig(bm, 16, 256, 2, 8)
+    if N <= 2048:  # o, routers, gates
+        return DotConfig(bm, 16, 128, 4, 8)
+    return DotConfig(bm, 32, 256 if M <= 32 else 128, 4, 8)
+
+
+def dot_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    config: DotConfig | None = None,
+) -> torch.Tensor:
+    """Semantics: y = x @ w.T (+ bias), fp32 accumulation, each output summed over K in
+    ascending order (see the module docstring: the same bits at every row count).
+
+    x: [M, K] float16/bfloat16 with unit last stride; w: [N, K] same dtype, unit last stride;
+    bias: [N] or None. Returns y [M, N] in x's dtype."""
+    M, K = x.shape
+    N = w.shape[0]
+    assert x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype, (x.dtype, w.dtype)
+    assert x.stride(1) == 1 and w.stride(1) == 1, (x.stride(), w.stride())
+    assert w.shape[1] == K and (bias is None or bias.shape == (N,)), (x.shape, w.shape)
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0:
+        return y
+    BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
+    _dot_linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
+        x, w, bias if bias is not None else w, y,
+        M, N, K, x.stride(0), w.stride(0), y.stride(0),
+        BM=BM, BN=BN, BK=BK, STAGES=num_stages, HAS_BIAS=bias is not None,
+        num_warps=num_warps, **pdl_kwargs(x.device),
+    )  # fmt: skip
+    return y
+
+
+def batch_invariant_linear(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Semantics: F.linear(x, w, bias), each row's bits independent of the other rows: the
+    MMA kernel below INVARIANT_ROWS rows (16-bit, unit last strides), cuBLAS at and past it
+    and for everything else (fp32 in cuBLAS has no tensor-core rounding to match)."""
+    if (
+        x.dim() == 2
+        and x.shape[0] < INVARIANT_ROWS
+        and x.dtype in (torch.float16, torch.bfloat16)
+        and x.dtype == w.dtype
+        and x.stride(1) == 1
+        and w.stride(1) == 1
+    ):
+        return dot_linear(x, w, bias)
+    return reference.linear(x, w, bias)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: F.linear(x, w, bias); the skinny kernel when it fits, else cuBLAS."""
+    """Semantics: F.linear(x, w, bias); the skinny GEMV when it fits, else
+    batch_invariant_linear (EngineConfig.projections = "skinny")."""
     if fits(x, w):
         return skinny_linear(x, w, bias)
-    return reference.linear(x, w, bias)
+    return batch_invariant_linear(x, w, bias)

@@ -41,13 +41,18 @@ REFERENCE_OPS = Ops(
 )
 
 
+PROJECTIONS = ("batch-invariant", "skinny", "cublas")  # EngineConfig.projections
+
+
 def make_ops(
-    device: torch.device, *, force_reference: bool = False, skinny_projections: bool = False
+    device: torch.device, *, force_reference: bool = False, projections: str = "batch-invariant"
 ) -> Ops:
-    """Triton kernels for CUDA tensors unless forced to the reference (for debugging); the
-    projections in cuBLAS unless skinny_projections (see EngineConfig)."""
+    """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
+    dense projections that `projections` names (see EngineConfig and kernels/linear.py)."""
+    if projections not in PROJECTIONS:
+        raise ValueError(f"projections={projections!r} is invalid: expected one of {PROJECTIONS}")
     if device.type != "cuda" or force_reference:
         return REFERENCE_OPS
     from moelora.kernels import triton_ops  # imported lazily: triton is optional on CPU
 
-    return triton_ops.SKINNY_OPS if skinny_projections else triton_ops.TRITON_OPS
+    return triton_ops.PROJECTIONS[projections]

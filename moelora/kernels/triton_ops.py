@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.linear import linear
+from moelora.kernels.linear import batch_invariant_linear, linear
 from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
@@ -15,7 +15,7 @@ from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
     name="triton",
-    linear=cublas_linear,
+    linear=batch_invariant_linear,
     route_topk=route_topk,
     fused_moe=fused_moe,
     add_lora_=add_lora_,
@@ -26,5 +26,9 @@ TRITON_OPS = Ops(
     rope_qk=rope_qk,
 )
 
-# EngineConfig.skinny_projections: decode projections of a few rows in kernels/linear.py
-SKINNY_OPS = dataclasses.replace(TRITON_OPS, name="triton-skinny", linear=linear)
+# EngineConfig.projections (see kernels/linear.py): the default table is "batch-invariant"
+PROJECTIONS = {
+    "batch-invariant": TRITON_OPS,
+    "skinny": dataclasses.replace(TRITON_OPS, name="triton-skinny", linear=linear),
+    "cublas": dataclasses.replace(TRITON_OPS, name="triton-cublas", linear=cublas_linear),
+}

@@ -49,9 +49,9 @@ def assets(tmp_path_factory):
     return str(model), adapters
 
 
-@pytest.mark.parametrize("skinny", [False, True], ids=["cublas", "skinny"])
-def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, skinny):
-    """Also with EngineConfig.skinny_projections: its kernel loads weights before the PDL wait
+@pytest.mark.parametrize("projections", ["batch-invariant", "skinny"])
+def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, projections):
+    """Also with EngineConfig.projections="skinny": its GEMV loads weights before the PDL wait
     and walks slabs grid-stride, and a replay must still match the eager step bit for bit."""
     model, adapters = assets
     llm = LLM(
@@ -63,7 +63,7 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, sk
         max_graph_bs=96,
         max_num_seqs=96,
         max_num_batched_tokens=4096,
-        skinny_projections=skinny,
+        projections=projections,
         **ENGINE,
     )
     engine = llm.engine

@@ -25,7 +25,12 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
-from moelora.kernels.linear import skinny_linear  # noqa: E402
+from moelora.kernels.linear import (  # noqa: E402
+    INVARIANT_ROWS,
+    batch_invariant_linear,
+    dot_linear,
+    skinny_linear,
+)
 from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
 from moelora.kernels.routing import route_topk  # noqa: E402
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights  # noqa: E402
@@ -243,6 +248,54 @@ def test_skinny_linear_chain_in_a_graph():
         for w in ws[:2]:
             h = skinny_linear(h, w)
         return skinny_linear(h, ws[2])
+
+    graph, out = capture(chain)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = x.float()
+        for w in ws[:2]:
+            ref = (ref @ w.float().T).to(torch.bfloat16).float()
+        assert rel_err(out, ref @ ws[2].float().T) <= 1e-2
+
+
+@pytest.mark.parametrize("N,K", LINEAR_SHAPES)
+@pytest.mark.parametrize("M", [1, 2, 4, 13, 24, 64, 100])
+def test_dot_linear_bf16(N, K, M):
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
+    bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
+    ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
+    assert rel_err(dot_linear(x, w, bias), ref) <= 1e-2
+
+
+@pytest.mark.parametrize("N,K,bias", [(5120, 2048, False), (2048, 4096, False), (128, 2048, False),
+                                      (4096, 4096, False), (6144, 2048, True)])  # fmt: skip
+def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias):
+    """The default projections: a row's bits are the same at every row count, across the
+    tensor-core kernel's configs and across the switch to cuBLAS at INVARIANT_ROWS (cuBLAS
+    alone fails this at Qwen3-30B-A3B's o, 2048 x 4096: it splits K below 128 rows)."""
+    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
+    b = torch.randn(N, device=DEV).to(torch.bfloat16) if bias else None
+    x = torch.randn(1024, K, device=DEV).to(torch.bfloat16)
+    first = batch_invariant_linear(x[:3], w, b)
+    for M in (1, 2, 3, 8, 13, 16, 24, 32, 64, 100, INVARIANT_ROWS - 1, INVARIANT_ROWS, 200, 1024):
+        rows = batch_invariant_linear(x[:M], w, b)[:3]
+        assert torch.equal(rows, first[:M]), f"M={M}: {(rows != first[:M]).sum().item()} differ"
+
+
+def test_dot_linear_chain_in_a_graph():
+    """As the GEMV's chain test: each kernel launches early (PDL) and must read x only after
+    its wait, so a replay with a new input gives the new chain's result."""
+    ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+          for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
+    x = torch.empty(5, 2048, device=DEV, dtype=torch.bfloat16)
+
+    def chain():
+        h = x
+        for w in ws[:2]:
+            h = dot_linear(h, w)
+        return dot_linear(h, ws[2])
 
     graph, out = capture(chain)
     for _ in range(3):

@@ -54,14 +54,60 @@ def test_max_rows(N, rows):
     assert skinny.max_rows(N) == rows
 
 
-def test_the_engine_takes_the_skinny_kernel_only_when_asked():
-    """cuBLAS by default: the skinny kernel's sums differ from cuBLAS's by a bf16 rounding, so
-    a request's logits would depend on its batch size (EngineConfig.skinny_projections)."""
+def test_the_engine_takes_the_batch_invariant_projections_unless_asked():
+    """The GEMV's sums differ from the MMA chain's by a bf16 rounding, so with it a request's
+    logits would depend on its batch size: it is opt-in (EngineConfig.projections)."""
     from moelora.kernels import triton_ops
-    from moelora.kernels.ops import make_ops
+    from moelora.kernels.ops import REFERENCE_OPS, make_ops
 
     cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
     assert make_ops(cuda) is triton_ops.TRITON_OPS
-    assert make_ops(cuda, skinny_projections=True) is triton_ops.SKINNY_OPS
-    assert triton_ops.TRITON_OPS.linear is reference.linear
-    assert triton_ops.SKINNY_OPS.linear is skinny.linear
+    assert triton_ops.TRITON_OPS.linear is skinny.batch_invariant_linear
+    assert make_ops(cuda, projections="skinny").linear is skinny.linear
+    assert make_ops(cuda, projections="cublas").linear is reference.linear
+    assert make_ops(torch.device("cpu"), projections="skinny") is REFERENCE_OPS
+    with pytest.raises(ValueError, match="projections='gemv' is invalid: expected one of"):
+        make_ops(cuda, projections="gemv")
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 9, 17, 40, 70])
+@pytest.mark.parametrize("N,K", [(40, 96), (7, 64), (33, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dot_linear_matches_reference(poison_empty, M, N, K, bias):
+    """The tensor-core kernel in fp16 (the interpreter computes bf16 wrongly): row counts
+    across the config buckets, odd N and K (masked tails), a row-strided x."""
+    x, w, b = _inputs(M, N, K, torch.float16, row_stride=K + 24 if M % 2 else None, bias=bias)
+    ref = reference.linear(x.float(), w.float(), None if b is None else b.float())
+    # the engine's config, and a small one that runs several programs both ways (70 rows:
+    # five row blocks of 16) and several blocks of K
+    for config in (None, skinny.DotConfig(16, 16, 32, 1, 2)):
+        y = skinny.dot_linear(x, w, b, config=config)
+        assert y.dtype == torch.float16 and y.shape == (M, N)
+        torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("M,N,config", [
+    (1, 5120, (1, 16, 128, 2, 8)), (8, 6144, (8, 16, 128, 2, 8)), (24, 5120, (32, 64, 128, 8, 4)),
+    (64, 5120, (64, 64, 128, 4, 4)), (2, 2048, (2, 8, 512, 1, 4)), (1, 128, (1, 8, 512, 1, 4)),
+    (4, 2048, (4, 8, 256, 1, 8)), (13, 2048, (16, 16, 256, 2, 8)), (100, 2048, (64, 16, 128, 4, 8)),
+    (1, 4096, (1, 8, 512, 1, 4)), (2, 4096, (2, 16, 128, 2, 8)), (32, 4096, (32, 32, 256, 4, 8)),
+    (64, 4096, (64, 32, 128, 4, 8)),
+])  # fmt: skip
+def test_dot_config(M, N, config):
+    """Narrow one- and two-warp programs at few rows (more programs: each streams its slab
+    alone), wider tiles as the rows grow; rows tile by 64 past 64."""
+    assert skinny.dot_config(M, N) == config
+
+
+def test_batch_invariant_linear_takes_the_mma_kernel_below_128_rows_in_16_bit(monkeypatch):
+    taken = []
+    monkeypatch.setattr(skinny, "dot_linear", lambda x, w, b: taken.append(x.shape) or x @ w.T)
+    w = torch.randn(24, 64, dtype=torch.float16)
+    for M in (1, 127, 128, 300):
+        skinny.batch_invariant_linear(torch.randn(M, 64, dtype=torch.float16), w)
+    skinny.batch_invariant_linear(torch.randn(4, 64), w.float())  # fp32: cuBLAS
+    skinny.batch_invariant_linear(torch.randn(64, 4, dtype=torch.float16).t(), w)  # strided
+    assert taken == [(1, 64), (127, 64)]
+    # the skinny table's rule: the GEMV where it fits, else this one
+    skinny.linear(torch.randn(9, 64, dtype=torch.float16), w)
+    assert taken[-1] == (9, 64)

@@ -43,6 +43,7 @@ DTYPES = {
     torch.bool: "i1",
 }
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
 
 
 def _record_launches() -> list:
@@ -83,12 +84,28 @@ def _compile(kernel, args, kwargs):
     assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
     constexprs = {p for p in params if p in kwargs}
     signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
+    # the alignment the JIT would see: 16-byte-aligned pointers, integers divisible by 16
+    # (unless do_not_specialize); without it loads are not vectorized or pipelined
+    skip = {p.name for p in kernel.params if p.do_not_specialize}
+    aligned = [
+        (i,)
+        for i, p in enumerate(params)
+        if p not in constexprs
+        and p not in skip
+        and (
+            (isinstance(bound[p], torch.Tensor) and bound[p].data_ptr() % 16 == 0)
+            or (type(bound[p]) is int and bound[p] % 16 == 0)
+        )
+    ]
     source = ASTSource(
         fn=kernel,
         signature=signature,
         constexprs={(params.index(p),): bound[p] for p in constexprs},
+        attrs={key: [["tt.divisibility", 16]] for key in aligned},
     )
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    # the launch would fail with OutOfResources past an H100/H200 block's 227 KiB
+    assert compiled.metadata.shared <= SM90_SHARED, (kernel.fn.__name__, options, signature)
 
 
 def _moe_configs():
@@ -143,6 +160,13 @@ def _launch_every_op() -> None:
         for N, K in ((Hq * D + 2 * Hkv * D, H), (H, Hq * D), (128, H)):
             linear.skinny_linear(torch.randn(M, K, dtype=bf16), torch.randn(N, K, dtype=bf16))
     linear.skinny_linear(x[:1], torch.randn(64, H, dtype=bf16), torch.randn(64, dtype=bf16))
+    # the batch-invariant projections at every config bucket (the real K: the pipeline depth
+    # and shared memory depend on it), with and without a bias
+    for M in (1, 2, 4, 13, 24, 64, 100):
+        for N, K in ((5120, 2048), (2048, 4096), (128, 2048)):
+            w = torch.randn(N, K, dtype=bf16)
+            linear.dot_linear(torch.randn(M, K, dtype=bf16), w, torch.randn(N, dtype=bf16))
+            linear.dot_linear(torch.randn(M, K, dtype=bf16), w)
 
     # attention: decode without and with splits, and a prefill
     pages = torch.arange(8, dtype=torch.int32).view(2, 4)
