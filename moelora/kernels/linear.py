@@ -2,17 +2,19 @@
 
 Semantics: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 accumulation, y in x's dtype.
 
-**Batch invariance is the default** (`batch_invariant_linear`, EngineConfig.projections =
+**Batch invariance is the default** (`BatchInvariantLinear`, EngineConfig.projections =
 "batch-invariant"). A request's logits must not depend on how many requests share its step
 (issue 4's batch-mates test), and a bf16 rounding apart is enough to flip a near-tied expert
 choice. cuBLAS does not give that at decode sizes: on an H200 it splits K for Qwen3-30B-A3B's
-o (2048 x 4096) at 1 to 100 rows and for Mixtral's at 1 to 13, so a row's bits change with the
+o (2048 x 4096) at 1 to 100 rows and for Mixtral's at 1 to 32, so a row's bits change with the
 row count (bench/results/linear-h200.md). A tensor-core product whose K loop runs in ascending
 order with one fp32 accumulator and no split gives every row the same chain of k16 MMAs
 whatever the tile shape or row count; measured, its rows equal cuBLAS's unsplit kernels' to
-the bit (at 128 rows and more, where cuBLAS does not split). So `_dot_linear_kernel` takes
-every 16-bit product of fewer than INVARIANT_ROWS rows, and cuBLAS the rest. At one to 16 rows
-it is also faster than cuBLAS (o: 7.8 against 9.9 µs at one row).
+the bit (cuBLAS at 128 rows and more, and wherever it does not split). So
+`_dot_linear_kernel` takes 16-bit products of up to DOT_ROWS rows (where it is also faster
+than cuBLAS: o 7.8 against 9.9 µs at one row), cuBLAS those of INVARIANT_ROWS and more, and
+in between each projection takes cuBLAS at the row counts where it was measured, on the
+device, to give the kernel's bits (BatchInvariantLinear), the kernel elsewhere.
 
 **The skinny GEMV** (`skinny_linear`, projections = "skinny", opt-in) is the fastest at one
 token (q|k|v 6.4 µs, o 5.3, router 1.5) but sums each output as a tree of FMAs, not as the
@@ -114,7 +116,7 @@ def max_rows(N: int) -> int:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `linear` takes the skinny GEMV for this product (else batch_invariant_linear)."""
+    """Whether the skinny GEMV takes this product (BatchInvariantLinear(skinny=True))."""
     return (
         x.dim() == 2
         and 0 < x.shape[0] <= max_rows(w.shape[0])
@@ -182,7 +184,8 @@ def skinny_linear(
 
 # -- the batch-invariant tensor-core kernel ------------------------------------------------------
 
-INVARIANT_ROWS = 128  # from here on cuBLAS: measured not to split K (bench/linear.py --check)
+INVARIANT_ROWS = 128  # from here on cuBLAS: measured not to split K (bench/linear.py)
+DOT_ROWS = 16  # up to here the tensor-core kernel, also the faster one (bench/linear.py)
 
 
 @triton.jit(do_not_specialize=["M", "N"])
@@ -290,27 +293,65 @@ def dot_linear(
     return y
 
 
-def batch_invariant_linear(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Semantics: F.linear(x, w, bias), each row's bits independent of the other rows: the
-    MMA kernel below INVARIANT_ROWS rows (16-bit, unit last strides), cuBLAS at and past it
-    and for everything else (fp32 in cuBLAS has no tensor-core rounding to match)."""
-    if (
+def _dot_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
         x.dim() == 2
         and x.shape[0] < INVARIANT_ROWS
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dtype == w.dtype
         and x.stride(1) == 1
         and w.stride(1) == 1
-    ):
+    )
+
+
+class BatchInvariantLinear:
+    """Semantics: F.linear(x, w, bias), each row's bits independent of the other rows.
+
+    Up to DOT_ROWS rows the tensor-core kernel (it is also the faster there); from
+    INVARIANT_ROWS rows cuBLAS; in between cuBLAS at the row counts where it was measured on
+    this device to give the kernel's bits for this projection (it does not split K there:
+    Qwen3-30B-A3B's q|k|v and router at every count, its o at none below 101), else the
+    kernel. fp32 and strided operands go to cuBLAS (no tensor-core rounding to match).
+
+    The measurement runs once per projection shape, at its first call outside a CUDA-graph
+    capture (the graph runner's warm-up: it synchronizes); during a capture an unmeasured
+    shape takes the kernel, which gives the same bits. With `skinny` the GEMV comes first
+    where it fits (EngineConfig.projections = "skinny": not batch-invariant)."""
+
+    def __init__(self, *, skinny: bool = False) -> None:
+        self.skinny = skinny
+        self._cublas_rows: dict[tuple, frozenset[int]] = {}  # (N, K, dtype, bias, device)
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if self.skinny and fits(x, w):
+            return skinny_linear(x, w, bias)
+        if not _dot_fits(x, w):
+            return reference.linear(x, w, bias)
+        M = x.shape[0]
+        if M > DOT_ROWS and M in self._cublas_rows_for(w, bias):
+            return reference.linear(x, w, bias)
         return dot_linear(x, w, bias)
-    return reference.linear(x, w, bias)
+
+    def _cublas_rows_for(self, w: torch.Tensor, bias: torch.Tensor | None) -> frozenset[int]:
+        key = (*w.shape, w.dtype, bias is not None, w.device)
+        rows = self._cublas_rows.get(key)
+        if rows is None:
+            if w.is_cuda and torch.cuda.is_current_stream_capturing():
+                return frozenset()
+            rows = self._cublas_rows[key] = measure_cublas_rows(w, bias)
+        return rows
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Semantics: F.linear(x, w, bias); the skinny GEMV when it fits, else
-    batch_invariant_linear (EngineConfig.projections = "skinny")."""
-    if fits(x, w):
-        return skinny_linear(x, w, bias)
-    return batch_invariant_linear(x, w, bias)
+def measure_cublas_rows(w: torch.Tensor, bias: torch.Tensor | None) -> frozenset[int]:
+    """The row counts DOT_ROWS < M < INVARIANT_ROWS at which cuBLAS's product equals the
+    tensor-core kernel's to the bit on random inputs (a split K leaves a few of the M x N
+    outputs a rounding apart: 4 to 35 of 8192 in bench/linear.py)."""
+    gen = torch.Generator(w.device).manual_seed(0)  # not the global RNG: sampling uses it
+    x = torch.randn(INVARIANT_ROWS, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+    counts = range(DOT_ROWS + 1, INVARIANT_ROWS)
+    same = [
+        torch.equal(reference.linear(x[:M], w, bias), dot_linear(x[:M], w, bias)) for M in counts
+    ]
+    return frozenset(M for M, ok in zip(counts, same) if ok)

@@ -55,4 +55,4 @@ def make_ops(
         return REFERENCE_OPS
     from moelora.kernels import triton_ops  # imported lazily: triton is optional on CPU
 
-    return triton_ops.PROJECTIONS[projections]
+    return triton_ops.with_projections(projections)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.linear import batch_invariant_linear, linear
+from moelora.kernels.linear import BatchInvariantLinear
 from moelora.kernels.lora import add_lora_
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
 from moelora.kernels.ops import Ops
@@ -15,7 +15,7 @@ from moelora.kernels.routing import route_topk
 
 TRITON_OPS = Ops(
     name="triton",
-    linear=batch_invariant_linear,
+    linear=cublas_linear,
     route_topk=route_topk,
     fused_moe=fused_moe,
     add_lora_=add_lora_,
@@ -26,9 +26,11 @@ TRITON_OPS = Ops(
     rope_qk=rope_qk,
 )
 
-# EngineConfig.projections (see kernels/linear.py): the default table is "batch-invariant"
-PROJECTIONS = {
-    "batch-invariant": TRITON_OPS,
-    "skinny": dataclasses.replace(TRITON_OPS, name="triton-skinny", linear=linear),
-    "cublas": dataclasses.replace(TRITON_OPS, name="triton-cublas", linear=cublas_linear),
-}
+
+def with_projections(projections: str) -> Ops:
+    """TRITON_OPS with the dense projections EngineConfig.projections names (kernels/linear.py).
+    A new table each call: a BatchInvariantLinear keeps what it measured on its engine."""
+    if projections == "cublas":
+        return dataclasses.replace(TRITON_OPS, name="triton-cublas")
+    linear = BatchInvariantLinear(skinny=projections == "skinny")
+    return dataclasses.replace(TRITON_OPS, name=f"triton-{projections}", linear=linear)

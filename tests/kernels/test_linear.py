@@ -28,11 +28,12 @@ def test_skinny_linear_matches_reference(poison_empty, dtype, M, N, K, config, b
     torch.testing.assert_close(y.float(), ref, **tol)
 
 
-def test_linear_takes_cublas_past_the_skinny_limits():
+def test_the_gemv_fits_only_within_its_limits():
+    gemv_first = skinny.BatchInvariantLinear(skinny=True)
     for M, N, K in ((skinny.MAX_ROWS + 1, 24, 64), (2, 24, skinny.MAX_K + 16), (2, 5120, 32)):
         x, w, _ = _inputs(M, N, K, torch.float32)
         assert not skinny.fits(x, w)
-        torch.testing.assert_close(skinny.linear(x, w), reference.linear(x, w))
+        torch.testing.assert_close(gemv_first(x, w), reference.linear(x, w))
     x, w, _ = _inputs(4, 24, 64, torch.float32)
     assert skinny.fits(x, w) and not skinny.fits(x.t().contiguous().t(), w)
     assert not skinny.fits(x.half(), w)
@@ -56,14 +57,15 @@ def test_max_rows(N, rows):
 
 def test_the_engine_takes_the_batch_invariant_projections_unless_asked():
     """The GEMV's sums differ from the MMA chain's by a bf16 rounding, so with it a request's
-    logits would depend on its batch size: it is opt-in (EngineConfig.projections)."""
-    from moelora.kernels import triton_ops
+    logits would depend on its batch size: it is opt-in (EngineConfig.projections). Each
+    table is new: what a BatchInvariantLinear measures belongs to its engine."""
     from moelora.kernels.ops import REFERENCE_OPS, make_ops
 
     cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
-    assert make_ops(cuda) is triton_ops.TRITON_OPS
-    assert triton_ops.TRITON_OPS.linear is skinny.batch_invariant_linear
-    assert make_ops(cuda, projections="skinny").linear is skinny.linear
+    default, again = make_ops(cuda).linear, make_ops(cuda).linear
+    assert isinstance(default, skinny.BatchInvariantLinear) and not default.skinny
+    assert again is not default
+    assert make_ops(cuda, projections="skinny").linear.skinny
     assert make_ops(cuda, projections="cublas").linear is reference.linear
     assert make_ops(torch.device("cpu"), projections="skinny") is REFERENCE_OPS
     with pytest.raises(ValueError, match="projections='gemv' is invalid: expected one of"):
@@ -99,15 +101,42 @@ def test_dot_config(M, N, config):
     assert skinny.dot_config(M, N) == config
 
 
-def test_batch_invariant_linear_takes_the_mma_kernel_below_128_rows_in_16_bit(monkeypatch):
-    taken = []
-    monkeypatch.setattr(skinny, "dot_linear", lambda x, w, b: taken.append(x.shape) or x @ w.T)
+def test_batch_invariant_linear_chooses_by_rows_and_by_what_it_measured(monkeypatch):
+    """The kernel up to DOT_ROWS, cuBLAS from INVARIANT_ROWS and for fp32 or strided
+    operands, and in between cuBLAS only at the row counts measured to match the kernel,
+    measured once per projection shape (and bias or not)."""
+    taken, measured = [], []
+    monkeypatch.setattr(skinny, "dot_linear", lambda x, w, b: taken.append(x.shape[0]) or x @ w.T)
+    monkeypatch.setattr(
+        skinny, "measure_cublas_rows", lambda w, b: measured.append(w.shape) or frozenset({40})
+    )
+    linear = skinny.BatchInvariantLinear()
     w = torch.randn(24, 64, dtype=torch.float16)
-    for M in (1, 127, 128, 300):
-        skinny.batch_invariant_linear(torch.randn(M, 64, dtype=torch.float16), w)
-    skinny.batch_invariant_linear(torch.randn(4, 64), w.float())  # fp32: cuBLAS
-    skinny.batch_invariant_linear(torch.randn(64, 4, dtype=torch.float16).t(), w)  # strided
-    assert taken == [(1, 64), (127, 64)]
-    # the skinny table's rule: the GEMV where it fits, else this one
-    skinny.linear(torch.randn(9, 64, dtype=torch.float16), w)
-    assert taken[-1] == (9, 64)
+    for M in (1, 16, 17, 40, 41, 127, 128, 300):
+        linear(torch.randn(M, 64, dtype=torch.float16), w)
+    linear(torch.randn(4, 64), w.float())  # fp32: cuBLAS
+    linear(torch.randn(64, 4, dtype=torch.float16).t(), w)  # strided
+    assert taken == [1, 16, 17, 41, 127]
+    assert measured == [(24, 64)]  # once for this weight shape
+    linear(torch.randn(20, 64, dtype=torch.float16), w, torch.randn(24, dtype=torch.float16))
+    assert measured == [(24, 64)] * 2  # with a bias cuBLAS may take another kernel
+    # the skinny table: the GEMV where it fits, else the rule above
+    gemv = skinny.BatchInvariantLinear(skinny=True)
+    y = gemv(torch.randn(2, 64, dtype=torch.float16), w)
+    assert taken[-1] == 20 and y.shape == (2, 24)
+    gemv(torch.randn(9, 64, dtype=torch.float16), w)
+    assert taken[-1] == 9
+
+
+def test_measure_cublas_rows_keeps_the_counts_where_the_bits_agree(monkeypatch):
+    """A kernel that differs from cuBLAS at odd row counts: only the even ones are kept."""
+    monkeypatch.setattr(
+        skinny, "dot_linear", lambda x, w, b: reference.linear(x, w, b) + x.shape[0] % 2
+    )
+    w = torch.randn(8, 32, dtype=torch.float16)
+    rows = skinny.measure_cublas_rows(w, None)
+    expected = range(skinny.DOT_ROWS + 2, skinny.INVARIANT_ROWS, 2)
+    assert rows == frozenset(expected)
+    state = torch.random.get_rng_state()
+    skinny.measure_cublas_rows(w, None)
+    assert torch.equal(torch.random.get_rng_state(), state)  # sampling's RNG is left alone
