@@ -34,7 +34,8 @@ class EngineConfig:
     force_reference_kernels: bool = False  # run the torch references on CUDA too (debugging)
     # How the dense projections are computed on CUDA (kernels/linear.py):
     # - "batch-invariant": a request's logits do not depend on its batch-mates (a tensor-core
-    #   kernel below 128 rows, cuBLAS above, summing in the same order);
+    #   kernel, and cuBLAS where it was measured to give the same bits: from 128 rows, and
+    #   between 17 and 127 per projection shape);
     # - "skinny": a GEMV at 1 to 8 rows, fastest at one token, but a request's bf16 logits then
     #   move by a rounding with its batch size, which can flip a near-tied expert choice;
     # - "cublas": cuBLAS throughout (it splits K at some decode sizes: not batch-invariant).
