@@ -235,19 +235,21 @@ def test_skinny_linear_bf16(N, K, M):
     assert rel_err(skinny_linear(x, w, bias), ref) <= 1e-2
 
 
-def test_skinny_linear_chain_in_a_graph():
-    """Each projection reads the one before's output: with programmatic dependent launch the
-    weights are loaded before the wait and x after it, so a replay with a new input must give
-    the new chain's result, not one built on the last replay's activations."""
+@pytest.mark.parametrize("project,rows", [(skinny_linear, 2), (dot_linear, 5)])
+def test_projection_chain_in_a_graph(project, rows):
+    """Each projection reads the one before's output, and each launches early (PDL): the GEMV
+    loads its weights before the wait and x after it, the tensor-core kernel waits first. A
+    replay with a new input must give the new chain's result, not one built on the last
+    replay's activations."""
     ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
           for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
-    x = torch.empty(2, 2048, device=DEV, dtype=torch.bfloat16)
+    x = torch.empty(rows, 2048, device=DEV, dtype=torch.bfloat16)
 
     def chain():
         h = x
         for w in ws[:2]:
-            h = skinny_linear(h, w)
-        return skinny_linear(h, ws[2])
+            h = project(h, w)
+        return project(h, ws[2])
 
     graph, out = capture(chain)
     for _ in range(3):
@@ -285,26 +287,3 @@ def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias):
               INVARIANT_ROWS, 200, 1024):  # fmt: skip
         rows = batch_invariant_linear(x[:M], w, b)[:3]
         assert torch.equal(rows, first[:M]), f"M={M}: {(rows != first[:M]).sum().item()} differ"
-
-
-def test_dot_linear_chain_in_a_graph():
-    """As the GEMV's chain test: each kernel launches early (PDL) and must read x only after
-    its wait, so a replay with a new input gives the new chain's result."""
-    ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
-          for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
-    x = torch.empty(5, 2048, device=DEV, dtype=torch.bfloat16)
-
-    def chain():
-        h = x
-        for w in ws[:2]:
-            h = dot_linear(h, w)
-        return dot_linear(h, ws[2])
-
-    graph, out = capture(chain)
-    for _ in range(3):
-        x.copy_(torch.randn_like(x))
-        graph.replay()
-        ref = x.float()
-        for w in ws[:2]:
-            ref = (ref @ w.float().T).to(torch.bfloat16).float()
-        assert rel_err(out, ref @ ws[2].float().T) <= 1e-2
