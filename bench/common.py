@@ -48,10 +48,10 @@ def commit() -> str:
         return "unknown"
 
 
-def result_header(title: str, bandwidth: float) -> list[str]:
+def result_header(title: str, bandwidth: float | None) -> list[str]:
     import triton
 
-    return [
+    lines = [
         f"# {title}",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
@@ -59,5 +59,7 @@ def result_header(title: str, bandwidth: float) -> list[str]:
         f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"triton {triton.__version__}",
         f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
-        f"- copy bandwidth (D2D, read + write): {bandwidth / 1e12:.2f} TB/s",
     ]
+    if bandwidth is not None:
+        lines.append(f"- copy bandwidth (D2D, read + write): {bandwidth / 1e12:.2f} TB/s")
+    return lines

@@ -247,7 +247,9 @@ def main() -> None:
     t0 = time.perf_counter()
     if "disabled" in args.cases:
         engine = make_engine(folder, lora=False, eager=False, projections=args.projections)
-        capture["disabled"] = engine.runner.graphs.capture_seconds
+        graphs = engine.runner.graphs
+        capture["disabled"] = (graphs.capture_seconds, graphs.warm_up_seconds)
+        del graphs
         measure(engine, "disabled", [], bw, rows, eager, args.batches)
         del engine
         gc.collect()
@@ -255,7 +257,9 @@ def main() -> None:
     lora_cases = [c for c in CASES[1:] if c in args.cases]
     if lora_cases:
         engine = make_engine(folder, lora=True, eager=False, projections=args.projections)
-        capture["lora"] = engine.runner.graphs.capture_seconds
+        graphs = engine.runner.graphs
+        capture["lora"] = (graphs.capture_seconds, graphs.warm_up_seconds)
+        del graphs
         names = [f"a{i}" for i in range(8)]
         for i, n in enumerate(names):
             engine.adapters[n] = random_adapter(engine, n, seed=i)
@@ -269,13 +273,15 @@ def main() -> None:
 def write(args, bw: float, rows: list, capture: dict) -> None:
     lines = result_header("Decode step, Qwen3-30B-A3B shape (random weights), H200", bw)
     pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
+    (off, off_warm), (on, on_warm) = capture.get("disabled", (0, 0)), capture.get("lora", (0, 0))
     lines += [
         f"- layers: {args.layers} of 48; bf16; {CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras 8, adapters on q/k/v/o and every expert's gate/up/down",
-        f"- graph capture: {capture.get('disabled', 0):.1f} s (LoRA disabled), "
-        f"{capture.get('lora', 0):.1f} s (LoRA enabled), the "
+        f"- graph capture: {off:.1f} s (LoRA disabled; {off_warm:.1f} s of it the warm-up, where "
+        f"kernels compile), {on:.1f} s (LoRA enabled; {on_warm:.1f} s), the "
         f"{len(graph_batch_sizes(max(BATCHES)))} batch sizes 1 .. {max(BATCHES)}; the first "
-        "engine's capture includes compiling the kernels when the Triton cache is cold",
+        "engine's capture includes compiling the kernels when the Triton cache is cold "
+        "(bench/capture.py separates cold and warm)",
         "- time: median (do_bench) of a CUDA-graph replay of the forward, then the lm_head on the"
         " batch's rows (eager, as the runner does after a replay); no sampling",
         f"- programmatic dependent launch: {'on' if pdl else 'off'} (kernels/pdl.py)",

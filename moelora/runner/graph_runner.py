@@ -9,8 +9,12 @@ no-adapter sentinel, to KV slot -1 (nothing stored) and to the spare page.
 
 from __future__ import annotations
 
+import contextvars
 import logging
+import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +38,33 @@ def padded_batch_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest captured size that holds the batch (None: too large for any graph)."""
     fitting = [s for s in sizes if s >= num_tokens]
     return min(fitting) if fitting else None
+
+
+def warm_up_concurrently(
+    forward: Callable[[int], object], sizes: list[int], *, compile_threads: int
+) -> bool:
+    """Run forward(bs) for every size at once, one thread each, while Triton compiles the
+    kernels they launch in a pool of compile_threads. Returns False (and runs nothing) where
+    this Triton has no AsyncCompileMode.
+
+    Why: a cold capture is mostly compiling, about 80 kernel variants, and warm capture takes
+    a few seconds. A compile spends most of its time in MLIR, LLVM and ptxas, outside the GIL.
+    One size after another, each compile waits for the one before. All sizes at once, the
+    variants of different sizes compile side by side. Threads that need the same variant share
+    one compile through Triton's AsyncCompileMode.
+    A launch under the mode still blocks its own thread until its kernel is compiled, so each
+    forward runs for real, in order, on valid inputs."""
+    try:  # a private module (Triton >= 3.4): without it the capture loop compiles serially
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        return False
+    with ThreadPoolExecutor(compile_threads) as compiles, ThreadPoolExecutor(len(sizes)) as pool:
+        with AsyncCompileMode(compiles):
+            # Triton finds the mode in a context variable: each thread gets a copy of this one
+            runs = [pool.submit(contextvars.copy_context().run, forward, bs) for bs in sizes]
+            for run in runs:
+                run.result()
+    return True
 
 
 @dataclass
@@ -160,6 +191,7 @@ class GraphRunner:
         self.kv_caches = kv_caches
         self.pool = pool
         self.spare_page = spare_page
+        self.device = device
         self.sizes = graph_batch_sizes(max_bs)
         self.buffers = GraphBuffers.init(
             max_bs, max_pages, pool.max_loras if pool else 1, spare_page, device
@@ -167,6 +199,7 @@ class GraphRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
+        self.warm_up_seconds = 0.0  # of capture_seconds: every size's first forward, at once
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -175,11 +208,13 @@ class GraphRunner:
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
+        self._warm_up(stream)
+        self.warm_up_seconds = time.perf_counter() - start
         for bs in tqdm(self.sizes, desc="capturing CUDA graphs", unit="graph"):
             batch = self.buffers.forward_batch(bs, self.pool)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(batch, self.kv_caches)  # warm-up: Triton compiles outside capture
+                self.model(batch, self.kv_caches)  # nothing left to compile: lazy inits only
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
@@ -189,11 +224,25 @@ class GraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info(
-            "captured %d CUDA graphs in %.1f s using %.0f MiB",
+            "captured %d CUDA graphs in %.1f s (%.1f s of it compiling) using %.0f MiB",
             len(self.sizes),
             self.capture_seconds,
+            self.warm_up_seconds,
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
+
+    def _warm_up(self, stream: torch.cuda.Stream) -> None:
+        """Every size's first forward at once, so the kernels compile in parallel. Padded
+        inputs: no KV is stored, every row is base, so the forwards can share the stream."""
+
+        def forward(bs: int) -> None:
+            # device, stream and inference mode are per thread in torch
+            with torch.cuda.device(self.device), torch.cuda.stream(stream), torch.inference_mode():
+                self.model(self.buffers.forward_batch(bs, self.pool), self.kv_caches)
+
+        threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4
+        warm_up_concurrently(forward, self.sizes, compile_threads=threads)
+        torch.cuda.synchronize(self.device)
 
     def can_run(self, batch: HostBatch) -> bool:
         return batch.max_query_len == 1 and batch.num_tokens <= self.sizes[0]
