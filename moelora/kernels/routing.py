@@ -32,6 +32,7 @@ def _route_topk_kernel(
     RENORMALIZE: tl.constexpr,
     BT: tl.constexpr,
     E_PAD: tl.constexpr,
+    K_PAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -57,21 +58,27 @@ def _route_topk_kernel(
         scores = exp / tl.sum(exp, axis=1)[:, None]
         scores = tl.where(e_ok[None, :], scores, float("-inf"))
 
-    # -- k rounds of argmax; the winner is masked out for the next round --
+    # -- k rounds of argmax; the winner is masked out for the next round. The K winners stay
+    # in registers: a store then a load of them would put two memory round trips in the chain
+    offs_k = tl.arange(0, K_PAD)
+    top_w = tl.zeros((BT, K_PAD), dtype=tl.float32)
+    top_id = tl.zeros((BT, K_PAD), dtype=tl.int32)
     total = tl.zeros((BT,), dtype=tl.float32)
     for k in tl.static_range(K):
         best = tl.max(scores, axis=1)
         best_id = tl.min(tl.where(scores == best[:, None], offs_e[None, :], E_PAD), axis=1)
-        tl.store(ids_ptr + offs_t * K + k, best_id, mask=t_ok)
-        tl.store(weights_ptr + offs_t * K + k, best, mask=t_ok)
+        top_w = tl.where(offs_k[None, :] == k, best[:, None], top_w)
+        top_id = tl.where(offs_k[None, :] == k, best_id[:, None], top_id)
         total += best
         scores = tl.where(offs_e[None, :] == best_id[:, None], float("-inf"), scores)
-
-    # -- renormalize: a second pass over the K weights this program just wrote --
     if RENORMALIZE:
-        for k in tl.static_range(K):
-            w = tl.load(weights_ptr + offs_t * K + k, mask=t_ok, other=1.0)
-            tl.store(weights_ptr + offs_t * K + k, w / total, mask=t_ok)
+        top_w = top_w / total[:, None]
+
+    # -- store the K winners of each row --
+    out = offs_t[:, None] * K + offs_k[None, :]
+    keep = t_ok[:, None] & (offs_k[None, :] < K)
+    tl.store(ids_ptr + out, top_id, mask=keep)
+    tl.store(weights_ptr + out, top_w, mask=keep)
 
 
 def route_topk(
@@ -94,6 +101,7 @@ def route_topk(
     _route_topk_kernel[(triton.cdiv(T, BT),)](
         router_logits, weights, ids, T, E, router_logits.stride(0),
         K=top_k, SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
-        BT=BT, E_PAD=triton.next_power_of_2(E), **pdl_kwargs(router_logits.device),
+        BT=BT, E_PAD=triton.next_power_of_2(E),
+        K_PAD=triton.next_power_of_2(top_k), **pdl_kwargs(router_logits.device),
     )  # fmt: skip
     return weights, ids
