@@ -6,8 +6,7 @@ nothing is read from L2) run back to back in one CUDA graph, replayed with the L
 (triton's do_bench); the figure is the replay median over LAYERS. The chain is what a decode
 step launches: with programmatic dependent launch each kernel's weights start streaming while
 the launch before it drains. The floor is a weight's bytes over the copy bandwidth measured in
-the same run. `--sweep` also times candidate configs of the chained kernel (split chains up
-to 16 rows, wide tiles from 128).
+the same run. `--sweep` also times each candidate config of the batch-invariant kernel.
 
 Invariance: rows 0-3 of an M-row product against the same rows of a 2048-row cuBLAS product
 (where cuBLAS does not split K), counted in mismatched elements; 0 everywhere is batch
@@ -29,14 +28,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
 
 from moelora.kernels.linear import (  # noqa: E402
-    CHAIN_K,
     DOT_ROWS,
     INVARIANT_ROWS,
     MAX_ROWS,
-    MAX_TILES,
     BatchInvariantLinear,
     DotConfig,
-    chained_config,
     dot_config,
     dot_linear,
     fits,
@@ -50,15 +46,12 @@ SHAPES = {  # name: (N, K)
     "mixtral q|k|v": (6144, 4096),
     "mixtral o": (4096, 4096),
 }
-MS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048)  # past 64: prefill chunks (chained vs cuBLAS)
+MS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = 16
-CHAINED_CANDIDATES = (  # (block_n, block_k, warps, stages), split: M <= 16
-    (8, 128, 1, 4), (8, 64, 1, 8), (8, 256, 1, 2), (16, 128, 1, 4), (16, 128, 2, 4),
-    (16, 64, 2, 8), (32, 128, 2, 4), (32, 128, 4, 4), (64, 128, 4, 4),
-)  # fmt: skip
-BIG_CANDIDATES = (  # (block_m, block_n, block_k, warps, stages), not split: M >= 128
-    (64, 128, 64, 4, 4), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3), (128, 256, 64, 8, 3),
-    (64, 256, 64, 8, 4), (128, 64, 64, 4, 4), (64, 64, 128, 4, 4),
+CANDIDATES = (  # (block_n, block_k, warps, stages); block_m follows M
+    (8, 512, 1, 4), (8, 256, 1, 8), (16, 256, 1, 8), (16, 512, 1, 4), (16, 256, 2, 8),
+    (16, 128, 2, 8), (16, 128, 4, 8), (32, 128, 4, 8), (32, 256, 4, 8), (32, 64, 4, 8),
+    (32, 128, 2, 8), (64, 128, 4, 4), (64, 64, 4, 6), (64, 128, 8, 4),
 )  # fmt: skip
 CHECK_MS = (1, 2, 3, 8, 13, 16, 24, 32, 64, 80, 100, 127, 128, 200, 256, 512)
 
@@ -69,49 +62,31 @@ def us(ms: float) -> str:
 
 def bench_shape(name: str, N: int, K: int, bw: float, sweep: bool) -> list[str]:
     ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(LAYERS)]
-    counts = torch.zeros(MAX_TILES, dtype=torch.int32, device="cuda")
     floor = N * K * 2 / bw * 1e3
     rows = []
     for M in MS:
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        flops_floor = 2 * M * N * K / 989e12 * 1e3  # H200 dense bf16 peak
-        m_floor = max(floor, flops_floor)
         cublas = graph_ms(lambda x=x: [F.linear(x, w) for w in ws], LAYERS)
-
-        def chained(x=x, c=None):
-            return [dot_linear(x, w, chain_k=CHAIN_K, config=c, counts=counts) for w in ws]
-
-        chain = graph_ms(chained, LAYERS)
-        ours = gemv = ""
-        if M < INVARIANT_ROWS:
-            t = graph_ms(lambda x=x: [dot_linear(x, w) for w in ws], LAYERS)
-            ours = f"{us(t)} ({t / m_floor:.2f}x) {tuple(dot_config(M, N))}"
+        ours = graph_ms(lambda x=x: [dot_linear(x, w) for w in ws], LAYERS)
+        gemv = ""
         if M <= MAX_ROWS:
             t = graph_ms(lambda x=x: [skinny_linear(x, w) for w in ws], LAYERS)
             gemv = f"{us(t)}{' (taken)' if fits(x, ws[0]) else ''}"
         line = (
-            f"| {name} | {M} | {us(m_floor)} | {us(cublas)} | {ours} "
-            f"| {us(chain)} ({chain / m_floor:.2f}x) {tuple(chained_config(M, N))} | {gemv} |"
+            f"| {name} | {M} | {us(floor)} | {us(cublas)} | {us(ours)} ({ours / floor:.2f}x) "
+            f"| {tuple(dot_config(M, N))} | {gemv} |"
         )
         if sweep:
             tried = {}
-            if M <= 16:
-                bm = chained_config(M, N).block_m
-                cands = [DotConfig(bm, *c, True) for c in CHAINED_CANDIDATES]
-            elif M >= 128:
-                cands = [DotConfig(*c) for c in BIG_CANDIDATES]
-            else:
-                cands = []
-            for c in cands:
+            for bn, bk, warps, stages in CANDIDATES:
+                c = DotConfig(dot_config(M, N).block_m, bn, bk, warps, stages)
                 try:
-                    tried[c] = graph_ms(lambda c=c: chained(config=c), LAYERS)
+                    run = lambda x=x, c=c: [dot_linear(x, w, config=c) for w in ws]  # noqa: E731
+                    tried[c] = graph_ms(run, LAYERS)
                 except Exception as e:  # a config past the shared memory: say so, go on
                     print(f"{name} M={M} {tuple(c)}: {type(e).__name__}", flush=True)
-            if tried:
-                best = min(tried, key=tried.get)
-                line += f" {us(tried[best])} at {tuple(best)} |"
-            else:
-                line += " |"
+            best = min(tried, key=tried.get)
+            line += f" {us(tried[best])} at {tuple(best)} |"
         rows.append(line)
         print(line, flush=True)
     return rows
@@ -124,21 +99,18 @@ def check_shape(name: str, N: int, K: int, bias: bool) -> list[str]:
     x = torch.randn(2048, K, device="cuda", dtype=torch.bfloat16)
     ref = F.linear(x, w, b)[:4]
     batch_invariant = BatchInvariantLinear()
-    chained = BatchInvariantLinear(chained=True)
     kinds = {
         "batch-invariant": lambda x: batch_invariant(x, w, b),
-        "chained (against its own 2048 rows)": lambda x: chained(x, w, b),
         "cuBLAS": lambda x: F.linear(x, w, b),
         "skinny GEMV": lambda x: skinny_linear(x, w, b) if x.shape[0] <= MAX_ROWS else None,
     }
     rows = []
     for kind, fn in kinds.items():
-        own = fn(x)[:4] if kind.startswith("chained") else ref
         cells = []
         for M in CHECK_MS:
             y = fn(x[:M])
             r = min(M, 4)
-            cells.append("" if y is None else str((y[:r] != own[:r]).sum().item()))
+            cells.append("" if y is None else str((y[:r] != ref[:r]).sum().item()))
         rows.append(f"| {name}{' + bias' if bias else ''} | {kind} | " + " | ".join(cells) + " |")
     print("\n".join(rows), flush=True)
     return rows
@@ -152,12 +124,12 @@ def main() -> None:
     bw = copy_bandwidth()
     torch.manual_seed(0)
     head = (
-        "| shape | M | floor µs | cuBLAS µs | batch-invariant µs (x floor) config"
-        " | chained µs (x floor) config | skinny GEMV µs |"
+        "| shape | M | floor µs | cuBLAS µs | batch-invariant µs (x floor)"
+        " | config (bm, bn, bk, warps, stages) | skinny GEMV µs |"
     )
-    rule = "|---|---:|---:|---:|---:|---:|---:|"
+    rule = "|---|---:|---:|---:|---:|---|---:|"
     if args.sweep:
-        head, rule = head + " chained, best of sweep µs |", rule + "---|"
+        head, rule = head + " best of sweep µs |", rule + "---|"
     rows = [head, rule]
     for name, (N, K) in SHAPES.items():
         rows += bench_shape(name, N, K, bw, args.sweep)
@@ -169,12 +141,7 @@ def main() -> None:
         check += check_shape(name, N, K, bias=False)
     check += check_shape("qwen2-moe-like q|k|v", 2048 * 3, 2048, bias=True)
     lines = result_header("Decode projections vs cuBLAS, decode row counts (H200)", bw)
-    lines += [
-        f"- {LAYERS} projections with their own weights per CUDA graph, L2 flushed",
-        "- floor: the weight's bytes over the copy bandwidth, or past it the FLOPs at 989 TFLOP/s",
-        f"- chained: `dot_linear(chain_k={CHAIN_K})`, config (bm, bn, bk, warps, stages, split)",
-        "",
-    ]
+    lines += [f"- {LAYERS} projections with their own weights per CUDA graph, L2 flushed", ""]
     lines += rows + ["", "## Batch invariance", ""]
     lines += [
         "Mismatched elements of rows 0-3 of an M-row product against the same rows of a "

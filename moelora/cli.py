@@ -106,8 +106,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         choices=PROJECTIONS,
         default="batch-invariant",
         help="dense projections on CUDA: batch-invariant (default: a request's logits do not "
-        "depend on its batch-mates), chained (batch-invariant too, K summed in chains of "
-        "512 by the tensor-core kernel at every batch size), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
+        "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
         "bf16 logits move slightly with the batch size), cublas",
     )
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

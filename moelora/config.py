@@ -36,9 +36,6 @@ class EngineConfig:
     # - "batch-invariant": a request's logits do not depend on its batch-mates (a tensor-core
     #   kernel, and cuBLAS where it was measured to give the same bits: from 128 rows, and
     #   between 17 and 127 per projection shape);
-    # - "chained": also batch-invariant, by another order: each output is the sum, in order, of
-    #   chains of 512 of K, computed by the tensor-core kernel at every row count (no cuBLAS);
-    #   at few rows each chain runs on a program of its own;
     # - "skinny": a GEMV at 1 to 8 rows, fastest at one token, but a request's bf16 logits then
     #   move by a rounding with its batch size, which can flip a near-tied expert choice;
     # - "cublas": cuBLAS throughout (it splits K at some decode sizes: not batch-invariant).

@@ -195,8 +195,6 @@ def _dot_linear_kernel(
     w_ptr,  # [N, K]
     bias_ptr,  # [N] or unused
     y_ptr,  # [M, N]
-    part_ptr,  # [C, M, N] float32: each chain's sum (SPLIT only)
-    count_ptr,  # [tiles] int32, zero: chains done per output tile (SPLIT only; left zero)
     # Sizes and strides.
     M,
     N,
@@ -208,17 +206,13 @@ def _dot_linear_kernel(
     BM: tl.constexpr,  # rows a program (tensor cores pad fewer than 16 for free)
     BN: tl.constexpr,
     BK: tl.constexpr,
-    CHAIN: tl.constexpr,  # K of each chain (a multiple of BK); 0: one chain over all of K
-    SPLIT: tl.constexpr,  # each chain on a program of its own (grid axis 2), else all here
     STAGES: tl.constexpr,  # K blocks in flight: a program streams its BN x K slab alone
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Every output is the sum, in chain order, of C = cdiv(K, CHAIN) chains: each a run of
-    # MMAs over its CHAIN of K in ascending order into one fp32 accumulator from zero. That
-    # order, not the tiling, decides the bits: keep it (no other split of K, no reordered
-    # loop, the chains added into a zero total in order) or rows stop being independent of
-    # the row count. Whether the chains run on one program or on C is free (SPLIT).
+    # Every output is one chain of MMAs over K in ascending order into one fp32 accumulator.
+    # That order, not the tiling, decides the bits: keep it (no split-K, no second
+    # accumulator, no reordered K loop) or rows stop being independent of the row count.
     pdl_wait(PDL)
     offs_m = tl.program_id(1) * BM + tl.arange(0, BM)
     offs_n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -227,47 +221,16 @@ def _dot_linear_kernel(
     n_ok = offs_n < N
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    total = tl.zeros((BM, BN), dtype=tl.float32)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    if SPLIT:
-        # -- this program's chain; the tile's last program to finish adds all C in order --
-        chain = tl.program_id(2)
-        k_end = tl.minimum(K, chain * CHAIN + CHAIN)
-        for k0 in tl.range(chain * CHAIN, k_end, BK, num_stages=STAGES):
-            k_ok = (k0 + offs_k) < K  # zeros past K add nothing to the chain
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        chains = tl.num_programs(2)
-        mn_ok = m_ok[:, None] & n_ok[None, :]
-        part = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part + chain.to(tl.int64) * M * N, acc, mask=mn_ok)
-        # every thread's partial is stored before the count (release, GPU scope) says so
-        tl.debug_barrier()
-        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        done = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if done != chains - 1:
-            return
-        for c in range(chains):  # from L2 (.cg): other SMs wrote these
-            total += tl.load(part + c * M * N, mask=mn_ok, other=0.0, cache_modifier=".cg")
-        tl.atomic_xchg(count_ptr + tile, 0)  # zero again for the next launch
-    else:
-        # -- every chain here, one after another: at many rows the grid is wide already --
-        for k0 in tl.range(0, K, BK, num_stages=STAGES):
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-            if CHAIN > 0:
-                if ((k0 + BK) % CHAIN == 0) | (k0 + BK >= K):  # a chain ends here
-                    total += acc
-                    acc = tl.zeros((BM, BN), dtype=tl.float32)
-        if CHAIN == 0:  # one chain over all of K: cuBLAS's own order where it does not split
-            total = acc
+    for k0 in tl.range(0, K, BK, num_stages=STAGES):
+        k_ok = (k0 + offs_k) < K  # zeros past K add nothing to the chain
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
-        total += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 class DotConfig(NamedTuple):
@@ -276,7 +239,6 @@ class DotConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    split: bool = False  # each chain of K on a program of its own (chained projections only)
 
 
 def dot_config(M: int, N: int) -> DotConfig:
@@ -301,40 +263,18 @@ def dot_config(M: int, N: int) -> DotConfig:
     return DotConfig(bm, 32, 256 if M <= 32 else 128, 4, 8)
 
 
-CHAIN_K = 512  # K of each chain of the chained projections: 32 MMAs of k16 deep
-SPLIT_ROWS = 16  # up to here each chain of a chained projection runs on a program of its own
-MAX_TILES = 1 << 16  # output tiles of a split launch (cdiv(N, 8) at most): N up to 512K
-
-
-def chained_config(M: int, N: int) -> DotConfig:
-    """Configs of the chained projections (chain_k = CHAIN_K). Up to SPLIT_ROWS rows the
-    chains of a tile run on programs of their own: C times the programs, each a chain C times
-    shorter, the point of chaining. From 128 rows, wide tiles with every chain in turn."""
-    bm = min(128, triton.next_power_of_2(M))
-    if M <= SPLIT_ROWS:
-        return DotConfig(bm, 8 if N <= 2048 else 16, 128, 1 if N <= 2048 else 2, 4, True)
-    if M < 128:
-        return dot_config(M, N)
-    return DotConfig(bm, 128, 64, 8 if M >= 256 else 4, 4)
-
-
 def dot_linear(
     x: torch.Tensor,
     w: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    chain_k: int = 0,
     config: DotConfig | None = None,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Semantics: y = x @ w.T (+ bias), fp32 accumulation, each output the sum, in order, of
-    the chains of chain_k of K (0: one chain), each summed over its K in ascending order (see
-    the module docstring: the same bits at every row count and config).
+    """Semantics: y = x @ w.T (+ bias), fp32 accumulation, each output summed over K in
+    ascending order (see the module docstring: the same bits at every row count).
 
     x: [M, K] float16/bfloat16 with unit last stride; w: [N, K] same dtype, unit last stride;
-    bias: [N] or None; counts: int32 zeros, at least cdiv(N, 8) * cdiv(M, 8) of them, that a
-    split config counts chains in and leaves zero (allocated here when None). Returns y [M, N]
-    in x's dtype."""
+    bias: [N] or None. Returns y [M, N] in x's dtype."""
     M, K = x.shape
     N = w.shape[0]
     assert x.dtype in (torch.float16, torch.bfloat16) and w.dtype == x.dtype, (x.dtype, w.dtype)
@@ -343,31 +283,20 @@ def dot_linear(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    BM, BN, BK, num_warps, num_stages, split = config or (
-        chained_config(M, N) if chain_k else dot_config(M, N)
-    )
-    assert chain_k % BK == 0 and (chain_k or not split), (chain_k, BK, split)
-    chains = triton.cdiv(K, chain_k) if split else 1
-    grid = (triton.cdiv(N, BN), triton.cdiv(M, BM), chains)
-    part = y
-    if chains > 1:
-        part = torch.empty(chains, M, N, dtype=torch.float32, device=x.device)
-        if counts is None:
-            counts = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=x.device)
-        assert counts.numel() >= grid[0] * grid[1], (counts.shape, grid)
-    _dot_linear_kernel[grid](
-        x, w, bias if bias is not None else w, y, part, counts if chains > 1 else y,
+    BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
+    _dot_linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
+        x, w, bias if bias is not None else w, y,
         M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        BM=BM, BN=BN, BK=BK, CHAIN=chain_k, SPLIT=chains > 1, STAGES=num_stages,
-        HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_kwargs(x.device),
+        BM=BM, BN=BN, BK=BK, STAGES=num_stages, HAS_BIAS=bias is not None,
+        num_warps=num_warps, **pdl_kwargs(x.device),
     )  # fmt: skip
     return y
 
 
-def _dot_fits(x: torch.Tensor, w: torch.Tensor, *, any_rows: bool = False) -> bool:
+def _dot_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (
         x.dim() == 2
-        and (any_rows or x.shape[0] < INVARIANT_ROWS)
+        and x.shape[0] < INVARIANT_ROWS
         and x.dtype in (torch.float16, torch.bfloat16)
         and x.dtype == w.dtype
         and x.stride(1) == 1
@@ -389,33 +318,21 @@ class BatchInvariantLinear:
     shape takes the kernel, which gives the same bits. With `skinny` the GEMV comes first
     where it fits (EngineConfig.projections = "skinny": not batch-invariant)."""
 
-    def __init__(self, *, skinny: bool = False, chained: bool = False) -> None:
+    def __init__(self, *, skinny: bool = False) -> None:
         self.skinny = skinny
-        self.chained = chained
         self._cublas_rows: dict[tuple, frozenset[int]] = {}  # (N, K, dtype, bias, device)
-        self._counts: dict[torch.device, torch.Tensor] = {}
 
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         if self.skinny and fits(x, w):
             return skinny_linear(x, w, bias)
-        if self.chained and _dot_fits(x, w, any_rows=True):
-            return dot_linear(x, w, bias, chain_k=CHAIN_K, counts=self._counts_on(x.device))
         if not _dot_fits(x, w):
             return reference.linear(x, w, bias)
         M = x.shape[0]
         if M > DOT_ROWS and M in self._cublas_rows_for(w, bias):
             return reference.linear(x, w, bias)
         return dot_linear(x, w, bias)
-
-    def _counts_on(self, device: torch.device) -> torch.Tensor:
-        """The split configs' chain counters: one zeroed buffer a device, which every launch
-        leaves zero (the launches of a stream never overlap: each waits for the one before)."""
-        counts = self._counts.get(device)
-        if counts is None:
-            counts = self._counts[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
-        return counts
 
     def _cublas_rows_for(self, w: torch.Tensor, bias: torch.Tensor | None) -> frozenset[int]:
         key = (*w.shape, w.dtype, bias is not None, w.device)

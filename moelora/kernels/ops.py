@@ -41,7 +41,7 @@ REFERENCE_OPS = Ops(
 )
 
 
-PROJECTIONS = ("batch-invariant", "chained", "skinny", "cublas")  # EngineConfig.projections
+PROJECTIONS = ("batch-invariant", "skinny", "cublas")  # EngineConfig.projections
 
 
 def make_ops(

@@ -32,5 +32,5 @@ def with_projections(projections: str) -> Ops:
     A new table each call: a BatchInvariantLinear keeps what it measured on its engine."""
     if projections == "cublas":
         return dataclasses.replace(TRITON_OPS, name="triton-cublas")
-    linear = BatchInvariantLinear(skinny=projections == "skinny", chained=projections == "chained")
+    linear = BatchInvariantLinear(skinny=projections == "skinny")
     return dataclasses.replace(TRITON_OPS, name=f"triton-{projections}", linear=linear)

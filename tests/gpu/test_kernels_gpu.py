@@ -26,7 +26,6 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
 from moelora.kernels.linear import (  # noqa: E402
-    CHAIN_K,
     INVARIANT_ROWS,
     BatchInvariantLinear,
     dot_linear,
@@ -236,16 +235,12 @@ def test_skinny_linear_bf16(N, K, M):
     assert rel_err(skinny_linear(x, w, bias), ref) <= 1e-2
 
 
-@pytest.mark.parametrize("project,rows", [
-    (skinny_linear, 2), (dot_linear, 5), (BatchInvariantLinear(chained=True), 5),
-    (BatchInvariantLinear(chained=True), 300),
-])  # fmt: skip
+@pytest.mark.parametrize("project,rows", [(skinny_linear, 2), (dot_linear, 5)])
 def test_projection_chain_in_a_graph(project, rows):
     """Each projection reads the one before's output, and each launches early (PDL): the GEMV
     loads its weights before the wait and x after it, the tensor-core kernel waits first. A
     replay with a new input must give the new chain's result, not one built on the last
-    replay's activations. The chained kernel at 5 rows splits its chains over programs that
-    count themselves in a buffer every launch leaves zero: replays must find it zero."""
+    replay's activations."""
     ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
           for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
     x = torch.empty(rows, 2048, device=DEV, dtype=torch.bfloat16)
@@ -267,20 +262,18 @@ def test_projection_chain_in_a_graph(project, rows):
 
 
 @pytest.mark.parametrize("N,K", LINEAR_SHAPES)
-@pytest.mark.parametrize("M", [1, 2, 4, 13, 24, 64, 100, 300])
-@pytest.mark.parametrize("chain_k", [0, CHAIN_K])
-def test_dot_linear_bf16(N, K, M, chain_k):
+@pytest.mark.parametrize("M", [1, 2, 4, 13, 24, 64, 100])
+def test_dot_linear_bf16(N, K, M):
     x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
     w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
     bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
     ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert rel_err(dot_linear(x, w, bias, chain_k=chain_k), ref) <= 1e-2
+    assert rel_err(dot_linear(x, w, bias), ref) <= 1e-2
 
 
 @pytest.mark.parametrize("N,K,bias", [(5120, 2048, False), (2048, 4096, False), (128, 2048, False),
                                       (4096, 4096, False), (6144, 2048, True)])  # fmt: skip
-@pytest.mark.parametrize("chained", [False, True])
-def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias, chained):
+def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias):
     """The default projections: a row's bits are the same at every row count, across the
     tensor-core kernel's configs, the row counts where cuBLAS was measured to agree, and the
     switch to cuBLAS at INVARIANT_ROWS (cuBLAS alone fails this at Qwen3-30B-A3B's o,
@@ -288,8 +281,7 @@ def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias, 
     w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
     b = torch.randn(N, device=DEV).to(torch.bfloat16) if bias else None
     x = torch.randn(1024, K, device=DEV).to(torch.bfloat16)
-    # (not chained: measures cuBLAS at the first call; chained: split chains up to 16 rows)
-    batch_invariant_linear = BatchInvariantLinear(chained=chained)
+    batch_invariant_linear = BatchInvariantLinear()  # measures cuBLAS at the first call
     first = batch_invariant_linear(x[:3], w, b)
     for M in (1, 2, 3, 8, 13, 16, 17, 24, 32, 40, 64, 100, 101, 120, INVARIANT_ROWS - 1,
               INVARIANT_ROWS, 200, 1024):  # fmt: skip
