@@ -442,8 +442,12 @@ def fused_moe(
     lora2: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
     config: MoeConfig | None = None,
+    sum_topk: bool = True,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+
+    With sum_topk=False the grouped path returns the K weighted rows [T, K, H] unsummed
+    (reference.sum_rows of them is out): the next rms_norm adds them, one launch fewer.
 
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype); topk_weights [T, K] float32;
     topk_ids [T, K] int32. lora13.a [S, E, 2, R, H], lora13.b [S, E, 2I, R]; lora2.a
@@ -539,6 +543,8 @@ def fused_moe(
         h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args[:6], xa2, any_on,
         *down_args[6:], **down_meta, **launch,
     )  # fmt: skip
+    if not sum_topk:
+        return pair_out.view(T, K, H)
     BH = min(1024, triton.next_power_of_2(H))
     _sum_topk_kernel[(T, triton.cdiv(H, BH))](pair_out, out, H, K=K, BH=BH, **pdl_kwargs(x.device))
     return out

@@ -41,7 +41,7 @@ from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 @triton.jit
 def _rms_norm_kernel(
     # Pointers.
-    x_ptr,  # [T, N], row stride stride_xt, last dim contiguous
+    x_ptr,  # [T, KX, N], strides stride_xt and stride_xk, last dim contiguous
     res_ptr,  # [T, N] or x_ptr when HAS_RESIDUAL is False (never read then)
     weight_ptr,  # [N], x's dtype
     out_ptr,  # [T, N] contiguous
@@ -62,9 +62,11 @@ def _rms_norm_kernel(
     # Sizes and strides.
     N,
     stride_xt,
+    stride_xk,
     stride_rt,
     eps,
     # Meta-parameters.
+    KX: tl.constexpr,  # rows of x added first: the MoE's top-k rows (1: x is the row)
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     SHRINK: tl.constexpr,
@@ -96,7 +98,15 @@ def _rms_norm_kernel(
     # -- the residual add, rounded to x's dtype like torch's add --
     # (the slot first, the row next, then the slot's flag and rank: in-order issue would
     # otherwise hold the row's loads behind the slot's two dependent gathers)
-    x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
+    if KX == 1:
+        x = tl.load(x_ptr + row * stride_xt + offs, mask=mask, other=0.0)
+    else:
+        # the MoE's top-k rows, added as its own sum would: in k order, in fp32, then rounded
+        x_sum = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k in tl.static_range(KX):
+            xk = tl.load(x_ptr + row * stride_xt + k * stride_xk + offs, mask=mask, other=0.0)
+            x_sum += xk.to(tl.float32)
+        x = x_sum.to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
@@ -159,18 +169,21 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: s = x + residual (x alone when None); out = weight * rmsnorm(s).
+    """Semantics: see reference.rms_norm: s = sum_rows(x) + residual (sum_rows(x) alone when
+    None); out = weight * rmsnorm(s).
 
-    x, residual: [T, N] (rows may be strided, the last dim contiguous), same dtype; weight: [N]
-    in x's dtype. Returns (out [T, N] contiguous, s): s is x itself without a residual, else a
-    new contiguous tensor.
+    x: [T, N], or [T, KX, N] rows to add first (the MoE's top-k rows: their sum needs no
+    launch of its own), rows may be strided, the last dim contiguous; residual: [T, N] (needed
+    with KX rows), same dtype; weight: [N] in x's dtype. Returns (out [T, N] contiguous, s): s
+    is x itself without a residual, else a new contiguous tensor.
     """
     N = x.shape[-1]
-    assert x.dim() == 2 and x.stride(-1) == 1, (x.shape, x.stride())
+    assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
+    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
     assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
     assert weight.is_contiguous()
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (
+        assert residual.shape == (x.shape[0], N) and residual.dtype == x.dtype, (
             residual.shape,
             residual.dtype,
         )
@@ -184,9 +197,9 @@ def rms_norm(
     res = x if residual is None else residual
     _rms_norm_kernel[(T, 1)](
         x, res, weight, out, s, *[x] * 8,
-        N, x.stride(0), res.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, SHRINK=False, DELTA=False,
-        NS=1, R=1, RC=1, KS=1, KS_PAD=1,
+        N, x.stride(0), x.stride(1) if x.dim() == 3 else 0, res.stride(0), eps,
+        KX=x.shape[1] if x.dim() == 3 else 1, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        SHRINK=False, DELTA=False, NS=1, R=1, RC=1, KS=1, KS_PAD=1,
         num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out, s
@@ -204,7 +217,7 @@ def rms_norm_lora(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: see reference.rms_norm_lora. x, residual: [T, N] as rms_norm's; shrink.a
+    Semantics: see reference.rms_norm_lora. x, residual: as rms_norm's; shrink.a
     [S, n, R, N] contiguous; delta = (partial shrinks [T, KS, 1, R] float32 from lora_shrink_split,
     LoRA weights with b [S, N, R] contiguous). Rows of shrunk whose token has no enabled slot
     are left unwritten (readers check the slot first). Returns (out, s, shrunk [T, n, R]
@@ -214,11 +227,12 @@ def rms_norm_lora(
     row). Each row's n * R shrink rows are spread over programs, RC each, because one program
     reading a whole slot's A is bound by its own load latency (about 18 µs for 196 KB).
     """
-    T, N = x.shape
-    assert x.stride(-1) == 1, x.stride()
+    T, N = x.shape[0], x.shape[-1]
+    assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
+    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
     assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
     if residual is not None:
-        assert residual.shape == x.shape and residual.dtype == x.dtype, (residual.shape, x.shape)
+        assert residual.shape == (T, N) and residual.dtype == x.dtype, (residual.shape, x.shape)
         assert residual.stride(-1) == 1, residual.stride()
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     NS, R, KS = 1, 1, 1
@@ -259,8 +273,8 @@ def rms_norm_lora(
         info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
         shrink.a if shrink is not None else x, shrunk if shrunk is not None else x,
         delta[0] if delta is not None else x, delta[1].b if delta is not None else x,
-        N, x.stride(0), res.stride(0), eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        N, x.stride(0), x.stride(1) if x.dim() == 3 else 0, res.stride(0), eps,
+        KX=x.shape[1] if x.dim() == 3 else 1, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
         SHRINK=shrink is not None, DELTA=delta is not None, NS=NS, R=R, RC=RC, KS=KS,
         KS_PAD=triton.next_power_of_2(KS),
         num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(x.device),

@@ -134,8 +134,10 @@ def fused_moe(
     lora13: LoraWeights | None = None,
     lora2: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    sum_topk: bool = True,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+    (sum_topk=False allows [T, K, H] rows whose sum_rows is out; this reference sums anyway.)
 
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
     slot is NO_SLOT or disabled): d13 = scaling * (x @ A13[s,e,i].T) @ B13[s,e,slice_i].T.
@@ -242,19 +244,38 @@ def paged_attention_lora(
     return out, lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
 
 
+def sum_rows(x: torch.Tensor) -> torch.Tensor:
+    """Semantics: x [T, KX, N] -> [T, N], the KX rows added in order in float32 from zero, then
+    rounded to x's dtype (how the MoE's top-k rows are summed); x [T, N] is returned as is."""
+    if x.dim() == 2:
+        return x
+    total = torch.zeros(x.shape[0], x.shape[2], dtype=torch.float32, device=x.device)
+    for k in range(x.shape[1]):
+        total += x[:, k].float()
+    return total.to(x.dtype)
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: s = x + residual (x alone when None); out = weight * rmsnorm(s).
+    """Semantics: s = sum_rows(x) + residual (sum_rows(x) alone when None);
+    out = weight * rmsnorm(s).
 
     The sum is rounded to x's dtype, the norm computed in float32 and cast back to x's dtype
     before the weight multiplies it: the HF models' order, so float32 matches them exactly.
-    x, residual: [T, N]; weight: [N]. Returns (out [T, N], s [T, N]).
+    x: [T, N], or [T, KX, N] rows to add first (the MoE's top-k rows, fused_moe(sum_topk=
+    False)); residual: [T, N]; weight: [N]. Returns (out [T, N], s [T, N]).
     """
+    x = sum_rows(x)
     s = x if residual is None else x + residual
+    return _norm(s, weight, eps), s
+
+
+def _norm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rmsnorm over the last dim, in rms_norm's rounding order (any leading dims)."""
     h = s.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(s.dtype), s
+    return weight * h.to(s.dtype)
 
 
 def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torch.Tensor:
@@ -281,6 +302,7 @@ def rms_norm_lora(
     residual), and with shrink, shrunk = lora_shrink(out, shrink, info): the first half of the
     LoRA of the projection that reads out. Returns (out, s, shrunk [T, n, R] float32 or None).
     """
+    x = sum_rows(x)
     if delta is not None:
         part, lora_in = delta
         x = lora_expand_(x.clone(), part.sum(dim=1), lora_in, info)
@@ -322,8 +344,7 @@ def rope_qk(
         q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
         q, k, v = q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
     if q_norm is not None:
-        q, _ = rms_norm(q, q_norm, eps)
-        k, _ = rms_norm(k, k_norm, eps)
+        q, k = _norm(q, q_norm, eps), _norm(k, k_norm, eps)
     c = cos[positions].to(q.dtype)[:, None, :]
     s = sin[positions].to(q.dtype)[:, None, :]
     q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s

@@ -34,7 +34,8 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two,
-        inside the next norm, so every add shares a kernel with a norm."""
+        inside the next norm, so every add shares a kernel with a norm. The MoE's output may
+        come as its top-k rows [T, K, H]: the next norm adds those too."""
         attn = self.self_attn
         if attn.folds_lora(batch, x.shape[0]):
             # the attention's LoRA rides in the norms on either side of it and in rotary

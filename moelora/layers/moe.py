@@ -45,6 +45,7 @@ class SparseMoE(nn.Module):
             self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
 
     def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
+        """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
         cfg = self.cfg
         router_logits = self.ops.linear(x, self.gate)  # [T, E]
         weights, ids = self.ops.route_topk(
@@ -59,7 +60,9 @@ class SparseMoE(nn.Module):
             lora13=self.lora13 if lora is not None else None,
             lora2=self.lora2 if lora is not None else None,
             info=lora,
-        )  # [T, H]
+            # the next norm adds the top-k rows; a shared expert is added to their sum here
+            sum_topk=self.shared_expert is not None,
+        )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, lora)
             out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared

@@ -52,6 +52,19 @@ def test_fused_moe_paths_agree(poison_empty, config, T, spread):
 
 
 @pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_top_k_rows_sum_to_its_output(poison_empty, config, dtype):
+    """sum_topk=False: the grouped path returns its K weighted rows [T, K, H], whose in-order
+    sum (reference.sum_rows: what the next norm adds) is its summed output to the bit; the
+    direct path sums in its own kernel and returns [T, H] either way."""
+    args, lora = moe_case(7, 8, 2, "mixed", dtype)
+    out = fused_moe(*args, **lora, config=config)
+    rows = fused_moe(*args, **lora, config=config, sum_topk=False)
+    assert rows.shape == ((7, 2, H) if config is GROUPED else (7, H))
+    assert torch.equal(reference.sum_rows(rows), out)
+
+
+@pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
 def test_fused_moe_without_lora_and_with_one_half(poison_empty, config):
     args, lora = moe_case(7, 8, 2, "distinct", torch.float32)
     assert rel_err(fused_moe(*args, config=config), reference.fused_moe(*args)) <= 1e-5

@@ -41,6 +41,36 @@ def test_rms_norm_matches_reference(poison_empty, dtype, T, N, with_residual, st
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,KX", [(1, 8), (7, 2), (33, 6)])
+def test_rms_norm_adds_top_k_rows_first(poison_empty, dtype, T, KX):
+    """x [T, KX, N]: the MoE's top-k rows (fused_moe(sum_topk=False)), added in order in fp32
+    and rounded, as the top-k sum kernel did: the same bits as the norm of their sum, for the
+    plain norm and for the LoRA norm (q|k|v's shrink, the engine's input norm)."""
+    torch.manual_seed(T * KX)
+    N = 96
+    rows = torch.randn(T, KX, N, dtype=dtype)
+    weight = (1 + 0.5 * torch.randn(N)).to(dtype)
+    residual = torch.randn(T, N, dtype=dtype)
+    summed = reference.sum_rows(rows)
+    assert summed.shape == (T, N) and summed.dtype == dtype
+    out, s = rms_norm(rows, weight, EPS, residual)
+    plain_out, plain_s = rms_norm(summed, weight, EPS, residual)
+    assert torch.equal(out, plain_out) and torch.equal(s, plain_s)
+    ref_out, ref_s = reference.rms_norm(rows, weight, EPS, residual)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    assert torch.equal(s, ref_s)
+    info = batch_info(T, "mixed")
+    shrink = lora_weights(info.num_slots, (), 3, 16, N, (N, N, N), info.rank_of_slot, dtype)
+    lora = rms_norm_lora(rows, weight, EPS, residual, info, shrink=shrink)
+    plain = rms_norm_lora(summed, weight, EPS, residual, info, shrink=shrink)
+    on = _enabled_rows(info, T)
+    assert torch.equal(lora[0], plain[0]) and torch.equal(lora[1], plain[1])
+    assert torch.equal(lora[2][on], plain[2][on])
+    with pytest.raises(AssertionError, match="into a residual"):
+        rms_norm(rows, weight, EPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T", [1, 7, 33])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 8)])
 @pytest.mark.parametrize("D", [16, 64])
