@@ -166,6 +166,14 @@ def _rms_norm_kernel(
             tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
+def _norm_warps(BLOCK: int, x: torch.Tensor) -> int:
+    """A warp per 512 lanes of the row, up to 8; twice that when the row is the sum of the
+    MoE's top-k rows: one program reads all K of them, and at a token or a few that is the
+    whole launch, bound by how many loads it has in flight."""
+    warps = min(max(BLOCK // 512, 1), 8)
+    return min(2 * warps, 16) if x.dim() == 3 else warps
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +208,7 @@ def rms_norm(
         N, x.stride(0), x.stride(1) if x.dim() == 3 else 0, res.stride(0), eps,
         KX=x.shape[1] if x.dim() == 3 else 1, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
         SHRINK=False, DELTA=False, NS=1, R=1, RC=1, KS=1, KS_PAD=1,
-        num_warps=min(max(BLOCK // 512, 1), 8), enable_fp_fusion=False, **pdl_kwargs(x.device),
+        num_warps=_norm_warps(BLOCK, x), enable_fp_fusion=False, **pdl_kwargs(x.device),
     )  # fmt: skip
     return out, s
 
@@ -259,7 +267,7 @@ def rms_norm_lora(
     if T == 0:
         return out, s, shrunk
     BLOCK = triton.next_power_of_2(N)
-    num_warps = min(max(BLOCK // 512, 1), 8)
+    num_warps = _norm_warps(BLOCK, x)
     if delta is not None:
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
         # program: twice the warps halve the steps
