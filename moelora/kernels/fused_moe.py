@@ -37,6 +37,7 @@ from moelora.kernels.lora import active_slots, lora_delta, rank_block, shrink_bl
 from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import (
+    PAIR_SPLITS,
     down_partial_shrink,
     expand_rows,
     lora_rows,
@@ -506,13 +507,13 @@ def fused_moe(
         if any_lora is not None:  # scratch only pairs with an enabled slot write and read
             xa13 = torch.empty(P, 2, BR, dtype=torch.float32, device=x.device)
             xa2 = torch.empty(P, BR, dtype=torch.float32, device=x.device)
-        # programs 0..NA-1 align; with LoRA, NA..NA+P-1 shrink their pair (moe_lora.pair_shrink)
+        # programs 0..NA-1 align; with LoRA, PAIR_SPLITS more a pair shrink (moe_lora.pair_shrink)
         NA, align_meta = align_plan(P, NB)
-        align_kernel[(NA + (P if any_lora is not None else 0),)](
+        align_kernel[(NA + (P * PAIR_SPLITS if any_lora is not None else 0),)](
             ids, sorted_pair, expert_of_block,
             x, slot, enabled, rank, a13, xa13, xa2,
             P, E, NB, H, NA, x.stride(0), *sa13,
-            K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR),
+            K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR), SPLITS=PAIR_SPLITS,
             BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **align_meta, **pdl_kwargs(x.device),
         )  # fmt: skip
         h = torch.empty(NB * BM, I, dtype=x.dtype, device=x.device)

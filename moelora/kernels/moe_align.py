@@ -16,8 +16,8 @@ of ceil(count / BM) * BM). Then program a
     in the block's rows past its expert's last pair.
 Pair rows and padding rows are disjoint, so the two halves need no ordering. Past PMAX (prefill,
 never in a graph) one program does the same serially over chunks of CH pairs, with a one-hot
-cumsum for the ranks. When the MoE has LoRA, programs NA..NA+P-1 of the same launch do each
-pair's gate_up shrink (moe_lora.pair_shrink), so that costs no launch of its own.
+cumsum for the ranks. When the MoE has LoRA, programs from NA on of the same launch do each
+pair's gate_up shrink (moe_lora.pair_shrink, SPLITS a pair), so that costs no launch of its own.
 """
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def align_kernel(
     HAS2: tl.constexpr,
     BR: tl.constexpr,
     BKS: tl.constexpr,
+    SPLITS: tl.constexpr,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
     CH: tl.constexpr,
@@ -177,11 +178,11 @@ def align_kernel(
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
-    if pid >= NA:  # one program per pair: its gate_up LoRA shrink (exits unless its slot is on)
+    if pid >= NA:  # SPLITS programs a pair: its gate_up LoRA shrink (exit unless its slot is on)
         pair_shrink(
             pid - NA, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
             a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
-            HAS13, HAS2, BR, BKS,
+            HAS13, HAS2, BR, BKS, SPLITS,
         )  # fmt: skip
     elif PARALLEL:
         _align_parallel(
@@ -236,7 +237,7 @@ def moe_align(
         ids, sorted_pair, expert_of_block,
         ids, ids, ids, ids, ids, ids, ids,
         P, E, NB, 0, NA, 0, 0, 0, 0, 0,
-        K=1, HAS13=False, HAS2=False, BR=16, BKS=16,
+        K=1, HAS13=False, HAS2=False, BR=16, BKS=16, SPLITS=1,
         BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta, **pdl_kwargs(ids.device),
     )  # fmt: skip
     return sorted_pair, expert_of_block

@@ -7,9 +7,10 @@ Semantics (per (token, expert e) pair whose slot s is enabled):
 Algorithm. A shrink reads the whole input row (H or I long) but produces only `rank` numbers, so
 repeating it in every column block of the GEMMs (as lora.lora_delta does) costs a serial loop
 per program. Here it is split by who has the data anyway:
-  - x @ A13.T: extra programs of the align kernel, one per pair (`pair_shrink`), write
-    xa13 [P, 2, R] (fp32). Pairs without an enabled slot exit at once; so does the whole
-    program when no slot is enabled. The same programs zero xa2 rows of their pair.
+  - x @ A13.T: extra programs of the align kernel, PAIR_SPLITS per pair (`pair_shrink`),
+    write xa13 [P, 2, R] (fp32), each a few of its rows over all of H. Pairs without an
+    enabled slot exit at once; so does the whole program when no slot is enabled. The first
+    program of each pair zeroes its xa2 row.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
     BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
@@ -27,7 +28,7 @@ from moelora.kernels.dot import dot
 
 @triton.jit
 def pair_shrink(
-    pair,
+    job,
     K,
     topk_ids_ptr,
     x_ptr,  # [T, H]
@@ -47,34 +48,40 @@ def pair_shrink(
     HAS2: tl.constexpr,
     BR: tl.constexpr,
     BKS: tl.constexpr,
+    SPLITS: tl.constexpr,  # programs a pair: each shrinks 2 * BR / SPLITS of its rows
 ):
-    """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s; else nothing."""
+    """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s; else nothing.
+    Job j does rows (j % SPLITS) * RCH .. + RCH of pair j // SPLITS's 2 * BR (gate's, then
+    up's): one program a pair read its 2 x R x H of A alone, a chunk of K at a time, each
+    chunk a round trip (7.7 µs for the align launch at one token of an adapter, 1.7 without)."""
+    RCH: tl.constexpr = 2 * BR // SPLITS
+    pair = job // SPLITS
+    part = job % SPLITS
     token = pair // K
     slot = tl.load(slot_ptr + token)
     if slot >= 0:
         if tl.load(enabled_ptr + slot) != 0:
-            offs_r = tl.arange(0, BR)
             if HAS2:
-                tl.store(xa2_ptr + pair * BR + offs_r, tl.zeros((BR,), dtype=tl.float32))
+                if part == 0:
+                    offs_r = tl.arange(0, BR)
+                    tl.store(xa2_ptr + pair * BR + offs_r, tl.zeros((BR,), dtype=tl.float32))
             if HAS13:
                 expert = tl.load(topk_ids_ptr + pair)
+                half = (part * RCH) // BR
+                offs_r = (part * RCH) % BR + tl.arange(0, RCH)
                 r_ok = offs_r < tl.load(rank_ptr + slot)
-                a = a_ptr + slot * stride_as + expert.to(tl.int64) * stride_ae
+                a = a_ptr + slot * stride_as + expert.to(tl.int64) * stride_ae + half * stride_ai
                 a = a + offs_r[:, None] * stride_ar
                 offs_k = tl.arange(0, BKS)
-                xa0 = tl.zeros((BR,), dtype=tl.float32)
-                xa1 = tl.zeros((BR,), dtype=tl.float32)
+                xa = tl.zeros((RCH,), dtype=tl.float32)
                 for k0 in range(0, H, BKS):
                     k_ok = offs_k < H - k0
                     xk = tl.load(x_ptr + token.to(tl.int64) * stride_xt + k0 + offs_k, mask=k_ok)
-                    xk = xk.to(tl.float32)[None, :]
-                    mask = r_ok[:, None] & k_ok[None, :]
-                    a0 = tl.load(a + k0 + offs_k[None, :], mask=mask, other=0.0)
-                    a1 = tl.load(a + stride_ai + k0 + offs_k[None, :], mask=mask, other=0.0)
-                    xa0 += tl.sum(a0.to(tl.float32) * xk, axis=1)
-                    xa1 += tl.sum(a1.to(tl.float32) * xk, axis=1)
-                tl.store(xa13_ptr + pair * 2 * BR + offs_r, xa0)
-                tl.store(xa13_ptr + pair * 2 * BR + BR + offs_r, xa1)
+                    ak = tl.load(
+                        a + k0 + offs_k[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0
+                    )
+                    xa += tl.sum(ak.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
+                tl.store(xa13_ptr + (pair * 2 + half) * BR + offs_r, xa)
 
 
 @triton.jit
@@ -211,6 +218,10 @@ def expand_rows(
     return acc0, acc1
 
 
-def pair_shrink_block_k(max_rank: int) -> int:
-    """Input chunk of pair_shrink: [BR, BKS] tiles of A, about 8K elements."""
-    return max(64, 8192 // triton.next_power_of_2(max(max_rank, 16)))
+PAIR_SPLITS = 8  # pair_shrink programs a pair: 4 rows each at rank 16
+
+
+def pair_shrink_block_k(BR: int) -> int:
+    """Input chunk of pair_shrink: [2 * BR / PAIR_SPLITS, BKS] tiles of A, about 8K elements
+    (all of a 2048-wide row at rank 16: one round trip)."""
+    return max(64, 8192 // (2 * BR // PAIR_SPLITS))
