@@ -273,8 +273,11 @@ def rms_norm_lora(
         # program: twice the warps halve the steps
         num_warps = min(2 * num_warps, 16)
     # RC rank rows per step (the shrink: per program): a [RC, BLOCK] tile of A (or [BLOCK, RC]
-    # of B) is at most 64 values per lane
-    RC = max(1, min(triton.next_power_of_2(NS * R), 64 * 32 * num_warps // BLOCK))
+    # of B) is at most 64 values per lane; a shrink's at most 32, so a row's A is read by more
+    # programs at once (each redoes the row's norm from L2): at a token or a few they are the
+    # whole launch, bound by how many loads each has in flight
+    per_lane = 32 if shrink is not None else 64
+    RC = max(1, min(triton.next_power_of_2(NS * R), per_lane * 32 * num_warps // BLOCK))
     res = x if residual is None else residual
     _rms_norm_kernel[(T, triton.cdiv(NS * R, RC) if shrink is not None else 1)](
         x, res, weight, out, s,
