@@ -46,6 +46,8 @@ from moelora.kernels.moe_lora import (
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
+MAX_SHRINK_PROGRAMS = 2048  # the pair shrink's programs in the align launch (see fused_moe)
+
 # 1. Align: moe_align.py (one launch; with LoRA it also shrinks each pair, see moe_lora.py).
 
 # --------------------------------------------------------------------------------------------
@@ -507,12 +509,15 @@ def fused_moe(
         if any_lora is not None:  # scratch only pairs with an enabled slot write and read
             xa13 = torch.empty(P, 2, BR, dtype=torch.float32, device=x.device)
             xa2 = torch.empty(P, BR, dtype=torch.float32, device=x.device)
-        # programs 0..NA-1 align; with LoRA, PAIR_SPLITS more a pair shrink (moe_lora.pair_shrink)
+        # programs 0..NA-1 align; with LoRA, NS more shrink the pairs (moe_lora.pair_shrink),
+        # PAIR_SPLITS jobs a pair, at most MAX_SHRINK_PROGRAMS programs: each costs a base-only
+        # step a load
         NA, align_meta = align_plan(P, NB)
-        align_kernel[(NA + (P * PAIR_SPLITS if any_lora is not None else 0),)](
+        NS = min(P * PAIR_SPLITS, MAX_SHRINK_PROGRAMS) if any_lora is not None else 0
+        align_kernel[(NA + NS,)](
             ids, sorted_pair, expert_of_block,
-            x, slot, enabled, rank, a13, xa13, xa2,
-            P, E, NB, H, NA, x.stride(0), *sa13,
+            x, slot, enabled, rank, a13, xa13, xa2, any_on,
+            P, E, NB, H, NA, max(NS, 1), x.stride(0), *sa13,
             K=K, HAS13=has13, HAS2=has2, BR=BR, BKS=pair_shrink_block_k(BR), SPLITS=PAIR_SPLITS,
             BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **align_meta, **pdl_kwargs(x.device),
         )  # fmt: skip

@@ -17,7 +17,8 @@ of ceil(count / BM) * BM). Then program a
 Pair rows and padding rows are disjoint, so the two halves need no ordering. Past PMAX (prefill,
 never in a graph) one program does the same serially over chunks of CH pairs, with a one-hot
 cumsum for the ranks. When the MoE has LoRA, programs from NA on of the same launch do each
-pair's gate_up shrink (moe_lora.pair_shrink, SPLITS a pair), so that costs no launch of its own.
+pair's gate_up shrink (moe_lora.pair_shrink, SPLITS jobs a pair), so that costs no launch of
+its own.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def _align_serial(
 
 # Sizes that change with the batch are not specialized on (divisibility by 16): each graph
 # batch size would otherwise compile its own variant, and capture pays for every compile.
-@triton.jit(do_not_specialize=["P", "NB", "NA"])
+@triton.jit(do_not_specialize=["P", "NB", "NA", "NS"])
 def align_kernel(
     # Pointers.
     topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
@@ -148,12 +149,15 @@ def align_kernel(
     a13_ptr,
     xa13_ptr,
     xa2_ptr,
-    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden, align programs.
+    any_ptr,  # [1] int32: whether any slot is enabled this step
+    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden, align programs,
+    # shrink programs.
     P,
     E,
     NB,
     H,
     NA,
+    NS,
     # Strides.
     stride_xt,
     stride_as,
@@ -178,12 +182,17 @@ def align_kernel(
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
-    if pid >= NA:  # SPLITS programs a pair: its gate_up LoRA shrink (exit unless its slot is on)
-        pair_shrink(
-            pid - NA, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
-            a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
-            HAS13, HAS2, BR, BKS, SPLITS,
-        )  # fmt: skip
+    if pid >= NA:
+        # the gate_up LoRA shrink: SPLITS jobs a pair, walked by the NS programs from NA on
+        # (a job's sums do not depend on which program runs it); a step without an enabled
+        # slot costs each program one load
+        if tl.load(any_ptr) != 0:
+            for job in range(pid - NA, P * SPLITS, NS):
+                pair_shrink(
+                    job, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
+                    a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
+                    HAS13, HAS2, BR, BKS, SPLITS,
+                )  # fmt: skip
     elif PARALLEL:
         _align_parallel(
             pid, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, P, E, NB,
@@ -235,8 +244,8 @@ def moe_align(
     NA, meta = align_plan(P, NB, pmax=pmax)
     align_kernel[(NA,)](
         ids, sorted_pair, expert_of_block,
-        ids, ids, ids, ids, ids, ids, ids,
-        P, E, NB, 0, NA, 0, 0, 0, 0, 0,
+        ids, ids, ids, ids, ids, ids, ids, ids,
+        P, E, NB, 0, NA, 1, 0, 0, 0, 0, 0,
         K=1, HAS13=False, HAS2=False, BR=16, BKS=16, SPLITS=1,
         BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta, **pdl_kwargs(ids.device),
     )  # fmt: skip

@@ -51,6 +51,19 @@ def test_fused_moe_paths_agree(poison_empty, config, T, spread):
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
 
 
+def test_pair_shrink_jobs_give_the_same_bits_on_fewer_programs(poison_empty, monkeypatch):
+    """The align launch's shrink programs walk PAIR_SPLITS jobs a pair; past
+    MAX_SHRINK_PROGRAMS each program takes several. Which program runs a job must not change
+    its sums: 5 programs for 7 x 2 x 8 jobs give the bits of one program a job."""
+    from moelora.kernels import fused_moe as module
+
+    args, lora = moe_case(7, 8, 2, "mixed", torch.float16)
+    one_each = fused_moe(*args, **lora, config=GROUPED)
+    monkeypatch.setattr(module, "MAX_SHRINK_PROGRAMS", 5)
+    assert torch.equal(fused_moe(*args, **lora, config=GROUPED), one_each)
+    assert rel_err(one_each, reference.fused_moe(*args, **lora)) <= TOL[torch.float16]
+
+
 @pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_moe_top_k_rows_sum_to_its_output(poison_empty, config, dtype):
