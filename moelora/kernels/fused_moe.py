@@ -46,7 +46,7 @@ from moelora.kernels.moe_lora import (
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
-MAX_SHRINK_PROGRAMS = 2048  # the pair shrink's programs in the align launch (see fused_moe)
+MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 
 # 1. Align: moe_align.py (one launch; with LoRA it also shrinks each pair, see moe_lora.py).
 

@@ -7,10 +7,10 @@ Semantics (per (token, expert e) pair whose slot s is enabled):
 Algorithm. A shrink reads the whole input row (H or I long) but produces only `rank` numbers, so
 repeating it in every column block of the GEMMs (as lora.lora_delta does) costs a serial loop
 per program. Here it is split by who has the data anyway:
-  - x @ A13.T: extra programs of the align kernel, PAIR_SPLITS per pair (`pair_shrink`),
-    write xa13 [P, 2, R] (fp32), each a few of its rows over all of H. Pairs without an
-    enabled slot exit at once; so does the whole program when no slot is enabled. The first
-    program of each pair zeroes its xa2 row.
+  - x @ A13.T: extra programs of the align kernel walk PAIR_SPLITS jobs per pair
+    (`pair_shrink`), each writing a few of the pair's rows of xa13 [P, 2, R] (fp32) over all
+    of H. Jobs of pairs without an enabled slot exit at once; the programs do nothing when no
+    slot is enabled. The first job of each pair zeroes its xa2 row.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
     BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
@@ -48,7 +48,7 @@ def pair_shrink(
     HAS2: tl.constexpr,
     BR: tl.constexpr,
     BKS: tl.constexpr,
-    SPLITS: tl.constexpr,  # programs a pair: each shrinks 2 * BR / SPLITS of its rows
+    SPLITS: tl.constexpr,  # jobs a pair: each shrinks 2 * BR / SPLITS of its rows
 ):
     """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s; else nothing.
     Job j does rows (j % SPLITS) * RCH .. + RCH of pair j // SPLITS's 2 * BR (gate's, then
@@ -218,7 +218,7 @@ def expand_rows(
     return acc0, acc1
 
 
-PAIR_SPLITS = 8  # pair_shrink programs a pair: 4 rows each at rank 16
+PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16
 
 
 def pair_shrink_block_k(BR: int) -> int:

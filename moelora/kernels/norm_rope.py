@@ -166,6 +166,17 @@ def _rms_norm_kernel(
             tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
+def _check_rows(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int]:
+    """(KX, stride_xk) of x [T, N] or [T, KX, N] (the MoE's top-k rows); checks residual."""
+    T, N = x.shape[0], x.shape[-1]
+    assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
+    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
+    if residual is not None:
+        assert residual.shape == (T, N) and residual.dtype == x.dtype, (residual.shape, x.shape)
+        assert residual.stride(-1) == 1, residual.stride()
+    return (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+
+
 def _norm_warps(BLOCK: int, x: torch.Tensor) -> int:
     """A warp per 512 lanes of the row, up to 8; twice that when the row is the sum of the
     MoE's top-k rows: one program reads all K of them, and at a token or a few that is the
@@ -185,18 +196,10 @@ def rms_norm(
     with KX rows), same dtype; weight: [N] in x's dtype. Returns (out [T, N] contiguous, s): s
     is x itself without a residual, else a new contiguous tensor.
     """
-    N = x.shape[-1]
-    assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
-    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
+    T, N = x.shape[0], x.shape[-1]
+    KX, stride_xk = _check_rows(x, residual)
     assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
     assert weight.is_contiguous()
-    if residual is not None:
-        assert residual.shape == (x.shape[0], N) and residual.dtype == x.dtype, (
-            residual.shape,
-            residual.dtype,
-        )
-        assert residual.stride(-1) == 1, residual.stride()
-    T = x.shape[0]
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
@@ -205,8 +208,8 @@ def rms_norm(
     res = x if residual is None else residual
     _rms_norm_kernel[(T, 1)](
         x, res, weight, out, s, *[x] * 8,
-        N, x.stride(0), x.stride(1) if x.dim() == 3 else 0, res.stride(0), eps,
-        KX=x.shape[1] if x.dim() == 3 else 1, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        N, x.stride(0), stride_xk, res.stride(0), eps,
+        KX=KX, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
         SHRINK=False, DELTA=False, NS=1, R=1, RC=1, KS=1, KS_PAD=1,
         num_warps=_norm_warps(BLOCK, x), enable_fp_fusion=False, **pdl_kwargs(x.device),
     )  # fmt: skip
@@ -236,12 +239,8 @@ def rms_norm_lora(
     reading a whole slot's A is bound by its own load latency (about 18 µs for 196 KB).
     """
     T, N = x.shape[0], x.shape[-1]
-    assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
-    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
+    KX, stride_xk = _check_rows(x, residual)
     assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
-    if residual is not None:
-        assert residual.shape == (T, N) and residual.dtype == x.dtype, (residual.shape, x.shape)
-        assert residual.stride(-1) == 1, residual.stride()
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     NS, R, KS = 1, 1, 1
     if shrink is not None:
@@ -284,8 +283,8 @@ def rms_norm_lora(
         info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
         shrink.a if shrink is not None else x, shrunk if shrunk is not None else x,
         delta[0] if delta is not None else x, delta[1].b if delta is not None else x,
-        N, x.stride(0), x.stride(1) if x.dim() == 3 else 0, res.stride(0), eps,
-        KX=x.shape[1] if x.dim() == 3 else 1, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
+        N, x.stride(0), stride_xk, res.stride(0), eps,
+        KX=KX, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
         SHRINK=shrink is not None, DELTA=delta is not None, NS=NS, R=R, RC=RC, KS=KS,
         KS_PAD=triton.next_power_of_2(KS),
         num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(x.device),

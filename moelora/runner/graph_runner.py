@@ -224,7 +224,8 @@ class GraphRunner:
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info(
-            "captured %d CUDA graphs in %.1f s (%.1f s of it compiling) using %.0f MiB",
+            "captured %d CUDA graphs in %.1f s (%.1f s of it the warm-up, where kernels compile) "
+            "using %.0f MiB",
             len(self.sizes),
             self.capture_seconds,
             self.warm_up_seconds,
