@@ -1,0 +1,49 @@
+"""The fused MoE's kernels under Nsight Compute: one layer of a shape at M tokens, run with no
+adapter active, then with every token on one of MAX_LORAS rank-16 adapters (a diagnostic: where
+the LoRA epilogues' time goes, stall reasons and occupancy; bench/kernels.py is the benchmark).
+
+    ncu --clock-control none --kernel-name regex:'gate_up|down_kernel|align' \\
+        --section LaunchStats --section Occupancy --section WarpStateStats \\
+        python3 bench/ncu_moe.py [--shape qwen3-30b-a3b] [--m 64]
+
+Each case runs twice, so the second launch of each kernel is the one to read (the first may
+pay for cold caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from kernels import DEV, DT, SHAPES, batch_info, lora_pool  # noqa: E402
+
+from moelora.kernels import reference  # noqa: E402
+from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    parser.add_argument("--m", type=int, default=64)
+    args = parser.parse_args()
+    E, H, I, K, _ = SHAPES[args.shape]
+    torch.manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5
+    w2 = torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5
+    lora13, lora2 = lora_pool(E, H, I, 16, 16)
+    x = torch.randn(args.m, H, dtype=DT, device=DEV)
+    tw, ti = reference.route_topk(torch.randn(args.m, E, device=DEV), K, renormalize=True)
+    for case in ("none", "distinct"):
+        info = batch_info(args.m, case, 16)
+        for _ in range(2):
+            fused_moe(x, w13, w2, tw, ti, lora13=lora13, lora2=lora2, info=info, sum_topk=False)
+        torch.cuda.synchronize()
+        print(f"ran {case}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
