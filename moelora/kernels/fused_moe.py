@@ -41,6 +41,7 @@ from moelora.kernels.moe_lora import (
     down_partial_shrink,
     expand_rows,
     lora_rows,
+    packed_walk,
     pair_shrink_block_k,
 )
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
@@ -118,6 +119,7 @@ def _gate_up_kernel(
     HAS_LORA: tl.constexpr,
     HAS_LORA2: tl.constexpr,
     DIRECT: tl.constexpr,
+    PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -189,7 +191,7 @@ def _gate_up_kernel(
                     xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
                     acc_g, acc_u = expand_rows(
                         acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, b_e,
-                        stride_bs, stride_bn, offs_n, I + offs_n, n_ok, S, BR, True,
+                        stride_bs, stride_bn, offs_n, I + offs_n, n_ok, S, BR, True, PACK,
                     )  # fmt: skip
 
     # -- activation and store --
@@ -208,7 +210,7 @@ def _gate_up_kernel(
                 a2_e = a2_ptr + expert.to(tl.int64) * stride_a2e
                 down_partial_shrink(
                     xa2_ptr, pair, h, slot_rows, rank_rows, a2_e, stride_a2s, stride_a2r,
-                    offs_n, n_ok, S, BM, BR,
+                    offs_n, n_ok, S, BM, BR, PACK,
                 )  # fmt: skip
 
 
@@ -290,6 +292,7 @@ def _down_kernel(
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
+    PACK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -330,7 +333,7 @@ def _down_kernel(
                 acc, _ = expand_rows(
                     acc, acc, xa, xa, slot_rows, rank_rows, scale_rows,
                     b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n,
-                    offs_n, n_ok, S, BR, False,
+                    offs_n, n_ok, S, BR, False, PACK,
                 )  # fmt: skip
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
@@ -481,6 +484,7 @@ def fused_moe(
     S = any_lora.a.shape[0] if any_lora is not None else 1
     BR = rank_block(any_lora.max_rank) if any_lora is not None else 16
     BKL = shrink_block_k(any_lora.max_rank) if any_lora is not None else 16
+    PACK = any_lora is not None and packed_walk(S, any_lora.max_rank)
     slot, enabled, rank, scaling, any_on = (
         (
             info.slot_of_token,
@@ -527,7 +531,7 @@ def fused_moe(
         x, w13, h, ids, sorted_pair, expert_of_block,
         slot, enabled, rank, scaling, a13, b13, xa13, a2, xa2, any_on,
         H, I, x.stride(0), w13.stride(0), w13.stride(1), *sa13, *sb13, sa2[0], sa2[1], sa2[3],
-        K=K, S=S, HAS_LORA=has13, HAS_LORA2=has2, DIRECT=cfg.direct,
+        K=K, S=S, HAS_LORA=has13, HAS_LORA2=has2, DIRECT=cfg.direct, PACK=PACK,
         BM=BM, BN=cfg.block_n, BK=cfg.block_k, BKL=BKL, BR=BR, **launch,
     )  # fmt: skip
 
@@ -547,7 +551,7 @@ def fused_moe(
     pair_out = torch.empty(P, H, dtype=x.dtype, device=x.device)
     _down_kernel[(NB, grid_n)](
         h, w2, pair_out, weights, ids, sorted_pair, expert_of_block, *down_args[:6], xa2, any_on,
-        *down_args[6:], **down_meta, **launch,
+        *down_args[6:], PACK=PACK, **down_meta, **launch,
     )  # fmt: skip
     if not sum_topk:
         return pair_out.view(T, K, H)

@@ -110,6 +110,45 @@ def _slot_rank(slot_rows, rank_rows, s):
 
 
 @triton.jit
+def _or(a, b):
+    return a | b
+
+
+@triton.jit
+def _walk_start(slot_rows, rank_rows, PACK: tl.constexpr):
+    """With PACK (S <= 8 slots, ranks < 128: packed_walk), the block's slots and ranks in one
+    int64, byte s = slot s's rank (0: no row has it; bit 63 stays clear): one reduction across
+    the block's warps for the whole walk, where next_slot and _slot_rank are two a step. Else 0
+    (unused)."""
+    if PACK:
+        shift = (8 * tl.maximum(slot_rows, 0)).to(tl.int64)
+        bits = tl.where(slot_rows >= 0, rank_rows.to(tl.int64) << shift, tl.zeros_like(shift))
+        return tl.reduce(bits, 0, _or)
+    else:
+        return 0
+
+
+@triton.jit
+def _walk_next(slot_rows, rank_rows, packed, s, S: tl.constexpr, PACK: tl.constexpr):
+    """(The smallest slot above s that a row of the block uses, or S; its rank, 0 for S.)
+    With PACK it is read off packed in scalar arithmetic: the lowest set bit above byte s
+    (x & -x), its index from the exponent of its exact float32."""
+    if PACK:
+        later = s + 1 < S
+        rest = packed >> (8 * tl.minimum(s + 1, S - 1)).to(tl.int64)
+        rest = tl.where(later, rest, tl.zeros_like(rest))
+        low = rest & -rest
+        bit = (low.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+        nxt = tl.where(rest != 0, s + 1 + bit // 8, S)
+        byte = packed >> (8 * tl.minimum(nxt, S - 1)).to(tl.int64)
+        rank = tl.where(nxt < S, (byte & 255).to(tl.int32), 0)
+    else:
+        nxt = next_slot(slot_rows, s, S)
+        rank = _slot_rank(slot_rows, rank_rows, nxt)
+    return nxt, rank
+
+
+@triton.jit
 def _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n, n_ok, rank, BR: tl.constexpr):
     """[BR, BN]: B[s, offs_n, :BR].T, rows past the rank masked off (never read)."""
     offs_r = tl.arange(0, BR)
@@ -146,17 +185,16 @@ def down_partial_shrink(
     S: tl.constexpr,
     BM: tl.constexpr,
     BR: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     """xa2[pair] += h[:, cols] @ A2[s, e, :, cols].T, per row's slot (the other columns' shares
     come from the other column blocks). Walks the block's slots as expand_rows does."""
     part = tl.zeros((BM, BR), dtype=tl.float32)
-    s = next_slot(slot_rows, -1, S)
-    at = _a_tile(
-        a_ptr, s, stride_as, stride_ar, offs_n, n_ok, _slot_rank(slot_rows, rank_rows, s), BR
-    )
+    packed = _walk_start(slot_rows, rank_rows, PACK)
+    s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
+    at = _a_tile(a_ptr, s, stride_as, stride_ar, offs_n, n_ok, rank, BR)
     while s < S:
-        s_next = next_slot(slot_rows, s, S)
-        rank_next = _slot_rank(slot_rows, rank_rows, s_next)
+        s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
         at_next = _a_tile(a_ptr, s_next, stride_as, stride_ar, offs_n, n_ok, rank_next, BR)
         part = dot(tl.where((slot_rows == s)[:, None], h, 0.0).to(at.dtype), at, part)
         s = s_next
@@ -186,6 +224,7 @@ def expand_rows(
     S: tl.constexpr,
     BR: tl.constexpr,
     TWO: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     """acc_i[m] += scaling[s] * xa_i[m] @ B[s, cols_i].T for each row m of slot s, i < 2 if TWO
     (gate and up share the walk). Only the slots the block's rows use are visited, in
@@ -195,15 +234,14 @@ def expand_rows(
     down +18 µs per layer at 64 tokens of 8 adapters on an H200)."""
     xs0 = xa0 * scale_rows[:, None]
     xs1 = xa1 * scale_rows[:, None]
-    s = next_slot(slot_rows, -1, S)
-    rank = _slot_rank(slot_rows, rank_rows, s)
+    packed = _walk_start(slot_rows, rank_rows, PACK)
+    s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
     bt0 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n0, n_ok, rank, BR)
     bt1 = bt0
     if TWO:
         bt1 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n1, n_ok, rank, BR)
     while s < S:
-        s_next = next_slot(slot_rows, s, S)
-        rank_next = _slot_rank(slot_rows, rank_rows, s_next)
+        s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
         bt0_next = _b_tile(b_ptr, s_next, stride_bs, stride_bn, offs_n0, n_ok, rank_next, BR)
         bt1_next = bt0_next
         if TWO:
@@ -225,3 +263,8 @@ def pair_shrink_block_k(BR: int) -> int:
     """Input chunk of pair_shrink: [2 * BR / PAIR_SPLITS, BKS] tiles of A, about 8K elements
     (all of a 2048-wide row at rank 16: one round trip)."""
     return max(64, 8192 // (2 * BR // PAIR_SPLITS))
+
+
+def packed_walk(num_slots: int, max_rank: int) -> bool:
+    """Whether the epilogues' slot walk reads the slots and ranks off one int64 (PACK)."""
+    return num_slots <= 8 and max_rank < 128

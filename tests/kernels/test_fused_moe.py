@@ -64,6 +64,34 @@ def test_pair_shrink_jobs_give_the_same_bits_on_fewer_programs(poison_empty, mon
     assert rel_err(one_each, reference.fused_moe(*args, **lora)) <= TOL[torch.float16]
 
 
+def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeypatch):
+    """With at most 8 slots the epilogues read the block's slots and ranks off one int64
+    (moe_lora.packed_walk); past that they walk by reductions. Both visit the same slots with
+    the same ranks, so the bits agree: 64 tokens over 8 slots of ranks 0..16, with the packed
+    walk and with it turned off; and 16 slots, past the packed walk, against the reference."""
+    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe_lora import packed_walk
+
+    assert packed_walk(8, 64) and not packed_walk(9, 16) and not packed_walk(8, 128)
+    args, lora = moe_case(64, 8, 2, "mixed", torch.float16)
+    packed = fused_moe(*args, **lora, config=WIDE)
+    monkeypatch.setattr(module, "packed_walk", lambda num_slots, max_rank: False)
+    assert torch.equal(fused_moe(*args, **lora, config=WIDE), packed)
+    assert rel_err(packed, reference.fused_moe(*args, **lora)) <= TOL[torch.float16]
+    monkeypatch.undo()
+
+    T, E = 40, 8
+    args, _ = moe_case(T, E, 2, "none", torch.float32)
+    info = batch_info(T, "distinct", num_slots=16)
+    lora = dict(
+        lora13=lora_weights(16, (E,), 2, 16, H, (I, I), info.rank_of_slot, torch.float32),
+        lora2=lora_weights(16, (E,), 1, 16, I, (H,), info.rank_of_slot, torch.float32),
+        info=info,
+    )
+    out = fused_moe(*args, **lora, config=GROUPED)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= 1e-5
+
+
 @pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_moe_top_k_rows_sum_to_its_output(poison_empty, config, dtype):
