@@ -38,6 +38,7 @@ from moelora.kernels.moe_align import align_kernel, align_plan, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import (
     PAIR_SPLITS,
+    block_slots,
     down_partial_shrink,
     expand_rows,
     lora_rows,
@@ -173,8 +174,9 @@ def _gate_up_kernel(
     if HAS_LORA or HAS_LORA2:
         slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
     if HAS_LORA:
-        if lora_on:
-            if tl.max(slot_rows, axis=0) >= 0:
+        if lora_on:  # a base-only step skips even the reduction of block_slots
+            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            if any_rows:
                 b_e = b_ptr + expert.to(tl.int64) * stride_be
                 if DIRECT:  # no align kernel ran: shrink here
                     a_e = a_ptr + expert.to(tl.int64) * stride_ae
@@ -190,7 +192,7 @@ def _gate_up_kernel(
                     xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
                     xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
                     acc_g, acc_u = expand_rows(
-                        acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, b_e,
+                        acc_g, acc_u, xa_g, xa_u, slot_rows, rank_rows, scale_rows, packed, b_e,
                         stride_bs, stride_bn, offs_n, I + offs_n, n_ok, S, BR, True, PACK,
                     )  # fmt: skip
 
@@ -206,10 +208,11 @@ def _gate_up_kernel(
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2 and not DIRECT:
         if lora_on:
-            if tl.max(slot_rows, axis=0) >= 0:
+            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            if any_rows:
                 a2_e = a2_ptr + expert.to(tl.int64) * stride_a2e
                 down_partial_shrink(
-                    xa2_ptr, pair, h, slot_rows, rank_rows, a2_e, stride_a2s, stride_a2r,
+                    xa2_ptr, pair, h, slot_rows, rank_rows, packed, a2_e, stride_a2s, stride_a2r,
                     offs_n, n_ok, S, BM, BR, PACK,
                 )  # fmt: skip
 
@@ -323,7 +326,8 @@ def _down_kernel(
     if HAS_LORA:
         slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
         if lora_on:
-            if tl.max(slot_rows, axis=0) >= 0:
+            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            if any_rows:
                 offs_r = tl.arange(0, BR)
                 xa = tl.load(
                     xa2_ptr + pair[:, None] * BR + offs_r[None, :],
@@ -331,7 +335,7 @@ def _down_kernel(
                     other=0.0,
                 )
                 acc, _ = expand_rows(
-                    acc, acc, xa, xa, slot_rows, rank_rows, scale_rows,
+                    acc, acc, xa, xa, slot_rows, rank_rows, scale_rows, packed,
                     b_ptr + expert.to(tl.int64) * stride_be, stride_bs, stride_bn, offs_n,
                     offs_n, n_ok, S, BR, False, PACK,
                 )  # fmt: skip

@@ -21,3 +21,15 @@ def test_route_topk_matches_reference(poison_empty, T, E, K, scoring, renormaliz
 def test_route_topk_rejects_unknown_scoring():
     with pytest.raises(ValueError, match="scoring"):
         route_topk(torch.randn(2, 4), 1, scoring="relu", renormalize=False)
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_route_topk_breaks_ties_toward_the_lower_expert(scoring):
+    # few distinct values per row: most of the k winners tie with another expert
+    T, E, K = 9, 40, 6
+    logits = torch.randint(-2, 3, (T, E)).float()
+    weights, ids = route_topk(logits, K, scoring=scoring, renormalize=False)
+    scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids.long(), order.indices[:, :K])
+    torch.testing.assert_close(weights, order.values[:, :K], rtol=1e-6, atol=1e-7)
