@@ -2,16 +2,20 @@
 adapters must be copied into slots first. It owns the waiting/running queues, the pages and
 the slot references; the engine carries the plan out.
 
-- Running requests go first (decode or the next chunk of a prefill), oldest first; the step's
-  rows are then grouped by adapter slot.
+- Running requests go first (decode or the next chunk of a prefill), oldest first (by
+  arrival: the running list is kept in that order, also for requests a preemption sent back);
+  the step's rows are then grouped by adapter slot.
 - Waiting requests are admitted while the token budget, free pages, max_num_seqs and adapter
   slots allow. A request whose adapter cannot get a slot waits; others may pass it.
-- When pages run out, the newest running request is preempted by recompute: its pages and its
-  slot reference are freed and it goes back to the front of the waiting queue.
+- When pages run out, the newest running request (by arrival) is preempted by recompute: its
+  pages and its slot reference are freed and it goes back to the front of the waiting queue.
+  Readmitted, an old request takes its place among the running by age again, so it is not
+  the next victim (appended at the end, it would be, and could starve).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -104,7 +108,7 @@ class Scheduler:
                 if must_load:
                     plan.lora_loads.append((req.slot, req.lora))
             self.waiting.remove(req)
-            self.running.append(req)
+            bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
             plan.chunks.append(make_chunk(req, n))
             budget -= n

@@ -132,6 +132,24 @@ def test_preemption_frees_the_newest_request_and_recomputes_it():
     assert plan.chunks[0].request is new and plan.chunks[0].num_tokens == 5
 
 
+def test_a_request_admitted_late_keeps_its_age_and_the_newest_is_preempted():
+    """b arrives before c but waits for an adapter slot, so c is admitted first. When pages
+    run out, c (the newest) goes, not b: the running list is in arrival order, not admission
+    order (else a request that had to wait would be the first victim, again and again)."""
+    sched, _, _ = make_scheduler(num_pages=4, page_size=2, slots=1)
+    a, b, c = make_request(0, 2, "x"), make_request(1, 2, "y"), make_request(2, 2)
+    for r in (a, b, c):
+        sched.add(r)
+    run_step(sched)
+    assert sched.running == [a, c] and b.status is Status.WAITING  # y has no free slot
+    sched.finish(a, "stop")
+    run_step(sched)  # b admitted now that x's slot is idle
+    assert sched.running == [b, c]
+    while not (plan := run_step(sched)).preempted:
+        pass
+    assert plan.preempted == [c] and b.status is Status.RUNNING
+
+
 def test_abort_frees_pages_and_slot_reference():
     sched, pages, table = make_scheduler()
     req = make_request(0, 9, "a")
