@@ -16,6 +16,11 @@ ENGINE_FLAGS = (
     "max_loras",
     "max_lora_rank",
     "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "page_size",
+    "num_pages",
+    "max_graph_bs",
     "enforce_eager",
     "force_reference_kernels",
     "projections",
@@ -95,6 +100,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--max-num-seqs", type=int, default=256, help="most requests running in one step"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="prefill token budget of one step (chunked prefill)",
+    )
+    p.add_argument(
+        "--page-size", type=int, default=16, help="tokens per KV-cache page (vLLM's --block-size)"
+    )
+    p.add_argument(
+        "--num-pages",
+        type=int,
+        default=None,
+        help="KV-cache pages; default: as many as --gpu-memory-utilization allows",
+    )
+    p.add_argument(
+        "--max-graph-bs",
+        type=int,
+        default=256,
+        help="largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)",
+    )
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument(
         "--force-reference-kernels",
@@ -148,12 +177,10 @@ def _engine_config(args: argparse.Namespace):
     if not Path(model).is_dir():
         sys.exit(f"moelora: model {model!r} is not a folder: expected a Hugging Face model folder")
     options = {name: getattr(args, name) for name in ENGINE_FLAGS}
-    try:
-        return EngineConfig(
-            model=model, lora_modules=lora_modules, served_model_name=served_name, **options
-        )
-    except ValueError as e:
-        sys.exit(f"moelora: {e}")
+    # An invalid value raises ConfigError, which main turns into a one-line message.
+    return EngineConfig(
+        model=model, lora_modules=lora_modules, served_model_name=served_name, **options
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

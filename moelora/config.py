@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moelora.errors import ConfigError
 from moelora.kernels.ops import PROJECTIONS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -115,7 +116,7 @@ class EngineConfig:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+            raise ConfigError(f"device={device!r} but CUDA is not available on this machine")
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -134,4 +135,4 @@ class EngineConfig:
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: expected {expected}")
+        raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")

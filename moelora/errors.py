@@ -9,6 +9,10 @@ class InvalidRequestError(MoeloraError, ValueError):
     """A request or its sampling parameters cannot be served (HTTP 400)."""
 
 
+class ConfigError(MoeloraError, ValueError):
+    """The engine's configuration is invalid or cannot be met on this machine."""
+
+
 class ModelConfigError(MoeloraError, ValueError):
     """The model folder holds something this engine does not support."""
 

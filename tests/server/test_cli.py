@@ -1,4 +1,5 @@
-"""`moelora demo` (what `make run` runs) and its --serve variant, as subprocesses."""
+"""`moelora demo` (what `make run` runs) and its --serve variant, as subprocesses; the engine
+flags and the one-line config errors, in process."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from moelora import demo
+import moelora
+from moelora import cli, demo
+from moelora.config import EngineConfig
+from moelora.errors import ConfigError
 
 from .conftest import _free_port
 
@@ -59,3 +64,49 @@ def test_bench_reports_throughput_and_refuses_unknown_adapters(cache: Path) -> N
         [*cmd, *sizes, "--lora", "nope"], env=env, capture_output=True, text=True, timeout=180
     )
     assert bad.returncode != 0 and "'nope'" in bad.stderr
+
+
+KNOBS = {
+    "max_num_seqs": 7,
+    "max_num_batched_tokens": 96,
+    "page_size": 8,
+    "num_pages": 40,
+    "max_graph_bs": 12,
+}
+
+
+def test_engine_flags_reach_the_config_and_the_llm(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in KNOBS.items()]
+    args = cli._parser().parse_args(["generate", str(tmp_path), "--prompt", "x", *flags])
+    config = cli._engine_config(args)
+    assert {name: getattr(config, name) for name in KNOBS} == KNOBS
+    defaults = cli._engine_config(
+        cli._parser().parse_args(["generate", str(tmp_path), "--prompt", "x"])
+    )
+    assert defaults == EngineConfig(model=str(tmp_path))  # the flags' defaults are the config's
+
+    seen = {}
+    monkeypatch.setattr(moelora, "LLM", lambda model, **options: seen.update(options))
+    cli._llm(config)
+    assert {name: seen[name] for name in KNOBS} == KNOBS
+
+
+def test_a_bad_engine_flag_exits_with_one_line(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", str(tmp_path), "--prompt", "x", "--page-size", "0"])
+    assert str(exit_.value.code).startswith("moelora: page_size=0 is invalid: expected")
+
+
+def test_cuda_without_cuda_exits_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        EngineConfig(model=str(tmp_path), device="cuda").resolved()
+    # The config is valid; resolved() refuses it when the engine is built, inside the command.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["generate", str(tmp_path), "--prompt", "x", "--device", "cuda"])
+    message = str(exit_.value.code)
+    assert message.startswith("moelora: device='cuda'") and "CUDA is not available" in message
