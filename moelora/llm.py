@@ -61,19 +61,21 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < n:
-            for out in self.engine.step():
-                if out.finished:
-                    finished[out.request_id] = out
+        try:
+            while len(finished) < n:
+                for out in self.engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:  # Ctrl-C included: the next generate() starts from nothing
+            for rid in ids:
+                if rid not in finished:
+                    self.engine.abort_request(rid)
+            raise
         return [finished[rid] for rid in ids]
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            if self.engine.tokenizer is None:
-                raise InvalidRequestError(
-                    "this model folder has no tokenizer: give prompts as token id lists"
-                )
-            return self.engine.tokenizer.encode(prompt)
+            return self.engine.text_tokenizer("text prompts").encode(prompt)
         return list(prompt)
 
     def load_lora(self, name: str, path: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -36,8 +37,14 @@ from moelora.tokenizer import Tokenizer, eos_ids_from_folder
 
 log = logging.getLogger(__name__)
 
+
 _CPU_KV_BUDGET = 256 << 20  # bytes of KV cache on CPU when num_pages is not given
 _GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
+
+
+def _is_token(t: object) -> bool:
+    """A token id: an integer (numpy's integers too), not a bool."""
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,11 @@ class Engine:
             self.slot_table = SlotTable(cfg.max_loras)
         num_pages = cfg.num_pages or self._auto_num_pages(max_len)
         self.max_model_len = min(max_len, num_pages * cfg.page_size)
+        if self.max_model_len < max_len:  # said once here, not first at a refused prompt
+            log.warning(
+                "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
+                self.max_model_len, max_len, num_pages, cfg.page_size,
+            )  # fmt: skip
         kv = allocate_kv_caches(mc, num_pages, cfg.page_size, dtype=dtype, device=device)
         self.pages = PageAllocator(num_pages)
         self.scheduler = Scheduler(
@@ -156,6 +168,8 @@ class Engine:
     ) -> None:
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id={request_id!r} is already in use")
+        if params.stop:
+            self.text_tokenizer("stop strings")  # matched on the decoded text
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty: expected at least one token")
@@ -164,10 +178,10 @@ class Engine:
                 f"the prompt has {n} tokens, expected at most max_model_len={self.max_model_len}"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not (_is_token(t) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
+                f"prompt token id {bad[0]!r} is invalid: expected an integer in [0, {vocab})"
             )
         bad = [t for t in params.logit_bias or {} if t >= vocab]
         if bad:
@@ -194,7 +208,8 @@ class Engine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             gen = torch.Generator(device=self.config.torch_device).manual_seed(seed)
-        req = Request(request_id, list(prompt_token_ids), params, lora, next(self._arrivals), gen)
+        prompt = [int(t) for t in prompt_token_ids]
+        req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -228,6 +243,15 @@ class Engine:
                 self._requests.pop(req.request_id, None)
             outputs.append(req.to_output())
         return outputs
+
+    def text_tokenizer(self, needed_for: str) -> Tokenizer:
+        """The tokenizer, or an InvalidRequestError saying the model folder has none."""
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                f"{needed_for} need a tokenizer and this model folder has none: give prompts "
+                "as token id lists and stops as stop_token_ids"
+            )
+        return self.tokenizer
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         p = req.params

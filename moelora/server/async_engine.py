@@ -210,9 +210,9 @@ class AsyncEngine:
 
     def _add(self, engine: Any, request_id: str, inp: GenerateInput, tracked: _Tracked) -> list:
         if isinstance(inp.prompt, str):
-            prompt_ids = engine.tokenizer.encode(inp.prompt)
+            prompt_ids = engine.text_tokenizer("text prompts").encode(inp.prompt)
         elif inp.prompt and isinstance(inp.prompt[0], dict):
-            prompt_ids = engine.tokenizer.apply_chat_template(inp.prompt)
+            prompt_ids = engine.text_tokenizer("chat messages").apply_chat_template(inp.prompt)
         else:
             prompt_ids = list(inp.prompt)
         params = inp.params

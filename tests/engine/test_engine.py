@@ -107,12 +107,24 @@ def test_stop_token_ids_stop_strings_and_max_tokens(roomy):
     )[0]
     assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
     stop_text = base.text[3:5]
-    if stop_text:
-        out = roomy.generate(
-            [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, stop=[stop_text])
-        )[0]
-        assert out.finish_reason == "stop" and stop_text not in out.text
-        assert base.text.startswith(out.text)
+    assert stop_text, base.text  # else the stop string below would check nothing
+    out = roomy.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, stop=[stop_text])
+    )[0]
+    assert out.finish_reason == "stop" and stop_text not in out.text
+    assert base.text.startswith(out.text)
+
+
+def test_eos_stops_unless_ignored(roomy, monkeypatch):
+    """The model's end-of-sequence ids stop a request (finish_reason "stop", the id kept as
+    the last token), unless it sets ignore_eos."""
+    base = roomy.generate([PROMPTS[0]], GREEDY)[0]
+    eos = base.token_ids[4]
+    monkeypatch.setattr(roomy.engine, "eos_token_ids", frozenset({eos}))
+    out = roomy.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0))[0]
+    first = base.token_ids.index(eos)
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: first + 1]
+    assert roomy.generate([PROMPTS[0]], GREEDY)[0].token_ids == base.token_ids
 
 
 def test_max_model_len_is_enforced(model_and_adapter):
@@ -140,6 +152,72 @@ def test_abort_frees_pages_and_slot_reference(roomy):
     assert not engine.has_unfinished_requests()
 
 
+def test_abort_frees_everything_in_every_state(model_and_adapter):
+    """Waiting (never scheduled), mid-prefill (a chunk of its prompt computed), running,
+    preempted (sent back to waiting): each abort gives back its pages and slot reference."""
+    model, adapter = model_and_adapter
+    llm = LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8,
+              max_num_batched_tokens=8, page_size=4, num_pages=12, max_loras=1)  # fmt: skip
+    engine = llm.engine
+
+    def assert_empty():
+        stats = engine.stats()
+        assert stats.kv_pages_used == 0 and stats.num_running == stats.num_waiting == 0
+        assert engine.slot_table.refs == [0] * len(engine.slot_table.refs)
+        assert not engine.has_unfinished_requests()
+
+    engine.add_request("waiting", PROMPTS[2], GREEDY, "a")
+    engine.abort_request("waiting")
+    assert_empty()
+    engine.add_request("prefill", PROMPTS[2], GREEDY, "a")  # 30 tokens, 8 a step
+    engine.step()
+    assert 0 < engine._requests["prefill"].num_computed_tokens < len(PROMPTS[2])
+    engine.abort_request("prefill")
+    assert_empty()
+    for i, (prompt, lora) in enumerate(zip(PROMPTS, (None, "a", None, "a"))):
+        engine.add_request(f"r{i}", prompt, GREEDY, lora)
+    before = engine.scheduler.num_preemptions
+    while engine.scheduler.num_preemptions == before:
+        engine.step()
+    assert any(r.num_computed_tokens == 0 for r in engine.scheduler.waiting)  # a preempted one
+    for i in range(len(PROMPTS)):
+        engine.abort_request(f"r{i}")
+    assert_empty()
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, lora=[None, "a", None, "a"])]
+
+
+def test_a_failed_step_leaves_no_request_behind(model_and_adapter, monkeypatch):
+    """generate() that raises mid-way (here a step, as a bug or Ctrl-C would) aborts its
+    requests: the next generate() on the same LLM starts from an empty engine."""
+    model, _ = model_and_adapter
+    llm = LLM(model, device="cpu")
+    real_step, calls = llm.engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(llm.engine, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(PROMPTS, GREEDY)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().kv_pages_used == 0
+    assert len(llm.generate(PROMPTS, GREEDY)) == len(PROMPTS)
+
+
+def test_text_needs_a_tokenizer(model_and_adapter, monkeypatch):
+    """Without a tokenizer, text prompts and stop strings are refused with what to do."""
+    model, _ = model_and_adapter
+    llm = LLM(model, device="cpu")
+    monkeypatch.setattr(llm.engine, "tokenizer", None)
+    with pytest.raises(InvalidRequestError, match="text prompts need a tokenizer"):
+        llm.generate(["hello"], GREEDY)
+    with pytest.raises(InvalidRequestError, match="stop strings need a tokenizer"):
+        llm.generate([PROMPTS[0]], SamplingParams(stop=["x"]))
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_seeded_sampling_repeats_and_logprobs_hold_the_chosen_token(roomy):
     params = SamplingParams(
         max_tokens=8, temperature=0.9, top_p=0.9, top_k=50, seed=11, logprobs=3, ignore_eos=True
@@ -156,6 +234,8 @@ def test_requests_the_engine_cannot_serve_are_refused_before_anything_runs(roomy
         roomy.generate([PROMPTS[0]], SamplingParams(logprobs=100000))
     with pytest.raises(InvalidRequestError, match="prompt token id 9999"):
         roomy.generate([[1, 9999]], GREEDY)
+    with pytest.raises(InvalidRequestError, match="prompt token id 2.0 is invalid: expected an"):
+        roomy.generate([[1, 2.0]], GREEDY)
     with pytest.raises(InvalidRequestError, match="lora has 1 entries"):
         roomy.generate(PROMPTS[:2], GREEDY, lora=["a"])
     assert not roomy.engine.has_unfinished_requests()
@@ -170,6 +250,14 @@ def test_bad_sampling_params_are_refused_with_the_value_named():
         SamplingParams(top_p=0)
     with pytest.raises(InvalidRequestError, match="max_tokens=0"):
         SamplingParams(max_tokens=0)
+    # values of the wrong type would fail inside a step, failing its batch-mates too
+    for kw in (dict(logprobs=1.5), dict(prompt_logprobs=True), dict(top_k=2.5),
+               dict(seed=1.5), dict(stop_token_ids=5), dict(stop_token_ids=[1.0]),
+               dict(stop_token_ids=[-1]), dict(temperature=float("inf")),
+               dict(temperature=float("nan")), dict(temperature="0.5")):  # fmt: skip
+        (name,) = kw
+        with pytest.raises(InvalidRequestError, match=f"{name}=.* is invalid"):
+            SamplingParams(**kw)
 
 
 def test_incremental_detokenization_equals_decoding_everything(model_and_adapter):

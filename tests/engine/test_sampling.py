@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from moelora.errors import InvalidRequestError
-from moelora.sampling import SamplingParams, adjust_logits, sample
+from moelora.sampling import MIN_TEMPERATURE, SamplingParams, adjust_logits, sample
 
 
 def adjusted_by_loop(logits, p, prompt, generated):
@@ -81,3 +81,15 @@ def test_logit_bias_forces_and_forbids_tokens():
     second = logits[1].clone()
     second[top] = float("-inf")
     assert results[1].token_id == int(second.argmax())
+
+
+def test_a_tiny_temperature_is_raised_to_the_floor_and_samples_finite_probabilities():
+    """vLLM's rule: 0 < temperature < 0.01 becomes 0.01 (1e-40 would overflow the logits to
+    inf and the softmax to NaN); 0 stays greedy."""
+    params = SamplingParams(temperature=1e-40)
+    assert params.temperature == MIN_TEMPERATURE and not params.greedy
+    assert SamplingParams(temperature=0).greedy
+    logits = torch.randn(2, 50)
+    logits[:, 7] = logits.max() + 1  # a gap of 1 is 100 at 0.01: e^-100 for every other token
+    out = sample(logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)])
+    assert [r.token_id for r in out] == [7, 7]
