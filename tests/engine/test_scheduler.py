@@ -67,6 +67,18 @@ def test_admission_is_limited_by_adapter_slots_and_busy_slots_are_never_evicted(
     assert b.status is Status.RUNNING and plan.lora_loads == [(0, "b")]
 
 
+def test_admission_is_limited_by_max_num_seqs():
+    sched, _, _ = make_scheduler(num_pages=64, max_seqs=2)
+    reqs = [make_request(i, 3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    run_step(sched)
+    assert sched.running == reqs[:2] and list(sched.waiting) == reqs[2:]
+    sched.finish(reqs[0], "stop")
+    run_step(sched)
+    assert sched.running == reqs[1:]
+
+
 def test_second_request_of_a_loaded_adapter_needs_no_load():
     sched, _, _ = make_scheduler(slots=1)
     sched.add(make_request(0, 3, "a"))
