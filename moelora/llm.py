@@ -51,25 +51,18 @@ class LLM:
         loras = _per_prompt(lora, n, "lora")
         token_ids = [self._encode(p) for p in prompts]
         ids = [f"offline-{next(self._ids)}" for _ in range(n)]
-        added = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for rid, toks, p, name in zip(ids, token_ids, params, loras):
                 self.engine.add_request(rid, toks, p, name)
-                added.append(rid)
-        except Exception:
-            for rid in added:  # nothing half-done stays behind
-                self.engine.abort_request(rid)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        try:
             while len(finished) < n:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
-        except BaseException:  # Ctrl-C included: the next generate() starts from nothing
+        except BaseException:  # a refused request, a failed step, Ctrl-C: nothing stays behind
             for rid in ids:
                 if rid not in finished:
-                    self.engine.abort_request(rid)
+                    self.engine.abort_request(rid)  # a no-op for those never added
             raise
         return [finished[rid] for rid in ids]
 
