@@ -442,12 +442,23 @@ def _error(r: httpx.Response, status: int) -> dict:
         {"logit_bias": {"5": 101}},
         {"logit_bias": {"100000000": 1}},
         {"repetition_penalty": 0},
+        {"stop_token_ids": [-1]},
     ],
 )
 def test_bad_completion_params_are_400(server: Server, body: dict) -> None:
     full = {"model": "sql", "prompt": "hello", "max_tokens": 4, **body}
     r = httpx.post(f"{server.url}/v1/completions", json=full, headers=server.headers)
     _error(r, 400)
+
+
+def test_a_tiny_temperature_samples(server: Server) -> None:
+    """1e-40 is raised to vLLM's floor of 0.01 (dividing the logits by it made NaN, and the
+    step failed for every request in it)."""
+    body = {"model": "sql", "prompt": "hello", "max_tokens": 4, "temperature": 1e-40,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
 
 
 def test_bad_chat_params_are_400(server: Server) -> None:
