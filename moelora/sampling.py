@@ -37,8 +37,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-               "an integer >= 1")  # fmt: skip
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 1",
+        )
         _check(
             _is_number(self.temperature) and 0 <= self.temperature < math.inf,
             "temperature",
@@ -48,21 +52,31 @@ class SamplingParams:
         if 0 < self.temperature < MIN_TEMPERATURE:
             log.warning(
                 "temperature=%g is below %g, where the logits overflow: %g is used",
-                self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE,
-            )  # fmt: skip
+                self.temperature,
+                MIN_TEMPERATURE,
+                MIN_TEMPERATURE,
+            )
             object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         _check(
-            _is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
+            _is_number(self.top_p) and 0 < self.top_p <= 1,
+            "top_p",
+            self.top_p,
             "a number in (0, 1]",
-        )  # fmt: skip
+        )
         _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1), "top_k", self.top_k,
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
+            "top_k",
+            self.top_k,
             "-1 or an integer >= 1",
-        )  # fmt: skip
+        )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and value >= 0), name, value,
-                   "None or an integer >= 0")  # fmt: skip
+            _check(
+                value is None or (_is_int(value) and value >= 0),
+                name,
+                value,
+                "None or an integer >= 0",
+            )
         _check(
             self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
             "seed",
@@ -93,9 +107,11 @@ class SamplingParams:
         for token, bias in (self.logit_bias or {}).items():
             _check(_is_int(token) and token >= 0, "logit_bias token", token, "an id >= 0")
             _check(
-                _is_number(bias) and -100 <= bias <= 100, f"logit_bias[{token}]", bias,
+                _is_number(bias) and -100 <= bias <= 100,
+                f"logit_bias[{token}]",
+                bias,
                 "a number in [-100, 100]",
-            )  # fmt: skip
+            )
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
         _check(

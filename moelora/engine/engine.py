@@ -100,8 +100,11 @@ class Engine:
         if self.max_model_len < max_len:  # said once here, not first at a refused prompt
             log.warning(
                 "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
-                self.max_model_len, max_len, num_pages, cfg.page_size,
-            )  # fmt: skip
+                self.max_model_len,
+                max_len,
+                num_pages,
+                cfg.page_size,
+            )
         kv = allocate_kv_caches(mc, num_pages, cfg.page_size, dtype=dtype, device=device)
         self.pages = PageAllocator(num_pages)
         self.scheduler = Scheduler(
