@@ -37,7 +37,6 @@ from moelora.tokenizer import Tokenizer, eos_ids_from_folder
 
 log = logging.getLogger(__name__)
 
-
 _CPU_KV_BUDGET = 256 << 20  # bytes of KV cache on CPU when num_pages is not given
 _GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
 

@@ -2,15 +2,15 @@
 
 Semantics: w, ids = topk(score(logits)); w /= w.sum() if renormalize.
 
-Algorithm. A program owns BT tokens and holds their whole row of E scores (E <= a few
-hundred) in registers. It takes the maximum k times, each time masking the winner out, so the
-experts come out in descending score order like torch.topk; ties go to the lower expert id.
-Each round is one reduction: a score is >= 0 (softmax or sigmoid), so its float32 bits order
-as the scores do, and the key (bits << 32) | (E_PAD - 1 - expert) orders by score, then by
-lower expert id; the maximum key is the winner and holds both. At decode sizes a program owns
-one token in one warp: the reductions stay inside the warp (no barrier), and the k rounds are
-the kernel's latency (two reductions a round, 16 tokens in four warps: 3.6 µs at one token on an
-H200).
+Algorithm. A program owns one token (BT = 1; one warp up to 512 experts) and holds its whole
+row of E scores in registers. It takes the maximum k times, each time masking the winner out,
+so the experts come out in descending score order like torch.topk; ties go to the lower expert
+id. Each round is one reduction, inside the warp (shuffles, no barrier): a score is >= 0
+(softmax or sigmoid), so its float32 bits order as the scores do, and the key
+(bits << 32) | (E_PAD - 1 - expert) orders by score, then by lower expert id; the maximum key
+is the winner and holds both. The layout is the same at every T, so a token's weights do not
+depend on its batch. (Two reductions a round, 16 tokens in four warps: 3.6 µs a layer at one
+token on an H200; this: 2.3 µs.)
 """
 
 from __future__ import annotations
@@ -105,9 +105,7 @@ def route_topk(
     if T == 0:
         return weights, ids
     E_PAD = triton.next_power_of_2(E)
-    # one token a program, in one warp up to 512 experts: the rounds' reductions are shuffles.
-    # The same layout at every T: the softmax sums, hence the weights, do not depend on T
-    BT = 1
+    BT = 1  # see the module docstring
     warps = max(1, min(8, E_PAD // 512))
     _route_topk_kernel[(triton.cdiv(T, BT),)](
         router_logits, weights, ids, T, E, router_logits.stride(0),
