@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -60,7 +61,7 @@ class EngineConfig:
             f"'auto' or one of {sorted(_DTYPES)}",
         )
         _check(
-            self.device == "auto" or self.device.split(":")[0] in ("cpu", "cuda"),
+            self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
             "device",
             self.device,
             "'auto', 'cpu' or 'cuda[:N]'",
@@ -117,6 +118,11 @@ class EngineConfig:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"device={device!r} but CUDA is not available on this machine")
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            raise ConfigError(
+                f"device={device!r} is invalid: this machine has {torch.cuda.device_count()} "
+                f"CUDA devices, expected cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
+            )
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"

@@ -4,6 +4,7 @@ does not depend on its batch-mates, and a base batch after a mixed one equals Lo
 Skipped without CUDA; run on the device by scripts/gpu-check.
 """
 
+import concurrent.futures
 import random
 
 import hf_fixtures as hf
@@ -168,3 +169,28 @@ def test_base_batch_after_a_mixed_one_equals_lora_disabled(assets):
     assert [o.token_ids for o in base_after] == [o.token_ids for o in base]
     assert [o.token_ids for o in mixed] != [o.token_ids for o in base]  # adapters did act
     assert with_lora.engine.stats().graph_replays > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_an_engine_on_cuda_1_matches_one_on_cuda_0_and_leaves_cuda_0_alone(assets):
+    """device="cuda:1" while this thread's current device is cuda:0: capture, replay and every
+    Triton launch must follow the engine's device. Steps run on another thread, as the server's
+    engine thread does, whose current device is cuda:0 too."""
+    model, adapters = assets
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 30))] for _ in range(9)]
+    names = [list(adapters)[i % NUM_ADAPTERS] if i % 3 else None for i in range(9)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    kwargs = dict(lora_modules=adapters, max_loras=NUM_ADAPTERS, max_lora_rank=64, dtype="bfloat16")
+    first = LLM(model, device="cuda:0", max_graph_bs=16, max_num_seqs=16, **kwargs, **ENGINE)
+    expected = [o.token_ids for o in first.generate(prompts, params, lora=names)]
+    torch.cuda.set_device(0)
+    on_0 = torch.cuda.memory_allocated(0)
+    second = LLM(model, device="cuda:1", max_graph_bs=16, max_num_seqs=16, **kwargs, **ENGINE)
+    assert second.engine.runner.graphs is not None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # its exception re-raises here
+        out = pool.submit(second.generate, prompts, params, lora=names).result()
+    assert [o.token_ids for o in out] == expected
+    assert second.engine.stats().graph_replays > 0
+    assert torch.cuda.memory_allocated(0) == on_0, "the cuda:1 engine allocated on cuda:0"
+    assert torch.cuda.memory_allocated(1) > 0

@@ -4,6 +4,7 @@ flags and the one-line config errors, in process."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,19 @@ def test_cuda_without_cuda_exits_with_one_line(
         cli.main(["generate", str(tmp_path), "--prompt", "x", "--device", "cuda"])
     message = str(exit_.value.code)
     assert message.startswith("moelora: device='cuda'") and "CUDA is not available" in message
+
+
+@pytest.mark.parametrize("device", ["cuda:x", "gpu", "cuda:-1", "cpu:"])
+def test_a_malformed_device_is_refused(tmp_path: Path, device: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"device={device!r} is invalid")):
+        EngineConfig(model=str(tmp_path), device=device)
+
+
+def test_a_cuda_index_past_the_last_gpu_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert EngineConfig(model=str(tmp_path), device="cuda:1").resolved().device == "cuda:1"
+    with pytest.raises(ConfigError, match=r"device='cuda:2' is invalid: .* cuda:0 \.\. cuda:1"):
+        EngineConfig(model=str(tmp_path), device="cuda:2").resolved()
