@@ -35,6 +35,8 @@ from moelora.kernels.lora import lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
 
+SHRINK_WIDE_T = 32  # rows from which a norm program shrinks twice the rank rows
+
 # Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
 
 
@@ -216,6 +218,17 @@ def rms_norm(
     return out, s
 
 
+def _rank_rows_per_step(T: int, rows: int, BLOCK: int, num_warps: int, shrink: bool) -> int:
+    """RC rank rows per step (the shrink: per program), a [RC, BLOCK] tile of A (or [BLOCK, RC]
+    of B): at most 64 values per lane. A shrink's at a few rows, at most 32: a row's A is then
+    read by more programs at once, each redoing the row's norm from L2; at a token or a few
+    they are the whole launch, bound by how many loads each has in flight. From SHRINK_WIDE_T
+    rows on there are programs enough, and each one's norm (its KX top-k rows, the residual
+    and the weight: 40 KB at Qwen3's top 8) costs more L2 traffic than its A tile."""
+    per_lane = 64 if not shrink or T >= SHRINK_WIDE_T else 32
+    return max(1, min(triton.next_power_of_2(rows), per_lane * 32 * num_warps // BLOCK))
+
+
 def rms_norm_lora(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -271,12 +284,7 @@ def rms_norm_lora(
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
         # program: twice the warps halve the steps
         num_warps = min(2 * num_warps, 16)
-    # RC rank rows per step (the shrink: per program): a [RC, BLOCK] tile of A (or [BLOCK, RC]
-    # of B) is at most 64 values per lane; a shrink's at most 32, so a row's A is read by more
-    # programs at once (each redoes the row's norm from L2): at a token or a few they are the
-    # whole launch, bound by how many loads each has in flight
-    per_lane = 32 if shrink is not None else 64
-    RC = max(1, min(triton.next_power_of_2(NS * R), per_lane * 32 * num_warps // BLOCK))
+    RC = _rank_rows_per_step(T, NS * R, BLOCK, num_warps, shrink is not None)
     res = x if residual is None else residual
     _rms_norm_kernel[(T, triton.cdiv(NS * R, RC) if shrink is not None else 1)](
         x, res, weight, out, s,

@@ -262,6 +262,19 @@ def test_rms_norm_lora_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_lora_wide_shrink_programs(poison_empty, monkeypatch, dtype):
+    """From SHRINK_WIDE_T rows on, a program shrinks twice the rank rows (half the programs a
+    row): the same sums, checked at 7 rows with the threshold lowered to 1."""
+    from moelora.kernels import norm_rope
+
+    assert norm_rope._rank_rows_per_step(7, 48, 64, 1, True) == 16
+    monkeypatch.setattr(norm_rope, "SHRINK_WIDE_T", 1)
+    assert norm_rope._rank_rows_per_step(7, 48, 64, 1, True) == 32
+    torch.manual_seed(33)
+    _check_rms_norm_lora(*_norm_lora_inputs(dtype, 7, "distinct", True, "both", 16, KS=2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rms_norm_lora_pool_rank_32(poison_empty, dtype):
     """Pool rank 32 with slot ranks {0, 1, 19, 32}: rank rows past 16, in both halves."""
     torch.manual_seed(32)
