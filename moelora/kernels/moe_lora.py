@@ -263,10 +263,10 @@ def expand_rows(
 PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16
 
 
-def pair_shrink_block_k(BR: int) -> int:
-    """Input chunk of pair_shrink: [2 * BR / PAIR_SPLITS, BKS] tiles of A, about 8K elements
-    (all of a 2048-wide row at rank 16: one round trip)."""
-    return max(64, 8192 // (2 * BR // PAIR_SPLITS))
+def pair_shrink_block_k(BR: int, splits: int) -> int:
+    """Input chunk of pair_shrink: [2 * BR / splits, BKS] tiles of A, about 8K elements (all
+    of a 2048-wide row at rank 16 and 8 splits: one round trip)."""
+    return max(64, 8192 // (2 * BR // splits))
 
 
 def packed_walk(num_slots: int, max_rank: int) -> bool:

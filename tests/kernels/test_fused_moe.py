@@ -64,6 +64,18 @@ def test_pair_shrink_jobs_give_the_same_bits_on_fewer_programs(poison_empty, mon
     assert rel_err(one_each, reference.fused_moe(*args, **lora)) <= TOL[torch.float16]
 
 
+@pytest.mark.parametrize("R", [16, 64])
+def test_pair_shrink_in_half_the_splits(poison_empty, monkeypatch, R):
+    """From HALF_SPLITS_FROM pairs on, each shrink job does twice the rows of a pair (8 at rank
+    16, 32 at rank 64: still within gate's or up's half): lowered to 1 here, at 7 tokens."""
+    from moelora.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "HALF_SPLITS_FROM", 1)
+    args, lora = moe_case(7, 8, 2, "mixed", torch.float32, R=R)
+    out = fused_moe(*args, **lora, config=GROUPED)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
+
+
 def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeypatch):
     """With at most 8 slots the epilogues read the block's slots and ranks off one int64
     (moe_lora.packed_walk); past that they walk by reductions. Both visit the same slots with
