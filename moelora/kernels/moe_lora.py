@@ -7,10 +7,11 @@ Semantics (per (token, expert e) pair whose slot s is enabled):
 Algorithm. A shrink reads the whole input row (H or I long) but produces only `rank` numbers, so
 repeating it in every column block of the GEMMs (as lora.lora_delta does) costs a serial loop
 per program. Here it is split by who has the data anyway:
-  - x @ A13.T: extra programs of the align kernel walk PAIR_SPLITS jobs per pair
-    (`pair_shrink`), each writing a few of the pair's rows of xa13 [P, 2, R] (fp32) over all
-    of H. Jobs of pairs without an enabled slot exit at once; the programs do nothing when no
-    slot is enabled. The first job of each pair zeroes its xa2 row.
+  - x @ A13.T: extra programs of the align kernel walk PAIR_SPLITS jobs per pair (half as
+    many, twice the rows each, from fused_moe.HALF_SPLITS_FROM pairs on) (`pair_shrink`),
+    each writing a few of the pair's rows of xa13 [P, 2, R] (fp32) over all of H. Jobs of
+    pairs without an enabled slot exit at once; the programs do nothing when no slot is
+    enabled. The first job of each pair zeroes its xa2 row.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
     BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
