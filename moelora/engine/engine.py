@@ -66,81 +66,84 @@ class Engine:
         # the current CUDA device is per thread and graph capture, its memory pool and every
         # Triton launch follow it, not the tensors: on cuda:1 they must all run under it
         with self.on_device():
-            device, dtype = cfg.torch_device, cfg.torch_dtype
-            self.model_config, hf = read_model_config(cfg.model)
-            mc = self.model_config
-            if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
-                raise ModelConfigError(
-                    f"max_model_len={cfg.max_model_len} is invalid: expected at most the model's "
-                    f"max_position_embeddings={mc.max_position_embeddings}"
-                )
-            max_len = cfg.max_model_len or mc.max_position_embeddings
-            ops = make_ops(
-                device,
-                force_reference=cfg.force_reference_kernels,
-                projections=cfg.projections,
+            self._build(cfg)
+
+    def _build(self, cfg: EngineConfig) -> None:
+        device, dtype = cfg.torch_device, cfg.torch_dtype
+        self.model_config, hf = read_model_config(cfg.model)
+        mc = self.model_config
+        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+            raise ModelConfigError(
+                f"max_model_len={cfg.max_model_len} is invalid: expected at most the model's "
+                f"max_position_embeddings={mc.max_position_embeddings}"
             )
-            self.model = MoeCausalLM(mc, hf, max_len, ops, dtype=dtype, device=device)
-            with torch.no_grad():
-                if cfg.load_format == "dummy":
-                    fill_dummy(self.model, cfg.seed)
-                else:
-                    load_weights(self.model, cfg.model)
-            self.tokenizer = None
-            eos = eos_ids_from_folder(cfg.model, list(mc.eos_token_ids))
-            if Tokenizer.exists(cfg.model):
-                self.tokenizer = Tokenizer(cfg.model, eos)
-                eos = self.tokenizer.eos_token_ids
-            self.eos_token_ids = frozenset(eos)
-            self.slot_pool = self.slot_table = None
-            if cfg.enable_lora:
-                self.slot_pool = SlotPool(
-                    self.model, cfg.max_loras, cfg.max_lora_rank, dtype=dtype, device=device
-                )
-                self.slot_table = SlotTable(cfg.max_loras)
-            num_pages = cfg.num_pages or self._auto_num_pages(max_len)
-            self.max_model_len = min(max_len, num_pages * cfg.page_size)
-            if self.max_model_len < max_len:  # said once here, not first at a refused prompt
-                log.warning(
-                    "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
-                    self.max_model_len,
-                    max_len,
-                    num_pages,
-                    cfg.page_size,
-                )
-            kv = allocate_kv_caches(mc, num_pages, cfg.page_size, dtype=dtype, device=device)
-            self.pages = PageAllocator(num_pages)
-            self.scheduler = Scheduler(
-                SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size),
-                self.pages,
-                self.slot_table,
+        max_len = cfg.max_model_len or mc.max_position_embeddings
+        ops = make_ops(
+            device,
+            force_reference=cfg.force_reference_kernels,
+            projections=cfg.projections,
+        )
+        self.model = MoeCausalLM(mc, hf, max_len, ops, dtype=dtype, device=device)
+        with torch.no_grad():
+            if cfg.load_format == "dummy":
+                fill_dummy(self.model, cfg.seed)
+            else:
+                load_weights(self.model, cfg.model)
+        self.tokenizer = None
+        eos = eos_ids_from_folder(cfg.model, list(mc.eos_token_ids))
+        if Tokenizer.exists(cfg.model):
+            self.tokenizer = Tokenizer(cfg.model, eos)
+            eos = self.tokenizer.eos_token_ids
+        self.eos_token_ids = frozenset(eos)
+        self.slot_pool = self.slot_table = None
+        if cfg.enable_lora:
+            self.slot_pool = SlotPool(
+                self.model, cfg.max_loras, cfg.max_lora_rank, dtype=dtype, device=device
             )
-            self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, device)
-            if device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
-                self.runner.graphs = GraphRunner(
-                    self.model,
-                    kv,
-                    self.slot_pool,
-                    max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
-                    max_pages=pages_for(self.max_model_len, cfg.page_size),
-                    spare_page=num_pages,
-                    device=device,
-                )
-                self.runner.graphs.capture()
-            self.adapters: dict[str, LoraAdapter] = {}
-            self._requests: dict[str, Request] = {}
-            self._arrivals = itertools.count()
-            self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
-            for name, path in cfg.lora_modules.items():
-                self.load_lora(name, path)
-            log.info(
-                "engine ready: %s on %s (%s), %d KV pages of %d tokens",
-                mc.arch,
-                device,
-                cfg.dtype,
+            self.slot_table = SlotTable(cfg.max_loras)
+        num_pages = cfg.num_pages or self._auto_num_pages(max_len)
+        self.max_model_len = min(max_len, num_pages * cfg.page_size)
+        if self.max_model_len < max_len:  # said once here, not first at a refused prompt
+            log.warning(
+                "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
+                self.max_model_len,
+                max_len,
                 num_pages,
                 cfg.page_size,
             )
+        kv = allocate_kv_caches(mc, num_pages, cfg.page_size, dtype=dtype, device=device)
+        self.pages = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size),
+            self.pages,
+            self.slot_table,
+        )
+        self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, device)
+        if device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
+            self.runner.graphs = GraphRunner(
+                self.model,
+                kv,
+                self.slot_pool,
+                max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
+                max_pages=pages_for(self.max_model_len, cfg.page_size),
+                spare_page=num_pages,
+                device=device,
+            )
+            self.runner.graphs.capture()
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
+        for name, path in cfg.lora_modules.items():
+            self.load_lora(name, path)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens",
+            mc.arch,
+            device,
+            cfg.dtype,
+            num_pages,
+            cfg.page_size,
+        )
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The engine's CUDA device made current (for this thread) while the block runs."""
