@@ -522,9 +522,9 @@ def fused_moe(
         # programs 0..NA-1 align; with LoRA, NS more shrink the pairs (moe_lora.pair_shrink),
         # `splits` jobs a pair, at most MAX_SHRINK_PROGRAMS programs: each costs a base-only
         # step a load. Measured on an H200 (decode steps, 8 adapters): SHRINK_WARPS 8 instead
-        # of align's 4 made steps 0.6% faster at 64 tokens and 1.7% at one (it would cost
+        # of align's 4 made steps 1.5% faster at one token and 0.5% at 64 (it would cost
         # LoRA-disabled steps 0.4% at one token, so only a LoRA launch gets them); half the
-        # splits 0.6% faster at 512 pairs, 2.7% slower at 8 (half the programs)
+        # splits 0.5% more at 512 pairs, but 2.7% slower at 8 (half the programs)
         NA, align_meta = align_plan(P, NB)
         splits = PAIR_SPLITS if P < HALF_SPLITS_FROM else PAIR_SPLITS // 2
         NS = 0

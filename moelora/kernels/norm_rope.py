@@ -219,12 +219,13 @@ def rms_norm(
 
 
 def _rank_rows_per_step(T: int, rows: int, BLOCK: int, num_warps: int, shrink: bool) -> int:
-    """RC rank rows per step (the shrink: per program), a [RC, BLOCK] tile of A (or [BLOCK, RC]
-    of B): at most 64 values per lane. A shrink's at a few rows, at most 32: a row's A is then
-    read by more programs at once, each redoing the row's norm from L2; at a token or a few
-    they are the whole launch, bound by how many loads each has in flight. From SHRINK_WIDE_T
-    rows on there are programs enough, and each one's norm (its KX top-k rows, the residual
-    and the weight: 40 KB at Qwen3's top 8) costs more L2 traffic than its A tile."""
+    """RC rank rows per step (for the shrink: per program), a [RC, BLOCK] tile of A (or
+    [BLOCK, RC] of B), at most 64 values a lane. Below SHRINK_WIDE_T rows a shrink takes at
+    most 32, so that more programs read a row's A at once, each redoing the row's norm from L2:
+    at a token or a few they are the whole launch, bound by how many loads each has in flight.
+    From SHRINK_WIDE_T rows on there are programs enough, and each one's norm (the KX top-k
+    rows, the residual and the weight: 40 KB at Qwen3's top 8) costs more L2 traffic than its
+    tile of A."""
     per_lane = 64 if not shrink or T >= SHRINK_WIDE_T else 32
     return max(1, min(triton.next_power_of_2(rows), per_lane * 32 * num_warps // BLOCK))
 
