@@ -139,6 +139,8 @@ def _check(ok: bool, name: str, value: object, expected: str) -> None:
 
 
 def _is_int(value: object) -> bool:
+    """A Python int, not a bool. Not numpy's integers, unlike the engine's prompt token ids
+    (which it converts): these values go to torch as they are (manual_seed refuses them)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
