@@ -26,7 +26,7 @@ from common import commit, copy_bandwidth
 from triton.testing import do_bench
 
 from moelora.kernels.paged_attention import AttentionConfig, decode_plan, launch_paged_attention
-from moelora.runner.batch import AttentionMetadata
+from moelora.step.batch import AttentionMetadata
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
 DTYPE = torch.bfloat16

@@ -20,13 +20,12 @@ import torch
 from common import copy_bandwidth, result_header
 from triton.testing import do_bench
 
-from moelora.config import EngineConfig
+from moelora.config import PROJECTIONS, EngineConfig
 from moelora.engine.engine import Engine
-from moelora.kernels.ops import PROJECTIONS
 from moelora.kernels.pdl import pdl_kwargs
 from moelora.lora.adapter import LoraAdapter, ModuleLora
 from moelora.runner.graph_runner import STREAM_IDX, graph_batch_sizes, padded_batch_size
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
 
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"],

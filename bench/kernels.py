@@ -25,7 +25,7 @@ from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import fused_moe  # noqa: E402
-from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
+from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 8), "mixtral": (8, 4096, 14336, 2, 4)}  # +layers
 MS = (1, 8, 32, 64, 256)

@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from moelora.kernels.ops import PROJECTIONS
+    from moelora.config import PROJECTIONS
 
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
     p.add_argument("--max-loras", type=int, default=4)

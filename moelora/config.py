@@ -1,4 +1,6 @@
-"""EngineConfig: what the user asks for, validated once and resolved before anything is built."""
+"""The configs everything is built from: EngineConfig (what the user asks for, validated once and
+resolved before anything is built) and ModelConfig (the architecture facts the shared layers
+need, read once from a Hugging Face config by models/)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moelora.errors import ConfigError
-from moelora.kernels.ops import PROJECTIONS
 
+# EngineConfig.projections: how the dense projections are computed on CUDA (kernels/linear.py)
+PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -142,3 +145,37 @@ class EngineConfig:
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: expected {expected}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: str  # "none" | "head" (per-head RMSNorm, Qwen3) | "full" (over all heads, OLMoE)
+    clip_qkv: float | None
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    renormalize: bool
+    scoring: str  # "softmax" | "sigmoid"
+    sparse_layers: tuple[bool, ...]  # per layer: MoE (True) or dense MLP (False)
+    intermediate_size: int  # of dense layers
+    shared_expert_intermediate_size: int  # 0 = no shared expert
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim

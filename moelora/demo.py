@@ -50,15 +50,15 @@ INSERT INTO users (name, age) VALUES ('alice', 31); UPDATE users SET age = 32 WH
 
 @dataclass(frozen=True)
 class ModelShape:
-    hidden: int = 64
-    layers: int = 2
-    q_heads: int = 4
-    kv_heads: int = 2
-    head_dim: int = 16
-    experts: int = 8
-    top_k: int = 2
-    expert_intermediate: int = 32
-    intermediate: int = 128
+    hidden: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    intermediate: int  # of a dense MLP layer
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,17 @@ class DemoAssets:
     adapters: dict[str, Path]
 
 
-DEMO_SHAPE = ModelShape()
+DEMO_SHAPE = ModelShape(
+    hidden=64,
+    layers=2,
+    q_heads=4,
+    kv_heads=2,
+    head_dim=16,
+    experts=8,
+    top_k=2,
+    expert_intermediate=32,
+    intermediate=128,
+)
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 

@@ -6,9 +6,9 @@ import itertools
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
-from moelora.engine.request import RequestOutput
 from moelora.errors import InvalidRequestError
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
+from moelora.step.request import RequestOutput
 
 
 class LLM:

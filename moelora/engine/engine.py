@@ -9,42 +9,40 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from moelora.config import EngineConfig
-from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes, pages_for
-from moelora.engine.request import Request, RequestOutput
+from moelora.engine.checks import check_request
+from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.errors import (
     AdapterBusyError,
+    AdapterError,
     AdapterExistsError,
     AdapterNotFoundError,
     InvalidRequestError,
     ModelConfigError,
 )
-from moelora.kernels.ops import make_ops
-from moelora.layers.decoder import MoeCausalLM
+from moelora.kernels.ops import Ops, make_ops
 from moelora.lora.adapter import LoraAdapter, load_adapter
-from moelora.lora.slots import SlotPool, SlotTable
+from moelora.lora.slots import LoraTarget, SlotPool, SlotTable
 from moelora.models.loader import fill_dummy, load_weights
+from moelora.models.model import MoeCausalLM
 from moelora.models.registry import read_model_config
-from moelora.runner.graph_runner import GraphRunner
 from moelora.runner.model_runner import ModelRunner
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
+from moelora.step.batch import HostBatch, pages_for
+from moelora.step.plan import StepPlan
+from moelora.step.request import Request, RequestOutput
 from moelora.tokenizer import Tokenizer, eos_ids_from_folder
 
 log = logging.getLogger(__name__)
 
 _CPU_KV_BUDGET = 256 << 20  # bytes of KV cache on CPU when num_pages is not given
 _GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
-
-
-def _is_token(t: object) -> bool:
-    """A token id: an integer (numpy's integers too), not a bool."""
-    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
 
 
 @dataclass(frozen=True)
@@ -57,6 +55,31 @@ class EngineStats:
     lora_slots_total: int
     graph_replays: int
     eager_steps: int
+    graph_capture_seconds: float  # 0 without graphs
+    graph_warm_up_seconds: float  # of the capture: every size's first forward, at once
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """The next step, planned but not run (Engine.plan_step), for benchmarks and profilers."""
+
+    inputs: HostBatch  # the step's inputs as the runner laid them out
+    request_ids: list[str]  # the requests of its chunks, in row order
+    uses_graph: bool  # whether step() would replay a CUDA graph for it
+    _runner: ModelRunner
+
+    def forward_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """ModelRunner.forward_fn: the step's forward (a graph replay or eager), to call again
+        and again."""
+        return self._runner.forward_fn(self.inputs, eager=eager)
+
+    def logits_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """ModelRunner.logits_fn: the step's forward and lm_head, to call again and again."""
+        return self._runner.logits_fn(self.inputs, eager=eager)
+
+    def routed_experts(self) -> list[torch.Tensor]:
+        """Each MoE layer's top-k expert ids [T, K] for the step, from one eager forward."""
+        return self._runner.routed_experts(self.inputs)
 
 
 class Engine:
@@ -69,39 +92,79 @@ class Engine:
             self._build(cfg)
 
     def _build(self, cfg: EngineConfig) -> None:
-        device, dtype = cfg.torch_device, cfg.torch_dtype
         self.model_config, hf = read_model_config(cfg.model)
-        mc = self.model_config
+        max_len = self._requested_max_len()
+        ops = make_ops(
+            cfg.torch_device,
+            force_reference=cfg.force_reference_kernels,
+            projections=cfg.projections,
+        )
+        self.model = self._load_model(hf, max_len, ops)
+        self.tokenizer, self.eos_token_ids = self._load_tokenizer()
+        self.slot_pool = self.slot_table = None
+        if cfg.enable_lora:
+            self.slot_pool = SlotPool(
+                self.model,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                dtype=cfg.torch_dtype,
+                device=cfg.torch_device,
+            )
+            self.slot_table = SlotTable(cfg.max_loras)
+        num_pages = cfg.num_pages or self._auto_num_pages(max_len)
+        self._build_runner(num_pages, max_len, ops)
+        self.adapters: dict[str, LoraAdapter] = {}
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
+        for name, path in cfg.lora_modules.items():
+            self.load_lora(name, path)
+        log.info(
+            "engine ready: %s on %s (%s), %d KV pages of %d tokens",
+            self.model_config.arch,
+            cfg.torch_device,
+            cfg.dtype,
+            num_pages,
+            cfg.page_size,
+        )
+
+    def _requested_max_len(self) -> int:
+        cfg, mc = self.config, self.model_config
         if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
             raise ModelConfigError(
                 f"max_model_len={cfg.max_model_len} is invalid: expected at most the model's "
                 f"max_position_embeddings={mc.max_position_embeddings}"
             )
-        max_len = cfg.max_model_len or mc.max_position_embeddings
-        ops = make_ops(
-            device,
-            force_reference=cfg.force_reference_kernels,
-            projections=cfg.projections,
+        return cfg.max_model_len or mc.max_position_embeddings
+
+    def _load_model(self, hf_config, max_len: int, ops: Ops) -> MoeCausalLM:
+        cfg = self.config
+        model = MoeCausalLM(
+            self.model_config,
+            hf_config,
+            max_len,
+            ops,
+            dtype=cfg.torch_dtype,
+            device=cfg.torch_device,
         )
-        self.model = MoeCausalLM(mc, hf, max_len, ops, dtype=dtype, device=device)
         with torch.no_grad():
             if cfg.load_format == "dummy":
-                fill_dummy(self.model, cfg.seed)
+                fill_dummy(model, cfg.seed)
             else:
-                load_weights(self.model, cfg.model)
-        self.tokenizer = None
-        eos = eos_ids_from_folder(cfg.model, list(mc.eos_token_ids))
-        if Tokenizer.exists(cfg.model):
-            self.tokenizer = Tokenizer(cfg.model, eos)
-            eos = self.tokenizer.eos_token_ids
-        self.eos_token_ids = frozenset(eos)
-        self.slot_pool = self.slot_table = None
-        if cfg.enable_lora:
-            self.slot_pool = SlotPool(
-                self.model, cfg.max_loras, cfg.max_lora_rank, dtype=dtype, device=device
-            )
-            self.slot_table = SlotTable(cfg.max_loras)
-        num_pages = cfg.num_pages or self._auto_num_pages(max_len)
+                load_weights(model, cfg.model)
+        return model
+
+    def _load_tokenizer(self) -> tuple[Tokenizer | None, frozenset[int]]:
+        path = self.config.model
+        eos = eos_ids_from_folder(path, list(self.model_config.eos_token_ids))
+        if not Tokenizer.exists(path):
+            return None, frozenset(eos)
+        tokenizer = Tokenizer(path, eos)
+        return tokenizer, frozenset(tokenizer.eos_token_ids)
+
+    def _build_runner(self, num_pages: int, max_len: int, ops: Ops) -> None:
+        """The KV cache, the scheduler and the runner (its CUDA graphs captured)."""
+        cfg = self.config
         self.max_model_len = min(max_len, num_pages * cfg.page_size)
         if self.max_model_len < max_len:  # said once here, not first at a refused prompt
             log.warning(
@@ -111,39 +174,26 @@ class Engine:
                 num_pages,
                 cfg.page_size,
             )
-        kv = allocate_kv_caches(mc, num_pages, cfg.page_size, dtype=dtype, device=device)
+        kv = allocate_kv_caches(
+            self.model_config,
+            num_pages,
+            cfg.page_size,
+            dtype=cfg.torch_dtype,
+            device=cfg.torch_device,
+        )
         self.pages = PageAllocator(num_pages)
         self.scheduler = Scheduler(
             SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size),
             self.pages,
             self.slot_table,
         )
-        self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, device)
-        if device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
-            self.runner.graphs = GraphRunner(
-                self.model,
-                kv,
-                self.slot_pool,
+        self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, cfg.torch_device)
+        if cfg.torch_device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
+            self.runner.capture_graphs(
                 max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
                 max_pages=pages_for(self.max_model_len, cfg.page_size),
                 spare_page=num_pages,
-                device=device,
             )
-            self.runner.graphs.capture()
-        self.adapters: dict[str, LoraAdapter] = {}
-        self._requests: dict[str, Request] = {}
-        self._arrivals = itertools.count()
-        self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
-        for name, path in cfg.lora_modules.items():
-            self.load_lora(name, path)
-        log.info(
-            "engine ready: %s on %s (%s), %d KV pages of %d tokens",
-            mc.arch,
-            device,
-            cfg.dtype,
-            num_pages,
-            cfg.page_size,
-        )
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The engine's CUDA device made current (for this thread) while the block runs."""
@@ -184,34 +234,9 @@ class Engine:
             raise InvalidRequestError(f"request_id={request_id!r} is already in use")
         if params.stop:
             self.text_tokenizer("stop strings")  # matched on the decoded text
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty: expected at least one token")
-        if n > self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens, expected at most max_model_len={self.max_model_len}"
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (_is_token(t) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]!r} is invalid: expected an integer in [0, {vocab})"
-            )
-        bad = [t for t in params.logit_bias or {} if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
-            )
-        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab:
-            raise InvalidRequestError(
-                f"prompt_logprobs={params.prompt_logprobs} is invalid: expected at most the "
-                f"vocabulary size {vocab}"
-            )
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise InvalidRequestError(
-                f"logprobs={params.logprobs} is invalid: expected at most the vocabulary size "
-                f"{vocab}"
-            )
+        check_request(
+            prompt_token_ids, params, vocab=self.model_config.vocab_size, max_len=self.max_model_len
+        )
         if lora is not None and lora not in self.adapters:
             raise AdapterNotFoundError(
                 f"adapter {lora!r} is not loaded: expected one of {sorted(self.adapters)}"
@@ -239,12 +264,17 @@ class Engine:
         with self.on_device():
             return self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _schedule(self) -> StepPlan:
+        """The scheduler's plan, with the adapters it needs copied into their slots."""
         plan = self.scheduler.schedule()
-        if not plan.chunks:
-            return []
         for slot, name in plan.lora_loads:
             self.slot_pool.fill(slot, self.adapters[name])
+        return plan
+
+    def _step(self) -> list[RequestOutput]:
+        plan = self._schedule()
+        if not plan.chunks:
+            return []
         step = self.runner.execute(plan)
         outputs = []
         for i, chunk in enumerate(plan.chunks):
@@ -261,6 +291,21 @@ class Engine:
                 self._requests.pop(req.request_id, None)
             outputs.append(req.to_output())
         return outputs
+
+    def plan_step(self) -> PlannedStep:
+        """For benchmarks and profilers: the next step as step() would run it, planned (its
+        adapters in their slots) but not run. Time its `logits_fn()`; nothing is sampled or
+        committed, so the requests stay as they are: abort them when done."""
+        with self.on_device():
+            plan = self._schedule()
+            inputs = self.runner.host_batch(plan)
+            graphs = self.runner.graphs
+            return PlannedStep(
+                inputs=inputs,
+                request_ids=[c.request.request_id for c in plan.chunks],
+                uses_graph=graphs is not None and graphs.can_run(inputs),
+                _runner=self.runner,
+            )
 
     def text_tokenizer(self, needed_for: str) -> Tokenizer:
         """The tokenizer, or an InvalidRequestError saying the model folder has none."""
@@ -292,19 +337,43 @@ class Engine:
 
     # ---- adapters -------------------------------------------------------------------------
 
-    def load_lora(self, name: str, path: str) -> None:
+    @property
+    def lora_targets(self) -> dict[str, LoraTarget]:
+        """The model's LoRA-capable projections (what an adapter may hold), by target key."""
+        self._require_lora()
+        return self.slot_pool.targets
+
+    def _require_lora(self) -> None:
         if self.slot_pool is None:
             raise InvalidRequestError("LoRA is disabled in this engine (enable_lora=False)")
-        if name in self.adapters or name == self.model_name:
-            raise AdapterExistsError(f"an adapter or model named {name!r} is already loaded")
+
+    def load_lora(self, name: str, path: str) -> None:
+        self._check_new_adapter(name)
         adapter = load_adapter(
             name,
             path,
-            self.slot_pool.targets,
+            self.lora_targets,
             max_rank=self.config.max_lora_rank,
             dtype=self.config.torch_dtype,
         )
-        self.adapters[name] = adapter  # slots are filled on demand, when a request needs it
+        self.add_adapter(adapter)
+
+    def add_adapter(self, adapter: LoraAdapter) -> None:
+        """Register an adapter already in the slot layout (load_lora parses a PEFT folder into
+        one; lora.adapter.random_adapter makes one for benchmarks). Its slot is filled on
+        demand, when a request needs it."""
+        self._check_new_adapter(adapter.name)
+        if adapter.rank > self.config.max_lora_rank:
+            raise AdapterError(
+                f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
+                f"max_lora_rank={self.config.max_lora_rank}"
+            )
+        self.adapters[adapter.name] = adapter
+
+    def _check_new_adapter(self, name: str) -> None:
+        self._require_lora()
+        if name in self.adapters or name == self.model_name:
+            raise AdapterExistsError(f"an adapter or model named {name!r} is already loaded")
 
     def unload_lora(self, name: str) -> None:
         if name not in self.adapters:
@@ -322,6 +391,7 @@ class Engine:
         return list(self.adapters)
 
     def stats(self) -> EngineStats:
+        graphs = self.runner.graphs
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -331,4 +401,6 @@ class Engine:
             lora_slots_total=self.config.max_loras if self.slot_table else 0,
             graph_replays=self.runner.num_graph_replays,
             eager_steps=self.runner.num_eager_steps,
+            graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
+            graph_warm_up_seconds=graphs.warm_up_seconds if graphs else 0.0,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.models.config import ModelConfig
+from moelora.config import ModelConfig
 
 
 class PageAllocator:
@@ -26,10 +26,6 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
-
-
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

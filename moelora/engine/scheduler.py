@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from moelora.engine.kv_cache import PageAllocator, pages_for
-from moelora.engine.request import Request, Status
+from moelora.engine.kv_cache import PageAllocator
 from moelora.lora.slots import SlotTable
+from moelora.step.batch import pages_for
+from moelora.step.plan import Chunk, StepPlan
+from moelora.step.request import Request, Status
 
 
 @dataclass(frozen=True)
@@ -29,30 +31,6 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     page_size: int
-
-
-@dataclass(frozen=True)
-class Chunk:
-    request: Request
-    start: int  # first token computed this step (== num_computed_tokens at planning)
-    num_tokens: int
-    samples: bool  # the chunk reaches the last known token: the step emits the next token
-
-
-def make_chunk(req: Request, num_tokens: int) -> Chunk:
-    start = req.num_computed_tokens
-    return Chunk(req, start, num_tokens, start + num_tokens == req.num_tokens)
-
-
-@dataclass
-class StepPlan:
-    chunks: list[Chunk] = field(default_factory=list)
-    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter name)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
 
 
 class Scheduler:
@@ -84,7 +62,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                plan.chunks.append(make_chunk(req, n))
+                plan.chunks.append(Chunk.next_of(req, n))
                 budget -= n
         if not plan.preempted:
             self._admit(plan, budget)
@@ -110,7 +88,7 @@ class Scheduler:
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
-            plan.chunks.append(make_chunk(req, n))
+            plan.chunks.append(Chunk.next_of(req, n))
             budget -= n
 
     def _reserve_pages(self, req: Request, n: int) -> bool:

@@ -46,7 +46,7 @@ from moelora.kernels.moe_lora import (
     pair_shrink_block_k,
 )
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 
 @triton.jit

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 SHRINK_WIDE_T = 32  # rows from which a norm program shrinks twice the rank rows
 

@@ -1,6 +1,7 @@
 """The kernel table a model is built with: Triton on CUDA, the torch references elsewhere.
 
 Chosen once at startup from the config (no globals): layers call `self.ops.fused_moe(...)`.
+The Triton modules are imported only when a CUDA table is made: triton is optional on the CPU.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moelora.config import PROJECTIONS
 from moelora.kernels import reference
 
 
@@ -41,9 +43,6 @@ REFERENCE_OPS = Ops(
 )
 
 
-PROJECTIONS = ("batch-invariant", "skinny", "cublas")  # EngineConfig.projections
-
-
 def make_ops(
     device: torch.device, *, force_reference: bool = False, projections: str = "batch-invariant"
 ) -> Ops:
@@ -53,6 +52,31 @@ def make_ops(
         raise ValueError(f"projections={projections!r} is invalid: expected one of {PROJECTIONS}")
     if device.type != "cuda" or force_reference:
         return REFERENCE_OPS
-    from moelora.kernels import triton_ops  # imported lazily: triton is optional on CPU
+    return triton_ops(projections)
 
-    return triton_ops.with_projections(projections)
+
+def triton_ops(projections: str) -> Ops:
+    """The Triton table with the dense projections EngineConfig.projections names. A new table
+    each call: a BatchInvariantLinear keeps what it measured on its engine."""
+    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.linear import BatchInvariantLinear
+    from moelora.kernels.lora import add_lora_
+    from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
+    from moelora.kernels.paged_attention import paged_attention, paged_attention_lora
+    from moelora.kernels.routing import route_topk
+
+    linear = reference.linear  # cuBLAS
+    if projections != "cublas":
+        linear = BatchInvariantLinear(skinny=projections == "skinny")
+    return Ops(
+        name=f"triton-{projections}",
+        linear=linear,
+        route_topk=route_topk,
+        fused_moe=fused_moe,
+        add_lora_=add_lora_,
+        paged_attention=paged_attention,
+        paged_attention_lora=paged_attention_lora,
+        rms_norm=rms_norm,
+        rms_norm_lora=rms_norm_lora,
+        rope_qk=rope_qk,
+    )

@@ -36,10 +36,10 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
-    from moelora.runner.batch import AttentionMetadata
+    from moelora.step.batch import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
 

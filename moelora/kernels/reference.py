@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
-    from moelora.runner.batch import AttentionMetadata
+    from moelora.step.batch import AttentionMetadata
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

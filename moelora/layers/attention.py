@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
+from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
-from moelora.lora.layers import LoraLinear
-from moelora.models.config import ModelConfig
-from moelora.runner.batch import ForwardBatch
+from moelora.step.batch import ForwardBatch
 
 # Up to this many tokens in a step, the attention's LoRA is folded into the kernels around it:
 # q|k|v's shrink into the input RMSNorm and its expand into rotary; o's shrink comes out of the

@@ -1,18 +1,17 @@
-"""The decoder stack every supported architecture shares; model files only read configs."""
+"""The decoder layer every supported architecture shares: attention, then the MLP or MoE."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.attention import Attention
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
-from moelora.models.config import ModelConfig
-from moelora.runner.batch import ForwardBatch
+from moelora.step.batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):
@@ -50,47 +49,4 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
             h, _ = attn(h, batch, kv_cache)
             h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, batch.lora), residual
-
-
-class MoeCausalLM(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        hf_config,
-        max_len: int,
-        ops: Ops,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
-        super().__init__()
-        self.cfg = cfg
-        kw = dict(dtype=dtype, device=device)
-        rotary = RotaryEmbedding(hf_config, max_len, device=device)
-        self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
-        )
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sparse, rotary, ops, **kw) for sparse in cfg.sparse_layers
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.lm_head = (
-            self.embed_tokens
-            if cfg.tie_word_embeddings
-            else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
-            )
-        )
-
-    def forward(
-        self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    ) -> torch.Tensor:
-        """Returns the final hidden states [T, H] (normed)."""
-        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, batch, kv)
-        return self.norm(x, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.mlp(h, batch), residual

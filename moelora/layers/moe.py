@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.kernels.reference import silu_and_mul
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
-from moelora.lora.layers import LoraLinear
-from moelora.models.config import ModelConfig
+from moelora.layers.linear import LoraLinear
+from moelora.step.batch import ForwardBatch
+from moelora.step.lora import LoraWeights
 
 
 class DenseMLP(nn.Module):
@@ -23,7 +24,8 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = LoraLinear(hidden, (intermediate, intermediate), ops, **kw)
         self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
 
-    def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        lora = batch.lora
         return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
@@ -44,13 +46,15 @@ class SparseMoE(nn.Module):
             self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, ops, **kw)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, lora: LoraBatchInfo | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
-        cfg = self.cfg
+        cfg, lora = self.cfg, batch.lora
         router_logits = self.ops.linear(x, self.gate)  # [T, E]
         weights, ids = self.ops.route_topk(
             router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
         )
+        if batch.routing_trace is not None:
+            batch.routing_trace.append(ids.clone())
         out = self.ops.fused_moe(
             x,
             self.w13,
@@ -64,6 +68,6 @@ class SparseMoE(nn.Module):
             sum_topk=self.shared_expert is not None,
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
-            shared = self.shared_expert(x, lora)
+            shared = self.shared_expert(x, batch)
             out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
         return out

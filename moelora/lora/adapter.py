@@ -276,3 +276,28 @@ def _assemble(pieces, targets, rank, scaling, dtype) -> dict[str, ModuleLora]:
             stop = start + t.out_slices[p.slice_index]
             b[start:stop, :r] = p.b.float() * (p.scale / scaling)
     return {k: ModuleLora(m.a.to(dtype), m.b.to(dtype)) for k, m in modules.items()}
+
+
+def random_adapter(
+    name: str,
+    targets: dict[str, LoraTarget],
+    *,
+    rank: int,
+    seed: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    scaling: float = 2.0,
+) -> LoraAdapter:
+    """An adapter with random weights of a sensible scale on every target (Engine.lora_targets),
+    made on `device`: what benchmarks register with Engine.add_adapter. A ~ N(0, 1/in), B ~
+    N(0, 0.01^2), so every delta is nonzero and small."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    modules = {}
+    for key, t in targets.items():
+        experts = (t.num_experts,) if t.num_experts else ()
+        a = torch.randn(
+            *experts, len(t.out_slices), rank, t.in_features, generator=gen, device=device
+        )
+        b = torch.randn(*experts, t.out_features, rank, generator=gen, device=device)
+        modules[key] = ModuleLora((a / t.in_features**0.5).to(dtype), (b * 0.01).to(dtype))
+    return LoraAdapter(name, "<random>", rank, scaling, modules)

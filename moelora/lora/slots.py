@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from moelora.lora.batch_info import LoraWeights
-from moelora.lora.layers import LoraLinear
+from moelora.layers.linear import LoraLinear
+from moelora.step.lora import LoraWeights
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from moelora.errors import ModelConfigError
-from moelora.layers.decoder import MoeCausalLM
 from moelora.layers.moe import DenseMLP, SparseMoE
+from moelora.models.model import MoeCausalLM
 
 _ALIASES = [
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),

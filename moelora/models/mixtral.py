@@ -1,21 +1,21 @@
 """Mixtral: every layer sparse, top-k weights always renormalised, no qk norm, no bias."""
 
-from moelora.models.config import ModelConfig, common_fields
+from moelora.config import ModelConfig
+from moelora.models import common
 
 
 def model_config(hf) -> ModelConfig:
-    fields = common_fields(hf, "mixtral")
+    max_len = hf.max_position_embeddings
     window = getattr(hf, "sliding_window", None)
     if window:
         # attention is full within the window: serve sequences no longer than it
-        fields["max_position_embeddings"] = min(fields["max_position_embeddings"], window)
-    return ModelConfig(
-        **fields,
+        max_len = min(max_len, window)
+    return common.model_config(
+        hf,
+        "mixtral",
+        max_position_embeddings=max_len,
         qkv_bias=False,
-        qk_norm="none",
         num_experts=hf.num_local_experts,
-        top_k=hf.num_experts_per_tok,
         moe_intermediate_size=hf.intermediate_size,
         renormalize=True,
-        sparse_layers=(True,) * hf.num_hidden_layers,
     )

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from moelora.config import ModelConfig
 from moelora.errors import ModelConfigError
 from moelora.models import mixtral, olmoe, qwen2_moe, qwen3_moe
-from moelora.models.config import ModelConfig
 
 ARCHITECTURES: dict[str, Callable] = {
     "Qwen3MoeForCausalLM": qwen3_moe.model_config,

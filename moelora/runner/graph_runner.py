@@ -19,10 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo
 from moelora.lora.slots import SlotPool
-from moelora.runner.batch import AttentionMetadata, ForwardBatch
-from moelora.runner.model_runner import HostBatch
+from moelora.step.batch import ForwardBatch, HostBatch, forward_batch
+from moelora.step.lora import NO_SLOT
 
 log = logging.getLogger(__name__)
 STREAM_IDX = 0  # one decode stream today; the key keeps room for more
@@ -122,23 +121,19 @@ class GraphBuffers:
     def forward_batch(self, bs: int, pool: SlotPool | None) -> ForwardBatch:
         """Views of the first bs rows: what a graph of batch size bs is captured with."""
         v = self._views(self.i64, self.i32)
-        attn = AttentionMetadata(
+        rows = HostBatch(
+            input_ids=v["input_ids"][:bs],
+            positions=v["positions"][:bs],
+            slot_mapping=v["slot_mapping"][:bs],
             cu_seqlens_q=v["cu_seqlens_q"][: bs + 1],
             seq_lens=v["seq_lens"][:bs],
             page_table=v["page_table"][:bs],
-            slot_mapping=v["slot_mapping"][:bs],
+            slot_of_token=v["slot_of_token"][:bs],
+            slot_enabled=v["slot_enabled"],
             max_query_len=1,
+            any_enabled=v["any_enabled"],
         )
-        lora = None
-        if pool is not None:
-            lora = LoraBatchInfo(
-                v["slot_of_token"][:bs],
-                pool.rank_of_slot,
-                pool.scaling_of_slot,
-                v["slot_enabled"],
-                v["any_enabled"],
-            )
-        return ForwardBatch(v["input_ids"][:bs], v["positions"][:bs], attn, lora)
+        return forward_batch(rows, pool)
 
     def copy_from(self, batch: HostBatch) -> None:
         """Write a decode batch of T rows; every row past T becomes padding."""
@@ -176,10 +171,11 @@ class GraphBuffers:
 
 
 class GraphRunner:
+    """forward(batch) runs the model over the KV cache: what each graph records."""
+
     def __init__(
         self,
-        model: torch.nn.Module,
-        kv_caches: list,
+        forward: Callable[[ForwardBatch], torch.Tensor],
         pool: SlotPool | None,
         *,
         max_bs: int,
@@ -187,11 +183,7 @@ class GraphRunner:
         spare_page: int,
         device: torch.device,
     ):
-        self.model = model
-        self.kv_caches = kv_caches
-        self.pool = pool
-        self.spare_page = spare_page
-        self.device = device
+        self.forward, self.pool, self.device = forward, pool, device
         self.sizes = graph_batch_sizes(max_bs)
         self.buffers = GraphBuffers.init(
             max_bs, max_pages, pool.max_loras if pool else 1, spare_page, device
@@ -214,11 +206,11 @@ class GraphRunner:
             batch = self.buffers.forward_batch(bs, self.pool)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(batch, self.kv_caches)  # nothing left to compile: lazy inits only
+                self.forward(batch)  # nothing left to compile: lazy inits only
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self.model(batch, self.kv_caches)
+                out = self.forward(batch)
             self.graphs[(bs, STREAM_IDX)] = graph
             self.outputs[(bs, STREAM_IDX)] = out
         torch.cuda.synchronize()
@@ -239,7 +231,7 @@ class GraphRunner:
         def forward(bs: int) -> None:
             # device, stream and inference mode are per thread in torch
             with torch.cuda.device(self.device), torch.cuda.stream(stream), torch.inference_mode():
-                self.model(self.buffers.forward_batch(bs, self.pool), self.kv_caches)
+                self.forward(self.buffers.forward_batch(bs, self.pool))
 
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4
         warm_up_concurrently(forward, self.sizes, compile_threads=threads)
@@ -252,10 +244,21 @@ class GraphRunner:
         """Replay the graph of the padded batch size. eager=True runs the same padded inputs
         without the graph: the reference the GPU tests hold replays to, bit for bit."""
         T = batch.num_tokens
-        bs = padded_batch_size(T, self.sizes)
-        self.buffers.copy_from(batch)
-        key = (bs, STREAM_IDX)
         if eager:
-            return self.model(self.buffers.forward_batch(bs, self.pool), self.kv_caches)[:T]
-        self.graphs[key].replay()
-        return self.outputs[key][:T]
+            bs = padded_batch_size(T, self.sizes)
+            self.buffers.copy_from(batch)
+            return self.forward(self.buffers.forward_batch(bs, self.pool))[:T]
+        return self.replay_fn(batch)()[:T]
+
+    def replay_fn(self, batch: HostBatch) -> Callable[[], torch.Tensor]:
+        """The batch written into the static inputs, and a function that replays its graph and
+        returns the padded output [bs, H] (each call replays again: what benchmarks time)."""
+        key = (padded_batch_size(batch.num_tokens, self.sizes), STREAM_IDX)
+        self.buffers.copy_from(batch)
+        graph, out = self.graphs[key], self.outputs[key]
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return out
+
+        return replay

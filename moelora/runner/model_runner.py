@@ -4,64 +4,19 @@ graph for decode batches that fit one, eager otherwise), and samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from moelora.engine.kv_cache import pages_for
-from moelora.engine.scheduler import StepPlan
-from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo
 from moelora.lora.slots import SlotPool
-from moelora.runner.batch import AttentionMetadata, ForwardBatch
-from moelora.sampling import SampleResult, sample, token_logprobs
+from moelora.runner.graph_runner import GraphRunner
+from moelora.runner.sampler import sample, token_logprobs
+from moelora.step.batch import ForwardBatch, HostBatch, forward_batch, pages_for
+from moelora.step.lora import NO_SLOT
+from moelora.step.plan import StepOutput, StepPlan
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    samples: list[SampleResult]  # one per chunk that samples, in chunk order
-    prompt_logprobs: dict[int, list[dict[int, float]]]  # chunk index -> its new entries
-
-
-@dataclass(frozen=True)
-class HostBatch:
-    """One step's inputs as host tensors; T = tokens, B = sequences, P = pages per sequence."""
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    slot_mapping: torch.Tensor  # [T] int64
-    cu_seqlens_q: torch.Tensor  # [B + 1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    page_table: torch.Tensor  # [B, P] int32
-    slot_of_token: torch.Tensor  # [T] int32
-    slot_enabled: torch.Tensor | None  # [S] int32; None when LoRA is disabled
-    max_query_len: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
-    def to_device(self, device: torch.device, pool: SlotPool | None) -> ForwardBatch:
-        def dev(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
-
-        attn = AttentionMetadata(
-            dev(self.cu_seqlens_q),
-            dev(self.seq_lens),
-            dev(self.page_table),
-            dev(self.slot_mapping),
-            self.max_query_len,
-        )
-        lora = None
-        if pool is not None:
-            lora = LoraBatchInfo(
-                dev(self.slot_of_token),
-                pool.rank_of_slot,
-                pool.scaling_of_slot,
-                dev(self.slot_enabled),
-            )
-        return ForwardBatch(dev(self.input_ids), dev(self.positions), attn, lora)
 
 
 class ModelRunner:
@@ -78,9 +33,26 @@ class ModelRunner:
         self.slot_pool = slot_pool
         self.page_size = page_size
         self.device = device
-        self.graphs = None  # a GraphRunner, when graphs are enabled
+        self.graphs: GraphRunner | None = None  # set by capture_graphs
         self.num_graph_replays = 0
         self.num_eager_steps = 0
+
+    def capture_graphs(self, *, max_bs: int, max_pages: int, spare_page: int) -> None:
+        """Capture a decode graph per batch size up to max_bs: from now on, decode steps that
+        fit one replay it. max_pages: pages per sequence; spare_page: the page padded rows
+        point at."""
+        self.graphs = GraphRunner(
+            self._forward,
+            self.slot_pool,
+            max_bs=max_bs,
+            max_pages=max_pages,
+            spare_page=spare_page,
+            device=self.device,
+        )
+        self.graphs.capture()
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch, self.kv_caches)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -91,7 +63,7 @@ class ModelRunner:
             hidden = self.graphs.run(host)
             self.num_graph_replays += 1
         else:
-            hidden = self.model(host.to_device(self.device, self.slot_pool), self.kv_caches)
+            hidden = self._forward(self.device_batch(host))
             self.num_eager_steps += 1
         prompt_logprobs = self._prompt_logprobs(plan, host, hidden)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
@@ -108,6 +80,10 @@ class ModelRunner:
         )
         samples = sample(logits, params, [r.generator for r in reqs], history)
         return StepOutput(samples, prompt_logprobs)
+
+    def device_batch(self, host: HostBatch) -> ForwardBatch:
+        """The model's ForwardBatch of `host`, copied to the device (the eager path)."""
+        return forward_batch(host.to(self.device), self.slot_pool)
 
     def _prompt_logprobs(
         self, plan: StepPlan, host: HostBatch, hidden: torch.Tensor
@@ -176,3 +152,30 @@ class ModelRunner:
         for s in set(slots) - {NO_SLOT}:
             enabled[s] = int(pool.host_rank[s] > 0)  # an empty slot does no work
         return enabled
+
+    # ---- hooks for benchmarks and profilers --------------------------------------------
+
+    def forward_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """The step's forward as a function of no arguments that can run again and again (what
+        benchmarks and profilers time): the replay of the batch's CUDA graph, its static inputs
+        written once here (it returns the padded rows [bs, H]), or with eager=True (or no graph
+        that fits) the eager forward of the same inputs ([T, H]). Samples nothing, changes no
+        request."""
+        if eager or self.graphs is None or not self.graphs.can_run(host):
+            batch = self.device_batch(host)
+            return lambda: self._forward(batch)
+        return self.graphs.replay_fn(host)
+
+    def logits_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """forward_fn, then the lm_head on the batch's T rows, as a step computes them."""
+        T = host.num_tokens
+        forward = self.forward_fn(host, eager=eager)
+        return lambda: self.model.compute_logits(forward()[:T])
+
+    @torch.inference_mode()
+    def routed_experts(self, host: HostBatch) -> list[torch.Tensor]:
+        """Each MoE layer's top-k expert ids [T, K] for this batch, from one eager forward."""
+        trace: list[torch.Tensor] = []
+        batch = self.device_batch(host)
+        self._forward(dataclasses.replace(batch, routing_trace=trace))
+        return trace

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
 
 log = logging.getLogger("moelora.server")
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from moelora.errors import InvalidRequestError
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
 
 MAX_N = 128  # samples per prompt: each is a request of its own (no shared prefix yet)
 

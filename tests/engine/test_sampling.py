@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from moelora.errors import InvalidRequestError
-from moelora.sampling import MIN_TEMPERATURE, SamplingParams, adjust_logits, sample
+from moelora.runner.sampler import adjust_logits, sample
+from moelora.sampling_params import MIN_TEMPERATURE, SamplingParams
 
 
 def adjusted_by_loop(logits, p, prompt, generated):

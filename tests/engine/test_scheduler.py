@@ -1,11 +1,12 @@
 """Scheduler and page allocator, without a model: admission, chunking, preemption, abort."""
 
-from moelora.engine.kv_cache import PageAllocator, pages_for
-from moelora.engine.request import Request, Status
+from moelora.engine.kv_cache import PageAllocator
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.lora.slots import SlotTable
 from moelora.runner.graph_runner import graph_batch_sizes, padded_batch_size
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
+from moelora.step.batch import pages_for
+from moelora.step.request import Request, Status
 
 
 def make_scheduler(num_pages=16, page_size=4, budget=64, max_seqs=8, slots=2):

@@ -25,8 +25,8 @@ from moelora.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_lora,
 )
-from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
-from moelora.runner.batch import AttentionMetadata  # noqa: E402
+from moelora.step.batch import AttentionMetadata  # noqa: E402
+from moelora.step.lora import NO_SLOT, LoraWeights  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 SCALE = D**-0.5

@@ -33,7 +33,7 @@ from moelora.kernels.linear import (  # noqa: E402
 )
 from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
 from moelora.kernels.routing import route_topk  # noqa: E402
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights  # noqa: E402
+from moelora.step.lora import LoraBatchInfo, LoraWeights  # noqa: E402
 
 DEV = "cuda"
 SHAPES = {  # name: (E, H, I, K)

@@ -32,7 +32,7 @@ from lora_cases import batch_info, lora_weights  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk  # noqa: E402
-from moelora.lora.batch_info import LoraWeights  # noqa: E402
+from moelora.step.lora import LoraWeights  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6

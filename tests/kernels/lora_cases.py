@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from moelora.lora.batch_info import NO_SLOT, LoraBatchInfo, LoraWeights
+from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
 
 SLOT_RANKS = (0, 1, 8, 16)
 SPREADS = ("none", "one", "distinct", "mixed")

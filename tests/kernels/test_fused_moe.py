@@ -7,7 +7,7 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 from moelora.kernels import reference
 from moelora.kernels.fused_moe import MoeConfig, fused_moe
 from moelora.kernels.moe_align import PMAX, align_reference, moe_align, num_blocks
-from moelora.lora.batch_info import LoraBatchInfo
+from moelora.step.lora import LoraBatchInfo
 
 H, I = 64, 32
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}

@@ -21,8 +21,8 @@ from moelora.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_lora,
 )
-from moelora.lora.batch_info import NO_SLOT, LoraWeights  # noqa: E402
-from moelora.runner.batch import AttentionMetadata  # noqa: E402
+from moelora.step.batch import AttentionMetadata  # noqa: E402
+from moelora.step.lora import NO_SLOT, LoraWeights  # noqa: E402
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 

@@ -123,7 +123,7 @@ def _launch_every_op() -> None:
 
     from moelora.kernels import linear, lora, moe_align, norm_rope, paged_attention, routing
     from moelora.kernels.fused_moe import fused_moe
-    from moelora.runner.batch import AttentionMetadata
+    from moelora.step.batch import AttentionMetadata
 
     bf16 = torch.bfloat16
     H, Hq, Hkv, D, R, S = 2048, 32, 4, 128, 16, 8

@@ -2,9 +2,9 @@
 
 import torch
 
-from moelora.lora.batch_info import NO_SLOT
 from moelora.runner.graph_runner import GraphBuffers
-from moelora.runner.model_runner import HostBatch
+from moelora.step.batch import HostBatch
+from moelora.step.lora import NO_SLOT
 
 
 def host_batch(T: int, width: int) -> HostBatch:

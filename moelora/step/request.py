@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moelora.sampling import SamplingParams
+from moelora.sampling_params import SamplingParams
 
 
 class Status(enum.Enum):

@@ -1,7 +1,8 @@
-"""Per-step LoRA batch info and the per-layer LoRA weight views that kernels read.
+"""The LoRA data contract (DESIGN.md): the per-step batch info and the slot weights kernels read,
+and a projection's LoRA between the kernel that shrinks it and the one that expands it.
 
-This is DESIGN.md's data contract. Buffers are static (sized from max_tokens and max_loras);
-a step writes them in place, so a captured CUDA graph replays with the new batch.
+Buffers are static (sized from max_tokens and max_loras); a step writes them in place, so a
+captured CUDA graph replays with the new batch.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ class LoraBatchInfo:
     rank_of_slot: torch.Tensor  # [S] int32, the adapter's real rank (0 = empty slot)
     scaling_of_slot: torch.Tensor  # [S] float32
     slot_enabled: torch.Tensor  # [S] int32, 1 iff some token of the step uses it and rank > 0
-    # [1] int32, 1 iff any slot is enabled. The MoE GEMMs test it before their LoRA epilogue:
-    # one scalar load, where the per-block test costs a cross-warp reduction in every program
-    # (about 1 µs per GEMM and layer at 8 tokens on an H200). The graph runner passes a buffer
-    # it writes with the step; when omitted it is computed from slot_enabled (one small op),
-    # once: whoever rewrites slot_enabled in place (a graph's inputs) must rewrite this too.
+    # [1] int32, 1 iff any slot is enabled: the MoE GEMMs test this one scalar before their
+    # LoRA epilogue instead of a per-block reduction. The graph runner passes a buffer it
+    # writes with the step; when omitted it is computed from slot_enabled (one small op), once:
+    # whoever rewrites slot_enabled in place (a graph's inputs) must rewrite this too.
     any_enabled: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -36,15 +36,6 @@ class LoraBatchInfo:
     @property
     def num_slots(self) -> int:
         return self.rank_of_slot.shape[0]
-
-    def narrow(self, num_tokens: int) -> LoraBatchInfo:
-        return LoraBatchInfo(
-            self.slot_of_token[:num_tokens],
-            self.rank_of_slot,
-            self.scaling_of_slot,
-            self.slot_enabled,
-            self.any_enabled,
-        )
 
 
 @dataclass(frozen=True)

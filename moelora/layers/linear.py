@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from moelora.kernels.ops import Ops
-from moelora.lora.batch_info import LoraBatchInfo, LoraWeights
+from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 
 class LoraLinear(nn.Module):

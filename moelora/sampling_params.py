@@ -1,12 +1,10 @@
-"""SamplingParams (what a request asks for) and the Sampler (logits -> next token)."""
+"""SamplingParams: what a request asks of the sampler, validated once at construction."""
 
 from __future__ import annotations
 
 import logging
 import math
 from dataclasses import dataclass
-
-import torch
 
 from moelora.errors import InvalidRequestError
 
@@ -146,101 +144,3 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    token_id: int
-    logprobs: dict[int, float] | None
-
-
-def sample(
-    logits: torch.Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-    history: list[tuple[list[int], list[int]]] | None = None,
-) -> list[SampleResult]:
-    """logits [N, V] float32, one row per request that emits a token this step; history:
-    each row's (prompt, generated) token ids, needed when a request asks for penalties.
-    Logprobs are the model's own (before penalties and temperature), as vLLM reports them."""
-    wants_logprobs = any(p.logprobs is not None for p in params)
-    logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
-    if any(p.adjusts_logits for p in params):
-        assert history is not None and len(history) == len(params)
-        logits = adjust_logits(logits, params, history)
-    need_probs = [not p.greedy for p in params]
-    tokens = logits.argmax(dim=-1)
-    if any(need_probs):
-        rows = torch.tensor([i for i, n in enumerate(need_probs) if n], device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows.tolist()])
-        for j, i in enumerate(rows.tolist()):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    results = []
-    for i, (p, token) in enumerate(zip(params, tokens.tolist())):
-        top = None
-        if p.logprobs is not None:  # vLLM's meaning: the top-k, plus the chosen token
-            top = token_logprobs(logprobs_all[i : i + 1], tokens[i : i + 1], p.logprobs)[0]
-        results.append(SampleResult(token, top))
-    return results
-
-
-def token_logprobs(
-    logprobs: torch.Tensor, tokens: torch.Tensor, top: int
-) -> list[dict[int, float]]:
-    """vLLM's logprobs entries: per row, the `top` best tokens plus the given one.
-    logprobs [N, V] (log-softmax), tokens [N] -> N dicts."""
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-    best = logprobs.topk(top, dim=-1) if top else None
-    entries = []
-    for i, (token, value) in enumerate(zip(tokens.tolist(), chosen)):
-        entry = dict(zip(best.indices[i].tolist(), best.values[i].tolist())) if top else {}
-        entry[token] = value
-        entries.append(entry)
-    return entries
-
-
-def adjust_logits(
-    logits: torch.Tensor, params: list[SamplingParams], history: list[tuple[list[int], list[int]]]
-) -> torch.Tensor:
-    """vLLM's order: the logit bias, then repetition (prompt and generated tokens), then
-    frequency and presence (generated tokens). Rows without any are returned unchanged.
-    [N, V] -> [N, V]."""
-    logits = logits.clone()
-    V = logits.shape[-1]
-    for i, (p, (prompt, generated)) in enumerate(zip(params, history)):
-        if not p.adjusts_logits:
-            continue
-        row = logits[i]
-        if p.logit_bias:
-            ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
-            row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
-        if p.repetition_penalty != 1.0:
-            seen = torch.zeros(V, dtype=torch.bool, device=row.device)
-            seen[torch.tensor(prompt + generated, dtype=torch.long, device=row.device)] = True
-            row[seen] = torch.where(
-                row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty
-            )
-        if generated and (p.frequency_penalty or p.presence_penalty):
-            counts = torch.bincount(
-                torch.tensor(generated, dtype=torch.long, device=row.device), minlength=V
-            )[:V].to(row.dtype)
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    return logits
-
-
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, then top-p (vLLM's order). [n, V] -> probabilities [n, V]."""
-    temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps[:, None]
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    sorted_logits.masked_fill_(ranks >= top_k.clamp(max=vocab)[:, None], float("-inf"))
-    sorted_probs = sorted_logits.softmax(dim=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs.masked_fill_(mass_before >= top_p[:, None], 0.0)
-    probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
-    return probs / probs.sum(dim=-1, keepdim=True)

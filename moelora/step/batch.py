@@ -1,0 +1,94 @@
+"""What one forward reads: the step's inputs as the runner lays them out (HostBatch), and the
+ForwardBatch every layer is handed, built from them by `forward_batch` alone.
+
+Legend: T = tokens, B = sequences, P = pages per sequence, S = adapter slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+from moelora.step.lora import LoraBatchInfo
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Token j of sequence b (j < q_len_b) sits at position seq_len_b - q_len_b + j and attends to
+    KV positions 0..that position. Padded rows have slot_mapping -1 (their KV is not stored).
+    """
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, token offsets of each sequence's new tokens
+    seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
+    page_table: torch.Tensor  # [B, P] int32, page ids of each sequence
+    slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset where new KV goes
+    max_query_len: int  # host-side: 1 means a pure decode step
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn: AttentionMetadata
+    lora: LoraBatchInfo | None  # None when the engine runs with LoRA disabled
+    # When a list, every MoE layer appends its top-k expert ids [T, K] to it, in layer order
+    # (what a benchmark counts as the experts a step reads). Never set inside a CUDA graph.
+    routing_trace: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """One step's inputs: host tensors as the runner builds them, `to(device)` their copy, and
+    the graph runner's static buffers are views of the same fields."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    page_table: torch.Tensor  # [B, P] int32
+    slot_of_token: torch.Tensor  # [T] int32
+    slot_enabled: torch.Tensor | None  # [S] int32; None when LoRA is disabled
+    max_query_len: int
+    any_enabled: torch.Tensor | None = None  # [1] int32; None: computed from slot_enabled
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> HostBatch:
+        def moved(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=True)
+            return value
+
+        return HostBatch(**{f.name: moved(getattr(self, f.name)) for f in fields(self)})
+
+    def to_device(self, device: torch.device, slots: SlotParams | None) -> ForwardBatch:
+        return forward_batch(self.to(device), slots)
+
+
+class SlotParams(Protocol):
+    """What a step's LoRA batch info takes from the adapter slots (the SlotPool)."""
+
+    rank_of_slot: torch.Tensor  # [S] int32
+    scaling_of_slot: torch.Tensor  # [S] float32
+
+
+def forward_batch(inputs: HostBatch, slots: SlotParams | None) -> ForwardBatch:
+    """The model's view of `inputs` (tensors on the model's device); slots None: LoRA disabled."""
+    i = inputs
+    attn = AttentionMetadata(
+        i.cu_seqlens_q, i.seq_lens, i.page_table, i.slot_mapping, i.max_query_len
+    )
+    lora = None
+    if slots is not None:
+        rank, scaling = slots.rank_of_slot, slots.scaling_of_slot
+        lora = LoraBatchInfo(i.slot_of_token, rank, scaling, i.slot_enabled, i.any_enabled)
+    return ForwardBatch(i.input_ids, i.positions, attn, lora)
