@@ -4,23 +4,23 @@ Semantics: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 accumulation, y i
 
 **Batch invariance is the default** (`BatchInvariantLinear`, EngineConfig.projections =
 "batch-invariant"). A request's logits must not depend on how many requests share its step
-(issue 4's batch-mates test), and a bf16 rounding apart is enough to flip a near-tied expert
-choice. cuBLAS does not give that at decode sizes: on an H200 it splits K for Qwen3-30B-A3B's
-o (2048 x 4096) at 1 to 100 rows and for Mixtral's at 1 to 32, so a row's bits change with the
-row count (bench/results/linear-h200.md). A tensor-core product whose K loop runs in ascending
-order with one fp32 accumulator and no split gives every row the same chain of k16 MMAs
-whatever the tile shape or row count; measured, its rows equal cuBLAS's unsplit kernels' to
-the bit (cuBLAS at 128 rows and more, and wherever it does not split). So
-`_dot_linear_kernel` takes 16-bit products of up to DOT_ROWS rows (where it is also faster
-than cuBLAS: o 7.8 against 9.9 µs at one row), cuBLAS those of INVARIANT_ROWS and more, and
-in between each projection takes cuBLAS at the row counts where it was measured, on the
-device, to give the kernel's bits (BatchInvariantLinear), the kernel elsewhere.
+(tests/gpu/test_engine_gpu.py checks a request against its batch mates), and a bf16 rounding
+apart is enough to flip a near-tied expert choice. cuBLAS does not give that at decode sizes:
+for some projections it splits K at some row counts, so a row's bits change with the row count
+(bench/linear.py counts it). A tensor-core product whose K loop runs in ascending order with
+one fp32 accumulator and no split gives every row the same chain of k16 MMAs whatever the tile
+shape or row count, and its rows equal cuBLAS's unsplit kernels' to the bit (cuBLAS at
+INVARIANT_ROWS rows and more, and wherever it does not split). So `_dot_linear_kernel` takes
+16-bit products of up to DOT_ROWS rows (where it is also the faster), cuBLAS those of
+INVARIANT_ROWS and more, and in between each projection takes cuBLAS at the row counts where
+BatchInvariantLinear finds, on the device, that it gives the kernel's bits, the kernel
+elsewhere.
 
 **The skinny GEMV** (`skinny_linear`, projections = "skinny", opt-in) is the fastest at one
-token (q|k|v 6.4 µs, o 5.3, router 1.5) but sums each output as a tree of FMAs, not as the
-MMA chain, so its rows differ from the batch-invariant kernel's by a rounding: a request's
-logits then depend on its batch size. Why it beats the MMA chain at one row: the chain is
-serial in K (K / 16 dependent MMAs per output), the GEMV's reduction is not.
+token but sums each output as a tree of FMAs, not as the MMA chain, so its rows differ from the
+batch-invariant kernel's by a rounding: a request's logits then depend on its batch size. Why
+it beats the MMA chain at one row: the chain is serial in K (K / 16 dependent MMAs per
+output), the GEMV's reduction is not.
 
 GEMV algorithm. The grid is a few programs per SM; each walks slabs of BN output columns by
 BN x K weights (K <= MAX_K: the whole reduction is one register tile), grid-stride. A program
@@ -28,8 +28,8 @@ issues the load of its first slab before `pdl_wait`, so the weight stream starts
 kernel before is still finishing (W is a model weight: nothing in a step writes it); then it
 waits and loads every row of x at once (M <= BM, from L2: all programs read the same rows).
 In the walk the next slab's load is in flight while this one is reduced against each row, so
-each program always has a load outstanding (one slab a program, one launch wave, measured
-1.2 to 1.4 times slower). No split-K: the slabs are narrow enough to feed every SM.
+each program always has a load outstanding. No split-K: the slabs are narrow enough to feed
+every SM.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def max_rows(N: int) -> int:
     """The most rows at which the skinny kernel beats cuBLAS for N outputs. Each row costs a
     cross-thread reduction per output, so the break-even falls with N: on an H200 q|k|v
     (N = 5120, 6144) takes it at one token, o (2048, 4096) up to 2 rows, a router (128) up to
-    MAX_ROWS (bench/results/linear-h200.md)."""
+    MAX_ROWS (bench/results/linear-h200-2026-11-30-dc5d86e.md)."""
     return MAX_ROWS if N <= 256 else 2 if N <= 4096 else 1
 
 
@@ -137,7 +137,7 @@ def skinny_config(N: int, K: int, sms: int, *, in_flight: int = 65536) -> Skinny
     """Four columns a slab (narrower while there are fewer slabs than programs), and as many
     programs an SM as keep `in_flight` weights loading on it: each program has two slabs out.
     On an H200 that is 4 programs an SM at K = 2048 and 2 at K = 4096, the best of the sweep
-    in bench/linear.py (one slab a program, one wave: 1.2 to 1.4 times slower)."""
+    in bench/linear.py."""
     BK = triton.next_power_of_2(K)
     bn = max(1, min(4, MAX_SLAB // BK))
     per_sm = max(1, min(4, in_flight // (2 * bn * BK)))
@@ -173,18 +173,31 @@ def skinny_linear(
     assert w.shape[1] == K and (bias is None or bias.shape == (N,)), (x.shape, w.shape)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     BN, programs, num_warps = config or skinny_config(N, K, _sm_count(x.device))
+    unused = w  # the bias pointer without a bias: never read
     _skinny_linear_kernel[(programs,)](
-        x, w, bias if bias is not None else w, y,
-        M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        BM=triton.next_power_of_2(M), BN=BN, BK=triton.next_power_of_2(K),
-        HAS_BIAS=bias is not None, num_warps=num_warps, **pdl_kwargs(x.device),
-    )  # fmt: skip
+        x_ptr=x,
+        w_ptr=w,
+        bias_ptr=unused if bias is None else bias,
+        y_ptr=y,
+        M=M,
+        N=N,
+        K=K,
+        stride_xm=x.stride(0),
+        stride_wn=w.stride(0),
+        stride_ym=y.stride(0),
+        BM=triton.next_power_of_2(M),
+        BN=BN,
+        BK=triton.next_power_of_2(K),
+        HAS_BIAS=bias is not None,
+        num_warps=num_warps,
+        **pdl_kwargs(x.device),
+    )
     return y
 
 
 # -- the batch-invariant tensor-core kernel ------------------------------------------------------
 
-INVARIANT_ROWS = 128  # from here on cuBLAS: measured not to split K (bench/linear.py)
+INVARIANT_ROWS = 128  # from here on cuBLAS, which does not split K there (bench/linear.py)
 DOT_ROWS = 16  # up to here the tensor-core kernel, also the faster one (bench/linear.py)
 
 
@@ -284,12 +297,26 @@ def dot_linear(
     if M == 0:
         return y
     BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
+    unused = w  # the bias pointer without a bias: never read
     _dot_linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
-        x, w, bias if bias is not None else w, y,
-        M, N, K, x.stride(0), w.stride(0), y.stride(0),
-        BM=BM, BN=BN, BK=BK, STAGES=num_stages, HAS_BIAS=bias is not None,
-        num_warps=num_warps, **pdl_kwargs(x.device),
-    )  # fmt: skip
+        x_ptr=x,
+        w_ptr=w,
+        bias_ptr=unused if bias is None else bias,
+        y_ptr=y,
+        M=M,
+        N=N,
+        K=K,
+        stride_xm=x.stride(0),
+        stride_wn=w.stride(0),
+        stride_ym=y.stride(0),
+        BM=BM,
+        BN=BN,
+        BK=BK,
+        STAGES=num_stages,
+        HAS_BIAS=bias is not None,
+        num_warps=num_warps,
+        **pdl_kwargs(x.device),
+    )
     return y
 
 
@@ -308,10 +335,10 @@ class BatchInvariantLinear:
     """Semantics: F.linear(x, w, bias), each row's bits independent of the other rows.
 
     Up to DOT_ROWS rows the tensor-core kernel (it is also the faster there); from
-    INVARIANT_ROWS rows cuBLAS; in between cuBLAS at the row counts where it was measured on
-    this device to give the kernel's bits for this projection (it does not split K there:
-    Qwen3-30B-A3B's q|k|v and router at every count, its o at none below 101), else the
-    kernel. fp32 and strided operands go to cuBLAS (no tensor-core rounding to match).
+    INVARIANT_ROWS rows cuBLAS; in between cuBLAS at the row counts where it gives the
+    kernel's bits for this projection on this device (it does not split K there:
+    measure_cublas_rows), else the kernel. fp32 and strided operands go to cuBLAS (no
+    tensor-core rounding to match).
 
     The measurement runs once per projection shape, at its first call outside a CUDA-graph
     capture (the graph runner's warm-up: it synchronizes); during a capture an unmeasured
@@ -346,8 +373,8 @@ class BatchInvariantLinear:
 
 def measure_cublas_rows(w: torch.Tensor, bias: torch.Tensor | None) -> frozenset[int]:
     """The row counts DOT_ROWS < M < INVARIANT_ROWS at which cuBLAS's product equals the
-    tensor-core kernel's to the bit on random inputs (a split K leaves a few of the M x N
-    outputs a rounding apart: 4 to 35 of 8192 in bench/linear.py)."""
+    tensor-core kernel's to the bit on random inputs (a split K leaves only a few of the M x N
+    outputs a rounding apart, so nothing short of every bit is compared)."""
     gen = torch.Generator(w.device).manual_seed(0)  # not the global RNG: sampling uses it
     x = torch.randn(INVARIANT_ROWS, w.shape[1], generator=gen, device=w.device).to(w.dtype)
     counts = range(DOT_ROWS + 1, INVARIANT_ROWS)

@@ -1,8 +1,8 @@
 """RMSNorm (fused with the residual add) and per-head q/k norm fused with rotary, in Triton.
 
-Semantics: see reference.rms_norm and reference.rope_qk; these have the same signatures and the
-same rounding order, so that they replace ~45 tiny torch launches per decoder layer in a CUDA
-graph without moving a single bit in bf16.
+Semantics: see reference.rms_norm, reference.rms_norm_lora and reference.rope_store_kv; these
+have the same signatures and the same rounding order, so that they replace ~45 tiny torch
+launches per decoder layer in a CUDA graph without moving a single bit in bf16.
 
 Algorithm. A norm program owns one row (N <= 8192) in one block of next_power_of_2(N) lanes:
 it adds the residual and rounds the sum to the input dtype, reduces the squares in float32,
@@ -11,13 +11,15 @@ again, as torch's separate ops do. A rotary program owns one head of one token, 
 in one grid: it loads the head's D values twice, once in place and once shifted by D/2, which
 gives rotate_half without a shuffle (x_rot[d] = -x[d + D/2] for d < D/2, x[d - D/2] after),
 normalizes both copies with the same row scale, then forms x * cos + x_rot * sin, each product
-and the sum rounded to the input dtype.
+and the sum rounded to the input dtype. With the caches, the same launch stores the rotated k
+and v (a v head's program copies it, with its LoRA delta when folded).
 
-The attention's LoRA, folded in (rms_norm_lora, rope_qk's lora): the input norm also shrinks
-its output for q|k|v, each row's n * R shrink rows spread over programs that each redo the
-cheap norm; rotary expands that shrink into each q, k and v head first (the delta rounded, then
-added, as PEFT does) and swaps the halves of the head's delta for the partner lanes; the norm
-after attention expands o's split shrink into the row before the residual add.
+The attention's LoRA, folded in (the order: layers/attention_lora.py): rms_norm_lora(shrink=)
+also shrinks its output for q|k|v, each row's n * R shrink rows spread over programs that each
+redo the cheap norm; rope_store_kv(expand=) expands that shrink into each q, k and v head first
+(the delta rounded, then added, as PEFT does) and swaps the halves of the head's delta for the
+partner lanes; rms_norm_lora(expand=) after attention expands o's split shrink into the row
+before the residual add.
 
 Rounding. Every op is computed in float32 and rounded once to the input dtype, which is what
 torch's elementwise kernels do for bf16 and fp16 (a product of two bf16 is exact in float32).
@@ -27,13 +29,15 @@ that torch's separate mul and add never form; only the sum of squares differs in
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from moelora.kernels.lora import lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 SHRINK_WIDE_T = 32  # rows from which a norm program shrinks twice the rank rows
 
@@ -57,8 +61,8 @@ def _rms_norm_kernel(
     scaling_ptr,
     a_ptr,
     shrunk_ptr,
-    # LoRA expand (DELTA; x_ptr when unused): the partial shrinks of the projection that
-    # produced x [T, KS, 1, R] float32 (paged_attention_lora) and its B [S, N, R].
+    # LoRA expand (EXPAND; x_ptr when unused): the partial shrinks of the projection that
+    # produced x [T, KS, 1, R] float32 (paged_attention_o_shrink) and its B [S, N, R].
     part_ptr,
     b_ptr,
     # Sizes and strides.
@@ -72,7 +76,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     SHRINK: tl.constexpr,
-    DELTA: tl.constexpr,
+    EXPAND: tl.constexpr,
     NS: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
@@ -88,7 +92,7 @@ def _rms_norm_kernel(
     mask = offs < N
     dtype = out_ptr.dtype.element_ty
 
-    if SHRINK or DELTA:
+    if SHRINK or EXPAND:
         slot_in = tl.load(slot_ptr + row)
     if SHRINK:
         if g > 0:
@@ -112,7 +116,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    if SHRINK or DELTA:
+    if SHRINK or EXPAND:
         slot, rank, scaling = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
     if SHRINK:
         offs_j = g * RC + tl.arange(0, RC)
@@ -124,7 +128,7 @@ def _rms_norm_kernel(
         )  # [RC, BLOCK] this program's tile of A
     # -- the LoRA of the projection that produced x: sum its partial shrinks, expand the row --
     # RC rank rows per step, unrolled: every step's loads can be in flight at once.
-    if DELTA:
+    if EXPAND:
         if rank > 0:
             delta = tl.zeros((BLOCK,), dtype=tl.float32)
             offs_ks = tl.arange(0, KS_PAD)
@@ -148,7 +152,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         if g == 0:
             tl.store(sum_ptr + row * N + offs, x, mask=mask)
-    elif DELTA:
+    elif EXPAND:
         tl.store(sum_ptr + row * N + offs, x, mask=mask)  # s is x, which the delta changed
 
     # -- the norm in float32; masked lanes are 0 and add nothing to the sum of squares --
@@ -168,15 +172,15 @@ def _rms_norm_kernel(
             tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
-def _check_rows(x: torch.Tensor, residual: torch.Tensor | None) -> tuple[int, int]:
-    """(KX, stride_xk) of x [T, N] or [T, KX, N] (the MoE's top-k rows); checks residual."""
+def _check_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """x [T, N] or [T, KX, N] (the MoE's top-k rows), residual [T, N] or None, weight [N]."""
     T, N = x.shape[0], x.shape[-1]
     assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
     assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
     if residual is not None:
         assert residual.shape == (T, N) and residual.dtype == x.dtype, (residual.shape, x.shape)
         assert residual.stride(-1) == 1, residual.stride()
-    return (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
+    assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
 
 
 def _norm_warps(BLOCK: int, x: torch.Tensor) -> int:
@@ -199,22 +203,12 @@ def rms_norm(
     is x itself without a residual, else a new contiguous tensor.
     """
     T, N = x.shape[0], x.shape[-1]
-    KX, stride_xk = _check_rows(x, residual)
-    assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
+    _check_rows(x, residual, weight)
     assert weight.is_contiguous()
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty(T, N, dtype=x.dtype, device=x.device)
-    if T == 0:
-        return out, s
-    BLOCK = triton.next_power_of_2(N)
-    res = x if residual is None else residual
-    _rms_norm_kernel[(T, 1)](
-        x, res, weight, out, s, *[x] * 8,
-        N, x.stride(0), stride_xk, res.stride(0), eps,
-        KX=KX, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-        SHRINK=False, DELTA=False, NS=1, R=1, RC=1, KS=1, KS_PAD=1,
-        num_warps=_norm_warps(BLOCK, x), enable_fp_fusion=False, **pdl_kwargs(x.device),
-    )  # fmt: skip
+    if T > 0:
+        _launch_rms_norm(x, weight, eps, residual, out, s, _NormLora())
     return out, s
 
 
@@ -238,72 +232,153 @@ def rms_norm_lora(
     info: LoraBatchInfo,
     *,
     shrink: LoraWeights | None = None,
-    delta: tuple[torch.Tensor, LoraWeights] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    expand: FoldedLora | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: see reference.rms_norm_lora. x, residual: as rms_norm's; shrink.a
-    [S, n, R, N] contiguous; delta = (partial shrinks [T, KS, 1, R] float32 from lora_shrink_split,
-    LoRA weights with b [S, N, R] contiguous). Rows of shrunk whose token has no enabled slot
-    are left unwritten (readers check the slot first). Returns (out, s, shrunk [T, n, R]
-    float32, or None without shrink).
+    Semantics: see reference.rms_norm_lora. x, residual: as rms_norm's; expand: the LoRA of
+    the projection that produced x, its shrunk the partial shrinks [T, KS, 1, R] float32 of
+    paged_attention_o_shrink, its b [S, N, R] contiguous, its info this info; shrink: the LoRA
+    of the projection that reads out, a [S, n, R, N] contiguous. Returns (out, s, shrunk):
+    shrunk = FoldedLora(out's shrink [T, n, R] float32, shrink, info), None without shrink. Rows
+    of the shrink whose token has no enabled slot are left unwritten (readers check the slot
+    first).
 
     Why here: neither half needs a launch of its own (a base-only batch pays one gather per
     row). Each row's n * R shrink rows are spread over programs, RC each, because one program
-    reading a whole slot's A is bound by its own load latency (about 18 µs for 196 KB).
+    reading a whole slot's A is bound by its load latency.
     """
     T, N = x.shape[0], x.shape[-1]
-    KX, stride_xk = _check_rows(x, residual)
-    assert weight.shape == (N,) and weight.dtype == x.dtype, (weight.shape, weight.dtype, x.dtype)
+    _check_rows(x, residual, weight)
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    changes_x = residual is not None or expand is not None  # else s is x itself
+    s = torch.empty(T, N, dtype=x.dtype, device=x.device) if changes_x else x
+    lora = _norm_lora(x, info, shrink, expand)
+    if T > 0:
+        _launch_rms_norm(x, weight, eps, residual, out, s, lora)
+    return out, s, None if shrink is None else FoldedLora(lora.shrunk, shrink, info)
+
+
+class _NormLora(NamedTuple):
+    """The LoRA halves of one norm launch (see rms_norm_lora); None where a half is off."""
+
+    info: LoraBatchInfo | None = None
+    a: torch.Tensor | None = None  # shrink: the A of the projection that reads out
+    shrunk: torch.Tensor | None = None  # shrink: its output [T, NS, R] float32
+    part: torch.Tensor | None = None  # expand: the partial shrinks [T, KS, 1, R] float32
+    b: torch.Tensor | None = None  # expand: the B of the projection that produced x
+    NS: int = 1
+    R: int = 1
+    KS: int = 1
+
+
+def _norm_lora(
+    x: torch.Tensor, info: LoraBatchInfo, shrink: LoraWeights | None, expand: FoldedLora | None
+) -> _NormLora:
+    """Checks rms_norm_lora's two halves; allocates the shrink's output."""
+    T, N = x.shape[0], x.shape[-1]
     NS, R, KS = 1, 1, 1
     if shrink is not None:
         _, NS, R, N_a = shrink.a.shape
         assert N_a == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
-    if delta is not None:
-        part, lora_in = delta
-        S, R_d = lora_in.b.shape[0], lora_in.b.shape[2]
-        assert lora_in.b.shape == (S, N, R_d) and lora_in.b.is_contiguous(), lora_in.b.shape
-        assert part.shape[0] == T and part.shape[2:] == (1, R_d), (part.shape, T, R_d)
+    if expand is not None:
+        part, b = expand.shrunk, expand.weights.b
+        S, R_b = b.shape[0], b.shape[2]
+        assert b.shape == (S, N, R_b) and b.is_contiguous(), b.shape
+        assert part.shape[0] == T and part.shape[2:] == (1, R_b), (part.shape, T, R_b)
         assert part.is_contiguous() and part.dtype == torch.float32, (part.stride(), part.dtype)
-        assert shrink is None or R_d == R, (R_d, R)
-        R, KS = R_d, part.shape[1]
-    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    s = (
-        torch.empty(T, N, dtype=x.dtype, device=x.device)
-        if residual is not None or delta is not None
-        else x
+        assert shrink is None or R_b == R, (R_b, R)
+        assert expand.info is info, "the expand reads this step's batch info"
+        R, KS = R_b, part.shape[1]
+    shrunk = None
+    if shrink is not None:
+        shrunk = torch.empty(T, NS, R, dtype=torch.float32, device=x.device)
+    return _NormLora(
+        info=info,
+        a=None if shrink is None else shrink.a,
+        shrunk=shrunk,
+        part=None if expand is None else expand.shrunk,
+        b=None if expand is None else expand.weights.b,
+        NS=NS,
+        R=R,
+        KS=KS,
     )
-    shrunk = (
-        torch.empty(T, NS, R, dtype=torch.float32, device=x.device) if shrink is not None else None
-    )
-    if T == 0:
-        return out, s, shrunk
+
+
+def _launch_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+    s: torch.Tensor,
+    lora: _NormLora,
+) -> None:
+    """One _rms_norm_kernel launch: a program a row, or with a shrink, a row's RC rank rows."""
+    T, N = x.shape[0], x.shape[-1]
+    KX, stride_xk = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     BLOCK = triton.next_power_of_2(N)
     num_warps = _norm_warps(BLOCK, x)
-    if delta is not None:
+    if lora.part is not None:
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
         # program: twice the warps halve the steps
         num_warps = min(2 * num_warps, 16)
-    RC = _rank_rows_per_step(T, NS * R, BLOCK, num_warps, shrink is not None)
+    shrink = lora.a is not None
+    RC = _rank_rows_per_step(T, lora.NS * lora.R, BLOCK, num_warps, shrink)
     res = x if residual is None else residual
-    _rms_norm_kernel[(T, triton.cdiv(NS * R, RC) if shrink is not None else 1)](
-        x, res, weight, out, s,
-        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        shrink.a if shrink is not None else x, shrunk if shrunk is not None else x,
-        delta[0] if delta is not None else x, delta[1].b if delta is not None else x,
-        N, x.stride(0), stride_xk, res.stride(0), eps,
-        KX=KX, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK,
-        SHRINK=shrink is not None, DELTA=delta is not None, NS=NS, R=R, RC=RC, KS=KS,
-        KS_PAD=triton.next_power_of_2(KS),
-        num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(x.device),
-    )  # fmt: skip
-    return out, s, shrunk
+    unused = x  # every pointer whose flag is off: never read
+    _rms_norm_kernel[(T, triton.cdiv(lora.NS * lora.R, RC) if shrink else 1)](
+        x_ptr=x,
+        res_ptr=res,
+        weight_ptr=weight,
+        out_ptr=out,
+        sum_ptr=s,
+        **_info_ptrs(lora.info, unused),
+        **_or_unused(unused, a_ptr=lora.a, shrunk_ptr=lora.shrunk),
+        **_or_unused(unused, part_ptr=lora.part, b_ptr=lora.b),
+        N=N,
+        stride_xt=x.stride(0),
+        stride_xk=stride_xk,
+        stride_rt=res.stride(0),
+        eps=eps,
+        KX=KX,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=BLOCK,
+        SHRINK=shrink,
+        EXPAND=lora.part is not None,
+        NS=lora.NS,
+        R=lora.R,
+        RC=RC,
+        KS=lora.KS,
+        KS_PAD=triton.next_power_of_2(lora.KS),
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+        **pdl_kwargs(x.device),
+    )
+
+
+def _info_ptrs(info: LoraBatchInfo | None, unused: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The batch info's buffers under the names the kernels take them by; `unused` without."""
+    if info is None:
+        return dict.fromkeys(("slot_ptr", "enabled_ptr", "rank_ptr", "scaling_ptr"), unused)
+    return dict(
+        slot_ptr=info.slot_of_token,
+        enabled_ptr=info.slot_enabled,
+        rank_ptr=info.rank_of_slot,
+        scaling_ptr=info.scaling_of_slot,
+    )
+
+
+def _or_unused(unused: torch.Tensor, **ptrs: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """Launch keywords: each pointer, or `unused` (never read: its flag is off) for None."""
+    return {name: unused if ptr is None else ptr for name, ptr in ptrs.items()}
 
 
 @triton.jit
-def _lora_expand_head(shrunk_ptr, b_ptr, t, rank, slice_i, col0, R: tl.constexpr,
-                      RC: tl.constexpr, D: tl.constexpr):  # fmt: skip
+def _lora_expand_head(
+    shrunk_ptr, b_ptr, t, rank, slice_i, col0, R: tl.constexpr, RC: tl.constexpr, D: tl.constexpr
+):
     """(d, d_rot), [D] float32 each: d = shrunk[t, slice_i] @ B[col0 : col0 + D].T over the
     real rank (b_ptr: the slot's B, [out, R]) and d_rot = d with its halves swapped, the
     rotate_half partner of each lane. D is a power of two."""
@@ -328,29 +403,29 @@ def _lora_expand_head(shrunk_ptr, b_ptr, t, rank, slice_i, col0, R: tl.constexpr
 
 
 @triton.jit
-def _rope_qk_kernel(
-    # Pointers.
+def _rope_store_kv_kernel(
+    # Pointers (q_ptr stands for every one whose flag is off: never read then).
     q_ptr,  # [T, Hq, D], strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, Hkv, D], strides (stride_kt, stride_kh, 1)
-    v_ptr,  # [T, Hkv, D], strides (stride_vt, stride_vh, 1); q_ptr without STORE_KV
+    v_ptr,  # [T, Hkv, D], strides (stride_vt, stride_vh, 1); with STORE_KV
     pos_ptr,  # [T] int64
     cos_ptr,  # [L, D] float32, row stride stride_cl
     sin_ptr,  # [L, D] float32, row stride stride_sl
-    q_norm_ptr,  # [D] in q's dtype, or q_ptr when HAS_NORM is False (never read then)
+    q_norm_ptr,  # [D] in q's dtype, with HAS_NORM
     k_norm_ptr,  # [D] likewise
     q_out_ptr,  # [T, Hq, D] contiguous
     k_out_ptr,  # [T, Hkv, D] contiguous
     k_cache_ptr,  # [num_pages, page_size, Hkv, D], strides (stride_cp, stride_cs, stride_ch, 1)
-    v_cache_ptr,  # the same strides; both q_ptr without STORE_KV
-    slot_ptr,  # [T] int64, -1 = do not store; pos_ptr without STORE_KV
-    # LoRA (LORA): batch info as in _rms_norm_kernel, the q|k|v shrink [T, 3, R] float32 and
-    # the q|k|v B [S, (Hq + 2 Hkv) D, R]; pos_ptr when unused.
-    lslot_ptr,
+    v_cache_ptr,  # the same strides; both with STORE_KV
+    slot_mapping_ptr,  # [T] int64, -1 = do not store; with STORE_KV
+    # LoRA expand (EXPAND): batch info as in _rms_norm_kernel, the q|k|v shrink [T, 3, R]
+    # float32 and the q|k|v B [S, (Hq + 2 Hkv) D, R].
+    slot_ptr,
     enabled_ptr,
     rank_ptr,
     scaling_ptr,
     shrunk_ptr,
-    lb_ptr,
+    b_ptr,
     # Sizes and strides.
     Hq,
     Hkv,
@@ -367,13 +442,13 @@ def _rope_qk_kernel(
     stride_cp,
     stride_cs,
     stride_ch,
-    stride_lbs,
+    stride_bs,
     eps,
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    LORA: tl.constexpr,
+    EXPAND: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
     PDL: tl.constexpr,
@@ -387,27 +462,28 @@ def _rope_qk_kernel(
     dtype = q_out_ptr.dtype.element_ty
     half = D // 2
     partner = (offs + half) % D
-    if LORA:
-        lslot_in = tl.load(lslot_ptr + t)  # asked for first: its flag and rank depend on it
+    if EXPAND:
+        lslot_in = tl.load(slot_ptr + t)  # asked for first: its flag and rank depend on it
         # this head's slice of q|k|v (its columns start at h * D: v heads come last, as in
         # the grid)
         slice_i = (h >= Hq).to(tl.int32) + (h >= Hq + Hkv).to(tl.int32)
 
     # -- the cache row of this token, as store_kv computes it; padded rows (-1) store nothing --
     if STORE_KV:
-        slot = tl.load(slot_ptr + t)
+        slot = tl.load(slot_mapping_ptr + t)
         cache_row = (slot // page_size) * stride_cp + (slot % page_size) * stride_cs
         store_mask = mask & (slot >= 0)
         if h >= Hq + Hkv:
             # v heads are only copied; they have no other output
             hv = h - Hq - Hkv
             x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
-            if LORA:
+            if EXPAND:
                 lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-                lb_row = lb_ptr + lslot * stride_lbs
+                lb_row = b_ptr + lslot * stride_bs
                 if rank > 0:
-                    d_v, d_unused = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D,
-                                               R, RC, BLOCK_D)  # fmt: skip
+                    d_v, d_unused = _lora_expand_head(
+                        shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                    )
                     x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
             v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
             tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
@@ -427,12 +503,13 @@ def _rope_qk_kernel(
     x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
 
     # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
-    if LORA:
+    if EXPAND:
         lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-        lb_row = lb_ptr + lslot * stride_lbs
+        lb_row = b_ptr + lslot * stride_bs
         if rank > 0:
-            d, d_rot = _lora_expand_head(shrunk_ptr, lb_row, t, rank, slice_i, h * D, R, RC,
-                                         BLOCK_D)  # fmt: skip
+            d, d_rot = _lora_expand_head(
+                shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+            )
             x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
 
@@ -461,7 +538,7 @@ def _rope_qk_kernel(
             tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
 
 
-def rope_qk(
+def rope_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
@@ -475,12 +552,13 @@ def rope_qk(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
-    lora: tuple[torch.Tensor, LoraWeights, LoraBatchInfo] | None = None,
+    expand: FoldedLora | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
-    lora = (shrunk, lora_qkv, info), q|k|v first take reference.lora_expand_ of shrunk [T, 3, R]
-    float32 (from rms_norm_lora; needs v); lora_qkv.b [S, (Hq + 2 Hkv) D, R] contiguous.
+    expand (the q|k|v LoRA whose shrink [T, 3, R] float32 rms_norm_lora computed; needs v),
+    q|k|v first take reference.lora_expand_ of it; expand.weights.b [S, (Hq + 2 Hkv) D, R]
+    contiguous.
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
     contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
@@ -488,63 +566,140 @@ def rope_qk(
     the same strides, the last dim contiguous; slot_mapping [T] int64, -1 for rows not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D].
     """
+    rope = _Rope(q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping)
+    _check_rope(rope, expand)
     T, Hq, D = q.shape
-    Hkv = k.shape[1]
+    q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(T, k.shape[1], D, dtype=q.dtype, device=q.device)
+    if T > 0:
+        _launch_rope(rope, expand, q_out, k_out)
+    return q_out, k_out
+
+
+class _Rope(NamedTuple):
+    """One rope_store_kv call's tensors (see its docstring); the last four None without store."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    eps: float
+    v: torch.Tensor | None
+    k_cache: torch.Tensor | None
+    v_cache: torch.Tensor | None
+    slot_mapping: torch.Tensor | None
+
+    @property
+    def stores(self) -> bool:
+        return self.slot_mapping is not None
+
+
+def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
+    T, Hq, D = r.q.shape
+    Hkv = r.k.shape[1]
+    q, k = r.q, r.k
     assert k.shape == (T, Hkv, D) and k.dtype == q.dtype, (q.shape, k.shape, q.dtype, k.dtype)
     assert q.stride(-1) == 1 and k.stride(-1) == 1, (q.stride(), k.stride())
-    assert D % 2 == 0 and positions.shape == (T,), (D, positions.shape)
-    assert cos.shape == sin.shape and cos.shape[1] == D, (cos.shape, sin.shape, D)
-    assert cos.stride(-1) == 1 and sin.stride(-1) == 1, (cos.stride(), sin.stride())
-    assert (q_norm is None) == (k_norm is None), "q_norm and k_norm come together"
-    if q_norm is not None:
-        for w in (q_norm, k_norm):
+    assert D % 2 == 0 and r.positions.shape == (T,), (D, r.positions.shape)
+    assert r.cos.shape == r.sin.shape and r.cos.shape[1] == D, (r.cos.shape, r.sin.shape, D)
+    assert r.cos.stride(-1) == 1 and r.sin.stride(-1) == 1, (r.cos.stride(), r.sin.stride())
+    assert (r.q_norm is None) == (r.k_norm is None), "q_norm and k_norm come together"
+    if r.q_norm is not None:
+        for w in (r.q_norm, r.k_norm):
             assert w.shape == (D,) and w.dtype == q.dtype and w.is_contiguous(), (w.shape, w.dtype)
-    store = slot_mapping is not None
-    assert all((x is None) != store for x in (v, k_cache, v_cache)), "v, caches, slots together"
-    if store:
+    stored = (r.v, r.k_cache, r.v_cache)
+    assert all((x is None) != r.stores for x in stored), "v, caches, slots together"
+    if r.stores:
+        v, k_cache, v_cache = stored
         assert v.shape == k.shape and v.dtype == k.dtype, (v.shape, k.shape, v.dtype, k.dtype)
         assert v.stride(-1) == 1, v.stride()
         assert k_cache.ndim == 4 and k_cache.shape[2:] == (Hkv, D), (k_cache.shape, k.shape)
         assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
-        assert slot_mapping.shape == (T,), slot_mapping.shape
-    R = 1
-    if lora is not None:
-        shrunk, lora_qkv, info = lora
-        assert store, "the folded LoRA needs v (and the caches): it expands into v as well"
+        assert r.slot_mapping.shape == (T,), r.slot_mapping.shape
+    if expand is not None:
+        shrunk, b = expand.shrunk, expand.weights.b
+        assert r.stores, "the folded LoRA needs v (and the caches): it expands into v as well"
         assert D & (D - 1) == 0, f"the folded LoRA needs a power-of-two head dim, got {D}"
-        S, _, R = lora_qkv.b.shape
-        assert lora_qkv.b.shape[1] == (Hq + 2 * Hkv) * D, (lora_qkv.b.shape, Hq, Hkv, D)
-        assert lora_qkv.b.is_contiguous() and shrunk.is_contiguous(), "contiguous b, shrunk"
+        R = b.shape[2]
+        assert b.shape[1] == (Hq + 2 * Hkv) * D, (b.shape, Hq, Hkv, D)
+        assert b.is_contiguous() and shrunk.is_contiguous(), "contiguous b, shrunk"
         assert shrunk.shape == (T, 3, R) and shrunk.dtype == torch.float32, shrunk.shape
-        assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
-    q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(T, Hkv, D, dtype=q.dtype, device=q.device)
-    if T == 0:
-        return q_out, k_out
-    has_norm = q_norm is not None
+        assert expand.info.slot_of_token.shape[0] >= T, (expand.info.slot_of_token.shape, T)
+
+
+def _launch_rope(
+    r: _Rope, expand: FoldedLora | None, q_out: torch.Tensor, k_out: torch.Tensor
+) -> None:
+    """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head."""
+    T, Hq, D = r.q.shape
+    Hkv = r.k.shape[1]
     BLOCK_D = triton.next_power_of_2(D)
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
-    num_warps = (1 if D <= 128 else 2) * (2 if lora is not None else 1)
+    num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
+    R = 1 if expand is None else expand.weights.b.shape[2]
     RC = max(1, min(triton.next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
-    lora_ptrs = (
-        (info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-         shrunk, lora_qkv.b)
-        if lora is not None
-        else (positions,) * 6
-    )  # fmt: skip
-    v_stride = v.stride()[:2] if store else (0, 0)
-    cache_stride = k_cache.stride()[:3] if store else (0, 0, 0)
-    page_size = k_cache.shape[1] if store else 1
-    _rope_qk_kernel[(T, Hq + (2 if store else 1) * Hkv)](
-        q, k, v if store else q, positions, cos, sin,
-        q_norm if has_norm else q, k_norm if has_norm else q, q_out, k_out,
-        k_cache if store else q, v_cache if store else q, slot_mapping if store else positions,
-        *lora_ptrs,
-        Hq, Hkv, D, page_size, q.stride(0), q.stride(1), k.stride(0), k.stride(1), *v_stride,
-        cos.stride(0), sin.stride(0), *cache_stride,
-        lora_qkv.b.stride(0) if lora is not None else 0, eps,
-        HAS_NORM=has_norm, STORE_KV=store, BLOCK_D=BLOCK_D, LORA=lora is not None, R=R, RC=RC,
-        num_warps=num_warps, enable_fp_fusion=False, **pdl_kwargs(q.device),
-    )  # fmt: skip
-    return q_out, k_out
+    unused = r.q  # every pointer whose flag is off: never read
+    _rope_store_kv_kernel[(T, Hq + (2 if r.stores else 1) * Hkv)](
+        q_ptr=r.q,
+        k_ptr=r.k,
+        pos_ptr=r.positions,
+        cos_ptr=r.cos,
+        sin_ptr=r.sin,
+        q_out_ptr=q_out,
+        k_out_ptr=k_out,
+        **_or_unused(unused, q_norm_ptr=r.q_norm, k_norm_ptr=r.k_norm),
+        **_store_args(r, unused),
+        **_expand_args(expand, unused),
+        Hq=Hq,
+        Hkv=Hkv,
+        D=D,
+        stride_qt=r.q.stride(0),
+        stride_qh=r.q.stride(1),
+        stride_kt=r.k.stride(0),
+        stride_kh=r.k.stride(1),
+        stride_cl=r.cos.stride(0),
+        stride_sl=r.sin.stride(0),
+        eps=r.eps,
+        HAS_NORM=r.q_norm is not None,
+        STORE_KV=r.stores,
+        BLOCK_D=BLOCK_D,
+        EXPAND=expand is not None,
+        R=R,
+        RC=RC,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+        **pdl_kwargs(r.q.device),
+    )
+
+
+def _store_args(r: _Rope, unused: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The KV store's launch keywords: v, the caches, the slots and their strides."""
+    if not r.stores:
+        ptrs = ("v_ptr", "k_cache_ptr", "v_cache_ptr", "slot_mapping_ptr")
+        strides = ("stride_vt", "stride_vh", "stride_cp", "stride_cs", "stride_ch")
+        return dict.fromkeys(ptrs, unused) | dict.fromkeys(strides, 0) | dict(page_size=1)
+    return dict(
+        v_ptr=r.v,
+        k_cache_ptr=r.k_cache,
+        v_cache_ptr=r.v_cache,
+        slot_mapping_ptr=r.slot_mapping,
+        page_size=r.k_cache.shape[1],
+        stride_vt=r.v.stride(0),
+        stride_vh=r.v.stride(1),
+        stride_cp=r.k_cache.stride(0),
+        stride_cs=r.k_cache.stride(1),
+        stride_ch=r.k_cache.stride(2),
+    )
+
+
+def _expand_args(expand: FoldedLora | None, unused: torch.Tensor) -> dict[str, torch.Tensor | int]:
+    """The q|k|v LoRA's launch keywords: the batch info, the shrink, B and B's slot stride."""
+    if expand is None:
+        return _info_ptrs(None, unused) | dict(shrunk_ptr=unused, b_ptr=unused, stride_bs=0)
+    b = expand.weights.b
+    extra = dict(shrunk_ptr=expand.shrunk, b_ptr=b, stride_bs=b.stride(0))
+    return _info_ptrs(expand.info, unused) | extra

@@ -23,10 +23,10 @@ class Ops:
     fused_moe: Callable
     add_lora_: Callable
     paged_attention: Callable
-    paged_attention_lora: Callable
+    paged_attention_o_shrink: Callable
     rms_norm: Callable
     rms_norm_lora: Callable
-    rope_qk: Callable
+    rope_store_kv: Callable
 
 
 REFERENCE_OPS = Ops(
@@ -36,10 +36,10 @@ REFERENCE_OPS = Ops(
     fused_moe=reference.fused_moe,
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
-    paged_attention_lora=reference.paged_attention_lora,
+    paged_attention_o_shrink=reference.paged_attention_o_shrink,
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
-    rope_qk=reference.rope_qk,
+    rope_store_kv=reference.rope_store_kv,
 )
 
 
@@ -61,8 +61,8 @@ def triton_ops(projections: str) -> Ops:
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.linear import BatchInvariantLinear
     from moelora.kernels.lora import add_lora_
-    from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
-    from moelora.kernels.paged_attention import paged_attention, paged_attention_lora
+    from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
+    from moelora.kernels.paged_attention import paged_attention, paged_attention_o_shrink
     from moelora.kernels.routing import route_topk
 
     linear = reference.linear  # cuBLAS
@@ -75,8 +75,8 @@ def triton_ops(projections: str) -> Ops:
         fused_moe=fused_moe,
         add_lora_=add_lora_,
         paged_attention=paged_attention,
-        paged_attention_lora=paged_attention_lora,
+        paged_attention_o_shrink=paged_attention_o_shrink,
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
-        rope_qk=rope_qk,
+        rope_store_kv=rope_store_kv,
     )

@@ -21,6 +21,9 @@ captured in a CUDA graph and replayed with new lengths and page tables; splits p
 a short sequence exit at once. Decode programs also zero the padded rows past cu_seqlens_q[-1],
 so no memset is recorded. Prefill/extend runs eagerly: one program per BLOCK_Q tokens, no split.
 
+With the attention's LoRA folded (layers/attention_lora.py), a split decode's combine also
+shrinks the o projection's LoRA from each head's output (paged_attention_o_shrink).
+
 Legend: T = tokens, B = sequences, P = pages per sequence, Hq / Hkv = query / KV heads,
 D = head dim, S = splits, G = Hq // Hkv.
 """
@@ -28,7 +31,7 @@ D = head dim, S = splits, G = Hq // Hkv.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import triton
@@ -36,7 +39,7 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -254,8 +257,8 @@ def _combine_splits_kernel(
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
-    a_ptr,  # [max_loras, 1, R, Hq * D]: the o projection's LoRA A, only with LORA
-    shrink_ptr,  # [T, Hq, 1, R] float32 out: each head's part of the shrink, only with LORA
+    a_ptr,  # [max_loras, 1, R, Hq * D]: the o projection's LoRA A, only with SHRINK
+    shrink_ptr,  # [T, Hq, 1, R] float32 out: each head's part of the shrink, only with SHRINK
     slot_ptr,
     enabled_ptr,
     rank_ptr,
@@ -271,7 +274,7 @@ def _combine_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    LORA: tl.constexpr,
+    SHRINK: tl.constexpr,
     R: tl.constexpr,
     RP: tl.constexpr,
     PDL: tl.constexpr,
@@ -283,7 +286,7 @@ def _combine_splits_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     if tl.load(cu_seqlens_q_ptr + pid_b + 1) == q_start:
         return
-    if LORA:
+    if SHRINK:
         slot = tl.load(slot_ptr + q_start)  # asked first: its flag's gather waits on it
     seq_len = tl.load(seq_lens_ptr + pid_b)
     num_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
@@ -307,7 +310,7 @@ def _combine_splits_kernel(
     out = out.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + q_start * stride_ot + pid_hq * stride_oh + offs_d * stride_od
     tl.store(out_ptrs, out, mask=d_mask)
-    if LORA:
+    if SHRINK:
         # The o projection's LoRA shrink of this head's columns (of the rounded output, as
         # lora_shrink_split reads it): the heads' parts are summed by the norm that expands.
         slot, rank, scaling = lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr)
@@ -363,7 +366,7 @@ def paged_attention(
     return launch_paged_attention(q, k_cache, v_cache, attn, scale)[0]
 
 
-def paged_attention_lora(
+def paged_attention_o_shrink(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -371,19 +374,19 @@ def paged_attention_lora(
     scale: float,
     lora: LoraWeights,
     info: LoraBatchInfo,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: see reference.paged_attention_lora: (out, lora_shrink_split(out as [T, Hq*D],
-    lora, info)), the shrink of the o projection's LoRA that the next norm expands.
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: see reference.paged_attention_o_shrink: (out, FoldedLora(lora_shrink_split(
+    out as [T, Hq*D], lora, info), lora, info)), the o projection's LoRA shrunk from the
+    attention's output, for the next norm to expand.
 
-    A split decode (up to about 32 sequences on an H200) computes the shrink in its combine
-    kernel, KS = Hq partials (one head's columns each): no launch of its own, which is what a
-    base-only batch would otherwise pay for it (about 1 µs a layer). Otherwise it is
-    lora_shrink_split's launch.
+    A split decode computes the shrink in its combine kernel, KS = Hq partials (one head's
+    columns each): no launch of its own, which a base-only batch would otherwise pay for.
+    Otherwise it is lora_shrink_split's launch.
     """
-    out, shrunk = launch_paged_attention(q, k_cache, v_cache, attn, scale, o_lora=(lora, info))
+    out, shrunk = launch_paged_attention(q, k_cache, v_cache, attn, scale, shrink=lora, info=info)
     if shrunk is None:
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
-    return out, shrunk
+    return out, FoldedLora(shrunk, lora, info)
 
 
 def launch_paged_attention(
@@ -396,117 +399,193 @@ def launch_paged_attention(
     config: AttentionConfig | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    o_lora: tuple[LoraWeights, LoraBatchInfo] | None = None,
+    shrink: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """paged_attention with the tiles, the decode split count or the output given by the caller;
-    returns (out, the o LoRA's shrink partials or None). The partials come from the combine of a
-    split decode only (see paged_attention_lora).
+    returns (out, the shrink partials [T, Hq, 1, R] float32 of the o projection's LoRA `shrink`
+    over `info`, or None). The partials come from the combine of a split decode only (see
+    paged_attention_o_shrink).
 
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
+    _check_attention(q, k_cache, v_cache, attn)
+    plan = _plan(q, k_cache, attn, config, num_splits)
+    if plan.decode:
+        # Decode programs zero the padded rows themselves: nothing else is recorded.
+        out = torch.empty_like(q) if out is None else out
+    else:
+        out = torch.zeros_like(q) if out is None else out.zero_()
+    num_seqs = attn.page_table.shape[0]
+    if plan.num_splits > 1:
+        part_shape = (num_seqs, q.shape[1], plan.num_splits)
+        part_out = q.new_empty(*part_shape, q.shape[2], dtype=torch.float32)
+        part_lse = q.new_empty(*part_shape, dtype=torch.float32)
+    else:
+        part_out = part_lse = out  # unused
+    if q.shape[0] == 0 or num_seqs == 0:
+        return out.zero_(), None
+    launch = _Attention(q, k_cache, v_cache, attn, scale, out, part_out, part_lse)
+    _launch_attention(launch, plan)
+    if plan.num_splits == 1:
+        return out, None
+    return out, _launch_combine(launch, plan, shrink, info)
+
+
+def _check_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata
+) -> None:
     assert q.ndim == 3 and k_cache.ndim == 4, f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
     assert k_cache.shape == v_cache.shape, f"k {k_cache.shape} vs v cache {v_cache.shape}"
-    num_rows, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, cache_head_dim = k_cache.shape
+    _, num_q_heads, head_dim = q.shape
+    _, _, num_kv_heads, cache_head_dim = k_cache.shape
     assert cache_head_dim == head_dim, f"head dim: q {head_dim}, cache {cache_head_dim}"
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} % Hkv {num_kv_heads} != 0"
     assert q.dtype == k_cache.dtype == v_cache.dtype, f"dtypes {q.dtype}, {k_cache.dtype}"
-    num_seqs, max_pages = attn.page_table.shape
+    num_seqs = attn.page_table.shape[0]
     assert attn.cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [B + 1]"
     assert attn.seq_lens.shape == (num_seqs,), "seq_lens must be [B]"
 
-    decode = attn.max_query_len <= 1
-    group = num_q_heads // num_kv_heads
-    group_pad = triton.next_power_of_2(group)
-    if decode:
+
+class _Plan(NamedTuple):
+    """The tiles, split count and grid of one attention launch."""
+
+    config: AttentionConfig
+    num_splits: int
+    decode: bool  # at most one new token per sequence
+    group_pad: int
+    block_q: int
+    grid: tuple[int, int, int]
+
+
+def _plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    config: AttentionConfig | None,
+    num_splits: int | None,
+) -> _Plan:
+    """decode_plan's tiles and splits where the caller gives none; prefill never splits."""
+    num_rows, num_q_heads, _ = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    num_seqs, max_pages = attn.page_table.shape
+    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    if attn.max_query_len <= 1:
         plan_config, plan_splits = decode_plan(
             num_seqs, num_kv_heads, max_pages * page_size, q.device
         )
-        config, num_splits = config or plan_config, num_splits or plan_splits
+        num_splits = num_splits or plan_splits
         # One token per sequence: rows are the group's heads, padded to the 16 tl.dot wants.
-        group_pad, block_q = max(group_pad, 16), 1
-        # Decode programs zero the padded rows themselves: nothing else is recorded.
-        out = torch.empty_like(q) if out is None else out
         grid = (max(num_seqs, num_rows), num_kv_heads, num_splits)
-    else:
-        config, num_splits = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG), 1
-        block_q = max(config.block_m // group_pad, 1)
-        out = torch.zeros_like(q) if out is None else out.zero_()
-        grid = (num_seqs, num_kv_heads, triton.cdiv(attn.max_query_len, block_q))
-    if num_splits > 1:
-        part_out = q.new_empty(num_seqs, num_q_heads, num_splits, head_dim, dtype=torch.float32)
-        part_lse = q.new_empty(num_seqs, num_q_heads, num_splits, dtype=torch.float32)
-    else:
-        part_out = part_lse = out  # unused
-    if num_rows == 0 or num_seqs == 0:
-        return out.zero_(), None
+        return _Plan(config or plan_config, num_splits, True, max(group_pad, 16), 1, grid)
+    config = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
+    block_q = max(config.block_m // group_pad, 1)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(attn.max_query_len, block_q))
+    return _Plan(config, 1, False, group_pad, block_q, grid)
 
-    block_d = triton.next_power_of_2(head_dim)
-    _paged_attention_kernel[grid](
-        q,
-        k_cache,
-        v_cache,
-        out,
-        part_out,
-        part_lse,
-        attn.cu_seqlens_q,
-        attn.seq_lens,
-        attn.page_table,
-        num_seqs,
-        num_rows,
-        head_dim,
-        num_splits,
-        scale * LOG2_E,
-        *q.stride(),
-        *k_cache.stride(),
-        *v_cache.stride(),
-        *out.stride(),
-        *attn.page_table.stride(),
-        GROUP=group,
-        GROUP_PAD=group_pad,
-        BLOCK_Q=block_q,
-        BLOCK_N=config.block_n,
-        BLOCK_D=block_d,
-        PAGE_SIZE=page_size,
-        SPLIT=num_splits > 1,
-        ZERO_TAIL=decode,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **pdl_kwargs(q.device),
+
+class _Attention(NamedTuple):
+    """What one attention launch reads and writes; the partials are `out` without splits."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    attn: AttentionMetadata
+    scale: float
+    out: torch.Tensor
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+
+
+def _launch_attention(a: _Attention, plan: _Plan) -> None:
+    """One _paged_attention_kernel launch over plan.grid."""
+    num_rows, num_q_heads, head_dim = a.q.shape
+    num_kv_heads = a.k_cache.shape[2]
+    _paged_attention_kernel[plan.grid](
+        q_ptr=a.q,
+        k_cache_ptr=a.k_cache,
+        v_cache_ptr=a.v_cache,
+        out_ptr=a.out,
+        part_out_ptr=a.part_out,
+        part_lse_ptr=a.part_lse,
+        cu_seqlens_q_ptr=a.attn.cu_seqlens_q,
+        seq_lens_ptr=a.attn.seq_lens,
+        page_table_ptr=a.attn.page_table,
+        num_seqs=a.attn.page_table.shape[0],
+        num_rows=num_rows,
+        head_dim=head_dim,
+        num_splits=plan.num_splits,
+        scale_log2=a.scale * LOG2_E,
+        stride_qt=a.q.stride(0),
+        stride_qh=a.q.stride(1),
+        stride_qd=a.q.stride(2),
+        stride_kp=a.k_cache.stride(0),
+        stride_ks=a.k_cache.stride(1),
+        stride_kh=a.k_cache.stride(2),
+        stride_kd=a.k_cache.stride(3),
+        stride_vp=a.v_cache.stride(0),
+        stride_vs=a.v_cache.stride(1),
+        stride_vh=a.v_cache.stride(2),
+        stride_vd=a.v_cache.stride(3),
+        stride_ot=a.out.stride(0),
+        stride_oh=a.out.stride(1),
+        stride_od=a.out.stride(2),
+        stride_pt_b=a.attn.page_table.stride(0),
+        stride_pt_p=a.attn.page_table.stride(1),
+        GROUP=num_q_heads // num_kv_heads,
+        GROUP_PAD=plan.group_pad,
+        BLOCK_Q=plan.block_q,
+        BLOCK_N=plan.config.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE_SIZE=a.k_cache.shape[1],
+        SPLIT=plan.num_splits > 1,
+        ZERO_TAIL=plan.decode,
+        DOT_PRECISION="ieee" if a.q.dtype == torch.float32 else None,
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
+        **pdl_kwargs(a.q.device),
     )
-    if num_splits == 1:
-        return out, None
-    lora, info = o_lora if o_lora is not None else (None, None)
-    if lora is not None:
-        S, n, R, K_a = lora.a.shape
-        assert n == 1 and K_a == num_q_heads * head_dim, (lora.a.shape, q.shape)
-        assert lora.a.is_contiguous(), lora.a.stride()
+
+
+def _launch_combine(
+    a: _Attention, plan: _Plan, shrink: LoraWeights | None, info: LoraBatchInfo | None
+) -> torch.Tensor | None:
+    """The combine of a split decode's partials; with `shrink`, also the o LoRA's shrink
+    partials [T, Hq, 1, R] float32, which it returns (else None)."""
+    num_rows, num_q_heads, head_dim = a.q.shape
+    R, shrunk = 1, None
+    if shrink is not None:
+        _, n, R, K_a = shrink.a.shape
+        assert n == 1 and K_a == num_q_heads * head_dim, (shrink.a.shape, a.q.shape)
+        assert shrink.a.is_contiguous(), shrink.a.stride()
         assert info.slot_of_token.shape[0] >= num_rows, (info.slot_of_token.shape, num_rows)
         # rows without an enabled slot are left unwritten, as lora_shrink_split leaves them
-        shrunk = q.new_empty(num_rows, num_q_heads, 1, R, dtype=torch.float32)
-        lora_args = (
-            lora.a, shrunk,
-            info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        )  # fmt: skip
-    else:
-        R, shrunk, lora_args = 1, None, (out,) * 6  # unused
-    _combine_splits_kernel[(num_seqs, num_q_heads)](
-        part_out,
-        part_lse,
-        out,
-        attn.cu_seqlens_q,
-        attn.seq_lens,
-        *lora_args,
-        head_dim,
-        num_splits,
-        *out.stride(),
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        BLOCK_N=config.block_n,
-        BLOCK_D=block_d,
-        LORA=lora is not None,
+        shrunk = a.q.new_empty(num_rows, num_q_heads, 1, R, dtype=torch.float32)
+    on = shrink is not None
+    unused = a.out  # the LoRA pointers without a shrink: never read
+    _combine_splits_kernel[(a.attn.page_table.shape[0], num_q_heads)](
+        part_out_ptr=a.part_out,
+        part_lse_ptr=a.part_lse,
+        out_ptr=a.out,
+        cu_seqlens_q_ptr=a.attn.cu_seqlens_q,
+        seq_lens_ptr=a.attn.seq_lens,
+        a_ptr=shrink.a if on else unused,
+        shrink_ptr=shrunk if on else unused,
+        slot_ptr=info.slot_of_token if on else unused,
+        enabled_ptr=info.slot_enabled if on else unused,
+        rank_ptr=info.rank_of_slot if on else unused,
+        scaling_ptr=info.scaling_of_slot if on else unused,
+        head_dim=head_dim,
+        num_splits=plan.num_splits,
+        stride_ot=a.out.stride(0),
+        stride_oh=a.out.stride(1),
+        stride_od=a.out.stride(2),
+        SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+        BLOCK_N=plan.config.block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        SHRINK=on,
         R=R,
         RP=triton.next_power_of_2(R),
-        **pdl_kwargs(q.device),
+        **pdl_kwargs(a.q.device),
     )
-    return out, shrunk
+    return shrunk

@@ -1,10 +1,9 @@
 """Programmatic dependent launch (PDL): each Triton kernel of a step may be launched while the
 kernel before it is still running, and waits for it on the device instead.
 
-Why: a decode step at one token is a chain of about 15 small kernels per layer, and on an H200
-each CUDA-graph node costs about 1 µs of launch and drain even when its kernel does nothing.
-With PDL the next grid is set up while the last one finishes; a probe (a chain of dependent
-one-row kernels in a CUDA graph under torch 2.11) saved 0.26-0.35 µs per launch.
+Why: a decode step at one token is a chain of about 15 small kernels per layer, and each
+CUDA-graph node costs launch and drain time even when its kernel does nothing (DESIGN.md).
+With PDL the next grid is set up while the last one finishes.
 
 The contract that keeps this correct: a kernel launched with `launch_pdl` calls `pdl_wait`
 first, before any load, store or early return. `gdc_wait` blocks until the grid before it

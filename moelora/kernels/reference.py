@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -229,7 +229,7 @@ def paged_attention(
     return out
 
 
-def paged_attention_lora(
+def paged_attention_o_shrink(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -237,11 +237,13 @@ def paged_attention_lora(
     scale: float,
     lora: LoraWeights,
     info: LoraBatchInfo,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: (out = paged_attention(...), lora_shrink_split(out as [T, Hq * D], lora,
-    info)): the attention and the first half of its o projection's LoRA (folded decode)."""
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: (out = paged_attention(...), FoldedLora(lora_shrink_split(out as
+    [T, Hq * D], lora, info), lora, info)): the attention and the shrink of its o projection's
+    LoRA, which the next norm expands (layers/attention_lora.py)."""
     out = paged_attention(q, k_cache, v_cache, attn, scale)
-    return out, lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
+    shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
+    return out, FoldedLora(shrunk, lora, info)
 
 
 def sum_rows(x: torch.Tensor) -> torch.Tensor:
@@ -280,7 +282,7 @@ def _norm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torch.Tensor:
     """Semantics: lora_shrink in KS partial sums over slices of the input, summed by the reader
-    (rms_norm_lora's delta). Returns [T, KS, n, R] float32; here KS = 1."""
+    (rms_norm_lora's expand). Returns [T, KS, n, R] float32; here KS = 1."""
     return lora_shrink(x, lora, info)[:, None]
 
 
@@ -292,25 +294,27 @@ def rms_norm_lora(
     info: LoraBatchInfo,
     *,
     shrink: LoraWeights | None = None,
-    delta: tuple[torch.Tensor, LoraWeights] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    expand: FoldedLora | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: with delta = (partial shrinks [T, KS, 1, R] from lora_shrink_split, lora_in),
-    x first takes lora_expand_(x, partials summed over KS, lora_in, info): the second half of
-    the LoRA of the projection that produced x. Then (out, s) = rms_norm(x, weight, eps,
-    residual), and with shrink, shrunk = lora_shrink(out, shrink, info): the first half of the
-    LoRA of the projection that reads out. Returns (out, s, shrunk [T, n, R] float32 or None).
+    Semantics: with expand (the LoRA of the projection that produced x, its shrunk the partial
+    shrinks [T, KS, 1, R] from lora_shrink_split), x first takes lora_expand_(x, partials
+    summed over KS, expand.weights, info): the second half of that LoRA. Then (out, s) =
+    rms_norm(x, weight, eps, residual), and with shrink, shrunk = FoldedLora(lora_shrink(out,
+    shrink, info), shrink, info): the first half of the LoRA of the projection that reads out.
+    Returns (out, s, shrunk), shrunk.shrunk [T, n, R] float32 (None without shrink).
     """
     x = sum_rows(x)
-    if delta is not None:
-        part, lora_in = delta
-        x = lora_expand_(x.clone(), part.sum(dim=1), lora_in, info)
+    if expand is not None:
+        x = lora_expand_(x.clone(), expand.shrunk.sum(dim=1), expand.weights, info)
     out, s = rms_norm(x, weight, eps, residual)
-    return out, s, None if shrink is None else lora_shrink(out, shrink, info)
+    if shrink is None:
+        return out, s, None
+    return out, s, FoldedLora(lora_shrink(out, shrink, info), shrink, info)
 
 
-def rope_qk(
+def rope_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
     positions: torch.Tensor,
@@ -324,23 +328,22 @@ def rope_qk(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
-    lora: tuple[torch.Tensor, LoraWeights, LoraBatchInfo] | None = None,
+    expand: FoldedLora | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
-    lora = (shrunk, lora_qkv, info), q|k|v first take lora_expand_ of shrunk (the second half
-    of the q|k|v projection's LoRA; needs v).
+    expand, q|k|v first take lora_expand_(q|k|v, expand.shrunk, expand.weights, expand.info):
+    the second half of the q|k|v projection's LoRA (needs v).
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine);
     positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None;
     k_cache, v_cache [num_pages, page_size, Hkv, D]; slot_mapping [T] int64, -1 = not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
     """
-    if lora is not None:
-        shrunk, lora_qkv, info = lora
+    if expand is not None:
         T, Hq, D = q.shape
         qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
-        qkv = lora_expand_(qkv, shrunk, lora_qkv, info)
+        qkv = lora_expand_(qkv, expand.shrunk, expand.weights, expand.info)
         q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
         q, k, v = q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
     if q_norm is not None:

@@ -9,8 +9,7 @@ id. Each round is one reduction, inside the warp (shuffles, no barrier): a score
 (softmax or sigmoid), so its float32 bits order as the scores do, and the key
 (bits << 32) | (E_PAD - 1 - expert) orders by score, then by lower expert id; the maximum key
 is the winner and holds both. The layout is the same at every T, so a token's weights do not
-depend on its batch. (Two reductions a round, 16 tokens in four warps: 3.6 µs a layer at one
-token on an H200; this: 2.3 µs.)
+depend on its batch.
 """
 
 from __future__ import annotations
@@ -108,9 +107,19 @@ def route_topk(
     BT = 1  # see the module docstring
     warps = max(1, min(8, E_PAD // 512))
     _route_topk_kernel[(triton.cdiv(T, BT),)](
-        router_logits, weights, ids, T, E, router_logits.stride(0),
-        K=top_k, SIGMOID=scoring == "sigmoid", RENORMALIZE=renormalize,
-        BT=BT, E_PAD=E_PAD, K_PAD=triton.next_power_of_2(top_k),
-        num_warps=warps, **pdl_kwargs(router_logits.device),
-    )  # fmt: skip
+        logits_ptr=router_logits,
+        weights_ptr=weights,
+        ids_ptr=ids,
+        T=T,
+        E=E,
+        stride_lt=router_logits.stride(0),
+        K=top_k,
+        SIGMOID=scoring == "sigmoid",
+        RENORMALIZE=renormalize,
+        BT=BT,
+        E_PAD=E_PAD,
+        K_PAD=triton.next_power_of_2(top_k),
+        num_warps=warps,
+        **pdl_kwargs(router_logits.device),
+    )
     return weights, ids

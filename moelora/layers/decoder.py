@@ -8,6 +8,7 @@ from torch import nn
 from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.attention import Attention
+from moelora.layers.attention_lora import folded_attention, folds_lora
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -35,18 +36,11 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it); the caller adds the two,
         inside the next norm, so every add shares a kernel with a norm. The MoE's output may
         come as its top-k rows [T, K, H]: the next norm adds those too."""
-        attn = self.self_attn
-        if attn.folds_lora(batch, x.shape[0]):
+        if folds_lora(self.self_attn, batch, x.shape[0]):
             # the attention's LoRA rides in the norms on either side of it and in rotary
-            h, residual, shrunk = self.input_layernorm.with_lora(
-                x, residual, batch.lora, shrink=attn.qkv_proj.lora
-            )
-            h, o_shrunk = attn(h, batch, kv_cache, qkv_shrunk=shrunk)
-            h, residual, _ = self.post_attention_layernorm.with_lora(
-                h, residual, batch.lora, delta=(o_shrunk, attn.o_proj.lora)
-            )
+            h, residual = folded_attention(self, x, residual, batch, kv_cache)
         else:
             h, residual = self.input_layernorm(x, residual)
-            h, _ = attn(h, batch, kv_cache)
+            h = self.self_attn(h, batch, kv_cache)
             h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, batch), residual

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 
 from moelora.kernels.ops import Ops
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 
 class RMSNorm(nn.Module):
@@ -31,12 +31,13 @@ class RMSNorm(nn.Module):
         info: LoraBatchInfo,
         *,
         shrink: LoraWeights | None = None,
-        delta: tuple[torch.Tensor, LoraWeights] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """forward with the LoRA of the projections on either side folded in: delta = (the
-        split shrink of the projection that produced x, its LoRA) is expanded into x first;
-        shrink's A is applied to the output (see reference.rms_norm_lora).
-        Returns (out, x + residual, shrunk or None)."""
+        expand: FoldedLora | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
+        """forward with the LoRA of the projections on either side folded in: expand (the
+        LoRA of the projection that produced x, already shrunk) is expanded into x first;
+        shrink (the LoRA of the projection that reads the output) is shrunk from the output
+        (see reference.rms_norm_lora and layers/attention_lora.py).
+        Returns (out, x + residual, shrink as a FoldedLora, or None)."""
         return self.ops.rms_norm_lora(
-            x, self.weight, self.eps, residual, info, shrink=shrink, delta=delta
+            x, self.weight, self.eps, residual, info, shrink=shrink, expand=expand
         )

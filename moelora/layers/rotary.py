@@ -2,7 +2,8 @@
 
 The inverse frequencies come from transformers' own rope functions so that every scaling kind
 it defines for a fixed context (linear, yarn, llama3, ...) matches the reference exactly. The
-rotation itself is applied by ops.rope_qk, fused with the per-head q/k norm where a model has it.
+rotation itself is applied by ops.rope_store_kv, fused with the per-head q/k norm where a model
+has it and with the store of k and v in the cache.
 """
 
 from __future__ import annotations
@@ -47,5 +48,6 @@ def _inv_freq(hf_config, device: torch.device) -> tuple[torch.Tensor, float]:
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         steps = torch.arange(0, head_dim, 2, dtype=torch.float32)
         return (1.0 / (base ** (steps / head_dim))).to(device), 1.0
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[kind](hf_config, device)
+    init = ROPE_INIT_FUNCTIONS[kind]
+    inv_freq, scale = init(hf_config, device)
     return inv_freq.float(), float(scale)

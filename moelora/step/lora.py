@@ -65,3 +65,19 @@ class LoraWeights:
             offsets.append(acc)
             acc += size
         return tuple(offsets)
+
+
+@dataclass(frozen=True)
+class FoldedLora:
+    """A projection's LoRA split over the kernels around it: a kernel before the projection
+    computed the shrink of its input, a kernel after it adds the expand to its output (see
+    layers/attention_lora.py for which kernels those are).
+
+    shrunk: scaling[s] * x[t] @ A[s, i].T in float32, [T, n, R], or [T, KS, n, R] partial sums
+    over KS slices of the input that the reader adds (reference.lora_shrink_split). Rows whose
+    token has no enabled slot are left unwritten: readers check the slot in `info` first.
+    """
+
+    shrunk: torch.Tensor
+    weights: LoraWeights
+    info: LoraBatchInfo

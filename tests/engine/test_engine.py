@@ -69,7 +69,7 @@ def test_folded_and_row_tiled_attention_lora_agree(model_and_adapter, roomy):
     """Steps of up to FOLD_LORA_MAX_TOKENS tokens fold the attention's LoRA into the norms and
     rotary; longer ones take add_lora_. Two 180-token prompts prefilled in one 360-token step
     (add_lora_) and in 64-token chunks (folded) give the same tokens and logprobs."""
-    from moelora.layers.attention import FOLD_LORA_MAX_TOKENS
+    from moelora.layers.attention_lora import FOLD_LORA_MAX_TOKENS
 
     model, adapter = model_and_adapter
     prompts = [[(7 * i + 3) % 200 + 1 for i in range(180)]]
@@ -156,8 +156,16 @@ def test_abort_frees_everything_in_every_state(model_and_adapter):
     """Waiting (never scheduled), mid-prefill (a chunk of its prompt computed), running,
     preempted (sent back to waiting): each abort gives back its pages and slot reference."""
     model, adapter = model_and_adapter
-    llm = LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8,
-              max_num_batched_tokens=8, page_size=4, num_pages=12, max_loras=1)  # fmt: skip
+    llm = LLM(
+        model,
+        lora_modules={"a": adapter},
+        device="cpu",
+        max_lora_rank=8,
+        max_num_batched_tokens=8,
+        page_size=4,
+        num_pages=12,
+        max_loras=1,
+    )
     engine = llm.engine
 
     def assert_empty():
@@ -251,10 +259,18 @@ def test_bad_sampling_params_are_refused_with_the_value_named():
     with pytest.raises(InvalidRequestError, match="max_tokens=0"):
         SamplingParams(max_tokens=0)
     # values of the wrong type would fail inside a step, failing its batch-mates too
-    for kw in (dict(logprobs=1.5), dict(prompt_logprobs=True), dict(top_k=2.5),
-               dict(seed=1.5), dict(stop_token_ids=5), dict(stop_token_ids=[1.0]),
-               dict(stop_token_ids=[-1]), dict(temperature=float("inf")),
-               dict(temperature=float("nan")), dict(temperature="0.5")):  # fmt: skip
+    for kw in (
+        dict(logprobs=1.5),
+        dict(prompt_logprobs=True),
+        dict(top_k=2.5),
+        dict(seed=1.5),
+        dict(stop_token_ids=5),
+        dict(stop_token_ids=[1.0]),
+        dict(stop_token_ids=[-1]),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature="0.5"),
+    ):
         (name,) = kw
         with pytest.raises(InvalidRequestError, match=f"{name}=.* is invalid"):
             SamplingParams(**kw)
@@ -280,9 +296,13 @@ def test_frequency_and_presence_penalties_steer_greedy_decoding(roomy):
     """Each greedy token is the argmax of the step's raw logprobs (all 257 tokens) minus the
     penalties of the tokens generated before it; and the penalties change the output."""
     params = SamplingParams(
-        max_tokens=12, temperature=0, ignore_eos=True, frequency_penalty=1.5,
-        presence_penalty=0.5, logprobs=hf.VOCAB_SIZE,
-    )  # fmt: skip
+        max_tokens=12,
+        temperature=0,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        logprobs=hf.VOCAB_SIZE,
+    )
     outs = roomy.generate(PROMPTS, params, lora=[None, "a", None, "a"])
     for out in outs:
         for t, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):

@@ -23,7 +23,7 @@ from lora_cases import batch_info, lora_weights, rel_err  # noqa: E402
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.paged_attention import (  # noqa: E402
     paged_attention,
-    paged_attention_lora,
+    paged_attention_o_shrink,
 )
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraWeights  # noqa: E402
@@ -117,7 +117,7 @@ def test_decode_batch_128():
 @pytest.mark.parametrize("spread", ["one", "mixed"])
 @pytest.mark.parametrize("rank", [16, 64])
 def test_decode_o_lora_shrink_bf16(B, spread, rank):
-    """paged_attention_lora: the o LoRA's shrink partials of the output sum to the fp32
+    """paged_attention_o_shrink: the o LoRA's shrink partials of the output sum to the fp32
     shrink of that output, on rows with an enabled slot; a padded row has no slot."""
     gen = torch.Generator().manual_seed(B + rank)
     seq_lens = torch.randint(1, 4097, (B,), generator=gen).tolist()
@@ -127,9 +127,11 @@ def test_decode_o_lora_shrink_bf16(B, spread, rank):
     q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
     info = batch_info(T, spread, "cuda")
     info.slot_of_token[B:] = NO_SLOT
-    lora = lora_weights(info.num_slots, (), 1, rank, HQ * D, (2048,), info.rank_of_slot.cpu(),
-                        torch.bfloat16, "cuda")  # fmt: skip
-    out, part = paged_attention_lora(q, k_cache, v_cache, attn, SCALE, lora, info)
+    ranks = info.rank_of_slot.cpu()
+    lora = lora_weights(info.num_slots, (), 1, rank, HQ * D, (2048,), ranks, torch.bfloat16, "cuda")
+    out, folded = paged_attention_o_shrink(q, k_cache, v_cache, attn, SCALE, lora, info)
+    assert folded.weights is lora and folded.info is info
+    part = folded.shrunk
     assert_close_to_reference(out, q, k_cache, v_cache, attn)
     assert part.shape[0] == T and part.shape[2:] == (1, rank)
     if B <= 8:

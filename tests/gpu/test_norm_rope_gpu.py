@@ -1,4 +1,4 @@
-"""Triton rms_norm and rope_qk on the GPU at real sizes, against the torch references.
+"""Triton rms_norm and rope_store_kv on the GPU at real sizes, against the torch references.
 
 float32: assert_close(rtol=1e-5, atol=1e-5). bfloat16: the kernels round in the references'
 order, so almost every element is bit-equal; the rest come from the float32 sum of squares
@@ -6,9 +6,10 @@ order, so almost every element is bit-equal; the rest come from the float32 sum 
 product can carry to 2 ulps (and rotary's cancellation to more, in absolute terms of the
 result). Hence: <= 1% of elements differ (a wrong rounding order makes most of them differ),
 rms_norm elements within 2 bf16 ulps, and the relative error of the whole output <= 1e-2.
-The KV store fused into rope_qk must cache exactly what store_kv would from the returned k.
+The KV store fused into rope_store_kv must cache exactly what store_kv would from the
+returned k.
 The CUDA-graph tests capture the kernels once and replay them with new inputs.
-The LoRA folded into rms_norm_lora and rope_qk (bf16) is checked against the reference run in
+The LoRA folded into rms_norm_lora and rope_store_kv (bf16) is checked against the reference run in
 float32 on float32 copies: max abs error <= 2e-2 of the reference's max abs, on the rows whose
 slot is enabled for the shrink (the kernel leaves the others unwritten).
 Legend: T = tokens, N = hidden, Hq/Hkv = query/kv heads, D = head dim, L = table rows.
@@ -31,8 +32,8 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, lora_weights  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk  # noqa: E402
-from moelora.step.lora import LoraWeights  # noqa: E402
+from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv  # noqa: E402
+from moelora.step.lora import FoldedLora, LoraWeights  # noqa: E402
 
 DEV = "cuda"
 EPS = 1e-6
@@ -101,13 +102,13 @@ def test_rms_norm_gpu_strided_rows():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 7, 256])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_gpu(dtype, T, with_norm):
+def test_rope_store_kv_gpu(dtype, T, with_norm):
     torch.manual_seed(T)
     q, k, _, positions, cos, sin = _rope_inputs(T, dtype)
     q_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
     k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
-    out = rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
-    ref = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    out = rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    ref = reference.rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
     _assert_matches(out[0], ref[0])
     _assert_matches(out[1], ref[1])
 
@@ -124,7 +125,7 @@ def test_cuda_graph_replay_with_new_inputs():
     k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype)
 
     def step():
-        return rms_norm(x, weight, EPS, residual), rope_qk(
+        return rms_norm(x, weight, EPS, residual), rope_store_kv(
             q, k, positions, cos, sin, q_norm, k_norm, EPS
         )
 
@@ -141,7 +142,7 @@ def test_cuda_graph_replay_with_new_inputs():
         ref_out, ref_s = reference.rms_norm(x, weight, EPS, residual)
         _assert_matches(out, ref_out, max_ulps=2)
         assert torch.equal(s, ref_s)
-        ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+        ref_q, ref_k = reference.rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
         _assert_matches(q_out, ref_q)
         _assert_matches(k_out, ref_k)
 
@@ -170,20 +171,20 @@ def _assert_stored(k_out, v, k_cache, v_cache, slots):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 7, 256])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_store_kv_gpu(dtype, T, with_norm):
+def test_rope_store_kv_caches_gpu(dtype, T, with_norm):
     torch.manual_seed(T + 1)
     q, k, v, positions, cos, sin, k_cache, v_cache, slots = _store_inputs(T, dtype)
     q_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
     k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
     caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
-    q_out, k_out = rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
+    q_out, k_out = rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
     _assert_stored(k_out, v, k_cache, v_cache, slots)
-    ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    ref_q, ref_k = reference.rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
     _assert_matches(q_out, ref_q)
     _assert_matches(k_out, ref_k)
 
 
-def test_rope_qk_store_kv_cuda_graph():
+def test_rope_store_kv_cuda_graph():
     """Replays write new k and v to new slots; the slots of earlier replays keep their values."""
     T, dtype = 64, torch.bfloat16
     torch.manual_seed(2)
@@ -193,7 +194,7 @@ def test_rope_qk_store_kv_cuda_graph():
     caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
 
     def step():
-        return rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
+        return rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
 
     graph, (q_out, k_out) = capture(step)
 
@@ -210,13 +211,13 @@ def test_rope_qk_store_kv_cuda_graph():
         torch.cuda.synchronize()
         reference.store_kv(k_out, v, k_expect, v_expect, slots)
         assert torch.equal(k_cache, k_expect) and torch.equal(v_cache, v_expect)
-        ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+        ref_q, ref_k = reference.rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
         _assert_matches(q_out, ref_q)
         _assert_matches(k_out, ref_k)
 
 
 # -- the LoRA folded into the norm and the rotary, bf16 against the float32 reference ----------
-# N = hidden (2048). rms_norm_lora's delta: o's LoRA, lora_shrink_split's KS partial shrinks of
+# N = hidden (2048). rms_norm_lora's expand: o's LoRA, lora_shrink_split's KS partial shrinks of
 # the attention output [T, Hq D = 4096] expanded by o's B into N; its shrink: q|k|v's A over N
 # (slices Hq D | Hkv D | Hkv D). R = pool rank.
 LORA_TOL = 2e-2  # max abs error relative to the reference's max abs
@@ -262,35 +263,40 @@ def _partials(x_in: torch.Tensor, lora_in: LoraWeights, info, KS: int) -> torch.
 
 
 def _norm_lora_inputs(T: int, R: int, info, *, with_residual: bool = True, KS: int = 8):
-    """x, weight, residual, delta = (partials, o's LoRA into N), shrink = q|k|v's LoRA."""
+    """x, weight, residual, expand (o's LoRA into N, its partials), shrink = q|k|v's LoRA."""
     dtype, S, ranks = torch.bfloat16, info.num_slots, info.rank_of_slot.cpu()
     x = torch.randn(T, LORA_N, device=DEV, dtype=dtype)
     weight = (1 + 0.5 * torch.randn(LORA_N, device=DEV)).to(dtype)
     residual = torch.randn(T, LORA_N, device=DEV, dtype=dtype) if with_residual else None
     x_in = torch.randn(T, LORA_K_IN, device=DEV, dtype=dtype)
     lora_in = lora_weights(S, (), 1, R, LORA_K_IN, (LORA_N,), ranks, dtype, DEV)
-    delta = (_partials(x_in, lora_in, info, KS), lora_in)
+    expand = FoldedLora(_partials(x_in, lora_in, info, KS), lora_in, info)
     slices = (Hq * D, Hkv * D, Hkv * D)
     shrink = lora_weights(S, (), 3, R, LORA_N, slices, ranks, dtype, DEV)
-    return x, weight, residual, delta, shrink
+    return x, weight, residual, expand, shrink
 
 
-def _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink):
+def _assert_norm_lora(out, s, folded, info, x, weight, residual, expand, shrink):
     """Against reference.rms_norm_lora in bf16 (_assert_matches: the kernel rounds in its
-    order) and in float32 on float32 copies (LORA_TOL); shrunk on enabled rows only."""
+    order) and in float32 on float32 copies (LORA_TOL); the shrink on enabled rows only."""
     T = x.shape[0]
     on = _enabled_rows(info, T)
-    part = None if delta is None else delta[0].nan_to_num(0.0)  # the reference reads every row
-    bf = reference.rms_norm_lora(
-        x, weight, EPS, residual, info, shrink=shrink,
-        delta=None if delta is None else (part, delta[1]),
-    )  # fmt: skip
+    bf_expand = f32_expand = None
+    if expand is not None:  # the reference reads every row
+        part = expand.shrunk.nan_to_num(0.0)
+        bf_expand = FoldedLora(part, expand.weights, info)
+        f32_expand = FoldedLora(part, _f32(expand.weights), info)
+    bf = reference.rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, expand=bf_expand)
     f32 = reference.rms_norm_lora(
-        x.float(), weight.float(), EPS, None if residual is None else residual.float(), info,
+        x.float(),
+        weight.float(),
+        EPS,
+        None if residual is None else residual.float(),
+        info,
         shrink=None if shrink is None else _f32(shrink),
-        delta=None if delta is None else (part, _f32(delta[1])),
-    )  # fmt: skip
-    if delta is None:  # the plain norm, as test_rms_norm_gpu checks it
+        expand=f32_expand,
+    )
+    if expand is None:  # the plain norm, as test_rms_norm_gpu checks it
         _assert_matches(out, bf[0], max_ulps=2)
         assert torch.equal(s, bf[1])
     else:
@@ -299,12 +305,14 @@ def _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink):
     assert _max_rel(out, f32[0]) <= LORA_TOL
     assert _max_rel(s, f32[1]) <= LORA_TOL
     if shrink is None:
-        assert shrunk is None
+        assert folded is None
         return
-    assert shrunk.shape == f32[2].shape and shrunk.dtype == torch.float32
+    assert folded.weights is shrink and folded.info is info
+    shrunk, ref_shrunk = folded.shrunk, f32[2].shrunk
+    assert shrunk.shape == ref_shrunk.shape and shrunk.dtype == torch.float32
     assert torch.isfinite(shrunk[on]).all()
     if on.any():
-        assert _max_rel(shrunk[on], f32[2][on]) <= LORA_TOL
+        assert _max_rel(shrunk[on], ref_shrunk[on]) <= LORA_TOL
 
 
 @pytest.mark.parametrize("T", [1, 64, 200])
@@ -314,33 +322,33 @@ def test_rms_norm_lora_gpu(T, R, spread):
     """The post-attention norm: o's LoRA into x, the residual add, q|k|v's shrink of out."""
     torch.manual_seed(T + R)
     info = _lora_info(T, spread, R)
-    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info)
-    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
-    _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)
+    x, weight, residual, expand, shrink = _norm_lora_inputs(T, R, info)
+    out, s, folded = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, expand=expand)
+    _assert_norm_lora(out, s, folded, info, x, weight, residual, expand, shrink)
 
 
-@pytest.mark.parametrize("mode", ["delta", "shrink"])
+@pytest.mark.parametrize("mode", ["expand", "shrink"])
 def test_rms_norm_lora_gpu_one_side(mode):
-    """Only the delta (with the residual), or only the shrink (the first layer's input norm:
+    """Only the expand (with the residual), or only the shrink (the first layer's input norm:
     no residual, s is x itself)."""
     T, R = 64, 16
     torch.manual_seed(3)
     info = _lora_info(T, "mixed", R)
-    with_residual = mode == "delta"
-    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info, with_residual=with_residual)
-    if mode == "delta":
+    with_residual = mode == "expand"
+    x, weight, residual, expand, shrink = _norm_lora_inputs(T, R, info, with_residual=with_residual)
+    if mode == "expand":
         shrink = None
     else:
-        delta = None
-    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+        expand = None
+    out, s, folded = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, expand=expand)
     if mode == "shrink":
         assert s is x
-    _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)
+    _assert_norm_lora(out, s, folded, info, x, weight, residual, expand, shrink)
 
 
 @pytest.mark.parametrize("T", [1, 64])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_lora_gpu(T, with_norm):
+def test_rope_store_kv_lora_gpu(T, with_norm):
     """q|k|v take the expand of the shrink (base rows of the shrink are NaN: never read), then
     the norm, the rotary and the KV store; against the float32 reference."""
     dtype, R, K_IN = torch.bfloat16, 16, LORA_N
@@ -352,69 +360,71 @@ def test_rope_qk_lora_gpu(T, with_norm):
     k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(dtype) if with_norm else None
     info = batch_info(T, "one" if T == 1 else "mixed", DEV)
     slices = (Hq * D, Hkv * D, Hkv * D)
-    lora_qkv = lora_weights(info.num_slots, (), 3, R, K_IN, slices, info.rank_of_slot.cpu(),
-                            dtype, DEV)  # fmt: skip
+    ranks = info.rank_of_slot.cpu()
+    lora_qkv = lora_weights(info.num_slots, (), 3, R, K_IN, slices, ranks, dtype, DEV)
     shrunk = reference.lora_shrink(torch.randn(T, K_IN, device=DEV, dtype=dtype), lora_qkv, info)
-    on = _enabled_rows(info, T)
     k_shrunk = shrunk.clone()
-    k_shrunk[~on] = float("nan")
+    k_shrunk[~_enabled_rows(info, T)] = float("nan")
     # the references, on copies of the caches, before the kernel runs
     bf_caches = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone(), slot_mapping=slots)
-    bf_q, bf_k = reference.rope_qk(
-        q, k, positions, cos, sin, q_norm, k_norm, EPS, v=v, lora=(shrunk, lora_qkv, info),
-        **bf_caches,
-    )  # fmt: skip
+    rope = (positions, cos, sin, q_norm, k_norm, EPS)
+    expand = FoldedLora(shrunk, lora_qkv, info)
+    bf_q, bf_k = reference.rope_store_kv(q, k, *rope, v=v, expand=expand, **bf_caches)
     qf, kf, vf = q.float(), k.float(), v.float()
     k_ref = torch.full(k_cache.shape, SENTINEL, device=DEV)
     v_ref = torch.full(v_cache.shape, SENTINEL, device=DEV)
 
-    q_out, k_out = rope_qk(
-        q, k, positions, cos, sin, q_norm, k_norm, EPS,
-        v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
-        lora=(k_shrunk, lora_qkv, info),
-    )  # fmt: skip
-    ref_q, ref_k = reference.rope_qk(
-        qf, kf, positions, cos, sin,
-        None if q_norm is None else q_norm.float(), None if k_norm is None else k_norm.float(),
-        EPS, v=vf, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots,
-        lora=(shrunk, _f32(lora_qkv), info),
-    )  # fmt: skip
+    kernel_expand = FoldedLora(k_shrunk, lora_qkv, info)
+    caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    q_out, k_out = rope_store_kv(q, k, *rope, **caches, expand=kernel_expand)
+    f32_norms = [None if w is None else w.float() for w in (q_norm, k_norm)]
+    f32_caches = dict(v=vf, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
+    f32_expand = FoldedLora(shrunk, _f32(lora_qkv), info)
+    ref_q, ref_k = reference.rope_store_kv(
+        qf, kf, positions, cos, sin, *f32_norms, EPS, **f32_caches, expand=f32_expand
+    )
     assert q_out.dtype == dtype and q_out.shape == (T, Hq, D) and q_out.is_contiguous()
     assert k_out.dtype == dtype and k_out.shape == (T, Hkv, D) and k_out.is_contiguous()
     assert torch.isfinite(q_out).all() and torch.isfinite(k_out).all()
     assert _max_rel(q_out, ref_q) <= LORA_TOL
     assert _max_rel(k_out, ref_k) <= LORA_TOL
-    # and the bf16 reference, as test_rope_qk_store_kv_gpu checks the rotary alone
+    # and the bf16 reference, as test_rope_store_kv_caches_gpu checks the rotary alone
     _assert_matches(q_out, bf_q)
     _assert_matches(k_out, bf_k)
     # the cached k is exactly the returned k; both caches against the reference where stored
     k_sep = torch.full_like(k_cache, SENTINEL)
     reference.store_kv(k_out, v, k_sep, torch.full_like(v_cache, SENTINEL), slots)
     assert torch.equal(k_cache, k_sep)
+    _assert_caches_near((k_cache, v_cache), (k_ref, v_ref), slots)
     stored = slots[slots >= 0]
-    untouched = torch.ones(NUM_PAGES * PAGE_SIZE, dtype=torch.bool, device=DEV)
-    untouched[stored] = False
-    for cache, ref_cache in ((k_cache, k_ref), (v_cache, v_ref)):
-        flat, ref_flat = cache.view(-1, Hkv, D), ref_cache.view(-1, Hkv, D)
-        assert (flat[untouched] == SENTINEL).all()
-        assert _max_rel(flat[stored], ref_flat[stored]) <= LORA_TOL
     bf_v = bf_caches["v_cache"].view(-1, Hkv, D)[stored]
     _assert_matches(v_cache.view(-1, Hkv, D)[stored], bf_v)
 
 
+def _assert_caches_near(caches, ref_caches, slots) -> None:
+    """Stored rows within LORA_TOL of the reference's; the others keep the sentinel."""
+    stored = slots[slots >= 0]
+    untouched = torch.ones(NUM_PAGES * PAGE_SIZE, dtype=torch.bool, device=DEV)
+    untouched[stored] = False
+    for cache, ref_cache in zip(caches, ref_caches):
+        flat, ref_flat = cache.view(-1, Hkv, D), ref_cache.view(-1, Hkv, D)
+        assert (flat[untouched] == SENTINEL).all()
+        assert _max_rel(flat[stored], ref_flat[stored]) <= LORA_TOL
+
+
 def test_rms_norm_lora_cuda_graph():
-    """Captured once with shrink and delta; each replay sees a new batch info (slots, enabled
+    """Captured once with shrink and expand; each replay sees a new batch info (slots, enabled
     flags, scalings), new activations and new partial shrinks written in place."""
     T, R = 64, 16
     torch.manual_seed(4)
     info = _lora_info(T, "mixed", R)
-    x, weight, residual, delta, shrink = _norm_lora_inputs(T, R, info)
-    part, lora_in = delta
+    x, weight, residual, expand, shrink = _norm_lora_inputs(T, R, info)
+    part, lora_in = expand.shrunk, expand.weights
 
     def step():
-        return rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
+        return rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, expand=expand)
 
-    graph, (out, s, shrunk) = capture(step)
+    graph, (out, s, folded) = capture(step)
 
     for spread in ("distinct", "none", "one", "mixed"):
         new = _lora_info(T, spread, R)
@@ -429,4 +439,4 @@ def test_rms_norm_lora_cuda_graph():
         part.copy_(_partials(x_in, lora_in, info, part.shape[1]))
         graph.replay()
         torch.cuda.synchronize()
-        _assert_norm_lora(out, s, shrunk, info, x, weight, residual, delta, shrink)
+        _assert_norm_lora(out, s, folded, info, x, weight, residual, expand, shrink)

@@ -12,12 +12,18 @@ def _inputs(M, N, K, dtype, *, row_stride=None, bias=False):
     return x, w, b
 
 
+SKINNY_CASES = [  # (N, K, config)
+    (40, 96, None),
+    (7, 64, skinny.SkinnyConfig(4, 1, 4)),
+    (33, 200, skinny.SkinnyConfig(1, 5, 4)),
+    (128, 256, skinny.SkinnyConfig(16, 3, 4)),
+    (64, 128, skinny.SkinnyConfig(8, 8, 4)),
+]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("N,K,config", [
-    (40, 96, None), (7, 64, skinny.SkinnyConfig(4, 1, 4)), (33, 200, skinny.SkinnyConfig(1, 5, 4)),
-    (128, 256, skinny.SkinnyConfig(16, 3, 4)), (64, 128, skinny.SkinnyConfig(8, 8, 4)),
-])  # fmt: skip
+@pytest.mark.parametrize("N,K,config", SKINNY_CASES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_skinny_linear_matches_reference(poison_empty, dtype, M, N, K, config, bias):
     x, w, b = _inputs(M, N, K, dtype, row_stride=K + 24 if M % 2 else None, bias=bias)
@@ -39,10 +45,17 @@ def test_the_gemv_fits_only_within_its_limits():
     assert not skinny.fits(x.half(), w)
 
 
-@pytest.mark.parametrize("N,K,config", [
-    (5120, 2048, (4, 528, 8)), (2048, 4096, (4, 264, 8)), (6144, 4096, (4, 264, 8)),
-    (128, 2048, (1, 128, 4)), (1, 2048, (1, 1, 4)), (4096, 8192, (2, 264, 8)),
-])  # fmt: skip
+SKINNY_CONFIGS = [  # (N, K, (block_n, programs, num_warps))
+    (5120, 2048, (4, 528, 8)),
+    (2048, 4096, (4, 264, 8)),
+    (6144, 4096, (4, 264, 8)),
+    (128, 2048, (1, 128, 4)),
+    (1, 2048, (1, 1, 4)),
+    (4096, 8192, (2, 264, 8)),
+]
+
+
+@pytest.mark.parametrize("N,K,config", SKINNY_CONFIGS)
 def test_skinny_config(N, K, config):
     """Qwen3-30B-A3B's q|k|v, o and router, Mixtral's q|k|v, a gate, a K = 8192 down, on an
     H200's 132 SMs: 64K weights in flight an SM, and slabs narrow enough for every program."""
@@ -88,13 +101,24 @@ def test_dot_linear_matches_reference(poison_empty, M, N, K, bias):
         torch.testing.assert_close(y.float(), ref, rtol=2e-3, atol=2e-3)
 
 
-@pytest.mark.parametrize("M,N,config", [
-    (1, 5120, (1, 16, 128, 2, 8)), (8, 6144, (8, 16, 128, 2, 8)), (24, 5120, (32, 64, 128, 8, 4)),
-    (64, 5120, (64, 64, 128, 4, 4)), (2, 2048, (2, 8, 512, 1, 4)), (1, 128, (1, 8, 512, 1, 4)),
-    (4, 2048, (4, 8, 256, 1, 8)), (13, 2048, (16, 16, 256, 2, 8)), (100, 2048, (64, 16, 128, 4, 8)),
-    (1, 4096, (1, 8, 512, 1, 4)), (2, 4096, (2, 16, 128, 2, 8)), (32, 4096, (32, 32, 256, 4, 8)),
+DOT_CONFIGS = [  # (M, N, (block_m, block_n, block_k, num_warps, num_stages))
+    (1, 5120, (1, 16, 128, 2, 8)),
+    (8, 6144, (8, 16, 128, 2, 8)),
+    (24, 5120, (32, 64, 128, 8, 4)),
+    (64, 5120, (64, 64, 128, 4, 4)),
+    (2, 2048, (2, 8, 512, 1, 4)),
+    (1, 128, (1, 8, 512, 1, 4)),
+    (4, 2048, (4, 8, 256, 1, 8)),
+    (13, 2048, (16, 16, 256, 2, 8)),
+    (100, 2048, (64, 16, 128, 4, 8)),
+    (1, 4096, (1, 8, 512, 1, 4)),
+    (2, 4096, (2, 16, 128, 2, 8)),
+    (32, 4096, (32, 32, 256, 4, 8)),
     (64, 4096, (64, 32, 128, 4, 8)),
-])  # fmt: skip
+]
+
+
+@pytest.mark.parametrize("M,N,config", DOT_CONFIGS)
 def test_dot_config(M, N, config):
     """Narrow one- and two-warp programs at few rows (more programs: each streams its slab
     alone), wider tiles as the rows grow; rows tile by 64 past 64."""

@@ -1,4 +1,5 @@
-"""Triton rms_norm and rope_qk against their torch references, in the interpreter.
+"""Triton rms_norm, rms_norm_lora and rope_store_kv against their torch references, in the
+interpreter.
 
 Inputs are strided views where the engine passes them: a row slice of a wider tensor for the
 norm (the "full" q/k norm of a fused qkv output), q, k and v heads inside the fused qkv rows.
@@ -7,12 +8,15 @@ Legend: T = tokens, N = row width, Hq/Hkv = query/kv heads, D = head dim, L = ta
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 
 from moelora.kernels import reference
-from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_qk
+from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
+from moelora.step.lora import FoldedLora
 
 # float32 differs by a few ulps: the sum of squares is reduced in another order
 TOL = {torch.float32: dict(rtol=4e-6, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -65,7 +69,7 @@ def test_rms_norm_adds_top_k_rows_first(poison_empty, dtype, T, KX):
     plain = rms_norm_lora(summed, weight, EPS, residual, info, shrink=shrink)
     on = _enabled_rows(info, T)
     assert torch.equal(lora[0], plain[0]) and torch.equal(lora[1], plain[1])
-    assert torch.equal(lora[2][on], plain[2][on])
+    assert torch.equal(lora[2].shrunk[on], plain[2].shrunk[on])
     with pytest.raises(AssertionError, match="into a residual"):
         rms_norm(rows, weight, EPS)
 
@@ -75,11 +79,11 @@ def test_rms_norm_adds_top_k_rows_first(poison_empty, dtype, T, KX):
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 8)])
 @pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_matches_reference(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
+def test_rope_store_kv_matches_reference(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
     torch.manual_seed(T * D + Hq)
     q, k, _, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
-    q_out, k_out = rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
-    ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    q_out, k_out = rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    ref_q, ref_k = reference.rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS)
     assert q_out.shape == (T, Hq, D) and q_out.is_contiguous() and q_out.dtype == dtype
     assert k_out.shape == (T, Hkv, D) and k_out.is_contiguous() and k_out.dtype == dtype
     torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
@@ -109,7 +113,7 @@ SENTINEL = 1234.0  # finite, so torch.equal compares it; no rotated or copied va
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (4, 4)])
 @pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_stores_kv(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
+def test_rope_store_kv_caches_k_and_v(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
     """The fused store caches exactly what store_kv would from the returned k, and v as given;
     rows with slot -1 and slots nobody maps keep the sentinel."""
     torch.manual_seed(T * D + Hq + 1)
@@ -121,7 +125,7 @@ def test_rope_qk_stores_kv(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
     k_cache = torch.full((num_pages, page_size, Hkv, D), SENTINEL, dtype=dtype)
     v_cache = torch.full_like(k_cache, SENTINEL)
     caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
-    q_out, k_out = rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
+    q_out, k_out = rope_store_kv(q, k, positions, cos, sin, q_norm, k_norm, EPS, **caches)
 
     # bit-identical to the separate store of the kernel's own k
     k_sep, v_sep = torch.full_like(k_cache, SENTINEL), torch.full_like(v_cache, SENTINEL)
@@ -133,7 +137,9 @@ def test_rope_qk_stores_kv(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
     # and to the reference, up to the rotary's own tolerance
     k_ref, v_ref = torch.full_like(k_cache, SENTINEL), torch.full_like(v_cache, SENTINEL)
     ref_caches = dict(v=v, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
-    ref_q, ref_k = reference.rope_qk(q, k, positions, cos, sin, q_norm, k_norm, EPS, **ref_caches)
+    ref_q, ref_k = reference.rope_store_kv(
+        q, k, positions, cos, sin, q_norm, k_norm, EPS, **ref_caches
+    )
     torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
     torch.testing.assert_close(k_out, ref_k, **TOL[dtype])
     torch.testing.assert_close(k_cache, k_ref, **TOL[dtype])
@@ -141,12 +147,13 @@ def test_rope_qk_stores_kv(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
 
 
 # -- the LoRA folded into the norm and the rotary ------------------------------------------------
-# rms_norm_lora folds in the second half of the LoRA of the projection that produced x (delta:
+# rms_norm_lora folds in the second half of the LoRA of the projection that produced x (expand:
 # lora_shrink_split's partial shrinks [T, KS, 1, R], expanded by lora_in's B into the N columns)
 # and the first half of the LoRA of the projection that reads out (shrink: q|k|v, 3 slices).
-# rope_qk(lora=...) expands q|k|v's shrink first. Slots have ranks {0, 1, 8, 16} (lora_cases),
-# R = pool rank; _widen_ranks stretches them to a bigger pool. Rows without an enabled slot are
-# the plain rms_norm's bit for bit; their shrinks are neither written nor read (NaN here).
+# rope_store_kv(expand=...) expands q|k|v's shrink first. Slots have ranks {0, 1, 8, 16}
+# (lora_cases), R = pool rank; _widen_ranks stretches them to a bigger pool. Rows without an
+# enabled slot are the plain rms_norm's bit for bit; their shrinks are neither written nor read
+# (NaN here).
 
 LORA_TOL = {torch.float32: 1e-5, torch.float16: 5e-3}  # rel_err, as in test_lora
 
@@ -181,7 +188,7 @@ def _partials(x_in, lora_in, info, KS: int) -> torch.Tensor:
 
 
 def _norm_lora_inputs(dtype, T, spread, with_residual, mode, R, N=64, KS=1, strided=False):
-    """x [T, N] (a row slice of a wider tensor when strided); delta from x_in [T, 96]."""
+    """x [T, N] (a row slice of a wider tensor when strided); expand from x_in [T, 96]."""
     K_IN = 96
     info = batch_info(T, spread)
     if R > 16:
@@ -191,27 +198,28 @@ def _norm_lora_inputs(dtype, T, spread, with_residual, mode, R, N=64, KS=1, stri
     x = wide[:, 8 : 8 + N] if strided else wide
     weight = (1 + 0.5 * torch.randn(N)).to(dtype)
     residual = torch.randn(T, N, dtype=dtype) if with_residual else None
-    delta = shrink = None
-    if mode in ("delta", "both"):
+    expand = shrink = None
+    if mode in ("expand", "both"):
         lora_in = lora_weights(S, (), 1, R, K_IN, (N,), ranks, dtype)
-        delta = (_partials(torch.randn(T, K_IN, dtype=dtype), lora_in, info, KS), lora_in)
+        part = _partials(torch.randn(T, K_IN, dtype=dtype), lora_in, info, KS)
+        expand = FoldedLora(part, lora_in, info)
     if mode in ("shrink", "both"):
         shrink = lora_weights(S, (), 3, R, N, (N, 16, 16), ranks, dtype)
-    return info, x, weight, residual, delta, shrink
+    return info, x, weight, residual, expand, shrink
 
 
-def _check_rms_norm_lora(info, x, weight, residual, delta, shrink, *, ref_lora=None):
+def _check_rms_norm_lora(info, x, weight, residual, expand, shrink, *, ref_lora=None):
     """Kernel vs reference on enabled rows; base rows bit-equal to the plain Triton rms_norm.
-    ref_lora = (delta, shrink) for the reference when the kernel's weights carry garbage."""
+    ref_lora = (expand, shrink) for the reference when the kernel's weights carry garbage."""
     T, N = x.shape
     dtype = x.dtype
     x0 = x.clone()
-    out, s, shrunk = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, delta=delta)
-    r_delta, r_shrink = ref_lora if ref_lora is not None else (delta, shrink)
-    if r_delta is not None:  # the reference sums the partials of every row: zeros, not NaN
-        r_delta = (r_delta[0].nan_to_num(0.0), r_delta[1])
-    ref = reference.rms_norm_lora(x, weight, EPS, residual, info, shrink=r_shrink, delta=r_delta)
-    ref_out, ref_s, ref_shrunk = ref
+    out, s, folded = rms_norm_lora(x, weight, EPS, residual, info, shrink=shrink, expand=expand)
+    r_expand, r_shrink = ref_lora if ref_lora is not None else (expand, shrink)
+    if r_expand is not None:  # the reference sums the partials of every row: zeros, not NaN
+        r_expand = replace(r_expand, shrunk=r_expand.shrunk.nan_to_num(0.0))
+    ref = reference.rms_norm_lora(x, weight, EPS, residual, info, shrink=r_shrink, expand=r_expand)
+    ref_out, ref_s, ref_folded = ref
     assert torch.equal(x, x0), "x must not be modified"
     assert out.shape == (T, N) and out.is_contiguous() and out.dtype == dtype
     on = _enabled_rows(info, T)
@@ -219,7 +227,7 @@ def _check_rms_norm_lora(info, x, weight, residual, delta, shrink, *, ref_lora=N
 
     plain_out, plain_s = rms_norm(x, weight, EPS, residual)
     assert torch.equal(out[base], plain_out[base])
-    if delta is None:  # nothing changes x: out and s are the plain norm's on every row
+    if expand is None:  # nothing changes x: out and s are the plain norm's on every row
         assert torch.equal(out, plain_out)
         assert s is x if residual is None else torch.equal(s, plain_s)
     else:
@@ -232,8 +240,10 @@ def _check_rms_norm_lora(info, x, weight, residual, delta, shrink, *, ref_lora=N
     assert rel_err(out[on], ref_out[on]) <= LORA_TOL[dtype]
 
     if shrink is None:
-        assert shrunk is None
+        assert folded is None
     else:
+        assert folded.weights is shrink and folded.info is info
+        shrunk, ref_shrunk = folded.shrunk, ref_folded.shrunk
         assert shrunk.shape == ref_shrunk.shape and shrunk.dtype == torch.float32
         assert torch.isfinite(shrunk[on]).all()
         assert rel_err(shrunk[on], ref_shrunk[on]) <= LORA_TOL[dtype]
@@ -249,11 +259,11 @@ NORM_LORA_CASES = [  # (T, spread, with_residual, N, KS, strided): every spread,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,spread,with_residual,N,KS,strided", NORM_LORA_CASES)
-@pytest.mark.parametrize("mode", ["delta", "shrink", "both"])
+@pytest.mark.parametrize("mode", ["expand", "shrink", "both"])
 def test_rms_norm_lora_matches_reference(
     poison_empty, dtype, T, spread, with_residual, N, KS, strided, mode
 ):
-    """delta: KS partial shrinks of a [T, 96] input through a one-slice lora_in into x; shrink:
+    """expand: KS partial shrinks of a [T, 96] input through a one-slice lora_in into x; shrink:
     out through a 3-slice A over N; both: the engine's post-attention norm (o's LoRA in,
     q|k|v's out). Pool rank 16."""
     torch.manual_seed(T * 31 + N + len(spread) + len(mode))
@@ -287,8 +297,8 @@ def test_rms_norm_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     shrinks."""
     torch.manual_seed(5)
     inputs = _norm_lora_inputs(torch.float32, 8, "distinct", True, "both", 32, KS=2)
-    info, x, weight, residual, delta, shrink = inputs
-    part, lora_in = delta
+    info, x, weight, residual, expand, shrink = inputs
+    part, lora_in = expand.shrunk, expand.weights
     bad_part = part.clone()
     bad_in = type(lora_in)(lora_in.a.clone(), lora_in.b.clone(), lora_in.out_slices)
     bad_shrink = type(shrink)(shrink.a.clone(), shrink.b.clone(), shrink.out_slices)
@@ -298,9 +308,9 @@ def test_rms_norm_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     for s, r in enumerate(info.rank_of_slot.tolist()):
         bad_in.b[s, :, r:] = float("nan")
         bad_shrink.a[s, :, r:] = float("nan")
-    _check_rms_norm_lora(
-        info, x, weight, residual, (bad_part, bad_in), bad_shrink, ref_lora=(delta, shrink)
-    )
+    bad_expand = FoldedLora(bad_part, bad_in, info)
+    ref_lora = (expand, shrink)
+    _check_rms_norm_lora(info, x, weight, residual, bad_expand, bad_shrink, ref_lora=ref_lora)
 
 
 def _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D, R=16, K_IN=32):
@@ -319,19 +329,10 @@ def _qkv_views(qkv: torch.Tensor, Hq: int, Hkv: int, D: int):
     return q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
 
 
-def _check_rope_qk_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False):
+def _check_rope_store_kv_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False):
     q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
     qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)  # [T, (Hq + 2 Hkv) D]
     info, lora_qkv, shrunk = _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D)
-    on = _enabled_rows(info, T)
-    # what the kernel reads: base rows of the shrink are never written by rms_norm_lora
-    k_shrunk = shrunk.clone()
-    k_shrunk[~on] = float("nan")
-    k_lora = lora_qkv
-    if garbage:
-        k_lora = type(lora_qkv)(lora_qkv.a.clone(), lora_qkv.b.clone(), lora_qkv.out_slices)
-        for s, r in enumerate(info.rank_of_slot.tolist()):
-            k_lora.b[s, :, r:] = float("nan")
     num_pages, page_size = 5, 4
     slots = torch.randperm(num_pages * page_size)[:T]
     if T > 2:
@@ -342,17 +343,28 @@ def _check_rope_qk_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=Fals
     k_ref, v_ref = torch.full_like(k_cache, SENTINEL), torch.full_like(v_cache, SENTINEL)
 
     kq, kk, kv = _qkv_views(qkv.clone(), Hq, Hkv, D)  # strided, like the engine's
-    q_out, k_out = rope_qk(
-        kq, kk, positions, cos, sin, q_norm, k_norm, EPS,
-        v=kv, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots,
-        lora=(k_shrunk, k_lora, info),
-    )  # fmt: skip
+    rope = (positions, cos, sin, q_norm, k_norm, EPS)
+    q_out, k_out = rope_store_kv(
+        kq,
+        kk,
+        *rope,
+        v=kv,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        slot_mapping=slots,
+        expand=_kernel_expand(info, lora_qkv, shrunk, garbage=garbage),
+    )
     rq, rk, rv = _qkv_views(qkv, Hq, Hkv, D)
-    ref_q, ref_k = reference.rope_qk(
-        rq, rk, positions, cos, sin, q_norm, k_norm, EPS,
-        v=rv, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots,
-        lora=(shrunk, lora_qkv, info),
-    )  # fmt: skip
+    ref_q, ref_k = reference.rope_store_kv(
+        rq,
+        rk,
+        *rope,
+        v=rv,
+        k_cache=k_ref,
+        v_cache=v_ref,
+        slot_mapping=slots,
+        expand=FoldedLora(shrunk, lora_qkv, info),
+    )
 
     assert q_out.shape == (T, Hq, D) and q_out.is_contiguous() and q_out.dtype == dtype
     assert k_out.shape == (T, Hkv, D) and k_out.is_contiguous() and k_out.dtype == dtype
@@ -362,20 +374,40 @@ def _check_rope_qk_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=Fals
     k_sep = torch.full_like(k_cache, SENTINEL)
     reference.store_kv(k_out, kv, k_sep, torch.full_like(v_cache, SENTINEL), slots)
     assert torch.equal(k_cache, k_sep)
-    # stored rows against the reference (v takes its delta too); the rest keep the sentinel
+    _check_caches_with_lora((k_cache, v_cache), (k_ref, v_ref), slots, rv, _enabled_rows(info, T))
+
+
+def _kernel_expand(info, lora_qkv, shrunk, *, garbage: bool) -> FoldedLora:
+    """What the kernel reads: base rows of the shrink are never written by rms_norm_lora (NaN
+    here); with garbage, B's columns past each slot's real rank are NaN too."""
+    k_shrunk = shrunk.clone()
+    k_shrunk[~_enabled_rows(info, shrunk.shape[0])] = float("nan")
+    k_lora = lora_qkv
+    if garbage:
+        k_lora = type(lora_qkv)(lora_qkv.a.clone(), lora_qkv.b.clone(), lora_qkv.out_slices)
+        for s, r in enumerate(info.rank_of_slot.tolist()):
+            k_lora.b[s, :, r:] = float("nan")
+    return FoldedLora(k_shrunk, k_lora, info)
+
+
+def _check_caches_with_lora(caches, ref_caches, slots, v, on) -> None:
+    """Stored rows against the reference (v takes its delta too); the rest keep the sentinel.
+    v of rows without an enabled slot (`on` False) is stored as given."""
+    k_cache, v_cache = caches
+    dtype, (Hkv, D) = k_cache.dtype, k_cache.shape[2:]
     flat = lambda c: c.view(-1, Hkv, D)  # noqa: E731
     stored = slots[slots >= 0]
-    untouched = torch.ones(num_pages * page_size, dtype=torch.bool)
+    untouched = torch.ones(flat(k_cache).shape[0], dtype=torch.bool)
     untouched[stored] = False
-    for cache, ref_cache in ((k_cache, k_ref), (v_cache, v_ref)):
+    for cache, ref_cache in zip(caches, ref_caches):
         assert (flat(cache)[untouched] == SENTINEL).all()
         assert rel_err(flat(cache)[stored], flat(ref_cache)[stored]) <= LORA_TOL[dtype]
-    # v of rows without an enabled slot is stored as given; v + delta in PEFT's order (the
-    # delta rounded, then added): in float16, ~every bit equal to the reference's
     plain = (slots >= 0) & ~on
-    assert torch.equal(flat(v_cache)[slots[plain]], rv[plain])
+    assert torch.equal(flat(v_cache)[slots[plain]], v[plain])
+    # v + delta in PEFT's order (the delta rounded, then added): in float16, ~every bit equal
+    # to the reference's
     if dtype == torch.float16:
-        got, want = flat(v_cache)[stored], flat(v_ref)[stored]
+        got, want = flat(v_cache)[stored], flat(ref_caches[1])[stored]
         differ = (got != want).sum().item()
         assert differ <= 0.02 * got.numel() + 1, f"{differ} of {got.numel()} differ"
 
@@ -386,17 +418,17 @@ ROPE_LORA_CASES = [(1, "one", 16), (9, "mixed", 64), (9, "distinct", 16), (9, "n
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,spread,D", ROPE_LORA_CASES)
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_qk_lora_matches_reference(poison_empty, dtype, T, spread, D, with_norm):
+def test_rope_store_kv_lora_matches_reference(poison_empty, dtype, T, spread, D, with_norm):
     """q|k|v take the expand of the shrink before the norm and rotary; v is stored with its
     delta. Base rows of the shrink are NaN: the kernel must check the slot first."""
     torch.manual_seed(T * D + len(spread) + with_norm)
-    _check_rope_qk_lora(dtype, T, spread, 4, 2, D, with_norm)
+    _check_rope_store_kv_lora(dtype, T, spread, 4, 2, D, with_norm)
 
 
-def test_rope_qk_lora_rank_beyond_real_rank_is_ignored(poison_empty):
+def test_rope_store_kv_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     """NaN in the columns of B past a slot's real rank must never be read."""
     torch.manual_seed(11)
-    _check_rope_qk_lora(torch.float32, 9, "distinct", 4, 2, 16, True, garbage=True)
+    _check_rope_store_kv_lora(torch.float32, 9, "distinct", 4, 2, 16, True, garbage=True)
 
 
 @pytest.mark.parametrize("spread", SPREADS)

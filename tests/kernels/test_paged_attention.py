@@ -19,7 +19,7 @@ from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.paged_attention import (  # noqa: E402
     launch_paged_attention,
     paged_attention,
-    paged_attention_lora,
+    paged_attention_o_shrink,
 )
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraWeights  # noqa: E402
@@ -105,9 +105,15 @@ HEADS = [(2, 2), (4, 2), (8, 1)]  # (Hq, Hkv): GQA ratios 1, 2 and 8
 def test_decode(dtype, heads, page_size, head_dim):
     seq_lens = [1, 37, 70, 16]
     q, k_cache, v_cache, attn = make_step(
-        [1] * len(seq_lens), seq_lens, num_q_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=head_dim, page_size=page_size, dtype=dtype, seed=page_size + head_dim,
-    )  # fmt: skip
+        [1] * len(seq_lens),
+        seq_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=head_dim,
+        page_size=page_size,
+        dtype=dtype,
+        seed=page_size + head_dim,
+    )
     check_attention(q, k_cache, v_cache, attn)
 
 
@@ -116,9 +122,15 @@ def test_decode(dtype, heads, page_size, head_dim):
 def test_decode_splits(dtype, num_splits):
     """Forced split counts, including more splits than a short sequence has tiles."""
     q, k_cache, v_cache, attn = make_step(
-        [1, 1, 1], [100, 3, 33], num_q_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
-        dtype=dtype, seed=num_splits,
-    )  # fmt: skip
+        [1, 1, 1],
+        [100, 3, 33],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        page_size=16,
+        dtype=dtype,
+        seed=num_splits,
+    )
     check_attention(q, k_cache, v_cache, attn, num_splits=num_splits)
 
 
@@ -128,9 +140,15 @@ def test_decode_padded_graph_batch(dtype, num_splits):
     """A graph batch: padded sequences (seq_len 0, the spare page) with and without a q row,
     and q rows past cu_seqlens_q[-1]; all of them must come out as zeros."""
     q, k_cache, v_cache, attn = make_step(
-        [1, 1, 0, 1, 0], [45, 0, 0, 9, 0], num_q_heads=4, num_kv_heads=2, head_dim=16,
-        page_size=16, dtype=dtype, pad_rows=3,
-    )  # fmt: skip
+        [1, 1, 0, 1, 0],
+        [45, 0, 0, 9, 0],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=3,
+    )
     check_attention(q, k_cache, v_cache, attn, num_splits=num_splits)
     out = launch_paged_attention(q, k_cache, v_cache, attn, 0.25, num_splits=num_splits)[0]
     assert (out[1] == 0).all() and (out[3:] == 0).all()
@@ -140,15 +158,22 @@ def test_decode_padded_graph_batch(dtype, num_splits):
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize("num_splits,R", [(None, 16), (3, 8), (1, 16)])
 def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
-    """paged_attention_lora: the output, and the o LoRA's shrink of it summed over its partials
+    """paged_attention_o_shrink: the output, and the o LoRA's shrink of it summed over its partials
     (from the combine of a split decode, KS = Hq; from lora_shrink_split without splits) on the
     rows with an enabled slot. A graph batch: a padded sequence and padded rows (no slot). A's
     rows past each slot's rank are NaN, so reading them would show."""
     Hq, Hkv, D = 4, 1, 16
     q, k_cache, v_cache, attn = make_step(
-        [1, 1, 0, 1], [45, 70, 0, 9], num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D,
-        page_size=16, dtype=dtype, pad_rows=2, seed=R,
-    )  # fmt: skip
+        [1, 1, 0, 1],
+        [45, 70, 0, 9],
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=2,
+        seed=R,
+    )
     T, tokens = q.shape[0], int(attn.cu_seqlens_q[-1])
     info = batch_info(T, spread)
     info.slot_of_token[tokens:] = NO_SLOT
@@ -162,15 +187,17 @@ def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
     )
     expect = reference.lora_shrink(expect_out.reshape(T, -1), clean, info)
     if num_splits is None:  # the plan splits: 4 sequences x 1 KV head fill no 8 "SMs"
-        out, part = paged_attention_lora(q, k_cache, v_cache, attn, scale, lora, info)
+        out, folded = paged_attention_o_shrink(q, k_cache, v_cache, attn, scale, lora, info)
+        assert folded.weights is lora and folded.info is info
+        part = folded.shrunk
         assert part.shape == (T, Hq, 1, R)
     else:
         out, part = launch_paged_attention(
-            q, k_cache, v_cache, attn, scale, num_splits=num_splits, o_lora=(lora, info)
+            q, k_cache, v_cache, attn, scale, num_splits=num_splits, shrink=lora, info=info
         )
         assert (part is None) == (num_splits == 1)
-        if part is None:  # what paged_attention_lora does then
-            _, part = paged_attention_lora(q, k_cache, v_cache, attn, scale, lora, info)
+        if part is None:  # what paged_attention_o_shrink does then
+            part = paged_attention_o_shrink(q, k_cache, v_cache, attn, scale, lora, info)[1].shrunk
     torch.testing.assert_close(out.float(), expect_out.float(), **TOL[dtype])
     on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
     assert part.dtype == torch.float32 and part.shape[0] == T and part.shape[2:] == (1, R)
@@ -187,9 +214,15 @@ def test_prefill(dtype, heads, page_size):
     """Whole prompts, no cached prefix."""
     q_lens = [1, 23, 40]
     q, k_cache, v_cache, attn = make_step(
-        q_lens, q_lens, num_q_heads=heads[0], num_kv_heads=heads[1], head_dim=32,
-        page_size=page_size, dtype=dtype, seed=page_size,
-    )  # fmt: skip
+        q_lens,
+        q_lens,
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=32,
+        page_size=page_size,
+        dtype=dtype,
+        seed=page_size,
+    )
     check_attention(q, k_cache, v_cache, attn)
 
 
@@ -198,9 +231,15 @@ def test_prefill(dtype, heads, page_size):
 def test_chunked_extend_mixed(dtype, heads):
     """Chunks after cached prefixes, decodes, an empty sequence and padded rows in one step."""
     q, k_cache, v_cache, attn = make_step(
-        [17, 1, 0, 30, 5], [50, 66, 0, 30, 21], num_q_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=16, page_size=16, dtype=dtype, pad_rows=4,
-    )  # fmt: skip
+        [17, 1, 0, 30, 5],
+        [50, 66, 0, 30, 21],
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=4,
+    )
     check_attention(q, k_cache, v_cache, attn)
 
 

@@ -82,7 +82,7 @@ def _compile(kernel, args, kwargs):
     options = {k: kwargs.pop(k) for k in OPTIONS if k in kwargs}
     bound = dict(zip(params, args)) | kwargs
     assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
-    constexprs = {p for p in params if p in kwargs}
+    constexprs = {p.name for p in kernel.params if p.is_constexpr}  # launches pass all by keyword
     signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
     # the alignment the JIT would see: 16-byte-aligned pointers, integers divisible by 16
     # (unless do_not_specialize); without it loads are not vectorized or pipelined
@@ -113,92 +113,126 @@ def _moe_configs():
 
     path = Path(__file__).parents[2] / "moelora/kernels/configs/fused_moe_NVIDIA_H200.json"
     table = json.loads(path.read_text())["E=128,H=2048,I=768,K=8"]
-    return [(int(m), MoeConfig(**cfg)) for m, cfg in table.items()] + [(3, MoeConfig(direct=True))]
+    return [(int(m), MoeConfig(**cfg)) for m, cfg in table.items()]
+
+
+# A Qwen3-30B-A3B layer: hidden, query and kv heads, head dim; LoRA rank and slots.
+BF16 = torch.bfloat16
+H, HQ, HKV, D, R, S = 2048, 32, 4, 128, 16, 8
 
 
 def _launch_every_op() -> None:
     """The engine's ops at a Qwen3-30B-A3B layer's sizes (the MoE narrowed in H and I, which
     the kernels take at run time): small batches, one decode and one prefill of each kind."""
+    for T in (1, 64):
+        _launch_norms_and_rotary(T)
+    _launch_projections()
+    _launch_paged_attention()
+    _launch_moe()
+
+
+def _launch_norms_and_rotary(T: int) -> None:
+    """The norms and rotary with and without the attention's folded LoRA, add_lora_, routing."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels import linear, lora, moe_align, norm_rope, paged_attention, routing
-    from moelora.kernels.fused_moe import fused_moe
-    from moelora.step.batch import AttentionMetadata
+    from moelora.kernels import lora, norm_rope, routing
+    from moelora.step.lora import FoldedLora
 
-    bf16 = torch.bfloat16
-    H, Hq, Hkv, D, R, S = 2048, 32, 4, 128, 16, 8
-    for T in (1, 64):
-        info = batch_info(T, "mixed")
-        qkv = lora_weights(S, (), 3, R, H, (Hq * D, Hkv * D, Hkv * D), info.rank_of_slot, bf16)
-        o = lora_weights(S, (), 1, R, Hq * D, (H,), info.rank_of_slot, bf16)
-        x, res, w = torch.randn(T, H, dtype=bf16), torch.randn(T, H, dtype=bf16), torch.ones(H)
-        w = w.to(bf16)
-        norm_rope.rms_norm(x, w, 1e-6, res)
-        norm_rope.rms_norm(x, w, 1e-6, None)
-        _, _, shrunk = norm_rope.rms_norm_lora(x, w, 1e-6, None, info, shrink=qkv)
-        part = lora.lora_shrink_split(torch.randn(T, Hq * D, dtype=bf16), o, info)
-        norm_rope.rms_norm_lora(x, w, 1e-6, res, info, delta=(part, o))
-        lora.add_lora_(torch.randn(T, (Hq + 2 * Hkv) * D, dtype=bf16), x, qkv, info)
-        y = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=bf16)
-        q, k, v = y.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q, k, v = q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
-        pos = torch.arange(T)
-        cos = sin = torch.randn(4096, D)
-        cache = torch.zeros(8, 16, Hkv, D, dtype=bf16)
-        slots = torch.arange(T, dtype=torch.int64)
-        for norm in (None, torch.ones(D, dtype=bf16)):
-            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6)
-            store = dict(v=v, k_cache=cache, v_cache=cache, slot_mapping=slots)
-            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6, **store)
-            folded = (shrunk, qkv, info)
-            norm_rope.rope_qk(q, k, pos, cos, sin, norm, norm, 1e-6, **store, lora=folded)
-        for scoring in ("softmax", "sigmoid"):
-            routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
+    info = batch_info(T, "mixed")
+    qkv = lora_weights(S, (), 3, R, H, (HQ * D, HKV * D, HKV * D), info.rank_of_slot, BF16)
+    o = lora_weights(S, (), 1, R, HQ * D, (H,), info.rank_of_slot, BF16)
+    x, res, w = torch.randn(T, H, dtype=BF16), torch.randn(T, H, dtype=BF16), torch.ones(H)
+    w = w.to(BF16)
+    norm_rope.rms_norm(x, w, 1e-6, res)
+    norm_rope.rms_norm(x, w, 1e-6, None)
+    _, _, folded = norm_rope.rms_norm_lora(x, w, 1e-6, None, info, shrink=qkv)
+    part = lora.lora_shrink_split(torch.randn(T, HQ * D, dtype=BF16), o, info)
+    norm_rope.rms_norm_lora(x, w, 1e-6, res, info, expand=FoldedLora(part, o, info))
+    lora.add_lora_(torch.randn(T, (HQ + 2 * HKV) * D, dtype=BF16), x, qkv, info)
+    y = torch.randn(T, (HQ + 2 * HKV) * D, dtype=BF16)
+    q, k, v = y.split([HQ * D, HKV * D, HKV * D], dim=-1)
+    q, k, v = q.view(T, HQ, D), k.view(T, HKV, D), v.view(T, HKV, D)
+    pos = torch.arange(T)
+    cos = sin = torch.randn(4096, D)
+    cache = torch.zeros(8, 16, HKV, D, dtype=BF16)
+    store = dict(v=v, k_cache=cache, v_cache=cache, slot_mapping=torch.arange(T))
+    for norm in (None, torch.ones(D, dtype=BF16)):
+        norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6)
+        norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store)
+        norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, expand=folded)
+    for scoring in ("softmax", "sigmoid"):
+        routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
 
-    # the skinny projections of one- to eight-token steps: q|k|v, o, router, with a bias
+
+def _launch_projections() -> None:
+    """The skinny projections of one- to eight-token steps (q|k|v, o, router, with a bias),
+    and the batch-invariant ones at every config bucket (the real K: the pipeline depth and
+    shared memory depend on it), with and without a bias."""
+    from moelora.kernels import linear
+
     for M in (1, 2, 4, 8):
-        for N, K in ((Hq * D + 2 * Hkv * D, H), (H, Hq * D), (128, H)):
-            linear.skinny_linear(torch.randn(M, K, dtype=bf16), torch.randn(N, K, dtype=bf16))
-    linear.skinny_linear(x[:1], torch.randn(64, H, dtype=bf16), torch.randn(64, dtype=bf16))
-    # the batch-invariant projections at every config bucket (the real K: the pipeline depth
-    # and shared memory depend on it), with and without a bias
+        for N, K in ((HQ * D + 2 * HKV * D, H), (H, HQ * D), (128, H)):
+            linear.skinny_linear(torch.randn(M, K, dtype=BF16), torch.randn(N, K, dtype=BF16))
+    x = torch.randn(1, H, dtype=BF16)
+    linear.skinny_linear(x, torch.randn(64, H, dtype=BF16), torch.randn(64, dtype=BF16))
     for M in (1, 2, 4, 13, 24, 64, 100):
         for N, K in ((5120, 2048), (2048, 4096), (128, 2048)):
-            w = torch.randn(N, K, dtype=bf16)
-            linear.dot_linear(torch.randn(M, K, dtype=bf16), w, torch.randn(N, dtype=bf16))
-            linear.dot_linear(torch.randn(M, K, dtype=bf16), w)
+            w = torch.randn(N, K, dtype=BF16)
+            linear.dot_linear(torch.randn(M, K, dtype=BF16), w, torch.randn(N, dtype=BF16))
+            linear.dot_linear(torch.randn(M, K, dtype=BF16), w)
 
-    # attention: decode without and with splits, and a prefill
+
+def _launch_paged_attention() -> None:
+    """Decode without and with splits (with the o LoRA's shrink too), and a prefill."""
+    from lora_cases import batch_info, lora_weights
+
+    from moelora.kernels import paged_attention
+    from moelora.step.batch import AttentionMetadata
+
     pages = torch.arange(8, dtype=torch.int32).view(2, 4)
+    seq_lens = torch.tensor([40, 64], dtype=torch.int32)
     decode = AttentionMetadata(
-        torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([40, 64], dtype=torch.int32),
-        pages, torch.tensor([39, 63]), 1,
-    )  # fmt: skip
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=seq_lens,
+        page_table=pages,
+        slot_mapping=torch.tensor([39, 63]),
+        max_query_len=1,
+    )
     prefill = AttentionMetadata(
-        torch.tensor([0, 40, 64], dtype=torch.int32), torch.tensor([40, 64], dtype=torch.int32),
-        pages, torch.arange(64), 40,
-    )  # fmt: skip
-    cache = torch.zeros(8, 16, Hkv, D, dtype=bf16)
+        cu_seqlens_q=torch.tensor([0, 40, 64], dtype=torch.int32),
+        seq_lens=seq_lens,
+        page_table=pages,
+        slot_mapping=torch.arange(64),
+        max_query_len=40,
+    )
+    cache = torch.zeros(8, 16, HKV, D, dtype=BF16)
     run = paged_attention.launch_paged_attention
-    q = torch.randn(2, Hq, D, dtype=bf16)
+    q = torch.randn(2, HQ, D, dtype=BF16)
     run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_CONFIG, num_splits=1)
     run(q, cache, cache, decode, 0.1, config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4)
     info = batch_info(2, "mixed")
-    o = lora_weights(S, (), 1, R, Hq * D, (H,), info.rank_of_slot, bf16)
-    split = dict(config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4, o_lora=(o, info))
+    o = lora_weights(S, (), 1, R, HQ * D, (H,), info.rank_of_slot, BF16)
+    split = dict(config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4, shrink=o, info=info)
     run(q, cache, cache, decode, 0.1, **split)
-    q = torch.randn(64, Hq, D, dtype=bf16)
+    q = torch.randn(64, HQ, D, dtype=BF16)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
 
-    # the MoE at every tuned tile config, LoRA off and on; the align's serial path past PMAX
+
+def _launch_moe() -> None:
+    """The MoE at every tuned tile config, LoRA off and on; the align's serial path past PMAX."""
+    from lora_cases import batch_info, lora_weights
+
+    from moelora.kernels import moe_align
+    from moelora.kernels.fused_moe import fused_moe
+
     E, Hm, Im, K = 128, 256, 128, 8
-    w13 = torch.randn(E, 2 * Im, Hm, dtype=bf16)
-    w2 = torch.randn(E, Hm, Im, dtype=bf16)
+    w13 = torch.randn(E, 2 * Im, Hm, dtype=BF16)
+    w2 = torch.randn(E, Hm, Im, dtype=BF16)
     for T, config in _moe_configs():
         info = batch_info(T, "mixed")
-        l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, bf16)
-        l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, bf16)
-        x = torch.randn(T, Hm, dtype=bf16)
+        l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, BF16)
+        l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, BF16)
+        x = torch.randn(T, Hm, dtype=BF16)
         weights, ids = torch.rand(T, K), torch.randint(0, E, (T, K), dtype=torch.int32)
         fused_moe(x, w13, w2, weights, ids, config=config)
         fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)

@@ -1,0 +1,72 @@
+"""The attention's LoRA folded into the kernels around it: when, and what is folded where.
+
+Up to FOLD_LORA_MAX_TOKENS tokens in a step, neither LoRA of the attention (q|k|v's, o's) takes
+a launch of its own. Each is cut into its shrink and its expand, each half rides in a kernel
+that runs anyway, and between the two halves the LoRA travels as a FoldedLora (step/lora.py):
+
+  1. the input RMSNorm shrinks q|k|v's LoRA from its output       rms_norm_lora(shrink=)
+  2. rotary expands it into q, k and v first (then the per-head   rope_store_kv(expand=)
+     q/k norm and the rotation), and stores k and v in the cache
+  3. the attention shrinks o's LoRA from its output: in the       paged_attention_o_shrink
+     combine of a split decode, else in one split-shrink launch
+  4. the post-attention RMSNorm expands o's into its input,       rms_norm_lora(expand=)
+     before the residual add
+
+Each row reads its slot's A and B once, spread over programs (one program per row reading a
+whole A is bound by its load latency). A base-only batch pays a few scalar loads, and one
+launch when the decode is not split. Longer steps (big prefill chunks) take add_lora_ in each
+projection instead, whose 16-row tiles share each tile of A.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from moelora.layers.attention import Attention
+from moelora.layers.norm import RMSNorm
+from moelora.step.batch import ForwardBatch
+
+FOLD_LORA_MAX_TOKENS = 256
+
+
+def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
+    """Whether this step's attention LoRA is folded. Not with a full-width q/k norm or
+    clip_qkv, which come between q|k|v and rotary, nor with a head dim that is not a power of
+    two (rotary's expand swaps the halves of a head)."""
+    cfg = attn.cfg
+    return (
+        batch.lora is not None
+        and attn.qkv_proj.lora is not None
+        and attn.o_proj.lora is not None
+        and cfg.qk_norm != "full"
+        and cfg.clip_qkv is None
+        and cfg.head_dim & (cfg.head_dim - 1) == 0
+        and num_tokens <= FOLD_LORA_MAX_TOKENS
+    )
+
+
+class AroundAttention(Protocol):
+    """What the fold needs of a decoder layer: the attention and the norms on either side."""
+
+    input_layernorm: RMSNorm
+    self_attn: Attention
+    post_attention_layernorm: RMSNorm
+
+
+def folded_attention(
+    layer: AroundAttention,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    batch: ForwardBatch,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's input norm, attention and post-attention norm with the attention's LoRA
+    folded (steps 1 to 4 above). Returns (the post-attention norm's output, the residual
+    stream after the attention), as the unfolded sequence does."""
+    attn, info = layer.self_attn, batch.lora
+    h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=attn.qkv_proj.lora)
+    h, o = attn.forward_folded(h, batch, kv_cache, qkv)
+    h, residual, _ = layer.post_attention_layernorm.with_lora(h, residual, info, expand=o)
+    return h, residual
