@@ -1,25 +1,22 @@
-"""Multi-LoRA in one launch: the per-tile LoRA delta, and dense `add_lora_` built on it; the
-split shrink the folded attention LoRA uses (`lora_shrink_split`), and the per-row gathers.
+"""Multi-LoRA in one launch: dense `add_lora_`; the split shrink the folded attention LoRA uses
+(`lora_shrink_split`); and the per-row gathers of a row's adapter.
 
 Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
 Algorithm (add_lora_, the dense layers). A program owns a tile of 16 tokens and a group of
 64 to 256 columns of one slice. It shrinks its rows against the A of several slots at once:
 the slots go SG at a time (SG * rank tile <= 64 columns), one dot per input tile for the whole
-group, so the serial chain does not grow with each adapter the tile mixes (walking the slots
-one by one cost 137 µs per layer for q|k|v and o at 64 tokens of 8 adapters on an H200). Each
-row then keeps its own slot's columns of the shrink, and one dot per 64 columns expands them.
-Slots no row of the tile uses, and rows of A or B past a slot's real rank, are masked off, so
-they are never read: a rank-8 adapter in a rank-64 pool reads 8 rows.
-
-lora_delta (the fused MoE's direct path and down tile) walks the slots one at a time instead,
-inside a GEMM program that already owns BN columns.
+group, so the serial chain does not grow with each adapter the tile mixes. Each row then keeps
+its own slot's columns of the shrink, and one dot per 64 columns expands them. Slots no row of
+the tile uses, and rows of A or B past a slot's real rank, are masked off, so they are never
+read: a rank-8 adapter in a rank-64 pool reads 8 rows.
 
 Decode steps (up to 256 tokens) fold the attention's LoRA into the norms and rotary instead of
-add_lora_ (layers/attention.py, norm_rope.py): there a program owns a row, gets its adapter
-with `lora_row` / `lora_slot`, and the o projection's shrink is `lora_shrink_split`, KS
-programs per row over slices of the input, summed by the norm that expands it (a split decode
-computes it in the attention's combine instead, paged_attention.py).
+add_lora_ (layers/attention_lora.py says what is folded where): there a program owns a row,
+gets its adapter with `lora_row` / `lora_slot`, and the o projection's shrink is
+`lora_shrink_split`, KS programs per row over slices of the input, summed by the norm that
+expands it (a split decode computes it in the attention's combine instead:
+paged_attention_o_shrink).
 
 What keeps the path free when no adapter is active: the slot of each row and the slot's
 enabled flag are gathered first (`active_slots`); a tile whose rows have no enabled slot skips
@@ -116,10 +113,22 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
     if T == 0:
         return part
     _lora_shrink_kernel[(T, KS)](
-        x, lora.a, part,
-        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        K_in, x.stride(0), NS=n, R=R, RP=RP, BK=BK, num_warps=4, **pdl_kwargs(x.device),
-    )  # fmt: skip
+        x_ptr=x,
+        a_ptr=lora.a,
+        part_ptr=part,
+        slot_ptr=info.slot_of_token,
+        enabled_ptr=info.slot_enabled,
+        rank_ptr=info.rank_of_slot,
+        scaling_ptr=info.scaling_of_slot,
+        K_in=K_in,
+        stride_xt=x.stride(0),
+        NS=n,
+        R=R,
+        RP=RP,
+        BK=BK,
+        num_warps=4,
+        **pdl_kwargs(x.device),
+    )
     return part
 
 
@@ -131,101 +140,6 @@ def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
     slot = tl.load(slot_ptr + token_rows, mask=row_ok, other=-1)
     on = tl.load(enabled_ptr + tl.maximum(slot, 0), mask=slot >= 0, other=0)
     return tl.where(on != 0, slot, -1)
-
-
-@triton.jit
-def _shrink_expand(
-    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar, b_s, stride_bn,
-    offs_n0, offs_n1, n_ok, rank, scale,
-    TWO: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-):  # fmt: skip
-    """One slot: acc_i += scale * (x[rows_s] @ A[i].T) @ B[cols_i].T, i < 2 if TWO else 1."""
-    offs_r = tl.arange(0, BR)
-    offs_k = tl.arange(0, BK)
-    r_ok = offs_r < rank
-    # -- shrink over the whole input; the slices share each x tile --
-    xa0 = tl.zeros((BM, BR), dtype=tl.float32)
-    xa1 = tl.zeros((BM, BR), dtype=tl.float32)
-    for k0 in range(0, K_in, BK):
-        k_ok = offs_k < K_in - k0
-        xt = tl.load(
-            x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
-            mask=rows_s[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        a_ptrs = a_s + offs_r[None, :] * stride_ar + (k0 + offs_k)[:, None]
-        a_mask = r_ok[None, :] & k_ok[:, None]
-        xa0 = dot(xt, tl.load(a_ptrs, mask=a_mask, other=0.0), xa0)
-        if TWO:
-            xa1 = dot(xt, tl.load(a_ptrs + stride_ai, mask=a_mask, other=0.0), xa1)
-    # -- expand into this tile's columns --
-    b_mask = n_ok[None, :] & r_ok[:, None]
-    b0 = tl.load(b_s + offs_n0[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-    acc0 = dot((xa0 * scale).to(b0.dtype), b0, acc0)
-    if TWO:
-        b1 = tl.load(b_s + offs_n1[None, :] * stride_bn + offs_r[:, None], mask=b_mask, other=0.0)
-        acc1 = dot((xa1 * scale).to(b1.dtype), b1, acc1)
-    return acc0, acc1
-
-
-@triton.jit
-def lora_delta(
-    # [BM, BN] float32 accumulators of one or two slices; each gets its slice's delta.
-    acc0,
-    acc1,
-    # Input rows: x_ptr + x_rows[m] is row m (last dim contiguous), length K_in.
-    x_ptr,
-    x_rows,
-    slot_rows,  # [BM] int32 from active_slots (-1: no delta)
-    K_in,
-    # A of slot 0 for this expert and first slice: [R, K_in]; the second slice at + stride_ai.
-    a_ptr,
-    stride_as,
-    stride_ai,
-    stride_ar,
-    # B of slot 0 for this expert: [out, R]; offs_n0 / offs_n1 are the two slices' columns.
-    b_ptr,
-    stride_bs,
-    stride_bn,
-    offs_n0,
-    offs_n1,
-    n_ok,
-    # Per-slot batch info.
-    rank_ptr,
-    scaling_ptr,
-    S: tl.constexpr,
-    TWO: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-    BR: tl.constexpr,
-):
-    for s in range(0, S):
-        rows_s = slot_rows == s
-        if tl.max(rows_s.to(tl.int32), axis=0) > 0:
-            rank = tl.load(rank_ptr + s)
-            scale = tl.load(scaling_ptr + s)
-            a_s = a_ptr + s * stride_as
-            b_s = b_ptr + s * stride_bs
-            # Small ranks take 16-wide rank tiles whatever the pool's rank: a rank-8 adapter in
-            # a rank-64 pool then costs what it costs in a rank-8 pool.
-            if BR > 16 and rank <= 16:
-                acc0, acc1 = _shrink_expand(
-                    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar,
-                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, 256, 16,
-                )  # fmt: skip
-            else:
-                acc0, acc1 = _shrink_expand(
-                    acc0, acc1, x_ptr, x_rows, rows_s, K_in, a_s, stride_ai, stride_ar,
-                    b_s, stride_bn, offs_n0, offs_n1, n_ok, rank, scale, TWO, BM, BK, BR,
-                )  # fmt: skip
-    return acc0, acc1
-
-
-def shrink_block_k(max_rank: int) -> int:
-    """Depth of the shrink's tiles: the shrink is a serial loop over the whole input, so its
-    tiles are deep (few trips); shallower for big ranks to bound registers. Ranks <= 16 always
-    take 16-wide, 256-deep tiles (lora_delta), whatever the pool's rank."""
-    return 256 if max_rank <= 16 else 64
 
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
@@ -346,6 +260,20 @@ def rank_block(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
+def _add_lora_tiles(T: int, S: int, R: int, widest: int) -> dict[str, int]:
+    """_add_lora_kernel's meta-parameters for T rows, S slots of rank R, slices up to `widest`.
+
+    A program's chain is (in / BK) shrink steps then (CW / BN) expand steps, each waiting on a
+    load's latency, so both stay short: the slots go SG at a time in a 64-column group with
+    256-deep tiles, and programs expand few columns when few row tiles share the work (more
+    programs, each shrinking again from L2)."""
+    BN, BR = 64, rank_block(R)
+    SG = max(1, min(triton.next_power_of_2(S), 64 // BR))
+    BK = 256 if SG * BR <= 64 else 128
+    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * triton.cdiv(widest, BN))
+    return dict(S=S, S_PAD=triton.next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
+
+
 def add_lora_(
     y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
 ) -> torch.Tensor:
@@ -365,23 +293,30 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
-    BT, BN, BR = 16, 64, rank_block(R)
-    # The program's chain is (in / BK) shrink steps then (CW / BN) expand steps, each about
-    # 0.7 µs of load latency on an H200, so both stay short: the slots go SG at a time in a
-    # 64-column group with 256-deep tiles, and programs expand few columns when few row tiles
-    # share the work (more programs, each shrinking again from L2).
-    SG = max(1, min(triton.next_power_of_2(S), 64 // BR))
-    BK = 256 if SG * BR <= 64 else 128
-    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * triton.cdiv(max(sizes), BN))
-    col_groups = sum(triton.cdiv(size, CW) for size in sizes)
-    grid = (triton.cdiv(T, BT), col_groups)
+    meta = _add_lora_tiles(T, S, R, max(sizes))
+    grid = (triton.cdiv(T, meta["BT"]), sum(triton.cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
-        y, x, lora.a, lora.b,
-        info.slot_of_token, info.slot_enabled, info.rank_of_slot, info.scaling_of_slot,
-        T, K_in, *sizes,
-        y.stride(0), x.stride(0), lora.a.stride(0), lora.a.stride(1), lora.a.stride(2),
-        lora.b.stride(0), lora.b.stride(1),
-        S=S, S_PAD=triton.next_power_of_2(S), SG=SG, BT=BT, CW=CW, BN=BN, BK=BK, BR=BR,
+        y_ptr=y,
+        x_ptr=x,
+        a_ptr=lora.a,
+        b_ptr=lora.b,
+        slot_ptr=info.slot_of_token,
+        enabled_ptr=info.slot_enabled,
+        rank_ptr=info.rank_of_slot,
+        scaling_ptr=info.scaling_of_slot,
+        T=T,
+        K_in=K_in,
+        N0=sizes[0],
+        N1=sizes[1],
+        N2=sizes[2],
+        stride_yt=y.stride(0),
+        stride_xt=x.stride(0),
+        stride_as=lora.a.stride(0),
+        stride_an=lora.a.stride(1),
+        stride_ar=lora.a.stride(2),
+        stride_bs=lora.b.stride(0),
+        stride_bo=lora.b.stride(1),
+        **meta,
         **pdl_kwargs(x.device),
-    )  # fmt: skip
+    )
     return y

@@ -24,6 +24,7 @@ its own.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -189,17 +190,55 @@ def align_kernel(
         if tl.load(any_ptr) != 0:
             for job in range(pid - NA, P * SPLITS, NS):
                 pair_shrink(
-                    job, K, topk_ids_ptr, x_ptr, stride_xt, H, slot_ptr, enabled_ptr, rank_ptr,
-                    a13_ptr, stride_as, stride_ae, stride_ai, stride_ar, xa13_ptr, xa2_ptr,
-                    HAS13, HAS2, BR, BKS, SPLITS,
-                )  # fmt: skip
+                    job=job,
+                    K=K,
+                    topk_ids_ptr=topk_ids_ptr,
+                    x_ptr=x_ptr,
+                    stride_xt=stride_xt,
+                    H=H,
+                    slot_ptr=slot_ptr,
+                    enabled_ptr=enabled_ptr,
+                    rank_ptr=rank_ptr,
+                    a_ptr=a13_ptr,
+                    stride_as=stride_as,
+                    stride_ae=stride_ae,
+                    stride_ai=stride_ai,
+                    stride_ar=stride_ar,
+                    xa13_ptr=xa13_ptr,
+                    xa2_ptr=xa2_ptr,
+                    HAS13=HAS13,
+                    HAS2=HAS2,
+                    BR=BR,
+                    BKS=BKS,
+                    SPLITS=SPLITS,
+                )
     elif PARALLEL:
         _align_parallel(
-            pid, topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, P, E, NB,
-            BM, E_PAD, P_PAD, PCH, RB,
-        )  # fmt: skip
+            a=pid,
+            topk_ids_ptr=topk_ids_ptr,
+            sorted_pair_ptr=sorted_pair_ptr,
+            expert_of_block_ptr=expert_of_block_ptr,
+            P=P,
+            E=E,
+            NB=NB,
+            BM=BM,
+            E_PAD=E_PAD,
+            P_PAD=P_PAD,
+            PCH=PCH,
+            RB=RB,
+        )
     else:
-        _align_serial(topk_ids_ptr, sorted_pair_ptr, expert_of_block_ptr, P, E, NB, BM, E_PAD, CH)
+        _align_serial(
+            topk_ids_ptr=topk_ids_ptr,
+            sorted_pair_ptr=sorted_pair_ptr,
+            expert_of_block_ptr=expert_of_block_ptr,
+            P=P,
+            E=E,
+            NB=NB,
+            BM=BM,
+            E_PAD=E_PAD,
+            CH=CH,
+        )
 
 
 def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
@@ -207,9 +246,8 @@ def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
     NB (so on P, E, BM) only, never on the ids, so a graph replay launches the same grid."""
     if P > pmax:
         return 1, dict(PARALLEL=False, P_PAD=1, PCH=1, RB=1, num_warps=8)
-    # Swept on an H200 (E=128, K=8, BM 16 and 64): narrow programs win up to P=1024 (1.8 us at
-    # P=8, 2.7 at 1024); past it every program's histogram of all P ids dominates, so fewer,
-    # wider ones (3.3 us at 2048).
+    # narrow programs up to 1024 pairs; past that every program's histogram of all P ids
+    # dominates, so fewer, wider ones
     small = P <= 1024
     PCH, RB = (16, 2) if small else (32, 4)
     NA = max(triton.cdiv(P, PCH), triton.cdiv(NB, RB))
@@ -217,6 +255,94 @@ def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
     # compile of its own, and a cold graph capture pays for every one
     P_PAD = max(64, 4 ** math.ceil(math.log(P, 4) - 1e-9))
     return NA, dict(PARALLEL=True, P_PAD=P_PAD, PCH=PCH, RB=RB, num_warps=4 if small else 8)
+
+
+@dataclass(frozen=True)
+class PairShrink:
+    """The LoRA programs of the align launch (moe_lora.pair_shrink): `programs` of them, after
+    the align's own, walk `splits` jobs a pair: xa13[pair] = x[token] @ A13[s, e].T, and
+    xa2[pair] zeroed for gate_up's partial down shrinks. The default, PairShrink(), is the align
+    alone: no such program runs, and launch_align passes one placeholder for each pointer left
+    None (never read)."""
+
+    x: torch.Tensor | None = None  # [T, H], last dim contiguous
+    slot: torch.Tensor | None = None  # LoraBatchInfo.slot_of_token
+    enabled: torch.Tensor | None = None  # .slot_enabled
+    rank: torch.Tensor | None = None  # .rank_of_slot
+    any_on: torch.Tensor | None = None  # .any_enabled
+    a13: torch.Tensor | None = None  # [S, E, 2, R, H]
+    a13_strides: tuple[int, int, int, int] = (0, 0, 0, 0)  # slot, expert, gate|up, rank
+    xa13: torch.Tensor | None = None  # [P, 2, BR] fp32 out
+    xa2: torch.Tensor | None = None  # [P, BR] fp32 out
+    K: int = 1
+    has13: bool = False
+    has2: bool = False
+    BR: int = 16
+    BKS: int = 16
+    splits: int = 1
+    programs: int = 0  # NS
+    num_warps: int = 0  # the launch runs at least this many warps when programs > 0
+
+    def pointers(self, unused: torch.Tensor) -> dict[str, torch.Tensor]:
+        """align_kernel's LoRA pointers, `unused` for each one left None. It must be int32: the
+        LoRA branch's slot and flag loads are compiled even when no program runs it."""
+        named = dict(
+            x_ptr=self.x,
+            slot_ptr=self.slot,
+            enabled_ptr=self.enabled,
+            rank_ptr=self.rank,
+            a13_ptr=self.a13,
+            xa13_ptr=self.xa13,
+            xa2_ptr=self.xa2,
+            any_ptr=self.any_on,
+        )
+        return {name: unused if ptr is None else ptr for name, ptr in named.items()}
+
+
+def launch_align(
+    ids: torch.Tensor,
+    sorted_pair: torch.Tensor,
+    expert_of_block: torch.Tensor,
+    *,
+    E: int,
+    BM: int,
+    shrink: PairShrink,
+    pmax: int = PMAX,
+) -> None:
+    """align_kernel over ids [P] (int32, contiguous) into sorted_pair [NB*BM] and
+    expert_of_block [NB]: NA programs align, shrink.programs more shrink. No host sync."""
+    P, NB = ids.numel(), expert_of_block.numel()
+    NA, meta = align_plan(P, NB, pmax=pmax)
+    if shrink.programs:
+        meta["num_warps"] = max(meta["num_warps"], shrink.num_warps)
+    align_kernel[(NA + shrink.programs,)](
+        topk_ids_ptr=ids,
+        sorted_pair_ptr=sorted_pair,
+        expert_of_block_ptr=expert_of_block,
+        **shrink.pointers(unused=ids),
+        P=P,
+        E=E,
+        NB=NB,
+        H=0 if shrink.x is None else shrink.x.shape[1],
+        NA=NA,
+        NS=max(shrink.programs, 1),
+        stride_xt=0 if shrink.x is None else shrink.x.stride(0),
+        stride_as=shrink.a13_strides[0],
+        stride_ae=shrink.a13_strides[1],
+        stride_ai=shrink.a13_strides[2],
+        stride_ar=shrink.a13_strides[3],
+        K=shrink.K,
+        HAS13=shrink.has13,
+        HAS2=shrink.has2,
+        BR=shrink.BR,
+        BKS=shrink.BKS,
+        SPLITS=shrink.splits,
+        BM=BM,
+        E_PAD=triton.next_power_of_2(E),
+        CH=64,
+        **meta,
+        **pdl_kwargs(ids.device),
+    )
 
 
 def num_blocks(P: int, E: int, BM: int) -> int:
@@ -230,8 +356,7 @@ def moe_align(
     """Semantics: see the module docstring. topk_ids [T, K] int32, ids in [0, E).
 
     Returns sorted_pair [NB*BM] int32 and expert_of_block [NB] int32, NB = num_blocks(T*K, E, BM).
-    fused_moe launches align_kernel itself, with its LoRA shrink programs; this is the align
-    alone.
+    fused_moe's launch adds its LoRA shrink programs (PairShrink); this is the align alone.
     """
     assert topk_ids.dtype == torch.int32, topk_ids.dtype
     ids = topk_ids.contiguous().view(-1)
@@ -241,14 +366,7 @@ def moe_align(
     expert_of_block = torch.empty(NB, dtype=torch.int32, device=ids.device)
     if P == 0:
         return sorted_pair, expert_of_block
-    NA, meta = align_plan(P, NB, pmax=pmax)
-    align_kernel[(NA,)](
-        ids, sorted_pair, expert_of_block,
-        ids, ids, ids, ids, ids, ids, ids, ids,
-        P, E, NB, 0, NA, 1, 0, 0, 0, 0, 0,
-        K=1, HAS13=False, HAS2=False, BR=16, BKS=16, SPLITS=1,
-        BM=BM, E_PAD=triton.next_power_of_2(E), CH=64, **meta, **pdl_kwargs(ids.device),
-    )  # fmt: skip
+    launch_align(ids, sorted_pair, expert_of_block, E=E, BM=BM, shrink=PairShrink(), pmax=pmax)
     return sorted_pair, expert_of_block
 
 

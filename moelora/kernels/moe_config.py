@@ -24,7 +24,6 @@ class MoeConfig:
     block_k_down: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    direct: bool = False  # one pair per block, no align (see fused_moe)
 
 
 def config_file(device_name: str) -> Path:
@@ -50,7 +49,8 @@ def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device)
             buckets = sorted(int(m) for m in table)
             bucket = next((m for m in buckets if m >= T), buckets[-1])
             return MoeConfig(**table[str(bucket)])
-    # measured on the H200 (bench/tune_moe.py): the grouped path wins even at one token
+    # 16-row blocks while the experts average at most 16 pairs: a block holds one expert's
+    # pairs, so wider ones would be mostly padding
     return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
 
 

@@ -5,8 +5,8 @@ Semantics (per (token, expert e) pair whose slot s is enabled):
   down    += scaling[s] * (h @ A2[s, e].T) @ B2[s, e].T                   (before the top-k sum)
 
 Algorithm. A shrink reads the whole input row (H or I long) but produces only `rank` numbers, so
-repeating it in every column block of the GEMMs (as lora.lora_delta does) costs a serial loop
-per program. Here it is split by who has the data anyway:
+repeating it in every column block of the GEMMs would give every program a serial loop over the
+whole row. Here it is split by who has the data anyway:
   - x @ A13.T: extra programs of the align kernel walk PAIR_SPLITS jobs per pair (half as
     many, twice the rows each, from fused_moe.HALF_SPLITS_FROM pairs on) (`pair_shrink`),
     each writing a few of the pair's rows of xa13 [P, 2, R] (fp32) over all of H. Jobs of
@@ -53,8 +53,8 @@ def pair_shrink(
 ):
     """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s; else nothing.
     Job j does rows (j % SPLITS) * RCH .. + RCH of pair j // SPLITS's 2 * BR (gate's, then
-    up's): one program a pair read its 2 x R x H of A alone, a chunk of K at a time, each
-    chunk a round trip (7.7 µs for the align launch at one token of an adapter, 1.7 without)."""
+    up's): a pair's 2 x R x H of A is read by SPLITS jobs in parallel, where one job a pair
+    would read it a chunk at a time, each chunk a round trip."""
     RCH: tl.constexpr = 2 * BR // SPLITS
     pair = job // SPLITS
     part = job % SPLITS
@@ -235,9 +235,7 @@ def expand_rows(
     """acc_i[m] += scaling[s] * xa_i[m] @ B[s, cols_i].T for each row m of slot s, i < 2 if TWO
     (gate and up share the walk). Only the slots the block's rows use are visited, in
     ascending order, and the next slot's tiles are loaded before this slot's dots: each step
-    then waits on one load's latency at most, with no rank or scaling load in the chain (a loop
-    over all S slots with a load of the rank, then of the tile, in each cost gate_up +28 µs and
-    down +18 µs per layer at 64 tokens of 8 adapters on an H200)."""
+    then waits on one load's latency at most, with no rank or scaling load in the chain."""
     xs0 = xa0 * scale_rows[:, None]
     xs1 = xa1 * scale_rows[:, None]
     s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)

@@ -52,10 +52,12 @@ def moe_weights(request):
     w13 = (torch.randn(E, 2 * I, H, device=DEV) / H**0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(torch.bfloat16)
     info = batch_info(1, "none", DEV)
-    lora13 = lora_weights(info.num_slots, (E,), 2, R, H, (I, I), info.rank_of_slot.cpu(),
-                          torch.bfloat16, DEV)  # fmt: skip
-    lora2 = lora_weights(info.num_slots, (E,), 1, R, I, (H,), info.rank_of_slot.cpu(),
-                         torch.bfloat16, DEV)  # fmt: skip
+    lora13 = lora_weights(
+        info.num_slots, (E,), 2, R, H, (I, I), info.rank_of_slot.cpu(), torch.bfloat16, DEV
+    )
+    lora2 = lora_weights(
+        info.num_slots, (E,), 1, R, I, (H,), info.rank_of_slot.cpu(), torch.bfloat16, DEV
+    )
     yield request.param, (E, H, I, K), w13, w2, lora13, lora2
     del w13, w2
     torch.cuda.empty_cache()
@@ -63,6 +65,20 @@ def moe_weights(request):
 
 def _f32(lora: LoraWeights) -> LoraWeights:
     return LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+
+
+def _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info) -> torch.Tensor:
+    """The fp32 torch MoE of bf16 inputs: the oracle of every MoE test here."""
+    return reference.fused_moe(
+        x.float(),
+        w13.float(),
+        w2.float(),
+        topk_weights,
+        topk_ids,
+        lora13=_f32(lora13),
+        lora2=_f32(lora2),
+        info=info,
+    )
 
 
 def _routing(T: int, E: int, K: int):
@@ -78,17 +94,14 @@ def test_fused_moe_bf16(moe_weights, T, spread):
     topk_weights, topk_ids = _routing(T, E, K)
     info = batch_info(T, spread, DEV)
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info)
-    ref = reference.fused_moe(
-        x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
-        lora13=_f32(lora13), lora2=_f32(lora2), info=info,
-    )  # fmt: skip
+    ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2, (name, T, spread)
 
 
-@pytest.mark.parametrize("config", [MoeConfig(direct=True), MoeConfig(block_m=16)])
+@pytest.mark.parametrize("config", [MoeConfig(block_m=16)])
 @pytest.mark.parametrize("T", [1, 7])
-def test_fused_moe_both_paths_bf16(moe_weights, config, T):
+def test_fused_moe_untuned_tiles_bf16(moe_weights, config, T):
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(T, E, K)
@@ -96,10 +109,7 @@ def test_fused_moe_both_paths_bf16(moe_weights, config, T):
     out = fused_moe(
         x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info, config=config
     )
-    ref = reference.fused_moe(
-        x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
-        lora13=_f32(lora13), lora2=_f32(lora2), info=info,
-    )  # fmt: skip
+    ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
     assert rel_err(out, ref) <= 1e-2, (name, T, config)
 
 
@@ -109,8 +119,9 @@ def test_fused_moe_both_paths_bf16(moe_weights, config, T):
 def test_route_topk_gpu(T, E, K, scoring):
     logits = (torch.stack([torch.randperm(E) for _ in range(T)]) * (4 / E) - 2).to(DEV)
     w, ids = route_topk(logits.to(torch.bfloat16), K, scoring=scoring, renormalize=True)
-    ref_w, ref_ids = reference.route_topk(logits.to(torch.bfloat16), K, scoring=scoring,
-                                          renormalize=True)  # fmt: skip
+    ref_w, ref_ids = reference.route_topk(
+        logits.to(torch.bfloat16), K, scoring=scoring, renormalize=True
+    )
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
@@ -122,8 +133,9 @@ def test_route_topk_gpu(T, E, K, scoring):
 def test_lora_shrink_split_bf16(T, spread, rank):
     """o_proj's split shrink (4096 inputs): the partials sum to the fp32 shrink."""
     info = batch_info(T, spread, DEV)
-    lora = lora_weights(info.num_slots, (), 1, rank, 4096, (2048,), info.rank_of_slot.cpu(),
-                        torch.bfloat16, DEV)  # fmt: skip
+    lora = lora_weights(
+        info.num_slots, (), 1, rank, 4096, (2048,), info.rank_of_slot.cpu(), torch.bfloat16, DEV
+    )
     x = torch.randn(T, 4096, device=DEV).to(torch.bfloat16)
     part = lora_shrink_split(x, lora, info)
     slots = info.slot_of_token
@@ -140,8 +152,10 @@ def test_lora_shrink_split_bf16(T, spread, rank):
 )  # q|k|v, o, shared-expert gate|up
 def test_add_lora_bf16(T, spread, in_dim, slices):
     info = batch_info(T, spread, DEV)
-    lora = lora_weights(info.num_slots, (), len(slices), 64, in_dim, slices,
-                        info.rank_of_slot.cpu(), torch.bfloat16, DEV)  # fmt: skip
+    ranks = info.rank_of_slot.cpu()
+    lora = lora_weights(
+        info.num_slots, (), len(slices), 64, in_dim, slices, ranks, torch.bfloat16, DEV
+    )
     x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
     y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
     ref = reference.add_lora_(y.float(), x.float(), _f32(lora), info)
@@ -172,8 +186,7 @@ def test_cuda_graph_replay_with_new_batch_info():
 
     def step():
         topk_weights, topk_ids = route_topk(logits, K, renormalize=True)
-        moe = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2,
-                        info=info)  # fmt: skip
+        moe = fused_moe(x, w13, w2, topk_weights, topk_ids, lora13=lora13, lora2=lora2, info=info)
         y.copy_(y_in)
         add_lora_(y, x, qkv, info)
         return moe
@@ -190,10 +203,7 @@ def test_cuda_graph_replay_with_new_batch_info():
         graph.replay()
         torch.cuda.synchronize()
         topk_weights, topk_ids = reference.route_topk(logits, K, renormalize=True)
-        ref = reference.fused_moe(
-            x.float(), w13.float(), w2.float(), topk_weights, topk_ids,
-            lora13=_f32(lora13), lora2=_f32(lora2), info=info,
-        )  # fmt: skip
+        ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
         assert rel_err(moe_out, ref) <= 1e-2, spread
         ref_y = reference.add_lora_(y_in.float(), x.float(), _f32(qkv), info)
         assert rel_err(y, ref_y) <= 1e-2, spread
@@ -209,9 +219,11 @@ def test_no_lora_work_without_enabled_slots():
     w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(torch.bfloat16)
     info = batch_info(T, "distinct", DEV)
     info = LoraBatchInfo(
-        info.slot_of_token, info.rank_of_slot, info.scaling_of_slot,
+        info.slot_of_token,
+        info.rank_of_slot,
+        info.scaling_of_slot,
         torch.zeros_like(info.slot_enabled),
-    )  # fmt: skip
+    )
     lora13 = lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot.cpu(), torch.bfloat16, DEV)
     lora2 = lora_weights(8, (E,), 1, R, I, (H,), info.rank_of_slot.cpu(), torch.bfloat16, DEV)
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
@@ -223,16 +235,23 @@ def test_no_lora_work_without_enabled_slots():
 
 # Qwen3-30B-A3B's q|k|v, o and router, Mixtral's o, a shared-expert gate (N=1) with a bias
 LINEAR_SHAPES = [(5120, 2048), (2048, 4096), (128, 2048), (4096, 4096), (1, 2048)]
+# the row counts the batch-invariance test checks below INVARIANT_ROWS
+CHECKED_ROWS = (1, 2, 3, 8, 13, 16, 17, 24, 32, 40, 64, 100, 101, 120)
+
+
+def _linear_error(project, N: int, K: int, M: int) -> float:
+    """project(x, w, bias) on fresh bf16 inputs (a bias where N == 1) against the fp32 linear."""
+    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
+    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
+    bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
+    ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
+    return rel_err(project(x, w, bias), ref)
 
 
 @pytest.mark.parametrize("N,K", LINEAR_SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 8])
 def test_skinny_linear_bf16(N, K, M):
-    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
-    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
-    bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
-    ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert rel_err(skinny_linear(x, w, bias), ref) <= 1e-2
+    assert _linear_error(skinny_linear, N, K, M) <= 1e-2
 
 
 @pytest.mark.parametrize("project,rows", [(skinny_linear, 2), (dot_linear, 5)])
@@ -241,8 +260,10 @@ def test_projection_chain_in_a_graph(project, rows):
     loads its weights before the wait and x after it, the tensor-core kernel waits first. A
     replay with a new input must give the new chain's result, not one built on the last
     replay's activations."""
-    ws = [(torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
-          for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))]  # fmt: skip
+    ws = [
+        (torch.randn(n, k, device=DEV) / k**0.5).to(torch.bfloat16)
+        for n, k in ((4096, 2048), (2048, 4096), (5120, 2048))
+    ]
     x = torch.empty(rows, 2048, device=DEV, dtype=torch.bfloat16)
 
     def chain():
@@ -264,15 +285,12 @@ def test_projection_chain_in_a_graph(project, rows):
 @pytest.mark.parametrize("N,K", LINEAR_SHAPES)
 @pytest.mark.parametrize("M", [1, 2, 4, 13, 24, 64, 100])
 def test_dot_linear_bf16(N, K, M):
-    x = torch.randn(M, K, device=DEV).to(torch.bfloat16)
-    w = (torch.randn(N, K, device=DEV) / K**0.5).to(torch.bfloat16)
-    bias = torch.randn(N, device=DEV).to(torch.bfloat16) if N == 1 else None
-    ref = reference.linear(x.float(), w.float(), None if bias is None else bias.float())
-    assert rel_err(dot_linear(x, w, bias), ref) <= 1e-2
+    assert _linear_error(dot_linear, N, K, M) <= 1e-2
 
 
-@pytest.mark.parametrize("N,K,bias", [(5120, 2048, False), (2048, 4096, False), (128, 2048, False),
-                                      (4096, 4096, False), (6144, 2048, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "N,K,bias", [(N, K, False) for N, K in LINEAR_SHAPES[:4]] + [(6144, 2048, True)]
+)
 def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias):
     """The default projections: a row's bits are the same at every row count, across the
     tensor-core kernel's configs, the row counts where cuBLAS was measured to agree, and the
@@ -283,7 +301,6 @@ def test_batch_invariant_linear_rows_do_not_depend_on_the_row_count(N, K, bias):
     x = torch.randn(1024, K, device=DEV).to(torch.bfloat16)
     batch_invariant_linear = BatchInvariantLinear()  # measures cuBLAS at the first call
     first = batch_invariant_linear(x[:3], w, b)
-    for M in (1, 2, 3, 8, 13, 16, 17, 24, 32, 40, 64, 100, 101, 120, INVARIANT_ROWS - 1,
-              INVARIANT_ROWS, 200, 1024):  # fmt: skip
+    for M in (*CHECKED_ROWS, INVARIANT_ROWS - 1, INVARIANT_ROWS, 200, 1024):
         rows = batch_invariant_linear(x[:M], w, b)[:3]
         assert torch.equal(rows, first[:M]), f"M={M}: {(rows != first[:M]).sum().item()} differ"

@@ -17,9 +17,16 @@ SPREADS = ("none", "one", "distinct", "mixed")
 
 
 def lora_weights(
-    S: int, lead: tuple[int, ...], n: int, R: int, in_dim: int, out_slices: tuple[int, ...],
-    ranks: torch.Tensor, dtype: torch.dtype, device: str = "cpu",
-) -> LoraWeights:  # fmt: skip
+    S: int,
+    lead: tuple[int, ...],
+    n: int,
+    R: int,
+    in_dim: int,
+    out_slices: tuple[int, ...],
+    ranks: torch.Tensor,
+    dtype: torch.dtype,
+    device: str = "cpu",
+) -> LoraWeights:
     """A [S, *lead, n, R, in], B [S, *lead, out, R], zero past each slot's rank. The scales make
     the delta comparable to the base output, so a wrong delta shows in the error."""
     g = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, (1,))))

@@ -13,7 +13,6 @@ H, I = 64, 32
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 # Small tiles so that every loop runs more than once (H/BK, I/BK, columns/BN, slots).
 GROUPED = MoeConfig(block_m=16, block_n=16, block_k=32, block_n_down=32, block_k_down=16)
-DIRECT = MoeConfig(block_n=16, block_k=32, block_n_down=32, block_k_down=16, direct=True)
 # Larger tiles for 64 tokens: the interpreter's cost grows with programs x loop trips.
 WIDE = MoeConfig(block_m=16, block_n=32, block_k=64, block_n_down=64, block_k_down=32)
 
@@ -37,12 +36,12 @@ def moe_case(T: int, E: int, K: int, spread: str, dtype: torch.dtype, R: int = 1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_moe_matches_reference(poison_empty, T, E, K, spread, dtype):
     args, lora = moe_case(T, E, K, spread, dtype)
-    config = {1: DIRECT, 7: GROUPED, 64: WIDE}[T]
+    config = {1: GROUPED, 7: GROUPED, 64: WIDE}[T]
     out = fused_moe(*args, **lora, config=config)
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("config", [GROUPED, DIRECT, None], ids=["grouped", "direct", "default"])
+@pytest.mark.parametrize("config", [GROUPED, None], ids=["grouped", "default"])
 @pytest.mark.parametrize("T", [1, 7])
 @pytest.mark.parametrize("spread", ["none", "mixed"])
 def test_fused_moe_paths_agree(poison_empty, config, T, spread):
@@ -104,26 +103,23 @@ def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeyp
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= 1e-5
 
 
-@pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_moe_top_k_rows_sum_to_its_output(poison_empty, config, dtype):
-    """sum_topk=False: the grouped path returns its K weighted rows [T, K, H], whose in-order
-    sum (reference.sum_rows: what the next norm adds) is its summed output to the bit; the
-    direct path sums in its own kernel and returns [T, H] either way."""
+def test_fused_moe_top_k_rows_sum_to_its_output(poison_empty, dtype):
+    """sum_topk=False returns the K weighted rows [T, K, H], whose in-order sum
+    (reference.sum_rows: what the next norm adds) is the summed output to the bit."""
     args, lora = moe_case(7, 8, 2, "mixed", dtype)
-    out = fused_moe(*args, **lora, config=config)
-    rows = fused_moe(*args, **lora, config=config, sum_topk=False)
-    assert rows.shape == ((7, 2, H) if config is GROUPED else (7, H))
+    out = fused_moe(*args, **lora, config=GROUPED)
+    rows = fused_moe(*args, **lora, config=GROUPED, sum_topk=False)
+    assert rows.shape == (7, 2, H)
     assert torch.equal(reference.sum_rows(rows), out)
 
 
-@pytest.mark.parametrize("config", [GROUPED, DIRECT], ids=["grouped", "direct"])
-def test_fused_moe_without_lora_and_with_one_half(poison_empty, config):
+def test_fused_moe_without_lora_and_with_one_half(poison_empty):
     args, lora = moe_case(7, 8, 2, "distinct", torch.float32)
-    assert rel_err(fused_moe(*args, config=config), reference.fused_moe(*args)) <= 1e-5
+    assert rel_err(fused_moe(*args, config=GROUPED), reference.fused_moe(*args)) <= 1e-5
     for half in ("lora13", "lora2"):
         only = dict(lora, **{half: None})
-        out = fused_moe(*args, **only, config=config)
+        out = fused_moe(*args, **only, config=GROUPED)
         assert rel_err(out, reference.fused_moe(*args, **only)) <= 1e-5
 
 
@@ -163,8 +159,7 @@ def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
         for s, r in enumerate(info.rank_of_slot.tolist()):
             w.a[s, ..., r:, :] = float("nan")
             w.b[s, ..., r:] = float("nan")
-    for config in (GROUPED, DIRECT):
-        assert rel_err(fused_moe(*args, **lora, config=config), expect) <= 1e-5
+    assert rel_err(fused_moe(*args, **lora, config=GROUPED), expect) <= 1e-5
 
 
 def test_fused_moe_many_tokens_per_expert(poison_empty):
@@ -185,9 +180,10 @@ def routed_ids(T: int, E: int, K: int, spread: str) -> torch.Tensor:
 
 
 # Each E with each K and each BM (BM cycles); with T up to 300, P up to 1024.
-ALIGN_SHAPES = [(E, K, (16, 32, 64)[i % 3]) for i, (E, K) in enumerate(
-    (E, K) for E in (8, 60, 128) for K in (1, 2, 8)
-)]  # fmt: skip
+ALIGN_SHAPES = [
+    (E, K, (16, 32, 64)[i % 3])
+    for i, (E, K) in enumerate((E, K) for E in (8, 60, 128) for K in (1, 2, 8))
+]
 
 
 @pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
