@@ -6,29 +6,15 @@ Environment variables are read here, once, at startup: MOELORA_CACHE (where the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
-ENGINE_FLAGS = (
-    "max_loras",
-    "max_lora_rank",
-    "max_model_len",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "page_size",
-    "num_pages",
-    "max_graph_bs",
-    "enforce_eager",
-    "force_reference_kernels",
-    "projections",
-    "gpu_memory_utilization",
-    "device",
-    "dtype",
-    "seed",
-)
 DEMO_PROMPTS = [
     ("sql", "SELECT name FROM users WHERE"),
     ("chat", "Tell me a story about a cat."),
@@ -78,9 +64,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     bench.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     bench.add_argument(
-        "--lora", action="append", default=None,
+        "--lora",
+        action="append",
+        default=None,
         help="repeatable; requests cycle through these adapters ('base' for none)",
-    )  # fmt: skip
+    )
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -94,55 +82,31 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    from moelora.config import PROJECTIONS
+    """A flag for each EngineConfig field with a help text: --max-loras sets max_loras."""
+    for f, hint in _engine_flags():
+        p.add_argument(f"--{f.name.replace('_', '-')}", **_flag_options(f, hint))
 
-    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH")
-    p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument(
-        "--max-num-seqs", type=int, default=256, help="most requests running in one step"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=2048,
-        help="prefill token budget of one step (chunked prefill)",
-    )
-    p.add_argument(
-        "--page-size", type=int, default=16, help="tokens per KV-cache page (vLLM's --block-size)"
-    )
-    p.add_argument(
-        "--num-pages",
-        type=int,
-        default=None,
-        help="KV-cache pages; default: as many as --gpu-memory-utilization allows",
-    )
-    p.add_argument(
-        "--max-graph-bs",
-        type=int,
-        default=256,
-        help="largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)",
-    )
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument(
-        "--force-reference-kernels",
-        action="store_true",
-        help="run the torch reference kernels on the GPU too (debugging; implies eager)",
-    )
-    p.add_argument(
-        "--projections",
-        choices=PROJECTIONS,
-        default="batch-invariant",
-        help="dense projections on CUDA: batch-invariant (default: a request's logits do not "
-        "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
-        "bf16 logits move slightly with the batch size), cublas",
-    )
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--seed", type=int, default=0)
+
+def _engine_flags() -> list[tuple[dataclasses.Field, object]]:
+    """EngineConfig's fields that the command line sets, each with its resolved type hint."""
+    from moelora.config import EngineConfig
+
+    hints = typing.get_type_hints(EngineConfig)
+    return [(f, hints[f.name]) for f in dataclasses.fields(EngineConfig) if "help" in f.metadata]
+
+
+def _flag_options(f: dataclasses.Field, hint: object) -> dict:
+    """argparse's options for a field's flag, its default the field's: a bool is a switch that
+    turns it on, a mapping is given as NAME=PATH items, anything else is one value of its type
+    (None allowed where the type is optional)."""
+    options = dict(f.metadata)  # help, and choices where the field has them
+    if hint is bool:
+        assert f.default is False, f"{f.name}: a switch can only turn on a field that is off"
+        return {**options, "action": "store_true"}
+    if typing.get_origin(hint) is Mapping:
+        return {**options, "nargs": "+", "default": [], "metavar": "NAME=PATH"}
+    value_type = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+    return {**options, "type": value_type, "default": f.default}
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
@@ -166,21 +130,21 @@ def _engine_config(args: argparse.Namespace):
     """EngineConfig from the flags; 'demo' means the demo folder and its adapters."""
     from moelora.config import EngineConfig
 
-    model, served_name = args.model, args.served_model_name
-    lora_modules = _lora_modules(args.lora_modules)
+    options = {f.name: getattr(args, f.name) for f, _ in _engine_flags()}
+    options["lora_modules"] = _lora_modules(args.lora_modules)
+    model = args.model
     if model == "demo":
         from moelora.demo import ensure_demo
 
         assets = ensure_demo(args.cache_dir)
-        model, served_name = str(assets.model), served_name or "demo"
-        lora_modules = {**{n: str(p) for n, p in assets.adapters.items()}, **lora_modules}
+        model = str(assets.model)
+        options["served_model_name"] = args.served_model_name or "demo"
+        demo_modules = {n: str(p) for n, p in assets.adapters.items()}
+        options["lora_modules"] = {**demo_modules, **options["lora_modules"]}
     if not Path(model).is_dir():
         sys.exit(f"moelora: model {model!r} is not a folder: expected a Hugging Face model folder")
-    options = {name: getattr(args, name) for name in ENGINE_FLAGS}
     # An invalid value raises ConfigError, which main turns into a one-line message.
-    return EngineConfig(
-        model=model, lora_modules=lora_modules, served_model_name=served_name, **options
-    )
+    return EngineConfig(model=model, **options)
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -191,16 +155,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _llm(config):
-    """The offline engine with every engine flag the command line gave."""
+    """The offline engine with every option the config holds."""
     from moelora import LLM
 
-    options = {name: getattr(config, name) for name in ENGINE_FLAGS}
-    return LLM(
-        config.model,
-        lora_modules=dict(config.lora_modules),
-        served_model_name=config.served_model_name,
-        **options,
-    )
+    options = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return LLM(options.pop("model"), **options)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,90 +19,78 @@ PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _flag(default: Any, help: str, **metadata: Any) -> Any:
+    """A field the command line offers as --its-name: cli.py takes the flag's type and default
+    from the field, its help (and choices, where given) from the metadata, each written once."""
+    return field(default=default, metadata={"help": help, **metadata})
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """Every engine option and its default. LLM takes them by name; the CLI offers each field
+    with a help text as a flag (a bool as a switch that sets it, the others with a value)."""
+
     model: str
-    lora_modules: Mapping[str, str] = field(default_factory=dict)
-    max_loras: int = 4
-    max_lora_rank: int = 64
+    lora_modules: Mapping[str, str] = field(
+        default_factory=dict, metadata={"help": "adapters to load at start"}
+    )
+    max_loras: int = _flag(
+        4, "adapter slots on the GPU; more adapters may be registered, the rest wait in host memory"
+    )
+    max_lora_rank: int = _flag(64, "the largest adapter rank: every slot holds this rank")
     enable_lora: bool = True
-    dtype: str = "auto"  # auto: bfloat16 on cuda, float32 on cpu
-    device: str = "auto"  # auto: cuda when available, else cpu
-    seed: int = 0
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # prefill token budget of one step (chunked prefill)
-    page_size: int = 16
-    num_pages: int | None = None  # None: from gpu_memory_utilization (or a CPU budget)
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
-    max_graph_bs: int = 256
-    force_reference_kernels: bool = False  # run the torch references on CUDA too (debugging)
+    # auto: bfloat16 on cuda, float32 on cpu
+    dtype: str = _flag("auto", "auto, float32, bfloat16 or float16")
+    # auto: cuda when available, else cpu
+    device: str = _flag("auto", "auto, cpu, cuda or cuda:N")
+    seed: int = _flag(
+        0, "the engine's seed: requests that give none draw theirs from it, as do dummy weights"
+    )
+    max_model_len: int | None = _flag(
+        None,
+        "most tokens of a request, prompt and output; default: the model's max_position_embeddings",
+    )
+    max_num_seqs: int = _flag(256, "most requests running in one step")
+    max_num_batched_tokens: int = _flag(2048, "prefill token budget of one step (chunked prefill)")
+    page_size: int = _flag(16, "tokens per KV-cache page (vLLM's --block-size)")
+    num_pages: int | None = _flag(
+        None, "KV-cache pages; default: as many as --gpu-memory-utilization allows"
+    )
+    gpu_memory_utilization: float = _flag(
+        0.9,
+        "the share of the GPU's memory the engine may fill: the KV cache takes what the model "
+        "leaves of it",
+    )
+    enforce_eager: bool = _flag(False, "run every step eagerly: capture no CUDA graphs")
+    max_graph_bs: int = _flag(
+        256, "largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)"
+    )
+    force_reference_kernels: bool = _flag(
+        False, "run the torch reference kernels on the GPU too (debugging; implies eager)"
+    )
     # How the dense projections are computed on CUDA (kernels/linear.py):
     # - "batch-invariant": a request's logits do not depend on its batch-mates (a tensor-core
-    #   kernel, and cuBLAS where it was measured to give the same bits: from 128 rows, and
-    #   between 17 and 127 per projection shape);
+    #   kernel, and cuBLAS only where it gives the kernel's bits: from 128 rows, and between 17
+    #   and 127 at the row counts a check on the device finds for each projection shape);
     # - "skinny": a GEMV at 1 to 8 rows, fastest at one token, but a request's bf16 logits then
     #   move by a rounding with its batch size, which can flip a near-tied expert choice;
     # - "cublas": cuBLAS throughout (it splits K at some decode sizes: not batch-invariant).
-    projections: str = "batch-invariant"
+    projections: str = _flag(
+        "batch-invariant",
+        "dense projections on CUDA: batch-invariant (default: a request's logits do not "
+        "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
+        "bf16 logits move slightly with the batch size), cublas",
+        choices=PROJECTIONS,
+    )
     load_format: str = "auto"  # "dummy": random weights built on the device, no checkpoint read
-    served_model_name: str | None = None
+    served_model_name: str | None = _flag(
+        None, "the base model's name in the API (default: the model argument)"
+    )
 
     def __post_init__(self) -> None:
-        _check(self.max_loras >= 1, "max_loras", self.max_loras, "an integer >= 1")
-        _check(
-            self.projections in PROJECTIONS,
-            "projections",
-            self.projections,
-            f"one of {', '.join(PROJECTIONS)}",
-        )
-        _check(self.max_lora_rank >= 1, "max_lora_rank", self.max_lora_rank, "an integer >= 1")
-        _check(
-            self.dtype == "auto" or self.dtype in _DTYPES,
-            "dtype",
-            self.dtype,
-            f"'auto' or one of {sorted(_DTYPES)}",
-        )
-        _check(
-            self.device == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-            "device",
-            self.device,
-            "'auto', 'cpu' or 'cuda[:N]'",
-        )
-        _check(
-            self.max_model_len is None or self.max_model_len >= 1,
-            "max_model_len",
-            self.max_model_len,
-            "None or an integer >= 1",
-        )
-        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
-        _check(
-            self.max_num_batched_tokens >= 1,
-            "max_num_batched_tokens",
-            self.max_num_batched_tokens,
-            "an integer >= 1",
-        )
-        _check(self.page_size >= 1, "page_size", self.page_size, "an integer >= 1")
-        _check(
-            self.num_pages is None or self.num_pages >= 1,
-            "num_pages",
-            self.num_pages,
-            "None or an integer >= 1",
-        )
-        _check(
-            0 < self.gpu_memory_utilization <= 1,
-            "gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "a number in (0, 1]",
-        )
-        _check(self.max_graph_bs >= 1, "max_graph_bs", self.max_graph_bs, "an integer >= 1")
-        _check(
-            self.load_format in ("auto", "dummy"),
-            "load_format",
-            self.load_format,
-            "'auto' or 'dummy'",
-        )
+        for name, valid, expected in _CHECKS:
+            value = getattr(self, name)
+            _check(valid(value), name, value, expected)
         for name in self.lora_modules:
             _check(
                 bool(name) and name != self.model_name,
@@ -140,6 +129,39 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype != "auto", "resolve the config first"
         return _DTYPES[self.dtype]
+
+
+def _at_least_1(value: Any) -> bool:
+    return value >= 1
+
+
+def _none_or_at_least_1(value: Any) -> bool:
+    return value is None or value >= 1
+
+
+_AT_LEAST_1 = "an integer >= 1"
+_NONE_OR_AT_LEAST_1 = "None or an integer >= 1"
+# EngineConfig's checks, (field, valid, expected), in the order they run: the first field that
+# fails is the one the ConfigError names
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("max_loras", _at_least_1, _AT_LEAST_1),
+    ("projections", lambda v: v in PROJECTIONS, f"one of {', '.join(PROJECTIONS)}"),
+    ("max_lora_rank", _at_least_1, _AT_LEAST_1),
+    ("dtype", lambda v: v == "auto" or v in _DTYPES, f"'auto' or one of {sorted(_DTYPES)}"),
+    (
+        "device",
+        lambda v: v == "auto" or re.fullmatch(r"cpu|cuda(:\d+)?", v) is not None,
+        "'auto', 'cpu' or 'cuda[:N]'",
+    ),
+    ("max_model_len", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
+    ("max_num_seqs", _at_least_1, _AT_LEAST_1),
+    ("max_num_batched_tokens", _at_least_1, _AT_LEAST_1),
+    ("page_size", _at_least_1, _AT_LEAST_1),
+    ("num_pages", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
+    ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("max_graph_bs", _at_least_1, _AT_LEAST_1),
+    ("load_format", lambda v: v in ("auto", "dummy"), "'auto' or 'dummy'"),
+)
 
 
 def _check(ok: bool, name: str, value: object, expected: str) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
+from typing import Any
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
@@ -16,24 +18,13 @@ class LLM:
         self,
         model: str,
         *,
-        lora_modules: dict[str, str] | None = None,
-        max_loras: int = 4,
-        max_lora_rank: int = 64,
-        dtype: str = "auto",
-        device: str = "auto",
-        seed: int = 0,
-        **engine_options,
-    ):
-        config = EngineConfig(
-            model=model,
-            lora_modules=dict(lora_modules or {}),
-            max_loras=max_loras,
-            max_lora_rank=max_lora_rank,
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            **engine_options,
-        )
+        lora_modules: Mapping[str, str] | None = None,
+        **engine_options: Any,
+    ) -> None:
+        """engine_options are EngineConfig's fields by name (max_loras, max_lora_rank, dtype,
+        device, seed, ...), each with EngineConfig's default; an unknown name is a TypeError
+        that names it."""
+        config = EngineConfig(model=model, lora_modules=dict(lora_modules or {}), **engine_options)
         self.engine = Engine(config)
         self._ids = itertools.count()
 

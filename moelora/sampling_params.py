@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from moelora.errors import InvalidRequestError
 
@@ -15,15 +17,70 @@ log = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-2
 
 
+def _is_int(value: object) -> bool:
+    """A Python int, not a bool. Not numpy's integers, unlike the engine's prompt token ids
+    (which it converts): these values go to torch as they are (manual_seed refuses them)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _are_token_ids(value: object) -> bool:
+    return isinstance(value, (list, tuple)) and all(_is_int(t) and t >= 0 for t in value)
+
+
+# The normal forms. A value the checks refuse stays as given, so the error names what was sent.
+def _floored_temperature(value: Any) -> Any:
+    if _is_number(value) and 0 < value < MIN_TEMPERATURE:
+        log.warning(
+            "temperature=%g is below %g, where the logits overflow: %g is used",
+            value,
+            MIN_TEMPERATURE,
+            MIN_TEMPERATURE,
+        )
+        return MIN_TEMPERATURE
+    return value
+
+
+def _stop_list(value: Any) -> Any:
+    return [value] if isinstance(value, str) else value
+
+
+def _token_id_list(value: Any) -> Any:
+    return list(value) if _are_token_ids(value) else value  # a copy of the caller's list
+
+
+class _Normalised:
+    """A field put in its normal form as __init__ sets it, so a SamplingParams holds one form
+    from the start (what the engine, the sampler and dataclasses.replace read) and nothing
+    rewrites the frozen instance afterwards. A dataclass field whose default is a descriptor:
+    the class's default is __get__ without an instance, and the frozen class still refuses any
+    later assignment."""
+
+    def __init__(self, default: Any, normal_form: Callable[[Any], Any]) -> None:
+        self._default, self._normal_form = default, normal_form
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._key = f"_{name}"
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        return self._default if obj is None else obj.__dict__[self._key]
+
+    def __set__(self, obj: object, value: Any) -> None:
+        obj.__dict__[self._key] = self._normal_form(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = _Normalised(1.0, _floored_temperature)  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = all tokens
     seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
+    stop: list[str] | str | None = _Normalised(None, _stop_list)  # one string: a list of one
+    stop_token_ids: list[int] | None = _Normalised(None, _token_id_list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token, plus the chosen one
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
@@ -35,73 +92,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
 
     def __post_init__(self) -> None:
-        _check(
-            _is_int(self.max_tokens) and self.max_tokens >= 1,
-            "max_tokens",
-            self.max_tokens,
-            "an integer >= 1",
-        )
-        _check(
-            _is_number(self.temperature) and 0 <= self.temperature < math.inf,
-            "temperature",
-            self.temperature,
-            "a finite number >= 0",
-        )
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            log.warning(
-                "temperature=%g is below %g, where the logits overflow: %g is used",
-                self.temperature,
-                MIN_TEMPERATURE,
-                MIN_TEMPERATURE,
-            )
-            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
-        _check(
-            _is_number(self.top_p) and 0 < self.top_p <= 1,
-            "top_p",
-            self.top_p,
-            "a number in (0, 1]",
-        )
-        _check(
-            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1),
-            "top_k",
-            self.top_k,
-            "-1 or an integer >= 1",
-        )
-        for name in ("logprobs", "prompt_logprobs"):
+        for name, valid, expected in _CHECKS:
             value = getattr(self, name)
-            _check(
-                value is None or (_is_int(value) and value >= 0),
-                name,
-                value,
-                "None or an integer >= 0",
-            )
-        _check(
-            self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
-            "seed",
-            self.seed,
-            "None or an integer in [-2**63, 2**64) (what torch generators take)",
-        )
-        _check(
-            self.stop_token_ids is None
-            or (
-                isinstance(self.stop_token_ids, (list, tuple))
-                and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)
-            ),
-            "stop_token_ids",
-            self.stop_token_ids,
-            "None or a list of token ids >= 0",
-        )
-        if self.stop_token_ids is not None:
-            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(_is_number(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
-        _check(
-            _is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf,
-            "repetition_penalty",
-            self.repetition_penalty,
-            "a finite number > 0",
-        )
+            _check(valid(value), name, value, expected)
         for token, bias in (self.logit_bias or {}).items():
             _check(_is_int(token) and token >= 0, "logit_bias token", token, "an id >= 0")
             _check(
@@ -110,8 +103,6 @@ class SamplingParams:
                 bias,
                 "a number in [-100, 100]",
             )
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", [self.stop])  # normalised once, at construction
         _check(
             all(isinstance(s, str) and s for s in self.stop or []),
             "stop",
@@ -131,16 +122,39 @@ class SamplingParams:
         )
 
 
+def _none_or_count(value: Any) -> bool:
+    return value is None or (_is_int(value) and value >= 0)
+
+
+def _is_penalty(value: Any) -> bool:
+    return _is_number(value) and -2 <= value <= 2
+
+
+# SamplingParams' checks of one field each, (field, valid, expected), in the order they run:
+# the first field that fails is the one the InvalidRequestError names
+_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("max_tokens", lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    ("temperature", lambda v: _is_number(v) and 0 <= v < math.inf, "a finite number >= 0"),
+    ("top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    ("top_k", lambda v: _is_int(v) and (v == -1 or v >= 1), "-1 or an integer >= 1"),
+    ("logprobs", _none_or_count, "None or an integer >= 0"),
+    ("prompt_logprobs", _none_or_count, "None or an integer >= 0"),
+    (
+        "seed",
+        lambda v: v is None or (_is_int(v) and -(2**63) <= v < 2**64),
+        "None or an integer in [-2**63, 2**64) (what torch generators take)",
+    ),
+    (
+        "stop_token_ids",
+        lambda v: v is None or _are_token_ids(v),
+        "None or a list of token ids >= 0",
+    ),
+    ("presence_penalty", _is_penalty, "a number in [-2, 2]"),
+    ("frequency_penalty", _is_penalty, "a number in [-2, 2]"),
+    ("repetition_penalty", lambda v: _is_number(v) and 0 < v < math.inf, "a finite number > 0"),
+)
+
+
 def _check(ok: bool, name: str, value: object, expected: str) -> None:
     if not ok:
         raise InvalidRequestError(f"{name}={value!r} is invalid: expected {expected}")
-
-
-def _is_int(value: object) -> bool:
-    """A Python int, not a bool. Not numpy's integers, unlike the engine's prompt token ids
-    (which it converts): these values go to torch as they are (manual_seed refuses them)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -56,8 +56,11 @@ def test_bench_reports_throughput_and_refuses_unknown_adapters(cache: Path) -> N
     sizes = ["--num-prompts", "6", "--input-len", "12", "--output-len", "5"]
     done = subprocess.run(
         [*cmd, *sizes, "--lora", "sql", "--lora", "base"],
-        env=env, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "6 x (12 in, 5 out)" in done.stdout and "['sql', 'base']" in done.stdout
     assert "output tokens/s" in done.stdout
