@@ -9,11 +9,10 @@ for them to drain): the caller retries when the traffic on that adapter has stop
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import hmac
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -29,6 +28,7 @@ from moelora.errors import (
     InvalidRequestError,
     MoeloraError,
 )
+from moelora.sampling_params import SamplingParams
 from moelora.server import protocol
 from moelora.server.async_engine import (
     AsyncEngine,
@@ -38,18 +38,18 @@ from moelora.server.async_engine import (
     RequestStream,
 )
 from moelora.server.metrics import CONTENT_TYPE
+from moelora.server.openai_format import Answer, ChatAnswer, CompletionAnswer, prompt_tokens
 from moelora.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoraRequest,
+    SamplingFields,
     UnloadLoraRequest,
 )
 from moelora.server.streaming import (
     EngineStreamingResponse,
-    TextDeltas,
-    last_output,
-    merged,
-    sse,
+    last_outputs,
+    sse_events,
     unless_disconnected,
 )
 
@@ -105,234 +105,96 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     _add_error_handlers(app)
+    _add_generation_routes(app, engine)
+    _add_adapter_routes(app, engine)
+    _add_service_routes(app, engine)
+    return app
 
-    def lora_of(model: str) -> str | None:
-        return None if model == engine.model_name else model
 
-    def token_text(token_id: int) -> str:
-        return engine.tokenizer.decode([token_id])
-
-    async def start(
-        inputs: list[GenerateInput], model: str, request_id: str
-    ) -> list[RequestStream]:
-        streams: list[RequestStream] = []
-        try:
-            for i, inp in enumerate(inputs):
-                streams.append(await engine.generate(f"{request_id}-{i}", inp, model))
-        except BaseException:
-            for stream in streams:
-                stream.abort()
-            raise
-        return streams
-
-    # ------------------------------------------------------------------ completions
-
-    def completion_logprobs(
-        token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int
-    ) -> dict | None:
-        if logprobs is None:
-            return None
-        tokens = [token_text(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-            "top_logprobs": [{token_text(k): v for k, v in lp.items()} for lp in logprobs],
-            "text_offset": offsets,
-        }
-
-    def echoed(prompt: str | list[int], out: Any) -> tuple[str, dict | None]:
-        """echo=true: the prompt's text (as sent, or decoded from its ids) and, with logprobs,
-        its tokens' entries (the first token has none, as in OpenAI's and vLLM's answers)."""
-        text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt)
-        if out.prompt_logprobs is None:
-            return text, None
-        ids = out.prompt_token_ids
-        rest = completion_logprobs(ids[1:], out.prompt_logprobs[1:], len(token_text(ids[0])))
-        first = token_text(ids[0])
-        return text, {
-            "tokens": [first, *rest["tokens"]],
-            "token_logprobs": [None, *rest["token_logprobs"]],
-            "top_logprobs": [None, *rest["top_logprobs"]],
-            "text_offset": [0, *rest["text_offset"]],
-        }
-
-    def with_echo(choice: dict, echo: tuple[str, dict | None]) -> dict:
-        """The choice with the echoed prompt in front of its text and logprobs."""
-        text, logprobs = echo
-        choice = {**choice, "text": text + choice["text"]}
-        if logprobs is not None and choice["logprobs"] is not None:
-            gen = choice["logprobs"]
-            shift = [o + len(text) for o in gen["text_offset"]]
-            choice["logprobs"] = {k: logprobs[k] + gen[k] for k in logprobs if k != "text_offset"}
-            choice["logprobs"]["text_offset"] = logprobs["text_offset"] + shift
-        return choice
-
+def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        default_max = body.max_tokens is None
-        params = body.sampling_params(1 if default_max else body.max_tokens, body.logprobs)
-        if body.echo and body.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
-        lora = lora_of(body.model)
-        # choice i is sample i % n of prompt i // n, as OpenAI numbers them
-        prompts = [p for p in body.prompts() for _ in range(body.n)]
-        samples = body.samples(params) * (len(prompts) // body.n)
-        inputs = [GenerateInput(p, s, lora, default_max) for p, s in zip(prompts, samples)]
+        params, inputs = _completion_inputs(body, _lora_of(engine, body.model))
         request_id = protocol.new_id("cmpl")
-        streams = await start(inputs, body.model, request_id)
-        head = {"id": request_id, "object": "text_completion", "created": protocol.now()}
-        head["model"] = body.model
-        echo = prompts if body.echo else None
-        if body.stream:
-            return EngineStreamingResponse(
-                stream_completion(head, streams, params.stop, body.include_usage, body.n, echo),
-                streams,
-            )
-        return await unless_disconnected(raw, complete_completion(head, streams, body.n, echo))
-
-    async def complete_completion(
-        head: dict, streams: list[RequestStream], n: int, echo: list | None
-    ) -> dict:
-        finals = await asyncio.gather(*(last_output(s) for s in streams))
-        choices = []
-        for i, out in enumerate(finals):
-            choice = {
-                "index": i,
-                "text": out.text,
-                "logprobs": completion_logprobs(out.token_ids, out.logprobs, 0),
-                "finish_reason": out.finish_reason,
-            }
-            choices.append(with_echo(choice, echoed(echo[i], out)) if echo else choice)
-        return {**head, "choices": choices, "usage": total_usage(streams, finals, n)}
-
-    async def stream_completion(
-        head: dict,
-        streams: list[RequestStream],
-        stop: list[str] | None,
-        include_usage: bool,
-        n: int,
-        echo: list | None,
-    ) -> AsyncIterator[str]:
-        deltas = [TextDeltas(stop) for _ in streams]
-        finals: list[Any] = [None] * len(streams)
-        echoing = [echo is not None] * len(streams)  # the prompt goes first, once per choice
-        try:
-            async for i, out in merged(streams):
-                if echoing[i]:
-                    echoing[i] = False
-                    text, logprobs = echoed(echo[i], out)
-                    choice = {"index": i, "text": text, "logprobs": logprobs}
-                    yield sse({**head, "choices": [{**choice, "finish_reason": None}]})
-                    deltas[i].offset = len(text)
-                text_offset = deltas[i].offset + deltas[i].sent_text
-                text = deltas[i].text(out)
-                token_ids, logprobs = deltas[i].tokens(out)
-                if not text and not out.finished and logprobs is None:
-                    continue
-                choice = {
-                    "index": i,
-                    "text": text,
-                    "logprobs": completion_logprobs(token_ids, logprobs, text_offset),
-                    "finish_reason": out.finish_reason if out.finished else None,
-                }
-                if out.finished:
-                    finals[i] = out
-                yield sse({**head, "choices": [choice]})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": total_usage(streams, finals, n)})
-        except EngineError as e:
-            yield sse(protocol.error_body(str(e), "InternalServerError"))
-        yield "data: [DONE]\n\n"
-
-    # ------------------------------------------------------------------ chat
-
-    def chat_logprobs(
-        token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int
-    ) -> dict | None:
-        if logprobs is None:
-            return None
-
-        def entry(token_id: int, logprob: float) -> dict:
-            text = token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        content = []
-        for t, lp in zip(token_ids, logprobs):
-            best = sorted(lp.items(), key=lambda kv: -kv[1])[:top]
-            content.append({**entry(t, lp[t]), "top_logprobs": [entry(k, v) for k, v in best]})
-        return {"content": content}
+        streams = await _start(engine, inputs, body.model, request_id)
+        echo = [inp.prompt for inp in inputs] if body.echo else None
+        tokens = prompt_tokens(streams, body.n)
+        answer = CompletionAnswer(engine.tokenizer, request_id, body.model, tokens, echo)
+        return await _respond(raw, body, streams, answer, params.stop)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        max_tokens = body.requested_max_tokens
-        params = body.sampling_params(max_tokens or 1, body.num_logprobs)
-        messages = [m.for_template() for m in body.messages]
-        lora, default_max = lora_of(body.model), max_tokens is None
-        inputs = [GenerateInput(messages, p, lora, default_max) for p in body.samples(params)]
+        params, inputs = _chat_inputs(body, _lora_of(engine, body.model))
         request_id = protocol.new_id("chatcmpl")
-        streams = await start(inputs, body.model, request_id)
-        head = {"id": request_id, "object": "chat.completion", "created": protocol.now()}
-        head["model"] = body.model
-        top = body.top_logprobs or 0
-        if body.stream:
-            chunks = stream_chat(head, streams, params.stop, top, body.include_usage)
-            return EngineStreamingResponse(chunks, streams)
-        return await unless_disconnected(raw, complete_chat(head, streams, top))
+        streams = await _start(engine, inputs, body.model, request_id)
+        top, tokens = body.top_logprobs or 0, prompt_tokens(streams, body.n)
+        answer = ChatAnswer(engine.tokenizer, request_id, body.model, tokens, top)
+        return await _respond(raw, body, streams, answer, params.stop)
 
-    async def complete_chat(head: dict, streams: list[RequestStream], top: int) -> dict:
-        finals = await asyncio.gather(*(last_output(s) for s in streams))
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": out.text},
-                "logprobs": chat_logprobs(out.token_ids, out.logprobs, top),
-                "finish_reason": out.finish_reason,
-            }
-            for i, out in enumerate(finals)
-        ]
-        return {**head, "choices": choices, "usage": total_usage(streams, finals, len(streams))}
 
-    async def stream_chat(
-        head: dict,
-        streams: list[RequestStream],
-        stop: list[str] | None,
-        top: int,
-        include_usage: bool,
-    ) -> AsyncIterator[str]:
-        head = {**head, "object": "chat.completion.chunk"}
+def _completion_inputs(
+    body: CompletionRequest, lora: str | None
+) -> tuple[SamplingParams, list[GenerateInput]]:
+    """Choice i is sample i % n of prompt i // n, as OpenAI numbers them."""
+    default_max = body.max_tokens is None
+    params = body.sampling_params(1 if default_max else body.max_tokens, body.logprobs)
+    if body.echo and body.logprobs is not None:
+        params = dataclasses.replace(params, prompt_logprobs=body.logprobs)
+    prompts = [p for p in body.prompts() for _ in range(body.n)]
+    samples = body.samples(params) * (len(prompts) // body.n)
+    return params, [GenerateInput(p, s, lora, default_max) for p, s in zip(prompts, samples)]
 
-        def chunk(i: int, delta: dict, finish_reason: str | None = None, logprobs: Any = None):
-            choice = {"index": i, "delta": delta, "logprobs": logprobs}
-            return sse({**head, "choices": [{**choice, "finish_reason": finish_reason}]})
 
-        deltas = [TextDeltas(stop) for _ in streams]
-        finals: list[Any] = [None] * len(streams)
-        try:
-            for i in range(len(streams)):
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for i, out in merged(streams):
-                text = deltas[i].text(out)
-                token_ids, logprobs = deltas[i].tokens(out)
-                logprobs_json = chat_logprobs(token_ids, logprobs, top)
-                if out.finished:
-                    finals[i] = out
-                    delta = {"content": text} if text else {}
-                    yield chunk(i, delta, out.finish_reason, logprobs_json)
-                elif text or logprobs_json:
-                    yield chunk(i, {"content": text}, None, logprobs_json)
-            if include_usage:
-                usage = total_usage(streams, finals, len(streams))
-                yield sse({**head, "choices": [], "usage": usage})
-        except EngineError as e:
-            yield sse(protocol.error_body(str(e), "InternalServerError"))
-        yield "data: [DONE]\n\n"
+def _chat_inputs(
+    body: ChatCompletionRequest, lora: str | None
+) -> tuple[SamplingParams, list[GenerateInput]]:
+    max_tokens = body.requested_max_tokens
+    params = body.sampling_params(max_tokens or 1, body.num_logprobs)
+    messages = [m.for_template() for m in body.messages]
+    default_max = max_tokens is None
+    return params, [GenerateInput(messages, p, lora, default_max) for p in body.samples(params)]
 
-    # ------------------------------------------------------------------ adapters, models
 
+def _lora_of(engine: AsyncEngine, model: str) -> str | None:
+    """The base model's name means no adapter."""
+    return None if model == engine.model_name else model
+
+
+async def _start(
+    engine: AsyncEngine, inputs: list[GenerateInput], model: str, request_id: str
+) -> list[RequestStream]:
+    """One engine request per choice; if admitting one fails, those admitted before it are
+    aborted, so that no request runs for an answer nobody gets."""
+    streams: list[RequestStream] = []
+    try:
+        for i, inp in enumerate(inputs):
+            streams.append(await engine.generate(f"{request_id}-{i}", inp, model))
+    except BaseException:
+        for stream in streams:
+            stream.abort()
+        raise
+    return streams
+
+
+async def _respond(
+    raw: Request,
+    body: SamplingFields,
+    streams: list[RequestStream],
+    answer: Answer,
+    stop: list[str] | None,
+) -> Any:
+    """SSE, or the whole answer once every choice has finished."""
+    if body.stream:
+        events = sse_events(streams, answer, stop=stop, include_usage=body.include_usage)
+        return EngineStreamingResponse(events, streams)
+    return await unless_disconnected(raw, _whole(streams, answer))
+
+
+async def _whole(streams: list[RequestStream], answer: Answer) -> dict:
+    return answer.response(await last_outputs(streams))
+
+
+def _add_adapter_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
         base = engine.model_name
@@ -353,8 +215,8 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         await engine.unload_lora(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
-    # ------------------------------------------------------------------ health, metrics
 
+def _add_service_routes(app: FastAPI, engine: AsyncEngine) -> None:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.alive else 503)
@@ -364,16 +226,6 @@ def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
         stats = await engine.stats()
         text = engine.metrics.render(stats, num_loras=len(engine.adapter_paths()))
         return Response(text, media_type=CONTENT_TYPE)
-
-    return app
-
-
-def total_usage(streams: list[RequestStream], finals: list[Any], n: int) -> dict[str, int]:
-    """Prompt tokens once per prompt (its n samples share it, as OpenAI counts), completion
-    tokens of every sample."""
-    prompt = sum(len(s.prompt_token_ids) for s in streams[::n])
-    completion = sum(len(out.token_ids) for out in finals if out is not None)
-    return protocol.usage(prompt, completion)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

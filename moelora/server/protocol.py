@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -218,6 +218,3 @@ def model_card(name: str, *, parent: str | None, root: str) -> dict[str, Any]:
         "root": root,
         "parent": parent,
     }
-
-
-FinishReason = Literal["stop", "length", "abort"]

@@ -1,4 +1,5 @@
-"""Streaming plumbing between RequestStreams and HTTP: SSE, text deltas, disconnects.
+"""Streaming plumbing between RequestStreams and HTTP: SSE, text deltas, disconnects, and the
+one loop that streams both generation endpoints (openai_format says what each chunk holds).
 
 A client that goes away, streamed or not, gets its engine requests aborted, which frees their KV
 pages and adapter-slot references.
@@ -9,14 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from moelora.server.async_engine import RequestStream
+from moelora.server import protocol
+from moelora.server.async_engine import EngineError, RequestStream
+
+if TYPE_CHECKING:
+    from moelora.step.request import RequestOutput
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -75,6 +81,16 @@ def sse(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+@dataclass(frozen=True)
+class Delta:
+    """What one output adds to a streamed choice."""
+
+    start: int  # characters of the choice's generated text sent before this delta's
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+
+
 class TextDeltas:
     """Turns cumulative outputs into deltas that are never taken back.
 
@@ -86,9 +102,14 @@ class TextDeltas:
         self.holdback = max((len(s) for s in stop or []), default=1) - 1
         self.sent_text = 0
         self.sent_tokens = 0
-        self.offset = 0  # characters sent before the generated text (an echoed prompt)
 
-    def text(self, out: Any) -> str:
+    def next(self, out: RequestOutput) -> Delta:
+        start = self.sent_text
+        text = self._text(out)
+        token_ids, logprobs = self._tokens(out)
+        return Delta(start, text, token_ids, logprobs)
+
+    def _text(self, out: RequestOutput) -> str:
         text = out.text
         end = len(text)
         if not out.finished:
@@ -99,20 +120,61 @@ class TextDeltas:
         self.sent_text = end
         return delta
 
-    def tokens(self, out: Any) -> tuple[list[int], list[dict[int, float]] | None]:
+    def _tokens(self, out: RequestOutput) -> tuple[list[int], list[dict[int, float]] | None]:
         start, self.sent_tokens = self.sent_tokens, len(out.token_ids)
         logprobs = out.logprobs[start:] if out.logprobs is not None else None
         return out.token_ids[start:], logprobs
 
 
-async def last_output(stream: RequestStream) -> Any:
+class ChunkFormat(Protocol):
+    """How a streamed answer's outputs become its SSE chunks (openai_format's answers)."""
+
+    def opening(self, num_choices: int) -> list[dict]: ...
+
+    def chunks(self, index: int, out: RequestOutput, delta: Delta) -> Iterator[dict]: ...
+
+    def usage_chunk(self, finals: list[RequestOutput | None]) -> dict: ...
+
+
+async def sse_events(
+    streams: list[RequestStream],
+    answer: ChunkFormat,
+    *,
+    stop: list[str] | None,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """The SSE events of a streamed answer, one stream a choice: the opening chunks, each
+    output's chunks in arrival order, the usage chunk when asked for, and `data: [DONE]` last,
+    also after an engine failure, which is told in an error chunk of its own."""
+    deltas = [TextDeltas(stop) for _ in streams]
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        for chunk in answer.opening(len(streams)):
+            yield sse(chunk)
+        async for i, out in merged(streams):
+            if out.finished:
+                finals[i] = out
+            for chunk in answer.chunks(i, out, deltas[i].next(out)):
+                yield sse(chunk)
+        if include_usage:
+            yield sse(answer.usage_chunk(finals))
+    except EngineError as e:
+        yield sse(protocol.error_body(str(e), "InternalServerError"))
+    yield "data: [DONE]\n\n"
+
+
+async def last_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
+    return list(await asyncio.gather(*(_last_output(s) for s in streams)))
+
+
+async def _last_output(stream: RequestStream) -> RequestOutput:
     last = None
     async for out in stream:
         last = out
     return last
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(index, output) pairs from several streams, in arrival order."""
     if len(streams) == 1:
         async for out in streams[0]:

@@ -86,12 +86,28 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     port = _free_port()
     log = root / "server.log"
     cmd = [
-        sys.executable, "-m", "moelora.cli", "serve", "demo",
-        "--lora-modules", f"extra={adapters['extra']}",
-        "--max-loras", str(MAX_LORAS), "--max-lora-rank", str(MAX_LORA_RANK),
-        "--max-model-len", str(MAX_MODEL_LEN), "--device", "cpu",
-        "--port", str(port), "--api-key", API_KEY, "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "moelora.cli",
+        "serve",
+        "demo",
+        "--lora-modules",
+        f"extra={adapters['extra']}",
+        "--max-loras",
+        str(MAX_LORAS),
+        "--max-lora-rank",
+        str(MAX_LORA_RANK),
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--device",
+        "cpu",
+        "--port",
+        str(port),
+        "--api-key",
+        API_KEY,
+        "--log-level",
+        "warning",
+    ]
     env = {**os.environ, "MOELORA_CACHE": str(root / "cache")}
     with open(log, "wb") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)

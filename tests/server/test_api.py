@@ -49,9 +49,14 @@ def test_penalties_pass_through_to_the_engine(server: Server, offline: Offline) 
     prompt = PROMPTS[1]
     penalties = dict(presence_penalty=0.7, frequency_penalty=1.1, repetition_penalty=1.3)
     resp = server.client().completions.create(
-        model="sql", prompt=prompt, max_tokens=10, temperature=0,
-        presence_penalty=0.7, frequency_penalty=1.1, extra_body={"repetition_penalty": 1.3},
-    )  # fmt: skip
+        model="sql",
+        prompt=prompt,
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=0.7,
+        frequency_penalty=1.1,
+        extra_body={"repetition_penalty": 1.3},
+    )
     params = SamplingParams(max_tokens=10, temperature=0, **penalties)
     ids = offline.tokenizer.encode(prompt)
     expected = offline.llm.generate([ids], params, lora=["sql"])[0]
@@ -177,9 +182,7 @@ def test_n_samples_per_prompt_numbered_as_openai_does(server: Server, offline: O
     assert [c.index for c in resp.choices] == [0, 1, 2, 3]
     ids = [offline.tokenizer.encode(p) for p in prompts]
     params = [SamplingParams(max_tokens=8, temperature=1.0, seed=7 + j) for j in range(2)]
-    expected = offline.llm.generate(
-        [ids[0], ids[0], ids[1], ids[1]], params * 2, lora=["sql"] * 4
-    )  # fmt: skip
+    expected = offline.llm.generate([ids[0], ids[0], ids[1], ids[1]], params * 2, lora=["sql"] * 4)
     assert [c.text for c in resp.choices] == [o.text for o in expected]
     assert resp.choices[0].text != resp.choices[1].text  # different seeds, different samples
     assert resp.usage.prompt_tokens == len(ids[0]) + len(ids[1])
@@ -191,9 +194,13 @@ def test_chat_n_streams_every_choice(server: Server) -> None:
     and the texts equal the non-streamed answer to the same seeded request."""
     client = server.client()
     kw = dict(
-        model="chat", messages=[{"role": "user", "content": "Hello"}], n=3, max_tokens=6,
-        temperature=0.9, seed=123,
-    )  # fmt: skip
+        model="chat",
+        messages=[{"role": "user", "content": "Hello"}],
+        n=3,
+        max_tokens=6,
+        temperature=0.9,
+        seed=123,
+    )
     whole = client.chat.completions.create(**kw)
     assert [c.index for c in whole.choices] == [0, 1, 2]
     texts, roles, finish = ["", "", ""], [None] * 3, [None] * 3
@@ -263,11 +270,18 @@ def test_seeded_sampling_repeats(server: Server) -> None:
     client = server.client()
     texts = [
         client.completions.create(
-            model="extra", prompt=PROMPTS[2], max_tokens=12, temperature=1.0, top_p=0.9,
-            seed=1234, extra_body={"top_k": 50},
-        ).choices[0].text
+            model="extra",
+            prompt=PROMPTS[2],
+            max_tokens=12,
+            temperature=1.0,
+            top_p=0.9,
+            seed=1234,
+            extra_body={"top_k": 50},
+        )
+        .choices[0]
+        .text
         for _ in range(2)
-    ]  # fmt: skip
+    ]
     assert texts[0] == texts[1]
 
 
@@ -454,8 +468,13 @@ def test_bad_completion_params_are_400(server: Server, body: dict) -> None:
 def test_a_tiny_temperature_samples(server: Server) -> None:
     """1e-40 is raised to vLLM's floor of 0.01 (dividing the logits by it made NaN, and the
     step failed for every request in it)."""
-    body = {"model": "sql", "prompt": "hello", "max_tokens": 4, "temperature": 1e-40,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "sql",
+        "prompt": "hello",
+        "max_tokens": 4,
+        "temperature": 1e-40,
+        "ignore_eos": True,
+    }
     r = httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 4
