@@ -8,21 +8,17 @@ a layer must read divided by the copy bandwidth measured in the same run (a larg
 copy, counting read + write). Also times one eager 4096-token prefill. `--sweep` times other
 tiles and split counts.
 
-    PYTHONPATH=. python bench/attention.py [--sweep] [--out bench/results/attention-h200.md]
+    PYTHONPATH=. python bench/attention.py [--sweep] [--out PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import replace
 
 import torch
-import triton
-from common import commit, copy_bandwidth
+from common import copy_bandwidth, graph_replay_ms, result_header, write_result
 from triton.testing import do_bench
 
 from moelora.kernels.paged_attention import AttentionConfig, decode_plan, launch_paged_attention
@@ -66,12 +62,7 @@ def decode_step(batch: int, context: int, layers: int):
 
 def time_graph(fn: Callable[[], None], rep_ms: int = 100) -> float:
     """Median µs of one replay of a CUDA graph of fn, L2 flushed before each replay."""
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, rep=rep_ms, return_mode="median") * 1e3
+    return graph_replay_ms(fn, warmup=25, rep=rep_ms) * 1e3
 
 
 def time_decode(step, layers: int, rep_ms: int = 100, **launch) -> float:
@@ -99,14 +90,9 @@ def time_prefill(tokens: int) -> tuple[float, float]:
     return ms, flops / (ms * 1e-3) / 1e12
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
-    parser.add_argument("--out", default="bench/results/attention-h200.md")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-
-    bandwidth = copy_bandwidth()
+def measure(bandwidth: float, sweep: bool) -> tuple[list, list]:
+    """Rows (B, context, splits, µs, 1-layer µs, floor µs, TB/s) and, with sweep, the sweep's
+    rows (B, context, config, splits, µs, × floor)."""
     rows, sweep_rows = [], []
     for batch in BATCHES:
         for context in CONTEXTS:
@@ -118,7 +104,7 @@ def main() -> None:
             floor_us = kv_bytes / bandwidth * 1e6
             tbs = kv_bytes / (us * 1e-6) / 1e12
             rows.append((batch, context, splits, us, single_us, floor_us, tbs))
-            if args.sweep:
+            if sweep:
                 for config in SWEEP_CONFIGS:
                     for factor in SPLIT_FACTORS:
                         s = max(1, min(round(splits * factor), context // config.block_n))
@@ -126,18 +112,38 @@ def main() -> None:
                         sweep_rows.append((batch, context, config, s, t, t / floor_us))
             del step
             torch.cuda.empty_cache()
-    prefill_ms, prefill_tflops = time_prefill(4096)
+    return rows, sweep_rows
 
-    lines = [
-        "# Paged attention decode on the H200",
-        "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- commit: {commit()}",
-        f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}",
-        f"- command: `PYTHONPATH=. python bench/attention.py{' --sweep' if args.sweep else ''}`",
+
+def sweep_table(sweep_rows: list) -> list[str]:
+    """The best tile and split count of each (B, context)."""
+    for batch, context, c, s, t, ratio in sweep_rows:
+        print(f"sweep B={batch} ctx={context} {c} splits={s}: {t:.1f} µs ({ratio:.2f}x)")
+    header = "| B | context | block_n | warps | stages | splits | µs | × floor |"
+    lines = ["", "## Best of the sweep", "", header, "|---:" * 8 + "|"]
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            shape_rows = [r for r in sweep_rows if r[:2] == (batch, context)]
+            _, _, c, s, t, ratio = min(shape_rows, key=lambda r: r[4])
+            lines.append(
+                f"| {batch} | {context} | {c.block_n} | {c.num_warps} | {c.num_stages} "
+                f"| {s} | {t:.1f} | {ratio:.2f} |"
+            )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
+    parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth()
+    rows, sweep_rows = measure(bandwidth, args.sweep)
+    prefill_ms, prefill_tflops = time_prefill(4096)
+    lines = result_header("Paged attention decode", bandwidth)
+    lines += [
         f"- shape: Qwen3-30B-A3B attention, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, bf16",
-        f"- copy bandwidth (2 GiB D2D, read + write): {bandwidth / 1e12:.2f} TB/s",
         f"- µs / layer: one graph of {LAYERS} layers (own caches, shared page table), L2 flushed "
         f"before each replay, median replay / {LAYERS}; 1-layer graph: one replay of one layer",
         "",
@@ -149,28 +155,14 @@ def main() -> None:
             f"| {batch} | {context} | {splits} | {us:.1f} | {floor_us:.1f} | "
             f"{us / floor_us:.2f} | {tbs:.2f} | {single_us:.1f} |"
         )
-    prefill = (
-        f"Prefill, 1 x 4096 tokens (eager): {prefill_ms:.2f} ms, {prefill_tflops:.0f} TFLOP/s."
-    )
-    lines += ["", prefill]
+    lines += [
+        "",
+        f"Prefill, 1 x 4096 tokens (eager): {prefill_ms:.2f} ms, {prefill_tflops:.0f} TFLOP/s.",
+    ]
     if sweep_rows:
-        for batch, context, c, s, t, ratio in sweep_rows:
-            print(f"sweep B={batch} ctx={context} {c} splits={s}: {t:.1f} µs ({ratio:.2f}x)")
-        header = "| B | context | block_n | warps | stages | splits | µs | × floor |"
-        lines += ["", "## Best of the sweep", "", header, "|---:" * 8 + "|"]
-        for batch in BATCHES:
-            for context in CONTEXTS:
-                shape_rows = [r for r in sweep_rows if r[:2] == (batch, context)]
-                _, _, c, s, t, ratio = min(shape_rows, key=lambda r: r[4])
-                lines.append(
-                    f"| {batch} | {context} | {c.block_n} | {c.num_warps} | {c.num_stages} "
-                    f"| {s} | {t:.1f} | {ratio:.2f} |"
-                )
-    text = "\n".join(lines) + "\n"
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        f.write(text)
-    sys.stdout.write(text)
+        lines += sweep_table(sweep_rows)
+    write_result("attention", lines, args.out)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,55 @@
-"""What every benchmark shares: the copy-bandwidth ceiling, graph timing, the commit, the result
-header."""
+"""What the benchmarks share: the copy-bandwidth ceiling, CUDA-graph timing, where a run's result
+goes and its header; the Qwen3-30B-A3B decode engine (bench/decode.py, capture.py,
+profile_step.py); one MoE layer's LoRA pool and batch info (bench/kernels.py, tune_moe.py,
+ncu_moe.py).
+
+Each run writes its own dated result file, bench/results/<bench>-<device>-<date>-<commit>.md,
+whose header says the command, the commit and the machine; bench/results/NOTES.md keeps the
+short log of designs tried, with their figures and verdicts.
+"""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
+
+from moelora.config import EngineConfig
+from moelora.engine.engine import Engine, PlannedStep
+from moelora.lora.adapter import random_adapter
+from moelora.sampling_params import SamplingParams
+from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
+
+DEV = "cuda"
+DT = torch.bfloat16
+RESULTS = Path(__file__).parent / "results"
+
+# ---- timing -----------------------------------------------------------------------------
 
 
 def copy_bandwidth(gib: int = 2) -> float:
     """Bytes per second of a large device-to-device copy, counting bytes read and written."""
     from triton.testing import do_bench
 
-    src = torch.empty(gib << 29, dtype=torch.int16, device="cuda")
+    src = torch.empty(gib << 29, dtype=torch.int16, device=DEV)
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), return_mode="median")
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def graph_ms(fn, layers: int) -> float:
-    """Median ms of one layer: fn() runs all layers; replays of its CUDA graph, L2 flushed."""
+def graph_replay_ms(fn: Callable[[], object], *, warmup: int, rep: int) -> float:
+    """Median ms of one replay of a CUDA graph of fn, the L2 flushed before each (do_bench).
+    fn runs once on a side stream first, so its kernels compile outside the capture."""
+    from triton.testing import do_bench
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -31,11 +58,17 @@ def graph_ms(fn, layers: int) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    from triton.testing import do_bench
-
-    ms = do_bench(graph.replay, warmup=10, rep=60, return_mode="median")
+    ms = do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
     del graph
-    return ms / layers
+    return ms
+
+
+def graph_ms(fn: Callable[[], object], layers: int) -> float:
+    """Median ms of one layer: fn() runs all layers; replays of its CUDA graph, L2 flushed."""
+    return graph_replay_ms(fn, warmup=10, rep=60) / layers
+
+
+# ---- results ----------------------------------------------------------------------------
 
 
 def commit() -> str:
@@ -46,6 +79,24 @@ def commit() -> str:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def device_slug() -> str:
+    """The GPU's name as a file name: "NVIDIA H200" -> "h200"."""
+    name = torch.cuda.get_device_name().lower().removeprefix("nvidia").strip()
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
+
+
+def result_path(bench: str) -> Path:
+    """bench/results/<bench>-<device>-<UTC date>-<commit>.md; a second run of the same day and
+    commit gets -2, -3, ...: one file a run."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stem = f"{bench}-{device_slug()}-{now:%Y-%m-%d}-{commit()}"
+    path, n = RESULTS / f"{stem}.md", 1
+    while path.exists():
+        n += 1
+        path = RESULTS / f"{stem}-{n}.md"
+    return path
 
 
 def result_header(title: str, bandwidth: float | None) -> list[str]:
@@ -63,3 +114,142 @@ def result_header(title: str, bandwidth: float | None) -> list[str]:
     if bandwidth is not None:
         lines.append(f"- copy bandwidth (D2D, read + write): {bandwidth / 1e12:.2f} TB/s")
     return lines
+
+
+def write_result(bench: str, lines: list[str], out: str | None) -> Path:
+    """Write a run's lines to `out`, or by default to its dated file (result_path)."""
+    path = Path(out) if out else result_path(bench)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+# ---- the decode engine: a Qwen3-30B-A3B shape with random weights --------------------------
+
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+    eos_token_id=151645,
+)
+DECODE_BATCHES = (1, 8, 32, 64, 128)
+CONTEXT = 256  # prompt tokens per sequence before the timed decode step
+RANK = 16
+MAX_LORAS = 8
+
+
+def model_folder(layers: int) -> str:
+    """A model folder holding only config.json: the engine fills the weights at random."""
+    folder = tempfile.mkdtemp()
+    config = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
+    Path(folder, "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_engine(
+    folder: str,
+    *,
+    lora: bool,
+    eager: bool = False,
+    max_bs: int = max(DECODE_BATCHES),
+    projections: str = "batch-invariant",
+) -> Engine:
+    cfg = EngineConfig(
+        model=folder,
+        load_format="dummy",
+        dtype="bfloat16",
+        enable_lora=lora,
+        max_loras=MAX_LORAS,
+        max_lora_rank=RANK if lora else 1,
+        max_graph_bs=max_bs,
+        max_num_seqs=max_bs,
+        max_num_batched_tokens=max_bs * CONTEXT,
+        max_model_len=CONTEXT + 64,
+        num_pages=max_bs * (CONTEXT + 64) // 16 + 16,
+        enforce_eager=eager,
+        projections=projections,
+    )
+    return Engine(cfg)
+
+
+def capture_seconds(engine: Engine) -> tuple[float, float]:
+    """(graph capture s, of it the warm-up s, where the kernels compile)."""
+    stats = engine.stats()
+    return stats.graph_capture_seconds, stats.graph_warm_up_seconds
+
+
+def add_random_adapters(engine: Engine, count: int) -> list[str]:
+    """Register adapters a0, a1, ... of rank RANK on every attention and expert projection."""
+    names = [f"a{i}" for i in range(count)]
+    for seed, name in enumerate(names):
+        adapter = random_adapter(
+            name, engine.lora_targets, rank=RANK, seed=seed, dtype=DT, device=DEV
+        )
+        engine.add_adapter(adapter)
+    return names
+
+
+def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep:
+    """Prefill B random prompts, then plan the decode step that follows (not run: abort its
+    requests when done)."""
+    gen = torch.Generator().manual_seed(B)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+    for i in range(B):
+        prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
+        engine.add_request(f"b{B}-{i}", prompt, params, loras[i])
+    engine.step()
+    step = engine.plan_step()
+    assert len(step.request_ids) == B and step.inputs.num_tokens == B
+    return step
+
+
+# ---- one MoE layer: (E, H, I, K, layers a graph holds) ------------------------------------
+
+MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 8), "mixtral": (8, 4096, 14336, 2, 4)}
+
+
+def lora_pool(E: int, H: int, I: int, R: int, rank: int) -> tuple[LoraWeights, LoraWeights]:
+    """MAX_LORAS slots of pool rank R, each holding an adapter of the given real rank."""
+    a13 = torch.zeros(MAX_LORAS, E, 2, R, H, dtype=DT, device=DEV)
+    b13 = torch.zeros(MAX_LORAS, E, 2 * I, R, dtype=DT, device=DEV)
+    a2 = torch.zeros(MAX_LORAS, E, 1, R, I, dtype=DT, device=DEV)
+    b2 = torch.zeros(MAX_LORAS, E, H, R, dtype=DT, device=DEV)
+    for t, scale in ((a13, H**-0.5), (a2, I**-0.5), (b13, 0.1), (b2, 0.1)):
+        view = t[..., :rank, :] if t.dim() == 5 else t[..., :rank]
+        view.copy_(torch.randn_like(view) * scale)
+    return LoraWeights(a13, b13, (I, I)), LoraWeights(a2, b2, (H,))
+
+
+def batch_info(M: int, case: str, rank: int) -> LoraBatchInfo:
+    """M tokens: "none" on no slot, "one" all on slot 0, else ("distinct") token t on t % 8."""
+    if case == "none":
+        slots = torch.full((M,), NO_SLOT)
+    elif case == "one":
+        slots = torch.zeros(M, dtype=torch.long)
+    else:
+        slots = torch.arange(M) % MAX_LORAS
+    enabled = torch.zeros(MAX_LORAS, dtype=torch.int32)
+    enabled[slots[slots >= 0].unique()] = 1
+    return LoraBatchInfo(
+        slots.to(DEV, torch.int32),
+        torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=DEV),
+        torch.full((MAX_LORAS,), 0.5, device=DEV),
+        enabled.to(DEV),
+    )

@@ -18,16 +18,12 @@ invariance.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from common import copy_bandwidth, graph_ms, result_header, write_result
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, graph_ms, result_header  # noqa: E402
-
-from moelora.kernels.linear import (  # noqa: E402
+from moelora.kernels.linear import (
     DOT_ROWS,
     INVARIANT_ROWS,
     MAX_ROWS,
@@ -49,10 +45,21 @@ SHAPES = {  # name: (N, K)
 MS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = 16
 CANDIDATES = (  # (block_n, block_k, warps, stages); block_m follows M
-    (8, 512, 1, 4), (8, 256, 1, 8), (16, 256, 1, 8), (16, 512, 1, 4), (16, 256, 2, 8),
-    (16, 128, 2, 8), (16, 128, 4, 8), (32, 128, 4, 8), (32, 256, 4, 8), (32, 64, 4, 8),
-    (32, 128, 2, 8), (64, 128, 4, 4), (64, 64, 4, 6), (64, 128, 8, 4),
-)  # fmt: skip
+    (8, 512, 1, 4),
+    (8, 256, 1, 8),
+    (16, 256, 1, 8),
+    (16, 512, 1, 4),
+    (16, 256, 2, 8),
+    (16, 128, 2, 8),
+    (16, 128, 4, 8),
+    (32, 128, 4, 8),
+    (32, 256, 4, 8),
+    (32, 64, 4, 8),
+    (32, 128, 2, 8),
+    (64, 128, 4, 4),
+    (64, 64, 4, 6),
+    (64, 128, 8, 4),
+)
 CHECK_MS = (1, 2, 3, 8, 13, 16, 24, 32, 64, 80, 100, 127, 128, 200, 256, 512)
 
 
@@ -119,7 +126,7 @@ def check_shape(name: str, N: int, K: int, bias: bool) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--out", default="bench/results/linear-h200.md")
+    parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     bw = copy_bandwidth()
     torch.manual_seed(0)
@@ -140,7 +147,7 @@ def main() -> None:
     for name, (N, K) in SHAPES.items():
         check += check_shape(name, N, K, bias=False)
     check += check_shape("qwen2-moe-like q|k|v", 2048 * 3, 2048, bias=True)
-    lines = result_header("Decode projections vs cuBLAS, decode row counts (H200)", bw)
+    lines = result_header("Decode projections vs cuBLAS, decode row counts", bw)
     lines += [f"- {LAYERS} projections with their own weights per CUDA graph, L2 flushed", ""]
     lines += rows + ["", "## Batch invariance", ""]
     lines += [
@@ -151,10 +158,8 @@ def main() -> None:
         " invariance.",
         "",
         *check,
-        "",
     ]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("\n".join(lines))
+    write_result("linear", lines, args.out)
     print("\n".join(lines))
 
 

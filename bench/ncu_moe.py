@@ -13,24 +13,20 @@ pay for cold caches).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
+from common import DEV, DT, MOE_SHAPES, batch_info, lora_pool
 
-sys.path.insert(0, str(Path(__file__).parent))
-from kernels import DEV, DT, SHAPES, batch_info, lora_pool  # noqa: E402
-
-from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.fused_moe import fused_moe  # noqa: E402
+from moelora.kernels import reference
+from moelora.kernels.fused_moe import fused_moe
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=SHAPES)
+    parser.add_argument("--shape", default="qwen3-30b-a3b", choices=MOE_SHAPES)
     parser.add_argument("--m", type=int, default=64)
     args = parser.parse_args()
-    E, H, I, K, _ = SHAPES[args.shape]
+    E, H, I, K, _ = MOE_SHAPES[args.shape]
     torch.manual_seed(0)
     w13 = torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5
     w2 = torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5

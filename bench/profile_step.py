@@ -1,59 +1,63 @@
 """Where a decode step's time goes: per-kernel GPU time of graph replays, per layer.
 
-Builds the Qwen3-30B-A3B shape of bench/decode.py with few layers, then for each case prints
-every kernel's share of one replay (torch.profiler over CUDA-graph replays). A diagnostic for
-choosing what to fuse; bench/decode.py is the benchmark of record.
+Builds bench/decode.py's Qwen3-30B-A3B shape with few layers, then for each case prints every
+kernel's share of one replay (torch.profiler over PlannedStep.forward_fn, CUDA-graph replays
+of the forward alone). A diagnostic for choosing what to fuse; bench/decode.py is the benchmark
+of record.
 
-  PYTHONPATH=.:tests python3 bench/profile_step.py --layers 4
+    PYTHONPATH=. python bench/profile_step.py --layers 4
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import tempfile
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-from decode import QWEN3_30B_A3B, decode_batch, make_engine, random_adapter
+from common import MAX_LORAS, add_random_adapters, decode_batch, make_engine, model_folder
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from moelora.runner.graph_runner import STREAM_IDX, padded_batch_size
+from moelora.engine.engine import PlannedStep
 
 REPLAYS = 20
 
 
-def kernel_table(engine, batch, layers: int) -> list[tuple[str, float, float]]:
+def kernel_table(step: PlannedStep, layers: int) -> list[tuple[str, float, float]]:
     """[(kernel, calls per layer, µs per layer)] of the batch's graph replay, largest first."""
-    runner = engine.runner
+    assert step.uses_graph, "the batch has no graph"
     with torch.inference_mode():
-        runner.graphs.run(batch)
-        graph = runner.graphs.graphs[
-            (padded_batch_size(batch.num_tokens, runner.graphs.sizes), STREAM_IDX)
-        ]
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(REPLAYS):
-                graph.replay()
-            torch.cuda.synchronize()
-        if not any(ev.device_type == torch.autograd.DeviceType.CUDA for ev in prof.events()):
-            # this profiler does not see inside graphs: time the eager forward instead
-            device_batch = batch.to_device(runner.device, engine.slot_pool)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(REPLAYS):
-                    engine.model(device_batch, runner.kv_caches)
-                torch.cuda.synchronize()
+        prof = _profile(step.forward_fn())
+        if not any(ev.device_type == DeviceType.CUDA for ev in prof.events()):
+            # this profiler does not see inside graphs: the eager forward of the same inputs
+            prof = _profile(step.forward_fn(eager=True))
     total, calls = defaultdict(float), defaultdict(int)
     for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+        if ev.device_type == DeviceType.CUDA:
             total[ev.name[:60]] += ev.device_time
             calls[ev.name[:60]] += 1
     per = REPLAYS * layers
     return sorted(((n, calls[n] / per, total[n] / per) for n in total), key=lambda r: -r[2])
+
+
+def _profile(forward):
+    for _ in range(5):
+        forward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(REPLAYS):
+            forward()
+        torch.cuda.synchronize()
+    return prof
+
+
+def print_table(step: PlannedStep, layers: int, title: str) -> None:
+    rows = kernel_table(step, layers)
+    tot = sum(r[2] for r in rows)
+    print(f"\n## {title}: {tot:.1f} µs kernel time per layer")
+    for name, c, us in rows[:16]:
+        print(f"  {us:7.2f} µs  x{c:4.2f}  {name}")
 
 
 def main() -> None:
@@ -68,28 +72,19 @@ def main() -> None:
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
-    folder = tempfile.mkdtemp()
-    Path(folder, "config.json").write_text(
-        json.dumps({**QWEN3_30B_A3B, "num_hidden_layers": args.layers})
-    )
+    folder = model_folder(args.layers)
     for lora in (False, True):
-        engine = make_engine(folder, lora=lora, eager=False, max_bs=64)
-        names = [f"a{i}" for i in range(8)]
-        for i, n in enumerate(names if lora else []):
-            engine.adapters[n] = random_adapter(engine, n, seed=i)
+        engine = make_engine(folder, lora=lora, max_bs=64)
         cases = [("base", lambda B: [None] * B)]
         if lora:
-            cases.append(("8 distinct", lambda B, names=names: [names[i % 8] for i in range(B)]))
+            names = add_random_adapters(engine, MAX_LORAS)
+            cases.append(("8 distinct", lambda B, n=names: [n[i % len(n)] for i in range(B)]))
         for case, loras in cases:
             for B in (1, 8, 64):
-                plan, batch = decode_batch(engine, B, loras(B))
-                rows = kernel_table(engine, batch, args.layers)
-                tot = sum(r[2] for r in rows)
-                print(f"\n## lora={lora} {case} B={B}: {tot:.1f} µs kernel time per layer")
-                for name, c, us in rows[:16]:
-                    print(f"  {us:7.2f} µs  x{c:4.2f}  {name}")
-                for c in plan.chunks:
-                    engine.abort_request(c.request.request_id)
+                step = decode_batch(engine, B, loras(B))
+                print_table(step, args.layers, f"lora={lora} {case} B={B}")
+                for request_id in step.request_ids:
+                    engine.abort_request(request_id)
         del engine
         torch.cuda.empty_cache()
 

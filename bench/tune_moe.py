@@ -9,33 +9,20 @@ the runner-up by more than 5% (else takes the runner-up).
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
+from common import DEV, DT, MOE_SHAPES, batch_info, graph_ms, lora_pool
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import graph_ms  # noqa: E402
-from kernels import DEV, DT, SHAPES, batch_info, lora_pool  # noqa: E402
-
-from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.fused_moe import fused_moe  # noqa: E402
-from moelora.kernels.moe_config import MoeConfig, save_configs  # noqa: E402
+from moelora.kernels import reference
+from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.moe_config import MoeConfig, save_configs
 
 
-def C(bm, bn, bk, bnd, bkd, warps=4, stages=3, direct=False) -> MoeConfig:
-    return MoeConfig(bm, bn, bk, bnd, bkd, warps, stages, direct)
+def C(bm, bn, bk, bnd, bkd, warps=4, stages=3) -> MoeConfig:
+    """A candidate: block_m, block_n, block_k; block_n_down, block_k_down; warps, stages."""
+    return MoeConfig(bm, bn, bk, bnd, bkd, warps, stages)
 
 
-DIRECT = [
-    C(16, 32, 128, 16, 128, direct=True),
-    C(16, 16, 128, 16, 128, stages=4, direct=True),
-    C(16, 32, 64, 16, 256, stages=4, direct=True),
-    C(16, 64, 128, 32, 128, direct=True),
-    C(16, 32, 128, 16, 256, stages=4, direct=True),
-    C(16, 32, 256, 32, 256, direct=True),
-    C(16, 16, 256, 16, 256, direct=True),
-]
 SMALL = [
     C(16, 64, 128, 64, 128),
     C(16, 32, 128, 32, 128, stages=4),
@@ -53,11 +40,11 @@ LARGE = [
     C(32, 64, 128, 64, 128),
     C(16, 64, 128, 64, 128),
 ]
-CANDIDATES = {1: DIRECT[:2] + SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
+CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 
 
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
-    E, H, I, K, _ = SHAPES[name]
+    E, H, I, K, _ = MOE_SHAPES[name]
     torch.manual_seed(0)
     w13 = [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)]
     w2 = [torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5 for _ in range(layers)]
@@ -69,8 +56,10 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
 
         def run(cfg, info, x=x, tw=tw, ti=ti):
             for i in range(layers):
-                fused_moe(x, w13[i], w2[i], tw, ti, lora13=pools[i][0], lora2=pools[i][1],
-                          info=info, config=cfg)  # fmt: skip
+                lora13, lora2 = pools[i]
+                fused_moe(
+                    x, w13[i], w2[i], tw, ti, lora13=lora13, lora2=lora2, info=info, config=cfg
+                )
 
         none, one = batch_info(M, "none", 16), batch_info(M, "one", 16)
         timed = []
@@ -94,12 +83,12 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(MOE_SHAPES))
     parser.add_argument("--ms", nargs="+", type=int, default=list(CANDIDATES))
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     for name in args.shapes:
-        E, H, I, K, _ = SHAPES[name]
+        E, H, I, K, _ = MOE_SHAPES[name]
         best = tune_shape(name, args.ms, args.layers)
         torch.cuda.empty_cache()
         path = save_configs(torch.cuda.get_device_name(), E, H, I, K, best)
