@@ -456,29 +456,10 @@ def _adapter_config(
     }
 
 
-def make_per_expert_adapter(
-    model_path: str | Path,
-    adapter_path: str | Path,
-    *,
-    seed: int,
-    rank: int,
-    alpha: float,
-    arch: str,
-    layers: list[int] | None = None,
-    attention: tuple[str, ...] = ("q_proj", "v_proj", "o_proj"),
-    use_rslora: bool = False,
-    strength: float = 0.5,
-) -> Path:
-    """A hand-written adapter in the per-expert format of adapters trained before transformers 5.
-
-    Keys: `base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_A.weight` [r, H],
-    `.lora_B.weight` [I, r] (up_proj, down_proj likewise; Mixtral: `block_sparse_moe.experts.{e}`
-    `.w1|w3|w2`), the listed attention projections, and for Qwen2-MoE the shared expert and the
-    dense layers' MLP.
-    """
-    model_path, adapter_path = Path(model_path), Path(adapter_path)
-    dims = read_dims(model_path)
-    assert dims.arch == arch, (dims.arch, arch)
+def _per_expert_modules(
+    dims: Dims, arch: str, layers: list[int] | None, attention: tuple[str, ...]
+) -> dict[str, tuple[int, int]]:
+    """make_per_expert_adapter's modules in key order: module path -> (in, out)."""
     block, (gate, up, down) = _expert_names(arch)
     h, moe_i = dims.hidden, dims.moe_intermediate
     attn_shapes = {
@@ -506,6 +487,33 @@ def make_per_expert_adapter(
                 modules[f"{mlp}.gate_proj"] = (h, inter)
                 modules[f"{mlp}.up_proj"] = (h, inter)
                 modules[f"{mlp}.down_proj"] = (inter, h)
+    return modules
+
+
+def make_per_expert_adapter(
+    model_path: str | Path,
+    adapter_path: str | Path,
+    *,
+    seed: int,
+    rank: int,
+    alpha: float,
+    arch: str,
+    layers: list[int] | None = None,
+    attention: tuple[str, ...] = ("q_proj", "v_proj", "o_proj"),
+    use_rslora: bool = False,
+    strength: float = 0.5,
+) -> Path:
+    """A hand-written adapter in the per-expert format of adapters trained before transformers 5.
+
+    Keys: `base_model.model.model.layers.{l}.mlp.experts.{e}.gate_proj.lora_A.weight` [r, H],
+    `.lora_B.weight` [I, r] (up_proj, down_proj likewise; Mixtral: `block_sparse_moe.experts.{e}`
+    `.w1|w3|w2`), the listed attention projections, and for Qwen2-MoE the shared expert and the
+    dense layers' MLP.
+    """
+    model_path, adapter_path = Path(model_path), Path(adapter_path)
+    dims = read_dims(model_path)
+    assert dims.arch == arch, (dims.arch, arch)
+    modules = _per_expert_modules(dims, arch, layers, attention)
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
