@@ -42,6 +42,7 @@ from moelora.kernels.moe_lora import (
     pair_shrink_block_k,
 )
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
@@ -484,7 +485,7 @@ def _gate_up(
     I = I2 // 2
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
-    _gate_up_kernel[(pairs.NB, triton.cdiv(I, cfg.block_n))](
+    _gate_up_kernel[(pairs.NB, cdiv(I, cfg.block_n))](
         x_ptr=x,
         w13_ptr=w13,
         h_ptr=h,
@@ -531,7 +532,7 @@ def _down(
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
     sb = lora.down.b_strides
-    _down_kernel[(pairs.NB, triton.cdiv(H, cfg.block_n_down))](
+    _down_kernel[(pairs.NB, cdiv(H, cfg.block_n_down))](
         h_ptr=h,
         w2_ptr=w2,
         out_ptr=pair_out,
@@ -568,8 +569,8 @@ def _down(
 def _sum_topk(pair_out: torch.Tensor, out: torch.Tensor, K: int) -> None:
     """out[t] = the sum of token t's K rows of pair_out [T*K, H], in order (reference.sum_rows)."""
     T, H = out.shape
-    BH = min(1024, triton.next_power_of_2(H))
-    _sum_topk_kernel[(T, triton.cdiv(H, BH))](
+    BH = min(1024, next_power_of_2(H))
+    _sum_topk_kernel[(T, cdiv(H, BH))](
         pair_out_ptr=pair_out, out_ptr=out, H=H, K=K, BH=BH, **pdl_kwargs(out.device)
     )
 

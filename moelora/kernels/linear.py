@@ -43,6 +43,7 @@ import triton.language as tl
 
 from moelora.kernels import reference
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 
 MAX_ROWS = 8  # the rows a GEMV program reduces its slab against; past them the MMA kernel
 MAX_K = 8192  # the slab is one register tile: BN * next_pow2(K) elements per program
@@ -138,12 +139,12 @@ def skinny_config(N: int, K: int, sms: int, *, in_flight: int = 65536) -> Skinny
     programs an SM as keep `in_flight` weights loading on it: each program has two slabs out.
     On an H200 that is 4 programs an SM at K = 2048 and 2 at K = 4096, the best of the sweep
     in bench/linear.py."""
-    BK = triton.next_power_of_2(K)
+    BK = next_power_of_2(K)
     bn = max(1, min(4, MAX_SLAB // BK))
     per_sm = max(1, min(4, in_flight // (2 * bn * BK)))
-    while bn > 1 and triton.cdiv(N, bn) < per_sm * sms:
+    while bn > 1 and cdiv(N, bn) < per_sm * sms:
         bn //= 2
-    programs = min(triton.cdiv(N, bn), per_sm * sms)
+    programs = min(cdiv(N, bn), per_sm * sms)
     return SkinnyConfig(bn, programs, 8 if bn * BK >= 8192 else 4)
 
 
@@ -185,9 +186,9 @@ def skinny_linear(
         stride_xm=x.stride(0),
         stride_wn=w.stride(0),
         stride_ym=y.stride(0),
-        BM=triton.next_power_of_2(M),
+        BM=next_power_of_2(M),
         BN=BN,
-        BK=triton.next_power_of_2(K),
+        BK=next_power_of_2(K),
         HAS_BIAS=bias is not None,
         num_warps=num_warps,
         **pdl_kwargs(x.device),
@@ -260,7 +261,7 @@ def dot_config(M: int, N: int) -> DotConfig:
     streaming its BN x K slab alone, so narrow slabs and deep pipelines win at few rows
     (one- and two-warp programs of 8 or 16 columns with 4 to 8 blocks of K in flight), and
     wider tiles as the rows grow."""
-    bm = min(64, triton.next_power_of_2(M))
+    bm = min(64, next_power_of_2(M))
     if N > 4096:  # q|k|v
         if M <= 8:
             return DotConfig(bm, 16, 128, 2, 8)
@@ -298,7 +299,7 @@ def dot_linear(
         return y
     BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
     unused = w  # the bias pointer without a bias: never read
-    _dot_linear_kernel[(triton.cdiv(N, BN), triton.cdiv(M, BM))](
+    _dot_linear_kernel[(cdiv(N, BN), cdiv(M, BM))](
         x_ptr=x,
         w_ptr=w,
         bias_ptr=unused if bias is None else bias,

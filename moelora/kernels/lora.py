@@ -31,6 +31,7 @@ import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 
@@ -106,9 +107,9 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
     assert K_a == K_in and x.stride(-1) == 1, (lora.a.shape, x.shape, x.stride())
     assert lora.a.is_contiguous(), lora.a.stride()
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
-    RP = triton.next_power_of_2(R)
-    BK = min(max(8192 // RP, 16), triton.next_power_of_2(K_in))  # [RP, BK]: 64 values a lane
-    KS = triton.cdiv(K_in, BK)
+    RP = next_power_of_2(R)
+    BK = min(max(8192 // RP, 16), next_power_of_2(K_in))  # [RP, BK]: 64 values a lane
+    KS = cdiv(K_in, BK)
     part = torch.empty(T, KS, n, R, dtype=torch.float32, device=x.device)
     if T == 0:
         return part
@@ -257,7 +258,7 @@ def _add_lora_kernel(
 
 def rank_block(max_rank: int) -> int:
     """The rank tile: a power of two, at least 16 (the smallest tl.dot side)."""
-    return max(16, triton.next_power_of_2(max_rank))
+    return max(16, next_power_of_2(max_rank))
 
 
 def _add_lora_tiles(T: int, S: int, R: int, widest: int) -> dict[str, int]:
@@ -268,10 +269,10 @@ def _add_lora_tiles(T: int, S: int, R: int, widest: int) -> dict[str, int]:
     256-deep tiles, and programs expand few columns when few row tiles share the work (more
     programs, each shrinking again from L2)."""
     BN, BR = 64, rank_block(R)
-    SG = max(1, min(triton.next_power_of_2(S), 64 // BR))
+    SG = max(1, min(next_power_of_2(S), 64 // BR))
     BK = 256 if SG * BR <= 64 else 128
-    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * triton.cdiv(widest, BN))
-    return dict(S=S, S_PAD=triton.next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
+    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * cdiv(widest, BN))
+    return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
 
 
 def add_lora_(
@@ -294,7 +295,7 @@ def add_lora_(
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
     meta = _add_lora_tiles(T, S, R, max(sizes))
-    grid = (triton.cdiv(T, meta["BT"]), sum(triton.cdiv(size, meta["CW"]) for size in sizes))
+    grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
         y_ptr=y,
         x_ptr=x,

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from moelora.kernels.moe_lora import pair_shrink
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 
 # Largest P aligned by the parallel path: every program holds all P ids in registers.
 PMAX = 4096
@@ -250,7 +251,7 @@ def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
     # dominates, so fewer, wider ones
     small = P <= 1024
     PCH, RB = (16, 2) if small else (32, 4)
-    NA = max(triton.cdiv(P, PCH), triton.cdiv(NB, RB))
+    NA = max(cdiv(P, PCH), cdiv(NB, RB))
     # the histogram's width: at least a warp's lanes, in powers of 4 (not 2): each width is a
     # compile of its own, and a cold graph capture pays for every one
     P_PAD = max(64, 4 ** math.ceil(math.log(P, 4) - 1e-9))
@@ -338,7 +339,7 @@ def launch_align(
         BKS=shrink.BKS,
         SPLITS=shrink.splits,
         BM=BM,
-        E_PAD=triton.next_power_of_2(E),
+        E_PAD=next_power_of_2(E),
         CH=64,
         **meta,
         **pdl_kwargs(ids.device),
@@ -347,7 +348,7 @@ def launch_align(
 
 def num_blocks(P: int, E: int, BM: int) -> int:
     """Upper bound on the BM-row blocks used: every expert with a pair wastes < BM rows."""
-    return min(P, triton.cdiv(P + min(E, P) * (BM - 1), BM))
+    return min(P, cdiv(P + min(E, P) * (BM - 1), BM))
 
 
 def moe_align(

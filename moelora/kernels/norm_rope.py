@@ -37,6 +37,7 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 SHRINK_WIDE_T = 32  # rows from which a norm program shrinks twice the rank rows
@@ -221,7 +222,7 @@ def _rank_rows_per_step(T: int, rows: int, BLOCK: int, num_warps: int, shrink: b
     rows, the residual and the weight: 40 KB at Qwen3's top 8) costs more L2 traffic than its
     tile of A."""
     per_lane = 64 if not shrink or T >= SHRINK_WIDE_T else 32
-    return max(1, min(triton.next_power_of_2(rows), per_lane * 32 * num_warps // BLOCK))
+    return max(1, min(next_power_of_2(rows), per_lane * 32 * num_warps // BLOCK))
 
 
 def rms_norm_lora(
@@ -318,7 +319,7 @@ def _launch_rms_norm(
     """One _rms_norm_kernel launch: a program a row, or with a shrink, a row's RC rank rows."""
     T, N = x.shape[0], x.shape[-1]
     KX, stride_xk = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
-    BLOCK = triton.next_power_of_2(N)
+    BLOCK = next_power_of_2(N)
     num_warps = _norm_warps(BLOCK, x)
     if lora.part is not None:
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
@@ -328,7 +329,7 @@ def _launch_rms_norm(
     RC = _rank_rows_per_step(T, lora.NS * lora.R, BLOCK, num_warps, shrink)
     res = x if residual is None else residual
     unused = x  # every pointer whose flag is off: never read
-    _rms_norm_kernel[(T, triton.cdiv(lora.NS * lora.R, RC) if shrink else 1)](
+    _rms_norm_kernel[(T, cdiv(lora.NS * lora.R, RC) if shrink else 1)](
         x_ptr=x,
         res_ptr=res,
         weight_ptr=weight,
@@ -351,7 +352,7 @@ def _launch_rms_norm(
         R=lora.R,
         RC=RC,
         KS=lora.KS,
-        KS_PAD=triton.next_power_of_2(lora.KS),
+        KS_PAD=next_power_of_2(lora.KS),
         num_warps=num_warps,
         enable_fp_fusion=False,
         **pdl_kwargs(x.device),
@@ -637,11 +638,11 @@ def _launch_rope(
     """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head."""
     T, Hq, D = r.q.shape
     Hkv = r.k.shape[1]
-    BLOCK_D = triton.next_power_of_2(D)
+    BLOCK_D = next_power_of_2(D)
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
     num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
     R = 1 if expand is None else expand.weights.b.shape[2]
-    RC = max(1, min(triton.next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
+    RC = max(1, min(next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
     unused = r.q  # every pointer whose flag is off: never read
     _rope_store_kv_kernel[(T, Hq + (2 if r.stores else 1) * Hkv)](
         q_ptr=r.q,

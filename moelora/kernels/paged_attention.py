@@ -39,6 +39,7 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
@@ -345,8 +346,8 @@ def decode_plan(
     programs = max(num_seqs * num_kv_heads, 1)
     if programs >= num_sms:
         return config, 1
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, programs)
-    num_splits = max(1, min(wanted, triton.cdiv(max_kv_len, split_config.block_n), MAX_SPLITS))
+    wanted = cdiv(PROGRAMS_PER_SM * num_sms, programs)
+    num_splits = max(1, min(wanted, cdiv(max_kv_len, split_config.block_n), MAX_SPLITS))
     return (split_config if num_splits > 1 else config), num_splits
 
 
@@ -469,7 +470,7 @@ def _plan(
     num_rows, num_q_heads, _ = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_pages = attn.page_table.shape
-    group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    group_pad = next_power_of_2(num_q_heads // num_kv_heads)
     if attn.max_query_len <= 1:
         plan_config, plan_splits = decode_plan(
             num_seqs, num_kv_heads, max_pages * page_size, q.device
@@ -480,7 +481,7 @@ def _plan(
         return _Plan(config or plan_config, num_splits, True, max(group_pad, 16), 1, grid)
     config = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
     block_q = max(config.block_m // group_pad, 1)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(attn.max_query_len, block_q))
+    grid = (num_seqs, num_kv_heads, cdiv(attn.max_query_len, block_q))
     return _Plan(config, 1, False, group_pad, block_q, grid)
 
 
@@ -536,7 +537,7 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         GROUP_PAD=plan.group_pad,
         BLOCK_Q=plan.block_q,
         BLOCK_N=plan.config.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         PAGE_SIZE=a.k_cache.shape[1],
         SPLIT=plan.num_splits > 1,
         ZERO_TAIL=plan.decode,
@@ -580,12 +581,12 @@ def _launch_combine(
         stride_ot=a.out.stride(0),
         stride_oh=a.out.stride(1),
         stride_od=a.out.stride(2),
-        SPLITS_PAD=triton.next_power_of_2(plan.num_splits),
+        SPLITS_PAD=next_power_of_2(plan.num_splits),
         BLOCK_N=plan.config.block_n,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_D=next_power_of_2(head_dim),
         SHRINK=on,
         R=R,
-        RP=triton.next_power_of_2(R),
+        RP=next_power_of_2(R),
         **pdl_kwargs(a.q.device),
     )
     return shrunk

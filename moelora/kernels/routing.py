@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
 
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
@@ -103,10 +104,10 @@ def route_topk(
     ids = torch.empty(T, top_k, dtype=torch.int32, device=router_logits.device)
     if T == 0:
         return weights, ids
-    E_PAD = triton.next_power_of_2(E)
+    E_PAD = next_power_of_2(E)
     BT = 1  # see the module docstring
     warps = max(1, min(8, E_PAD // 512))
-    _route_topk_kernel[(triton.cdiv(T, BT),)](
+    _route_topk_kernel[(cdiv(T, BT),)](
         logits_ptr=router_logits,
         weights_ptr=weights,
         ids_ptr=ids,
@@ -118,7 +119,7 @@ def route_topk(
         RENORMALIZE=renormalize,
         BT=BT,
         E_PAD=E_PAD,
-        K_PAD=triton.next_power_of_2(top_k),
+        K_PAD=next_power_of_2(top_k),
         num_warps=warps,
         **pdl_kwargs(router_logits.device),
     )
