@@ -8,6 +8,10 @@ import torch
 from moelora.sampling_params import SamplingParams
 from moelora.step.plan import SampleResult
 
+# A repetition penalty as float32 sees it: 5e-324 rounds to 0 (a division by zero) and 1e308 to
+# inf (0 * inf is NaN); inside this range every logit stays finite
+PENALTY_RANGE = (1e-30, 1e30)
+
 
 def sample(
     logits: torch.Tensor,
@@ -70,11 +74,10 @@ def adjust_logits(
             ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
             row[ids] += torch.tensor(list(p.logit_bias.values()), device=row.device)
         if p.repetition_penalty != 1.0:
+            penalty = min(max(p.repetition_penalty, PENALTY_RANGE[0]), PENALTY_RANGE[1])
             seen = torch.zeros(V, dtype=torch.bool, device=row.device)
             seen[torch.tensor(prompt + generated, dtype=torch.long, device=row.device)] = True
-            row[seen] = torch.where(
-                row[seen] > 0, row[seen] / p.repetition_penalty, row[seen] * p.repetition_penalty
-            )
+            row[seen] = torch.where(row[seen] > 0, row[seen] / penalty, row[seen] * penalty)
         if generated and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(
                 torch.tensor(generated, dtype=torch.long, device=row.device), minlength=V
@@ -86,7 +89,10 @@ def adjust_logits(
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, then top-k, then top-p (vLLM's order). [n, V] -> probabilities [n, V]."""
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps[:, None]
+    # a logit pushed to +inf (a tiny repetition penalty, then a low temperature) would turn the
+    # softmax into NaN: the largest finite float keeps it the most likely token instead
+    big = torch.finfo(logits.dtype).max
+    logits = (logits / temps[:, None]).clamp(min=-big, max=big)
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
     top_p = torch.tensor([p.top_p for p in params], device=logits.device)
@@ -94,8 +100,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     sorted_logits.masked_fill_(ranks >= top_k.clamp(max=vocab)[:, None], float("-inf"))
     sorted_probs = sorted_logits.softmax(dim=-1)
-    # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    # keep the smallest prefix whose mass reaches top_p. The first token always stays, also
+    # when top_p rounds to 0 in float32 (5e-324 did, and every probability became NaN)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs.masked_fill_(mass_before >= top_p[:, None], 0.0)
+    sorted_probs.masked_fill_((mass_before >= top_p[:, None]) & (ranks > 0), 0.0)
     probs = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
     return probs / probs.sum(dim=-1, keepdim=True)

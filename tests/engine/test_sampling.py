@@ -94,3 +94,35 @@ def test_a_tiny_temperature_is_raised_to_the_floor_and_samples_finite_probabilit
     logits[:, 7] = logits.max() + 1  # a gap of 1 is 100 at 0.01: e^-100 for every other token
     out = sample(logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)])
     assert [r.token_id for r in out] == [7, 7]
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-46, 1e-9])
+def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
+    """5e-324 is a valid top_p (in (0, 1]) that rounds to 0 in float32: the top token must still
+    be kept (schemathesis found it masking every token, the probabilities NaN, a 500)."""
+    logits = torch.randn(3, 64)
+    params = [SamplingParams(top_p=top_p, seed=i) for i in range(3)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    out = sample(logits, params, gens)
+    assert [r.token_id for r in out] == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e308])
+@pytest.mark.parametrize("temperature", [1.0, MIN_TEMPERATURE])
+def test_extreme_repetition_penalties_sample_finite_probabilities(penalty, temperature):
+    """Valid values (> 0) that overflow float32: schemathesis found 5e-324 giving NaN (a 500)."""
+    logits = torch.randn(2, 40)
+    logits[:, 3] = 0.0  # 0 * a penalty that rounds to inf is NaN
+    params = [
+        SamplingParams(temperature=temperature, repetition_penalty=penalty, seed=i)
+        for i in range(2)
+    ]
+    history = [([3, 5, 9], [1]), ([2], [3, 4])]
+    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(2)], history)
+    seen_positive = [
+        [t for t in ids if logits[i, t] > 0] for i, ids in enumerate(p + g for p, g in history)
+    ]
+    for i, r in enumerate(out):
+        assert 0 <= r.token_id < 40
+        if penalty < 1 and seen_positive[i]:  # a tiny penalty makes seen positive logits huge
+            assert r.token_id in seen_positive[i]
