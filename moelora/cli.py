@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import typing
 import urllib.request
@@ -110,10 +111,39 @@ def _flag_options(f: dataclasses.Field, hint: object) -> dict:
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
+    from moelora.server.ingress import DEFAULT_MAX_REQUEST_BYTES
+
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="refuse a larger request body with 413 (default: %(default)s, 8 MiB)",
+    )
+    p.add_argument(
+        "--lora-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="repeatable: /v1/load_lora_adapter loads only adapters inside these folders "
+        "(without one, loading needs --api-key)",
+    )
+
+
+def _server_options(args: argparse.Namespace, log_level: str):
+    from moelora.server.serve import ServerOptions
+
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        log_level=log_level,
+        max_request_bytes=args.max_request_bytes,
+        lora_roots=tuple(Path(root).resolve() for root in args.lora_root),
+    )
 
 
 def _lora_modules(items: list[str]) -> dict[str, str]:
@@ -148,9 +178,9 @@ def _engine_config(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from moelora.server.serve import ServerOptions, run_server
+    from moelora.server.serve import run_server
 
-    options = ServerOptions(args.host, args.port, args.api_key, args.log_level)
+    options = _server_options(args, args.log_level)
     run_server(_engine_config(args), options)
 
 
@@ -225,10 +255,10 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def _demo_serve(args: argparse.Namespace) -> None:
-    from moelora.server.serve import ServerOptions, run_server
+    from moelora.server.serve import run_server
 
     config = _engine_config(args)
-    options = ServerOptions(args.host, args.port, args.api_key, "warning")
+    options = _server_options(args, "warning")
     url = f"http://{args.host}:{args.port}"
 
     def query_then_hint(stop) -> None:
@@ -261,23 +291,40 @@ def _demo_queries(url: str, api_key: str | None) -> None:
 
 
 def _print_hints(url: str, api_key: str | None, *, forever: bool) -> None:
-    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-    key = api_key or "none"
-    print(
-        f"""
-Try it (the model field picks the adapter: demo, sql or chat):
-  curl {url}/v1/models{auth}
-  curl {url}/v1/completions{auth} -H 'Content-Type: application/json' \\
-      -d '{{"model": "sql", "prompt": "SELECT", "max_tokens": 16, "temperature": 0}}'
-  curl -N {url}/v1/chat/completions{auth} -H 'Content-Type: application/json' \\
-      -d '{{"model": "chat", "messages": [{{"role": "user", "content": "hi"}}], "stream": true}}'
-  curl {url}/metrics
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{key}'); \\
-print(c.completions.create(model='chat', prompt='Hello', max_tokens=16).choices[0].text)\"""",
-        flush=True,
-    )
+    lines = ["", "Try it (the model field picks the adapter: demo, sql or chat):"]
+    print("\n".join([*lines, *(f"  {c}" for c in _hint_commands(url, api_key))]), flush=True)
     if forever:
         print("Serving until Ctrl-C.", flush=True)
+
+
+def _hint_commands(url: str, api_key: str | None) -> list[str]:
+    """Shell commands that work pasted as they are: the Python line runs this process's
+    interpreter (the one that has openai), and every generation is bounded by max_tokens."""
+    auth = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+
+    def post(flags: str, path: str, body: dict) -> str:
+        headers = f"{auth} -H 'Content-Type: application/json'"
+        return f"curl{flags} {url}{path}{headers} \\\n      -d {shlex.quote(json.dumps(body))}"
+
+    completion = {"model": "sql", "prompt": "SELECT", "max_tokens": 16, "temperature": 0}
+    chat = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 32,
+        "stream": True,
+    }
+    python = (  # inside double quotes: no ", $, ` or \ in it
+        f"from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='{api_key or 'none'}'"
+        "); \\\nprint(c.completions.create(model='chat', prompt='Hello', max_tokens=16)"
+        ".choices[0].text)"
+    )
+    return [
+        f"curl {url}/v1/models{auth}",
+        post("", "/v1/completions", completion),
+        post(" -N", "/v1/chat/completions", chat),
+        f"curl {url}/metrics",
+        f'{shlex.quote(sys.executable)} -c "{python}"',
+    ]
 
 
 if __name__ == "__main__":

@@ -13,11 +13,12 @@ def check_request(
     prompt_token_ids: list[int], params: SamplingParams, *, vocab: int, max_len: int
 ) -> None:
     check_prompt(prompt_token_ids, vocab=vocab, max_len=max_len)
-    bad = [t for t in params.logit_bias or {} if t >= vocab]
-    if bad:
-        raise InvalidRequestError(
-            f"logit_bias token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
-        )
+    for name, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+        bad = [t for t in ids or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"{name} token id {bad[0]} is invalid: expected 0 <= id < {vocab}"
+            )
     for name in ("prompt_logprobs", "logprobs"):
         value = getattr(params, name)
         if value is not None and value > vocab:

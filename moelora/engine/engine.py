@@ -239,7 +239,8 @@ class Engine:
         )
         if lora is not None and lora not in self.adapters:
             raise AdapterNotFoundError(
-                f"adapter {lora!r} is not loaded: expected one of {sorted(self.adapters)}"
+                f"model {lora!r} is not served: expected the base model {self.model_name!r} "
+                f"or one of the adapters {sorted(self.adapters)}"
             )
         gen = None
         if params.temperature > 0:

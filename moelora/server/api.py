@@ -11,32 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moelora.errors import (
-    AdapterBusyError,
-    AdapterError,
-    AdapterExistsError,
-    AdapterNotFoundError,
-    InvalidRequestError,
-    MoeloraError,
-)
+from moelora.errors import AdapterExistsError
 from moelora.sampling_params import SamplingParams
-from moelora.server import protocol
-from moelora.server.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineError,
-    GenerateInput,
-    RequestStream,
-)
+from moelora.server import protocol, schema
+from moelora.server.async_engine import AsyncEngine, GenerateInput, RequestStream
+from moelora.server.errors import add_error_handlers
+from moelora.server.json_body import StrictJsonRoute
+from moelora.server.lora_gate import LoraGate
 from moelora.server.metrics import CONTENT_TYPE
 from moelora.server.openai_format import Answer, ChatAnswer, CompletionAnswer, prompt_tokens
 from moelora.server.protocol import (
@@ -52,32 +40,6 @@ from moelora.server.streaming import (
     sse_events,
     unless_disconnected,
 )
-
-log = logging.getLogger("moelora.server")
-
-# status, OpenAI error type, code; the most specific class first
-ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
-    (AdapterNotFoundError, 404, "NotFoundError", "model_not_found"),
-    (AdapterBusyError, 409, "ConflictError", "adapter_busy"),
-    (AdapterExistsError, 400, "BadRequestError", "adapter_exists"),
-    (AdapterError, 400, "BadRequestError", "invalid_adapter"),
-    (InvalidRequestError, 400, "BadRequestError", None),
-    (MoeloraError, 400, "BadRequestError", None),
-    (EngineDeadError, 503, "ServiceUnavailableError", None),
-    (EngineError, 500, "InternalServerError", None),
-]
-
-
-def error_response(status: int, message: str, type_: str, **kw: Any) -> JSONResponse:
-    return JSONResponse(protocol.error_body(message, type_, **kw), status_code=status)
-
-
-def exception_response(e: Exception) -> JSONResponse:
-    for cls, status, type_, code in ERRORS:
-        if isinstance(e, cls):
-            return error_response(status, str(e), type_, code=code)
-    log.exception("unexpected error", exc_info=e)
-    return error_response(500, f"internal error: {e!r}", "InternalServerError")
 
 
 class ApiKeyMiddleware:
@@ -100,19 +62,30 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine: AsyncEngine, *, api_key: str | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncEngine, *, api_key: str | None = None, lora_roots: tuple[Path | str, ...] = ()
+) -> FastAPI:
+    """`lora_roots`: the folders /v1/load_lora_adapter may load from (lora_gate says who may
+    load what)."""
     app = FastAPI(title="moelora", docs_url=None, redoc_url=None)
+    app.router.route_class = StrictJsonRoute  # every body read by json_body.parse_json
     if api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
-    _add_error_handlers(app)
+    add_error_handlers(app)
+    gate = LoraGate.of(tuple(lora_roots), has_api_key=bool(api_key))
     _add_generation_routes(app, engine)
-    _add_adapter_routes(app, engine)
+    _add_adapter_routes(app, engine, gate)
     _add_service_routes(app, engine)
+    schema.install(app, api_key=bool(api_key))
     return app
 
 
 def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=schema.generation(schema.Completion, schema.CompletionChunk),
+    )
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         params, inputs = _completion_inputs(body, _lora_of(engine, body.model))
         request_id = protocol.new_id("cmpl")
@@ -122,7 +95,11 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
         answer = CompletionAnswer(engine.tokenizer, request_id, body.model, tokens, echo)
         return await _respond(raw, body, streams, answer, params.stop)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=schema.generation(schema.ChatCompletion, schema.ChatCompletionChunk),
+    )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         params, inputs = _chat_inputs(body, _lora_of(engine, body.model))
         request_id = protocol.new_id("chatcmpl")
@@ -149,10 +126,14 @@ def _chat_inputs(
     body: ChatCompletionRequest, lora: str | None
 ) -> tuple[SamplingParams, list[GenerateInput]]:
     max_tokens = body.requested_max_tokens
-    params = body.sampling_params(max_tokens or 1, body.num_logprobs)
+    params = body.sampling_params(1 if max_tokens is None else max_tokens, body.num_logprobs)
     messages = [m.for_template() for m in body.messages]
     default_max = max_tokens is None
-    return params, [GenerateInput(messages, p, lora, default_max) for p in body.samples(params)]
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    return params, [
+        GenerateInput(messages, p, lora, default_max, max_tokens_param=field)
+        for p in body.samples(params)
+    ]
 
 
 def _lora_of(engine: AsyncEngine, model: str) -> str | None:
@@ -194,8 +175,12 @@ async def _whole(streams: list[RequestStream], answer: Answer) -> dict:
     return answer.response(await last_outputs(streams))
 
 
-def _add_adapter_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    @app.get("/v1/models")
+def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, gate: LoraGate) -> None:
+    @app.get(
+        "/v1/models",
+        response_model=None,
+        responses={200: {"model": schema.ModelList, "description": "The base model first"}},
+    )
     async def models() -> dict:
         base = engine.model_name
         cards = [protocol.model_card(base, parent=None, root=base)]
@@ -203,52 +188,51 @@ def _add_adapter_routes(app: FastAPI, engine: AsyncEngine) -> None:
             cards.append(protocol.model_card(name, parent=base, root=path))
         return {"object": "list", "data": cards}
 
-    @app.post("/v1/load_lora_adapter")
+    load_errors = (400, 403, 500, 503) if gate.may_refuse else (400, 500, 503)
+
+    @app.post(
+        "/v1/load_lora_adapter",
+        response_class=PlainTextResponse,
+        responses={200: schema.text("Loaded"), **schema.errors(*load_errors)},
+    )
     async def load_lora_adapter(body: LoadLoraRequest) -> PlainTextResponse:
+        path = gate.allowed_path(body.lora_path)  # before anything reads the path
         if body.lora_name == engine.model_name:
             raise AdapterExistsError(f"lora_name={body.lora_name!r} is the base model's name")
-        await engine.load_lora(body.lora_name, body.lora_path)
+        await engine.load_lora(body.lora_name, path)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post(
+        "/v1/unload_lora_adapter",
+        response_class=PlainTextResponse,
+        responses={200: schema.text("Unloaded"), **schema.errors(400, 404, 409, 500, 503)},
+    )
     async def unload_lora_adapter(body: UnloadLoraRequest) -> PlainTextResponse:
         await engine.unload_lora(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _add_service_routes(app: FastAPI, engine: AsyncEngine) -> None:
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_class=Response,
+        responses={
+            200: {"description": "Serving (an empty body)"},
+            503: {"description": "The engine has stopped (an empty body)"},
+        },
+    )
     async def health() -> Response:
         return Response(status_code=200 if engine.alive else 503)
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: schema.text("Prometheus text format", CONTENT_TYPE),
+            **schema.errors(500, 503),
+        },
+    )
     async def metrics() -> Response:
         stats = await engine.stats()
         text = engine.metrics.render(stats, num_loras=len(engine.adapter_paths()))
         return Response(text, media_type=CONTENT_TYPE)
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(MoeloraError)
-    @app.exception_handler(EngineError)
-    async def engine_error(_: Request, e: Exception) -> JSONResponse:
-        return exception_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        message = first.get("msg", "invalid request")
-        if param:
-            message = f"{param}: {message}"
-        return error_response(400, message, "BadRequestError", param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "Error")
-        return error_response(e.status_code, str(e.detail), kind)
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, e: Exception) -> JSONResponse:
-        return exception_response(e)

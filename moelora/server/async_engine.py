@@ -1,7 +1,15 @@
 """AsyncEngine: the Engine on its own thread, driven from asyncio.
 
-Every call into the Engine (and its tokenizer's encode) happens on the engine thread. The HTTP
-side puts commands on a thread-safe queue; a command that answers carries a
+Every call into the Engine happens on the engine thread, which only ever sees token ids: a
+prompt is tokenized (and a chat templated) in a worker pool first, and refused there when its
+text could not fit max_model_len tokens (ingress.prompt_char_limit) or its max_tokens does not
+fit what the prompt leaves. The tokenizer is shared by those workers and the engine thread
+(which decodes). What that relies on: a Hugging Face fast tokenizer is read-only while nobody
+changes its truncation or padding (moelora never does; a change takes Rust's exclusive borrow and
+would fail a concurrent encode with "Already borrowed"), and its encode runs in Rust without the
+GIL, holding it only to build the Python list of ids (bounded by the character limit).
+
+The HTTP side puts commands on a thread-safe queue; a command that answers carries a
 concurrent.futures.Future the caller awaits. Outputs go back to each request's asyncio.Queue
 through `loop.call_soon_threadsafe`, so the engine thread never touches asyncio objects directly.
 
@@ -14,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
+import os
 import queue
 import threading
 import time
@@ -23,6 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moelora.sampling_params import SamplingParams
+from moelora.server.ingress import prompt_char_limit
+from moelora.server.protocol import FieldError
+from moelora.tokenizer import Tokenizer
 
 log = logging.getLogger("moelora.server")
 
@@ -35,6 +48,7 @@ class GenerateInput:
     params: SamplingParams
     lora: str | None
     default_max_tokens: bool = False  # max_tokens: whatever room max_model_len leaves
+    max_tokens_param: str = "max_tokens"  # the field that set it, named when it is refused
 
 
 @dataclass
@@ -119,7 +133,12 @@ class AsyncEngine:
         ready.result()  # re-raises whatever building the engine raised
         self.model_name: str = self._engine.model_name
         self.max_model_len: int = self._engine.max_model_len
-        self.tokenizer = self._engine.tokenizer  # decode only, off the engine thread
+        self.tokenizer = self._engine.tokenizer  # read only, by the workers and the engine thread
+        self.max_prompt_chars = _prompt_char_limit(self.tokenizer, self.max_model_len)
+        # encodes run without the GIL, so up to one a core; the engine thread is not one of them
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max(1, min(8, os.cpu_count() or 1)), thread_name_prefix="moelora-tokenize"
+        )
 
     # ------------------------------------------------------------------ asyncio side
 
@@ -136,16 +155,80 @@ class AsyncEngine:
         return await asyncio.wrap_future(future)
 
     async def generate(self, request_id: str, inp: GenerateInput, model: str) -> RequestStream:
-        """Admit a request; raises what Engine.add_request raises (before any output)."""
+        """Tokenize and admit a request; raises InvalidRequestError for a prompt or max_tokens
+        that cannot fit max_model_len, and what Engine.add_request raises (before any output)."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         tracked = _Tracked(loop, outputs, model, arrival=time.perf_counter())
+        prompt_ids = await self._prompt_ids(inp.prompt)
+        params = self._fitted_params(inp, len(prompt_ids))
+        add = functools.partial(self._add, request_id, prompt_ids, params, inp.lora, tracked)
         try:
-            prompt_ids = await self.call(lambda e: self._add(e, request_id, inp, tracked))
+            await self.call(add)
         except asyncio.CancelledError:  # the client left while the request was being admitted
             self.abort(request_id)
             raise
         return RequestStream(self, request_id, outputs, prompt_ids)
+
+    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids as given, or the text's or the chat's, encoded by a worker."""
+        if isinstance(prompt, str):
+            needed_for, encode = "text prompts", self._encode_text
+        elif prompt and isinstance(prompt[0], dict):
+            needed_for, encode = "chat messages", self._encode_chat
+        else:
+            return list(prompt)
+        if self.tokenizer is None:  # the engine's own refusal, which names what to send instead
+            await self.call(lambda engine: engine.text_tokenizer(needed_for))
+        self._check_prompt_chars(prompt)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, encode, prompt)
+
+    def _encode_text(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages)
+
+    def _check_prompt_chars(self, prompt: str | list[dict[str, Any]]) -> None:
+        """A chat counts its messages' contents, which a template wraps in more text. A template
+        that drops text (Qwen3's drops earlier turns' reasoning) could make this refuse a chat
+        whose rendered prompt fits: counting that instead needs the rendering on its own."""
+        limit = self.max_prompt_chars
+        if limit is None:
+            return
+        if isinstance(prompt, str):
+            field, chars = "prompt", len(prompt)
+        else:
+            contents = (m.get("content") for m in prompt)
+            field, chars = "messages", sum(len(c) for c in contents if isinstance(c, str))
+        if chars > limit:
+            raise FieldError(
+                field,
+                f"{field}: {chars} characters, expected at most {limit}, the most that "
+                f"max_model_len={self.max_model_len} tokens of this model's tokenizer can hold",
+            )
+
+    def _fitted_params(self, inp: GenerateInput, num_prompt_tokens: int) -> SamplingParams:
+        """max_tokens as asked, refused (as vLLM does) when it does not fit what the prompt
+        leaves of max_model_len; none asked: whatever the prompt leaves. A prompt that is too
+        long itself, or an unknown model, is left to the engine's own refusal."""
+        room = self.max_model_len - num_prompt_tokens
+        if inp.default_max_tokens:
+            return dataclasses.replace(inp.params, max_tokens=max(1, room))
+        asked = inp.params.max_tokens
+        known = inp.lora is None or inp.lora in self._adapter_paths
+        if 0 <= room < asked and known:
+            chat = bool(inp.prompt) and isinstance(inp.prompt[0], dict)
+            where, param = "messages" if chat else "prompt", inp.max_tokens_param
+            raise FieldError(
+                param,
+                f"{param}: this model's maximum context length is {self.max_model_len} tokens, "
+                f"but {num_prompt_tokens + asked} were requested: {num_prompt_tokens} in the "
+                f"{where} and {asked} in the completion: expected {param} <= {room}, or a "
+                f"shorter {where}",
+            )
+        return inp.params
 
     def abort(self, request_id: str) -> None:
         self._commands.put(_Command(lambda: self._abort(request_id)))
@@ -163,6 +246,7 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.stats())
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
         self._commands.put(None)
         self._thread.join(timeout)
 
@@ -208,21 +292,18 @@ class AsyncEngine:
                 if command.future is not None:
                     command.future.set_result(result)
 
-    def _add(self, engine: Any, request_id: str, inp: GenerateInput, tracked: _Tracked) -> list:
-        if isinstance(inp.prompt, str):
-            prompt_ids = engine.text_tokenizer("text prompts").encode(inp.prompt)
-        elif inp.prompt and isinstance(inp.prompt[0], dict):
-            prompt_ids = engine.text_tokenizer("chat messages").apply_chat_template(inp.prompt)
-        else:
-            prompt_ids = list(inp.prompt)
-        params = inp.params
-        if inp.default_max_tokens:
-            room = max(1, engine.max_model_len - len(prompt_ids))
-            params = dataclasses.replace(params, max_tokens=room)
-        engine.add_request(request_id, prompt_ids, params, lora=inp.lora)
+    def _add(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora: str | None,
+        tracked: _Tracked,
+        engine: Any,
+    ) -> None:
+        engine.add_request(request_id, prompt_ids, params, lora=lora)
         self._tracked[request_id] = tracked
         self.metrics.prompt_tokens.inc(len(prompt_ids), model=tracked.model)
-        return prompt_ids
 
     def _abort(self, request_id: str) -> None:
         tracked = self._tracked.pop(request_id, None)
@@ -295,3 +376,12 @@ class AsyncEngine:
                 return
             if command is not None and command.future is not None:
                 command.future.set_exception(EngineDeadError(f"the engine failed: {error!r}"))
+
+
+def _prompt_char_limit(tokenizer: Tokenizer | None, max_model_len: int) -> int | None:
+    """ingress.prompt_char_limit for the engine's tokenizer; None without one, or without a
+    Hugging Face `tokenizers` backend to derive it from."""
+    spec = tokenizer.backend_spec() if tokenizer is not None else None
+    if spec is None:
+        return None
+    return prompt_char_limit(*spec, max_model_len)

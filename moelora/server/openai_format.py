@@ -3,10 +3,26 @@ logprobs, the echoed prompt and the usage.
 
 Field names, and their order, are those of OpenAI's answers. A chunk carries one choice, and
 every chunk of an answer has the answer's id, created time and model.
+
+Logprobs on text where a token holds only part of a character (byte-level BPE and byte-fallback
+vocabularies split CJK, accents and emoji into bytes):
+- chat: `bytes` are the bytes the token adds to the content, so joined they are the content's
+  UTF-8; `token` is the token decoded alone, as vLLM sends it ("\ufffd" for part of a character).
+- completions: a token, and a `top_logprobs` key, is the text the token adds, or where that is
+  not whole characters "bytes:" and its bytes as \\xNN escapes, as OpenAI's legacy completions
+  write them (so alternatives that are different bytes stay different keys).
+- `text_offset[i]` is the character offset in the choice's text (the echoed prompt first, then
+  the completion; streamed, counted on across chunks) where token i's text starts: the
+  characters that the tokens before it complete. A token that continues a character started
+  by the tokens before it starts where that character starts, so offsets never decrease and
+  never pass the end of a text that stops inside a character. Bytes that turn out invalid
+  (U+FFFD in the text) count once a token ends on a whole character: a token right after
+  them may point at them. Tokens of a stop string cut from the text point at or past its end.
 """
 
 from __future__ import annotations
 
+import codecs
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,7 +38,51 @@ Json = dict[str, Any]
 
 
 class Decoder(Protocol):
+    """What the answers need of the tokenizer (moelora.tokenizer.Tokenizer)."""
+
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def leading_bytes(self, token_id: int) -> bytes: ...
+
+
+class TextCursor:
+    """Walks one decoded text's tokens in order: the bytes each adds and the character offset
+    where it starts. A whole answer walks a fresh cursor; a streamed choice keeps its own from
+    chunk to chunk, since a character may be split between two chunks' tokens."""
+
+    def __init__(self, decoder: Decoder, start: int = 0) -> None:
+        self.decoder = decoder
+        self.decoded = start  # characters decoded so far, from the start of the choice's text
+        self.offset = start  # `decoded` where the bytes so far last ended on a whole character
+        self._leading = True  # until a token adds bytes, the decoder may drop a leading space
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def piece(self, token_id: int) -> bytes:
+        """What the token adds at this point (asked for the alternatives too)."""
+        if self._leading:
+            return self.decoder.leading_bytes(token_id)
+        return self.decoder.token_bytes(token_id)
+
+    def advance(self, token_id: int) -> int:
+        """The chosen token's offset; the cursor moves past it. Offsets move only where the
+        bytes end on a whole character, as the detokenizer (Tokenizer.decode_incremental) lets
+        text out only there: no offset passes the end of the text decoded so far."""
+        offset = self.offset
+        self.decoded += len(self._utf8.decode(self.piece(token_id)))
+        if not self._utf8.getstate()[0]:  # nothing held for the next token
+            self.offset = self.decoded
+        self._leading = self._leading and not self.decoder.token_bytes(token_id)
+        return offset
+
+
+def token_string(piece: bytes) -> str:
+    """A completions token: its text, or "bytes:\\xe6\\x97" where it is not whole characters."""
+    try:
+        return piece.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
 
 
 def prompt_tokens(streams: list[RequestStream], n: int) -> int:
@@ -91,79 +151,78 @@ class CompletionAnswer(Answer):
     ) -> None:
         super().__init__(decoder, request_id, model, prompt_tokens)
         self.echo = echo
-        self._echo_length: dict[int, int] = {}  # streamed: the echoed characters of a choice
+        self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's, after its echo
 
     def choice(self, index: int, out: RequestOutput) -> Json:
-        choice = {
+        echoed, echoed_logprobs = self.echoed(self.echo[index], out) if self.echo else ("", None)
+        cursor = TextCursor(self.decoder, start=len(echoed))
+        logprobs = self.logprobs(out.token_ids, out.logprobs, cursor)
+        if echoed_logprobs is not None and logprobs is not None:
+            logprobs = {k: echoed_logprobs[k] + logprobs[k] for k in logprobs}
+        return {
             "index": index,
-            "text": out.text,
-            "logprobs": self.logprobs(out.token_ids, out.logprobs, 0),
+            "text": echoed + out.text,
+            "logprobs": logprobs,
             "finish_reason": out.finish_reason,
         }
-        return self.with_echo(choice, out) if self.echo else choice
 
     def chunks(self, index: int, out: RequestOutput, delta: Delta) -> Iterator[Json]:
-        if self.echo is not None and index not in self._echo_length:
-            text, logprobs = self.echoed(self.echo[index], out)
-            self._echo_length[index] = len(text)
-            yield self.chunk(
-                {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
-            )
+        if index not in self._cursors:
+            echoed = ""
+            if self.echo is not None:
+                echoed, logprobs = self.echoed(self.echo[index], out)
+                yield self.chunk(
+                    {"index": index, "text": echoed, "logprobs": logprobs, "finish_reason": None}
+                )
+            self._cursors[index] = TextCursor(self.decoder, start=len(echoed))
         if not delta.text and not out.finished and delta.logprobs is None:
             return
-        offset = self._echo_length.get(index, 0) + delta.start
         choice = {
             "index": index,
             "text": delta.text,
-            "logprobs": self.logprobs(delta.token_ids, delta.logprobs, offset),
+            "logprobs": self.logprobs(delta.token_ids, delta.logprobs, self._cursors[index]),
             "finish_reason": out.finish_reason if out.finished else None,
         }
         yield self.chunk(choice)
 
     def logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, offset: int
+        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, cursor: TextCursor
     ) -> Json | None:
-        """`offset`: the characters of the choice's text before the first of these tokens."""
+        """The entries of consecutive tokens; `cursor` stands just before the first of them."""
         if logprobs is None:
             return None
-        tokens = [self.token_text(t) for t in token_ids]
-        offsets = []
-        for t in tokens:
-            offsets.append(offset)
-            offset += len(t)
+        tokens, top, offsets = [], [], []
+        for t, lp in zip(token_ids, logprobs):
+            tokens.append(token_string(cursor.piece(t)))
+            top.append({token_string(cursor.piece(k)): v for k, v in lp.items()})
+            offsets.append(cursor.advance(t))
         return {
             "tokens": tokens,
             "token_logprobs": [lp.get(t) for t, lp in zip(token_ids, logprobs)],
-            "top_logprobs": [{self.token_text(k): v for k, v in lp.items()} for lp in logprobs],
+            "top_logprobs": top,
             "text_offset": offsets,
         }
 
     def echoed(self, prompt: Prompt, out: RequestOutput) -> tuple[str, Json | None]:
         """The prompt's text (as sent, or decoded from its ids) and, with logprobs, its tokens'
-        entries (the first token has none, as in OpenAI's and vLLM's answers)."""
+        entries (the first token has none, as in OpenAI's and vLLM's answers).
+
+        Offsets stop at the text's end: a prompt as sent can be longer than what its tokens
+        spell (a normalizer such as NFC), and the completion's offsets start at that end."""
         text = prompt if isinstance(prompt, str) else self.decoder.decode(prompt)
         if out.prompt_logprobs is None:
             return text, None
-        ids = out.prompt_token_ids
-        first = self.token_text(ids[0])
-        rest = self.logprobs(ids[1:], out.prompt_logprobs[1:], len(first))
+        ids, cursor = out.prompt_token_ids, TextCursor(self.decoder)
+        first = token_string(cursor.piece(ids[0]))
+        offsets = [cursor.advance(ids[0])]
+        rest = self.logprobs(ids[1:], out.prompt_logprobs[1:], cursor)
+        offsets += rest["text_offset"]
         return text, {
             "tokens": [first, *rest["tokens"]],
             "token_logprobs": [None, *rest["token_logprobs"]],
             "top_logprobs": [None, *rest["top_logprobs"]],
-            "text_offset": [0, *rest["text_offset"]],
+            "text_offset": [min(o, len(text)) for o in offsets],
         }
-
-    def with_echo(self, choice: Json, out: RequestOutput) -> Json:
-        """The choice with the echoed prompt in front of its text and logprobs."""
-        text, logprobs = self.echoed(self.echo[choice["index"]], out)
-        choice = {**choice, "text": text + choice["text"]}
-        if logprobs is not None and choice["logprobs"] is not None:
-            gen = choice["logprobs"]
-            shift = [o + len(text) for o in gen["text_offset"]]
-            choice["logprobs"] = {k: logprobs[k] + gen[k] for k in logprobs if k != "text_offset"}
-            choice["logprobs"]["text_offset"] = logprobs["text_offset"] + shift
-        return choice
 
 
 class ChatAnswer(Answer):
@@ -176,12 +235,13 @@ class ChatAnswer(Answer):
     ) -> None:
         super().__init__(decoder, request_id, model, prompt_tokens)
         self.top = top  # top_logprobs: alternatives listed per token
+        self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's
 
     def choice(self, index: int, out: RequestOutput) -> Json:
         return {
             "index": index,
             "message": {"role": "assistant", "content": out.text},
-            "logprobs": self.logprobs(out.token_ids, out.logprobs),
+            "logprobs": self.logprobs(out.token_ids, out.logprobs, TextCursor(self.decoder)),
             "finish_reason": out.finish_reason,
         }
 
@@ -191,7 +251,9 @@ class ChatAnswer(Answer):
         ]
 
     def chunks(self, index: int, out: RequestOutput, delta: Delta) -> Iterator[Json]:
-        logprobs = self.logprobs(delta.token_ids, delta.logprobs)
+        if index not in self._cursors:
+            self._cursors[index] = TextCursor(self.decoder)
+        logprobs = self.logprobs(delta.token_ids, delta.logprobs, self._cursors[index])
         if out.finished:
             content = {"content": delta.text} if delta.text else {}
             yield self.delta_chunk(index, content, out.finish_reason, logprobs)
@@ -210,18 +272,19 @@ class ChatAnswer(Answer):
         return self.chunk(choice)
 
     def logprobs(
-        self, token_ids: list[int], logprobs: list[dict[int, float]] | None
+        self, token_ids: list[int], logprobs: list[dict[int, float]] | None, cursor: TextCursor
     ) -> Json | None:
+        """The entries of consecutive tokens; `cursor` stands just before the first of them."""
         if logprobs is None:
             return None
         content = []
         for t, lp in zip(token_ids, logprobs):
             best = sorted(lp.items(), key=lambda kv: -kv[1])[: self.top]
-            content.append(
-                {**self.entry(t, lp[t]), "top_logprobs": [self.entry(*kv) for kv in best]}
-            )
+            top = [self.entry(k, v, cursor) for k, v in best]
+            content.append({**self.entry(t, lp[t], cursor), "top_logprobs": top})
+            cursor.advance(t)
         return {"content": content}
 
-    def entry(self, token_id: int, logprob: float) -> Json:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    def entry(self, token_id: int, logprob: float, cursor: TextCursor) -> Json:
+        piece = list(cursor.piece(token_id))
+        return {"token": self.token_text(token_id), "logprob": logprob, "bytes": piece}

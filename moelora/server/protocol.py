@@ -1,7 +1,11 @@
 """The OpenAI wire format: request bodies the server accepts and the JSON it answers with.
 
-Only the parameters moelora implements are fields; unknown fields are ignored (as OpenAI's own
-server does), and known-but-unsupported ones are refused with a 400 when set to a non-default.
+Request fields are strict: a value of another JSON type is refused, never converted ("16" is not
+16, true is not 1, 4.0 is not 4), except that an integer is a number where a float is expected,
+as OpenAI's API allows. Every limit the server enforces on one field is that field's constraint,
+so /openapi.json states it. Only the parameters moelora implements are fields; unknown fields are
+ignored (as OpenAI's own server does), and known-but-unsupported ones are refused with a 400
+when set to a non-default.
 """
 
 from __future__ import annotations
@@ -9,18 +13,149 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    WithJsonSchema,
+)
 
 from moelora.errors import InvalidRequestError
 from moelora.sampling_params import SamplingParams
 
 MAX_N = 128  # samples per prompt: each is a request of its own (no shared prefix yet)
+MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit; more would only cost the engine time
+MAX_LOGIT_BIAS = 100  # OpenAI's range, [-100, 100]
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
+
+class FieldError(InvalidRequestError):
+    """A 400 about one field of the request body, named in the error's `param`."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class OpenAIBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
+
+
+# ----------------------------------------------------------------------------- unions
+# A union picks its member by the JSON value's shape, so an error comes from that member alone
+# (pydantic would report one error per member). Pydantic puts the member's tag in the error's
+# location; field_path drops the tags, so that `param` is the field's path in the body.
+STRING, STRINGS, TOKEN_IDS, TOKEN_ID_LISTS, PARTS = (
+    "<string>",
+    "<strings>",
+    "<token ids>",
+    "<token id lists>",
+    "<parts>",
+)
+UNION_TAGS = frozenset({STRING, STRINGS, TOKEN_IDS, TOKEN_ID_LISTS, PARTS})
+KEY_TAG = "[key]"  # where pydantic says that a dict's key, not its value, is wrong
+
+
+def field_path(loc: tuple[str | int, ...]) -> str | None:
+    """`('messages', 0, 'content', '<parts>', 0, 'text')` -> `'messages.0.content.0.text'`."""
+    parts = [str(p) for p in loc if p not in UNION_TAGS and p != KEY_TAG]
+    return ".".join(parts) or None
+
+
+def _string_or_list(value: Any) -> str | None:
+    if isinstance(value, str):
+        return STRING
+    return STRINGS if isinstance(value, list) else None
+
+
+def _content_shape(value: Any) -> str | None:
+    if isinstance(value, str):
+        return STRING
+    return PARTS if isinstance(value, list) else None
+
+
+def _prompt_shape(value: Any) -> str | None:
+    """Told by the first item: a list of ints, an empty list or a list of wrong items goes to the
+    token ids, whose errors say what is wrong."""
+    if isinstance(value, str):
+        return STRING
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else None
+    if isinstance(first, str):
+        return STRINGS
+    return TOKEN_ID_LISTS if isinstance(first, list) else TOKEN_IDS
+
+
+def _whole_number(value: Any) -> Any:
+    """4.0 is the integer 4: JSON has one kind of number (JavaScript writes 4.0 as 4, and JSON
+    Schema's "integer" is any number without a fraction). 4.5, "4" and true stay refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# The integer fields, bounds included. The validator comes last, so that the bounds stay in the
+# JSON schema (pydantic drops a bound it cannot see through a validator).
+_WHOLE = BeforeValidator(_whole_number)
+Count = Annotated[int, Field(ge=1), _WHOLE]
+NumSamples = Annotated[int, Field(ge=1, le=MAX_N), _WHOLE]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), _WHOLE]
+TopK = Annotated[int, Field(ge=-1), _WHOLE]
+Seed = Annotated[int, Field(ge=-(2**63), lt=2**64), _WHOLE]  # what torch generators take
+BestOf = Annotated[int, Field(ge=1, le=1), _WHOLE]
+TokenId = Annotated[int, Field(ge=0), _WHOLE]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+Prompt = Annotated[
+    Annotated[NonEmptyText, Tag(STRING)]
+    | Annotated[list[NonEmptyText], Field(min_length=1), Tag(STRINGS)]
+    | Annotated[TokenIds, Tag(TOKEN_IDS)]
+    | Annotated[list[TokenIds], Field(min_length=1), Tag(TOKEN_ID_LISTS)],
+    Discriminator(
+        _prompt_shape,
+        custom_error_type="invalid_type",
+        custom_error_message="expected a non-empty string, a list of them, a list of token ids "
+        "or a list of lists of token ids",
+    ),
+]
+# "" and [] mean no stop string, as they always have here; a stop string in a list is not empty
+Stop = Annotated[
+    Annotated[str, Tag(STRING)] | Annotated[list[NonEmptyText], Tag(STRINGS)],
+    Discriminator(
+        _string_or_list,
+        custom_error_type="invalid_type",
+        custom_error_message="expected a string or a list of non-empty strings",
+    ),
+]
+# OpenAI sends token ids as JSON object keys, so as strings: decimal digits only
+LogitBias = Annotated[
+    dict[
+        Annotated[str, Field(pattern=r"^[0-9]+$")],
+        Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)],
+    ],
+    WithJsonSchema(
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {
+                "type": "number",
+                "minimum": -MAX_LOGIT_BIAS,
+                "maximum": MAX_LOGIT_BIAS,
+            },
+        }
+    ),
+]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+
+
+# ----------------------------------------------------------------------------- requests
 
 
 class StreamOptions(OpenAIBody):
@@ -31,31 +166,24 @@ class SamplingFields(OpenAIBody):
     """The sampling parameters both generation endpoints share (vLLM's extensions included)."""
 
     model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)  # what torch seeds take
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    n: NumSamples = 1
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: TopK | None = Field(default=None, description="-1 or 0: every token")
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM's extension
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension
+    logit_bias: LogitBias | None = None
     user: str | None = None
-
-    def check_supported(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise InvalidRequestError(
-                f"n={self.n!r} is invalid: expected an integer in [1, {MAX_N}]"
-            )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError (HTTP 400) for values out of range."""
-        self.check_supported()
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -73,18 +201,9 @@ class SamplingFields(OpenAIBody):
         )
 
     def _token_biases(self) -> dict[int, float] | None:
-        """OpenAI sends token ids as JSON object keys, so as strings."""
         if not self.logit_bias:
             return None
-        biases = {}
-        for key, bias in self.logit_bias.items():
-            try:
-                biases[int(key)] = bias
-            except ValueError:
-                raise InvalidRequestError(
-                    f"logit_bias key {key!r} is invalid: expected a token id"
-                ) from None
-        return biases
+        return {int(key): bias for key, bias in self.logit_bias.items()}
 
     def samples(self, params: SamplingParams) -> list[SamplingParams]:
         """The n samples of one prompt. With a seed, sample j is seeded seed + j, so the n
@@ -103,83 +222,96 @@ class SamplingFields(OpenAIBody):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit; more would only cost the engine time
-
-
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt: Prompt
+    max_tokens: Count | None = Field(
+        default=16, description="null: whatever room max_model_len leaves"
+    )
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    suffix: str | None = Field(default=None, max_length=0, description="not supported")
+    best_of: BestOf | None = None
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text, or token ids."""
         p = self.prompt
-        if isinstance(p, str) or (p and all(isinstance(t, int) for t in p)):
+        if isinstance(p, str) or isinstance(p[0], int):
             return [p]
-        if not p:
-            raise InvalidRequestError("prompt is empty")
         return list(p)
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.suffix:
-            raise InvalidRequestError("suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise InvalidRequestError(f"best_of={self.best_of!r} is not supported: expected 1")
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", **STRICT)
+
+    type: Literal["text"]
+    text: str
+
+
+Content = Annotated[
+    Annotated[str, Tag(STRING)] | Annotated[list[ContentPart], Tag(PARTS)],
+    Discriminator(
+        _content_shape,
+        custom_error_type="invalid_type",
+        custom_error_message="expected a string or a list of content parts",
+    ),
+]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Fields beyond role and content (name, tool_calls, ...) go to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Content | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as chat templates expect it: content as one string."""
         content = self.content
         if isinstance(content, list):
-            parts = []
-            for part in content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequestError(
-                        f"message content part of type {part.get('type')!r} is not supported: "
-                        "expected 'text'"
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
+            content = "".join(part.text for part in content)
         return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
 
 
+# top_logprobs > 0 needs logprobs: true (OpenAI's rule), as JSON Schema says it
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {
+        "properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+        "required": ["top_logprobs"],
+    },
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 class ChatCompletionRequest(SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Count | None = None
+    max_completion_tokens: Count | None = Field(
+        default=None, description="wins over max_tokens; neither: the room left"
+    )
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: NumLogprobs | None = Field(default=None, description="needs logprobs: true")
 
     @property
     def requested_max_tokens(self) -> int | None:
-        return (
-            self.max_completion_tokens
-            if self.max_completion_tokens is not None
-            else (self.max_tokens)
-        )
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     @property
     def num_logprobs(self) -> int | None:
         if not self.logprobs:
             if self.top_logprobs:
-                raise InvalidRequestError("top_logprobs needs logprobs=true")
+                raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
             return None
         return self.top_logprobs or 0
 
 
 class LoadLoraRequest(OpenAIBody):
     lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
+    lora_path: str = Field(pattern=r"^[^\x00]+$", description="a folder: no NUL character")
 
 
 class UnloadLoraRequest(OpenAIBody):

@@ -3,6 +3,7 @@ flags and the one-line config errors, in process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ from moelora import cli, demo
 from moelora.config import EngineConfig
 from moelora.errors import ConfigError
 
-from .conftest import _free_port
+from .conftest import API_KEY, Server, _free_port
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +49,70 @@ def test_demo_serve_queries_each_adapter_then_stops(cache: Path) -> None:
         assert f"[{name:>5}]" in out
     assert f"curl http://127.0.0.1:{port}/v1/completions" in out
     assert "OpenAI(base_url=" in out
+
+
+def _printed_commands(printed: str) -> list[str]:
+    """The shell commands among the printed hints: each starts on a line indented by two spaces
+    and goes on while its line ends with a backslash."""
+    commands: list[str] = []
+    goes_on = False
+    for line in printed.splitlines():
+        if goes_on:
+            commands[-1] += "\n" + line
+        elif line.startswith("  ") and not line.startswith("   "):
+            commands.append(line[2:])
+        else:
+            continue
+        goes_on = line.endswith("\\")
+    return commands
+
+
+def _shell_without_the_venv() -> dict[str, str]:
+    """The environment of a shell where the venv is not activated, as after `make run`."""
+    venv_bin = Path(sys.executable).parent
+    path = [p for p in os.environ["PATH"].split(os.pathsep) if p and Path(p) != venv_bin]
+    env = {**os.environ, "PATH": os.pathsep.join(path)}
+    env.pop("VIRTUAL_ENV", None)
+    return env
+
+
+def _check_hint_output(command: str, out: str) -> None:
+    if "/v1/models" in command:
+        assert "sql" in {m["id"] for m in json.loads(out)["data"]}
+    elif "curl -N" in command:  # the streamed chat: bounded by its max_tokens
+        events = [line for line in out.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]", out[-300:]
+        body = json.loads(command.split("-d '", 1)[1].rstrip("'"))
+        assert "max_tokens" in body, f"a stream of {len(events)} events: no max_tokens"
+        assert len(events) <= body["max_tokens"] + 3, f"{len(events)} events for {body}"
+    elif "/v1/completions" in command:
+        assert json.loads(out)["usage"]["completion_tokens"] >= 1
+    elif "/metrics" in command:
+        assert "moelora_requests_total" in out
+    else:  # the Python line, which printed the (sampled) text
+        assert "OpenAI(" in command and out.endswith("\n"), out
+
+
+def test_the_printed_hints_run_as_printed(server: Server, capsys: pytest.CaptureFixture) -> None:
+    cli._print_hints(server.url, API_KEY, forever=False)
+    commands = _printed_commands(capsys.readouterr().out)
+    assert len(commands) == 5, commands
+    failures = []
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command],
+            env=_shell_without_the_venv(),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        try:
+            assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-1000:]}"
+            assert '"error"' not in done.stdout, done.stdout[-1000:]
+            _check_hint_output(command, done.stdout)
+        except AssertionError as e:
+            failures.append(f"{command}\n  -> {e}")
+    assert not failures, "\n".join(failures)
 
 
 def test_bench_reports_throughput_and_refuses_unknown_adapters(cache: Path) -> None:
