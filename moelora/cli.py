@@ -97,12 +97,13 @@ def _engine_flags() -> list[tuple[dataclasses.Field, object]]:
 
 
 def _flag_options(f: dataclasses.Field, hint: object) -> dict:
-    """argparse's options for a field's flag, its default the field's: a bool is a switch that
-    turns it on, a mapping is given as NAME=PATH items, anything else is one value of its type
-    (None allowed where the type is optional)."""
+    """argparse's options for a field's flag, its default the field's: a bool is a switch (with
+    a --no- form when it is on by default), a mapping is given as NAME=PATH items, anything
+    else is one value of its type (None allowed where the type is optional)."""
     options = dict(f.metadata)  # help, and choices where the field has them
-    if hint is bool:
-        assert f.default is False, f"{f.name}: a switch can only turn on a field that is off"
+    if hint is bool:  # --flag turns it on, and --no-flag off where it is on by default
+        if f.default:
+            return {**options, "action": argparse.BooleanOptionalAction, "default": True}
         return {**options, "action": "store_true"}
     if typing.get_origin(hint) is Mapping:
         return {**options, "nargs": "+", "default": [], "metavar": "NAME=PATH"}

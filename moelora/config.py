@@ -62,6 +62,11 @@ class EngineConfig:
         "leaves of it",
     )
     enforce_eager: bool = _flag(False, "run every step eagerly: capture no CUDA graphs")
+    async_scheduling: bool = _flag(
+        True,
+        "plan step N+1 on the host while the GPU runs step N; its input tokens stay on the "
+        "device (vLLM's --async-scheduling; --no-async-scheduling: one step at a time)",
+    )
     max_graph_bs: int = _flag(
         256, "largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)"
     )

@@ -121,6 +121,13 @@ class SamplingParams:
             self.repetition_penalty != 1.0
         )
 
+    @property
+    def uses_history(self) -> bool:
+        """A penalty: the sampler reads the request's tokens so far."""
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
+
 
 def _none_or_count(value: Any) -> bool:
     return value is None or (_is_int(value) and value >= 0)

@@ -83,7 +83,7 @@ class Tokenizer:
         return bytes([int(byte[1], 16)]) if byte else token.replace("▁", " ").encode()
 
     def decode_incremental(
-        self, ids: list[int], offsets: tuple[int, int]
+        self, ids: list[int], offsets: tuple[int, int], *, end: int | None = None
     ) -> tuple[str, tuple[int, int]]:
         """The text the newest tokens add, decoding a short window instead of the whole list.
 
@@ -92,13 +92,15 @@ class Tokenizer:
         it is held back while its bytes end inside a character that a later token may complete.
         A U+FFFD for bytes that no token can complete is text: held back, it would be lost when
         the request ends there, and the text would be shorter than what its tokens spell.
+        end: the ids known so far (the rest of the list are placeholders); default all of them.
         """
         prefix, read = offsets
+        end = len(ids) if end is None else end
         before = self.decode(ids[prefix:read])
-        after = self.decode(ids[prefix:])
-        held = after.endswith("\ufffd") and self._ends_mid_character(ids[prefix:])
+        after = self.decode(ids[prefix:end])
+        held = after.endswith("\ufffd") and self._ends_mid_character(ids[prefix:end])
         if len(after) > len(before) and not held:
-            return after[len(before) :], (read, len(ids))
+            return after[len(before) :], (read, end)
         return "", offsets
 
     def _ends_mid_character(self, ids: list[int]) -> bool:

@@ -2,15 +2,29 @@
 
 step(): the scheduler plans, adapters the plan needs are copied into slots, the runner runs
 the batch, and each sampled token is appended and checked against the stop conditions.
+
+With async scheduling (the default) a step is launched before the one before it is known: each
+step() plans and launches step N+1, then waits for step N's tokens and commits them. Step N+1
+reads those tokens on the device (placeholders stand for them on the host), so the GPU never
+waits for Python. What that costs is one step late, and exact:
+- a request that finishes in step N may already be in step N+1: its token there is dropped,
+  and its pages and slot go back once step N+1 is done (a page it writes is never handed on);
+- a step is planned without preemption; one that needs it waits until nothing is in flight;
+- requests with penalties need their last token on the host to plan: while one runs, steps
+  are run one at a time;
+- aborting a request, or unloading an adapter, that the step in flight computes first waits
+  for that step.
+Greedy tokens are the same either way: only the order of host work changes.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +46,11 @@ from moelora.lora.slots import LoraTarget, SlotPool, SlotTable
 from moelora.models.loader import fill_dummy, load_weights
 from moelora.models.model import MoeCausalLM
 from moelora.models.registry import read_model_config
-from moelora.runner.model_runner import ModelRunner
+from moelora.runner.model_runner import LaunchedStep, ModelRunner
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import HostBatch, pages_for
 from moelora.step.plan import StepPlan
-from moelora.step.request import Request, RequestOutput
+from moelora.step.request import Request, RequestOutput, Status
 from moelora.tokenizer import Tokenizer, eos_ids_from_folder
 
 log = logging.getLogger(__name__)
@@ -57,6 +71,16 @@ class EngineStats:
     eager_steps: int
     graph_capture_seconds: float  # 0 without graphs
     graph_warm_up_seconds: float  # of the capture: every size's first forward, at once
+
+
+@dataclass
+class InFlight:
+    """A launched step whose tokens the engine has not committed yet."""
+
+    number: int
+    plan: StepPlan
+    step: LaunchedStep
+    release_after: list[Request] = field(default_factory=list)  # finished while it ran
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,11 @@ class Engine:
         self.adapters: dict[str, LoraAdapter] = {}
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
+        self._steps = itertools.count()  # each launched step's number (Request.last_step)
+        # launched, their tokens not yet committed, oldest first: one between steps, two while
+        # step() has launched the next and not yet committed the one before
+        self._flights: collections.deque[InFlight] = collections.deque()
+        self._ready: list[RequestOutput] = []  # committed outside step(): its next answer
         self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
         for name, path in cfg.lora_modules.items():
             self.load_lora(name, path)
@@ -183,7 +212,12 @@ class Engine:
         )
         self.pages = PageAllocator(num_pages)
         self.scheduler = Scheduler(
-            SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size),
+            SchedulerConfig(
+                cfg.max_num_seqs,
+                cfg.max_num_batched_tokens,
+                cfg.page_size,
+                max_model_len=self.max_model_len,
+            ),
             self.pages,
             self.slot_table,
         )
@@ -254,50 +288,123 @@ class Engine:
         self.scheduler.add(req)
 
     def abort_request(self, request_id: str) -> None:
-        req = self._requests.pop(request_id, None)
-        if req is not None:
-            self.scheduler.finish(req, "abort")
+        """Its pages and slot go back now: a step in flight that computes it is waited for
+        first (an abort is rare; a later step() would wait for it anyway)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        if self._step_computing(req) is not None:
+            with self.on_device():
+                self._ready += self._commit_all()
+        if req.status is not Status.FINISHED:  # it may have finished in that step
+            self._finish(req, "abort")
+        self._ready = [out for out in self._ready if out.request_id != request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._flights) or bool(self._ready)
 
     def step(self) -> list[RequestOutput]:
         with self.on_device():
             return self._step()
 
-    def _schedule(self) -> StepPlan:
-        """The scheduler's plan, with the adapters it needs copied into their slots."""
-        plan = self.scheduler.schedule()
-        for slot, name in plan.lora_loads:
+    def _schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
+        """The scheduler's plan, with the adapters it needs copied into their slots (after
+        every step in flight, in stream order)."""
+        plan = self.scheduler.schedule(can_preempt=can_preempt)
+        for slot, name in plan.lora_loads if plan is not None else ():
             self.slot_pool.fill(slot, self.adapters[name])
         return plan
 
     def _step(self) -> list[RequestOutput]:
-        plan = self._schedule()
-        if not plan.chunks:
-            return []
-        step = self.runner.execute(plan)
-        outputs = []
-        for i, chunk in enumerate(plan.chunks):
-            chunk.request.num_computed_tokens += chunk.num_tokens
-            chunk.request.prompt_logprobs += step.prompt_logprobs.get(i, [])
-        for chunk, result in zip((c for c in plan.chunks if c.samples), step.samples):
-            req = chunk.request
-            req.output_token_ids.append(result.token_id)
-            if result.logprobs is not None:
-                req.output_logprobs.append(result.logprobs)
-            reason = self._finish_reason(req, result.token_id)
-            if reason is not None:
-                self.scheduler.finish(req, reason)
-                self._requests.pop(req.request_id, None)
-            outputs.append(req.to_output())
+        outputs, self._ready = self._ready, []
+        overlap = self.config.async_scheduling and not self._penalties_running()
+        if not overlap:
+            outputs += self._commit_all()
+        plan = self._schedule(can_preempt=not self._flights)
+        if plan is None:  # a preemption: its pages may be the ones the step in flight writes
+            outputs += self._commit_all()
+            plan = self._schedule()
+        if plan.chunks:
+            self._flights.append(self._launch(plan))
+        # the step just launched stays in flight; with nothing launched, nothing may wait
+        while len(self._flights) > (1 if overlap and plan.chunks else 0):
+            outputs += self._commit_oldest()
         return outputs
+
+    @property
+    def _in_flight(self) -> InFlight | None:
+        """The step launched last and not yet committed."""
+        return self._flights[-1] if self._flights else None
+
+    def _step_computing(self, req: Request) -> InFlight | None:
+        """The step in flight that computes some of req's tokens (its newest: req.last_step)."""
+        return next((f for f in self._flights if f.number == req.last_step), None)
+
+    def _penalties_running(self) -> bool:
+        """Penalties read every token so far on the host: the last one must be known."""
+        reqs = itertools.chain(self.scheduler.running, self.scheduler.waiting)
+        return any(r.params.uses_history for r in reqs)
+
+    def _launch(self, plan: StepPlan) -> InFlight:
+        prev = self._flights[-1].step.tokens if self._flights else None
+        step = self.runner.launch(plan, prev_tokens=prev)
+        number = next(self._steps)
+        row = 0
+        for chunk in plan.chunks:
+            req = chunk.request
+            req.num_computed_tokens += chunk.num_tokens
+            req.last_step = number
+            if chunk.samples:
+                req.add_placeholder(row)
+                row += 1
+        return InFlight(number, plan, step)
+
+    def _commit_all(self) -> list[RequestOutput]:
+        outputs = []
+        while self._flights:
+            outputs += self._commit_oldest()
+        return outputs
+
+    def _commit_oldest(self) -> list[RequestOutput]:
+        """Wait for the oldest step in flight and commit its tokens: append, check stops,
+        finish."""
+        flight = self._flights.popleft()
+        result = flight.step.output()
+        outputs = []
+        for i, chunk in enumerate(flight.plan.chunks):
+            if chunk.request.status is not Status.FINISHED:
+                chunk.request.prompt_logprobs += result.prompt_logprobs.get(i, [])
+        for chunk, sample in zip((c for c in flight.plan.chunks if c.samples), result.samples):
+            req = chunk.request
+            if req.status is Status.FINISHED:
+                continue  # finished or aborted while this step ran: its token is dropped
+            req.commit(sample.token_id)
+            if sample.logprobs is not None:
+                req.output_logprobs.append(sample.logprobs)
+            reason = self._finish_reason(req, sample.token_id)
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(req.to_output())
+        for req in flight.release_after:
+            self.scheduler.release(req)
+        return outputs
+
+    def _finish(self, req: Request, reason: str) -> None:
+        """Finished: out of the queues now; its pages and slot once no step in flight uses
+        them."""
+        flight = self._step_computing(req)
+        self.scheduler.finish(req, reason, release=flight is None)
+        if flight is not None:
+            flight.release_after.append(req)
+        req.drop_placeholders()
+        self._requests.pop(req.request_id, None)
 
     def plan_step(self) -> PlannedStep:
         """For benchmarks and profilers: the next step as step() would run it, planned (its
         adapters in their slots) but not run. Time its `logits_fn()`; nothing is sampled or
         committed, so the requests stay as they are: abort them when done."""
         with self.on_device():
+            self._ready += self._commit_all()
             plan = self._schedule()
             inputs = self.runner.host_batch(plan)
             graphs = self.runner.graphs
@@ -318,11 +425,12 @@ class Engine:
         return self.tokenizer
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
+        """After `token` is committed: why the request ends there, if it does."""
         p = req.params
         if self.tokenizer is not None:
             seen = len(req.text)
             delta, req.detok_offsets = self.tokenizer.decode_incremental(
-                req.output_token_ids, req.detok_offsets
+                req.output_token_ids, req.detok_offsets, end=req.num_outputs
             )
             req.text += delta
             for stop in p.stop or []:  # only where the new text can complete a match
@@ -332,7 +440,8 @@ class Engine:
                     return "stop"
         if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or []):
             return "stop"
-        if len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        known = len(req.prompt_token_ids) + req.num_outputs
+        if req.num_outputs >= p.max_tokens or known >= self.max_model_len:
             return "length"
         return None
 
@@ -379,6 +488,10 @@ class Engine:
     def unload_lora(self, name: str) -> None:
         if name not in self.adapters:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+        if any(c.request.lora == name for f in self._flights for c in f.plan.chunks):
+            # the step in flight reads its slot, and its requests may still finish there
+            with self.on_device():
+                self._ready += self._commit_all()
         if self.scheduler.uses_adapter(name):
             raise AdapterBusyError(
                 f"adapter {name!r} has requests in flight: unload it once they finish"

@@ -11,6 +11,11 @@ the slot references; the engine carries the plan out.
   pages and its slot reference are freed and it goes back to the front of the waiting queue.
   Readmitted, an old request takes its place among the running by age again, so it is not
   the next victim (appended at the end, it would be, and could starve).
+- With async scheduling a step is planned while the one before is still on the GPU: a running
+  request then ends in a placeholder for its token in flight, and is planned past it. One whose
+  known length already reaches max_tokens or max_model_len is not planned again. Preemption
+  waits until no step is in flight (schedule(can_preempt=False) gives None instead): the
+  pages it frees could be the ones that step writes.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     page_size: int
+    max_model_len: int
 
 
 class Scheduler:
@@ -48,14 +54,18 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
+        """The next step; None when it needs a preemption that can_preempt=False forbids (only
+        page reservations are kept: the requests need them anyway)."""
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):
-            if req.status is not Status.RUNNING or budget == 0:
-                continue  # preempted earlier in this loop, or no budget left
+            if req.status is not Status.RUNNING or budget == 0 or self._at_its_end(req):
+                continue  # preempted earlier in this loop, no budget left, or nothing to add
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self._reserve_pages(req, n):
+                if not can_preempt:
+                    return None
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -71,6 +81,14 @@ class Scheduler:
         # adapter's requests keep their age order; no result depends on a row's place.
         plan.chunks.sort(key=lambda c: -1 if c.request.slot is None else c.request.slot)
         return plan
+
+    def _at_its_end(self, req: Request) -> bool:
+        """Its tokens in flight take it to max_tokens or max_model_len: it finishes when they
+        are known, and a token planned now would be dropped."""
+        if not req.num_placeholders:
+            return False
+        full = req.num_tokens >= self.cfg.max_model_len
+        return full or len(req.output_token_ids) >= req.params.max_tokens
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         for req in list(self.waiting):
@@ -114,15 +132,22 @@ class Scheduler:
             self.slots.release(req.slot)
             req.slot = None
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Finished or aborted: everything the request held goes back."""
+    def finish(self, req: Request, reason: str, *, release: bool = True) -> None:
+        """Finished or aborted: everything the request held goes back, now or (release=False,
+        while a step in flight still uses its pages and slot) at release()."""
         if req.status is Status.RUNNING:
             self.running.remove(req)
         elif req.status is Status.WAITING:
             self.waiting.remove(req)
-        self._release(req)
+        if release:
+            self._release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+
+    def release(self, req: Request) -> None:
+        """A finished request's pages and slot, once no step in flight uses them."""
+        assert req.status is Status.FINISHED, req.request_id
+        self._release(req)
 
     def uses_adapter(self, name: str) -> bool:
         return any(r.lora == name for r in (*self.running, *self.waiting))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.lora.slots import SlotPool
-from moelora.step.batch import ForwardBatch, HostBatch, forward_batch
+from moelora.step.batch import ForwardBatch, HostBatch, fill_placeholders, forward_batch
 from moelora.step.lora import NO_SLOT
 
 log = logging.getLogger(__name__)
@@ -71,18 +71,22 @@ class GraphBuffers:
     """Static inputs of every captured graph, sized for the largest batch.
 
     The int64 and int32 inputs each live in one device buffer with a pinned host twin, so
-    writing a step's batch costs two host-to-device copies, whatever its size.
+    writing a step's batch costs two host-to-device copies, whatever its size. There are two
+    twins, used in turn: with async scheduling the host writes step N+1's inputs while the copy
+    of step N's may still be queued behind step N-1 on the GPU.
     """
 
     i64: torch.Tensor  # device [3, max_bs]: input_ids, positions, slot_mapping
     # device: cu_seqlens_q | seq_lens | slot_of_token | slot_enabled | any_enabled | pages
     i32: torch.Tensor
-    host_i64: torch.Tensor  # pinned twins of the above
+    host_i64: torch.Tensor  # pinned twins of the above: [2, ...], one per turn
     host_i32: torch.Tensor
+    copied: list  # per twin: the event after its last copy to the device (None: never used)
     max_bs: int
     max_pages: int
     max_loras: int
     spare_page: int
+    turn: int = 0  # the twin the last copy used
 
     @classmethod
     def init(cls, max_bs: int, max_pages: int, max_loras: int, spare_page: int, device):
@@ -91,16 +95,17 @@ class GraphBuffers:
         self = cls(
             i64=torch.zeros(3, max_bs, dtype=torch.int64, device=device),
             i32=torch.zeros(n32, dtype=torch.int32, device=device),
-            host_i64=torch.zeros(3, max_bs, dtype=torch.int64, pin_memory=pin),
-            host_i32=torch.zeros(n32, dtype=torch.int32, pin_memory=pin),
+            host_i64=torch.zeros(2, 3, max_bs, dtype=torch.int64, pin_memory=pin),
+            host_i32=torch.zeros(2, n32, dtype=torch.int32, pin_memory=pin),
+            copied=[None, None],
             max_bs=max_bs,
             max_pages=max_pages,
             max_loras=max_loras,
             spare_page=spare_page,
         )
-        self._pad(self.host_i64, self.host_i32, 0)
-        self.i64.copy_(self.host_i64)
-        self.i32.copy_(self.host_i32)
+        self._pad(self.host_i64[0], self.host_i32[0], 0)
+        self.i64.copy_(self.host_i64[0])
+        self.i32.copy_(self.host_i32[0])
         return self
 
     def _views(self, i64: torch.Tensor, i32: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -135,11 +140,16 @@ class GraphBuffers:
         )
         return forward_batch(rows, pool)
 
-    def copy_from(self, batch: HostBatch) -> None:
-        """Write a decode batch of T rows; every row past T becomes padding."""
-        v = self._views(self.host_i64, self.host_i32)
+    def copy_from(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> None:
+        """Write a decode batch of T rows; every row past T becomes padding. prev_tokens: what
+        the batch's placeholder ids stand for (ModelRunner.fill_placeholders)."""
+        self.turn = turn = 1 - self.turn
+        if self.copied[turn] is not None:
+            self.copied[turn].synchronize()  # done long ago, in practice: two steps back
+        host_i64, host_i32 = self.host_i64[turn], self.host_i32[turn]
+        v = self._views(host_i64, host_i32)
         T = batch.num_tokens
-        self._pad(self.host_i64, self.host_i32, T)
+        self._pad(host_i64, host_i32, T)
         v["input_ids"][:T] = batch.input_ids
         v["positions"][:T] = batch.positions
         v["slot_mapping"][:T] = batch.slot_mapping
@@ -151,10 +161,13 @@ class GraphBuffers:
             v["any_enabled"][0] = int(batch.slot_enabled.any())
         width = batch.page_table.shape[1]
         v["page_table"][:T, :width] = batch.page_table
-        # the pinned twins are reused: safe because every step ends in a sync (sampling reads
-        # its tokens back) before the next step writes them
-        self.i64.copy_(self.host_i64, non_blocking=True)
-        self.i32.copy_(self.host_i32, non_blocking=True)
+        self.i64.copy_(host_i64, non_blocking=True)
+        self.i32.copy_(host_i32, non_blocking=True)
+        if prev_tokens is not None:
+            fill_placeholders(self.i64[0, :T], prev_tokens)
+        if self.i64.is_cuda:
+            self.copied[turn] = torch.cuda.Event()
+            self.copied[turn].record()
 
     def _pad(self, i64: torch.Tensor, i32: torch.Tensor, T: int) -> None:
         """Rows from T on: no KV stored, no query rows, no adapter, the spare page."""
@@ -240,21 +253,29 @@ class GraphRunner:
     def can_run(self, batch: HostBatch) -> bool:
         return batch.max_query_len == 1 and batch.num_tokens <= self.sizes[0]
 
-    def run(self, batch: HostBatch, *, eager: bool = False) -> torch.Tensor:
+    def run(
+        self,
+        batch: HostBatch,
+        *,
+        eager: bool = False,
+        prev_tokens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Replay the graph of the padded batch size. eager=True runs the same padded inputs
         without the graph: the reference the GPU tests hold replays to, bit for bit."""
         T = batch.num_tokens
         if eager:
             bs = padded_batch_size(T, self.sizes)
-            self.buffers.copy_from(batch)
+            self.buffers.copy_from(batch, prev_tokens)
             return self.forward(self.buffers.forward_batch(bs, self.pool))[:T]
-        return self.replay_fn(batch)()[:T]
+        return self.replay_fn(batch, prev_tokens)()[:T]
 
-    def replay_fn(self, batch: HostBatch) -> Callable[[], torch.Tensor]:
+    def replay_fn(
+        self, batch: HostBatch, prev_tokens: torch.Tensor | None = None
+    ) -> Callable[[], torch.Tensor]:
         """The batch written into the static inputs, and a function that replays its graph and
         returns the padded output [bs, H] (each call replays again: what benchmarks time)."""
         key = (padded_batch_size(batch.num_tokens, self.sizes), STREAM_IDX)
-        self.buffers.copy_from(batch)
+        self.buffers.copy_from(batch, prev_tokens)
         graph, out = self.graphs[key], self.outputs[key]
 
         def replay() -> torch.Tensor:

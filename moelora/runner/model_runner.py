@@ -11,12 +11,43 @@ import torch
 
 from moelora.lora.slots import SlotPool
 from moelora.runner.graph_runner import GraphRunner
-from moelora.runner.sampler import sample, token_logprobs
-from moelora.step.batch import ForwardBatch, HostBatch, forward_batch, pages_for
+from moelora.runner.sampler import Sampled, sample, token_logprobs
+from moelora.step.batch import (
+    ForwardBatch,
+    HostBatch,
+    fill_placeholders,
+    forward_batch,
+    pages_for,
+)
 from moelora.step.lora import NO_SLOT
 from moelora.step.plan import StepOutput, StepPlan
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
+
+
+class LaunchedStep:
+    """A step launched on the device. Its tokens are copied to the host without blocking; output()
+    waits for them. `tokens` stay on the device for the next step's inputs."""
+
+    def __init__(
+        self, sampled: Sampled | None, prompt_logprobs: dict[int, list[dict[int, float]]]
+    ) -> None:
+        self.prompt_logprobs = prompt_logprobs
+        self.tokens = sampled.tokens if sampled is not None else None
+        self._host = self._event = None
+        if sampled is not None:
+            on_cuda = sampled.tokens.is_cuda
+            self._host = sampled.to(torch.device("cpu"), non_blocking=on_cuda)
+            if on_cuda:
+                self._event = torch.cuda.Event()
+                self._event.record()
+
+    def output(self) -> StepOutput:
+        if self._host is None:
+            return StepOutput([], self.prompt_logprobs)
+        if self._event is not None:
+            self._event.synchronize()
+        return StepOutput(self._host.results(), self.prompt_logprobs)
 
 
 class ModelRunner:
@@ -56,19 +87,29 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        """One forward over every chunk: a sample for each chunk that reaches its last token,
-        and prompt logprobs for the chunks of requests that ask for them."""
+        """launch, then wait for its output: one step with nothing left on the GPU."""
+        return self.launch(plan).output()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """One forward over every chunk, sampling a token for each chunk that reaches its last
+        token, launched on the GPU without waiting for it (only prompt logprobs wait).
+        prev_tokens: the tokens the step before sampled, still on the device, which the
+        placeholders of this plan's inputs stand for (-1 - j: its row j)."""
         host = self.host_batch(plan)
         if self.graphs is not None and self.graphs.can_run(host):
-            hidden = self.graphs.run(host)
+            hidden = self.graphs.run(host, prev_tokens=prev_tokens)
             self.num_graph_replays += 1
         else:
-            hidden = self._forward(self.device_batch(host))
+            batch = self.device_batch(host)
+            if prev_tokens is not None:
+                fill_placeholders(batch.input_ids, prev_tokens)
+            hidden = self._forward(batch)
             self.num_eager_steps += 1
         prompt_logprobs = self._prompt_logprobs(plan, host, hidden)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not sampling:
-            return StepOutput([], prompt_logprobs)
+            return LaunchedStep(None, prompt_logprobs)
         last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
         reqs = [plan.chunks[i].request for i in sampling]
@@ -78,8 +119,8 @@ class ModelRunner:
             if any(p.adjusts_logits for p in params)
             else None
         )
-        samples = sample(logits, params, [r.generator for r in reqs], history)
-        return StepOutput(samples, prompt_logprobs)
+        sampled = sample(logits, params, [r.generator for r in reqs], history)
+        return LaunchedStep(sampled, prompt_logprobs)
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
         """The model's ForwardBatch of `host`, copied to the device (the eager path)."""

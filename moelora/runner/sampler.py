@@ -3,6 +3,8 @@ with vLLM's logit bias and penalties, and logprobs."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from moelora.sampling_params import SamplingParams
@@ -13,34 +15,77 @@ from moelora.step.plan import SampleResult
 PENALTY_RANGE = (1e-30, 1e30)
 
 
+@dataclass(frozen=True)
+class Sampled:
+    """One step's samples, still on the device: nothing here has waited for the GPU."""
+
+    tokens: torch.Tensor  # [N] int64
+    # [N] the chosen token's logprob and [N, K] the best K, when any row asks for logprobs
+    chosen: torch.Tensor | None
+    top_ids: torch.Tensor | None
+    top_values: torch.Tensor | None
+    num_top: tuple[int | None, ...]  # per row: how many of the best it reports (None: no logprobs)
+
+    def to(self, device: torch.device, *, non_blocking: bool = False) -> Sampled:
+        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device == device:
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=non_blocking)
+
+        return Sampled(
+            moved(self.tokens),
+            moved(self.chosen),
+            moved(self.top_ids),
+            moved(self.top_values),
+            self.num_top,
+        )
+
+    def results(self) -> list[SampleResult]:
+        """Per row: its token and logprobs entry (vLLM's: the best k, plus the chosen token).
+        Reads the tensors: on the host, once the copies have arrived."""
+        tokens = self.tokens.tolist()
+        if self.chosen is None:
+            return [SampleResult(t, None) for t in tokens]
+        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
+        results = []
+        for i, (token, k) in enumerate(zip(tokens, self.num_top)):
+            entry = None
+            if k is not None:
+                entry = dict(zip(ids[i][:k], values[i][:k]))
+                entry[token] = chosen[i]
+            results.append(SampleResult(token, entry))
+        return results
+
+
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     history: list[tuple[list[int], list[int]]] | None = None,
-) -> list[SampleResult]:
+) -> Sampled:
     """logits [N, V] float32, one row per request that emits a token this step; history:
     each row's (prompt, generated) token ids, needed when a request asks for penalties.
-    Logprobs are the model's own (before penalties and temperature), as vLLM reports them."""
-    wants_logprobs = any(p.logprobs is not None for p in params)
+    Logprobs are the model's own (before penalties and temperature), as vLLM reports them.
+    Launches only: the host does not wait for the GPU here."""
+    num_top = tuple(p.logprobs for p in params)
+    wants_logprobs = any(k is not None for k in num_top)
     logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
     if any(p.adjusts_logits for p in params):
         assert history is not None and len(history) == len(params)
         logits = adjust_logits(logits, params, history)
-    need_probs = [not p.greedy for p in params]
     tokens = logits.argmax(dim=-1)
-    if any(need_probs):
-        rows = torch.tensor([i for i, n in enumerate(need_probs) if n], device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows.tolist()])
-        for j, i in enumerate(rows.tolist()):
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        index = torch.tensor(rows, device=logits.device)
+        probs = _filtered_probs(logits[index], [params[i] for i in rows])
+        for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    results = []
-    for i, (p, token) in enumerate(zip(params, tokens.tolist())):
-        top = None
-        if p.logprobs is not None:  # vLLM's meaning: the top-k, plus the chosen token
-            top = token_logprobs(logprobs_all[i : i + 1], tokens[i : i + 1], p.logprobs)[0]
-        results.append(SampleResult(token, top))
-    return results
+    if not wants_logprobs:
+        return Sampled(tokens, None, None, None, num_top)
+    chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+    best = logprobs_all.topk(max(k or 0 for k in num_top), dim=-1)
+    return Sampled(tokens, chosen, best.indices, best.values, num_top)
 
 
 def token_logprobs(

@@ -18,6 +18,13 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+    """Input ids -1 - j become prev_tokens[j], on the device: the tokens the step before sampled
+    reach this step without a trip through the host. [T] int64 in place; prev_tokens [N]."""
+    index = (-1 - input_ids).clamp(min=0)
+    input_ids.copy_(torch.where(input_ids < 0, prev_tokens[index], input_ids))
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Token j of sequence b (j < q_len_b) sits at position seq_len_b - q_len_b + j and attends to

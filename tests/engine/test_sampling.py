@@ -46,7 +46,7 @@ def test_greedy_takes_the_penalized_argmax_and_logprobs_stay_raw():
     logits = torch.randn(2, V)
     prompt, generated = [1, 2, 3], [int(logits[0].argmax()), 7, 7]
     params = [SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0)] * 2
-    results = sample(logits, params, [None, None], [(prompt, generated), ([], [])])
+    results = sample(logits, params, [None, None], [(prompt, generated), ([], [])]).results()
     expect = adjusted_by_loop(logits[0], params[0], prompt, generated).argmax().item()
     assert results[0].token_id == expect != logits[0].argmax().item()
     assert results[1].token_id == logits[1].argmax().item()  # nothing generated yet
@@ -77,7 +77,7 @@ def test_logit_bias_forces_and_forbids_tokens():
         SamplingParams(temperature=0, logit_bias={11: 100.0}),
         SamplingParams(temperature=0, logit_bias={top: -100.0}),
     ]
-    results = sample(logits, params, [None, None], [([1], []), ([1], [])])
+    results = sample(logits, params, [None, None], [([1], []), ([1], [])]).results()
     assert results[0].token_id == 11
     second = logits[1].clone()
     second[top] = float("-inf")
@@ -92,7 +92,9 @@ def test_a_tiny_temperature_is_raised_to_the_floor_and_samples_finite_probabilit
     assert SamplingParams(temperature=0).greedy
     logits = torch.randn(2, 50)
     logits[:, 7] = logits.max() + 1  # a gap of 1 is 100 at 0.01: e^-100 for every other token
-    out = sample(logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)])
+    out = sample(
+        logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)]
+    ).results()
     assert [r.token_id for r in out] == [7, 7]
 
 
@@ -103,7 +105,7 @@ def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
     logits = torch.randn(3, 64)
     params = [SamplingParams(top_p=top_p, seed=i) for i in range(3)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    out = sample(logits, params, gens)
+    out = sample(logits, params, gens).results()
     assert [r.token_id for r in out] == logits.argmax(dim=-1).tolist()
 
 
@@ -118,7 +120,9 @@ def test_extreme_repetition_penalties_sample_finite_probabilities(penalty, tempe
         for i in range(2)
     ]
     history = [([3, 5, 9], [1]), ([2], [3, 4])]
-    out = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(2)], history)
+    out = sample(
+        logits, params, [torch.Generator().manual_seed(i) for i in range(2)], history
+    ).results()
     seen_positive = [
         [t for t in ids if logits[i, t] > 0] for i, ids in enumerate(p + g for p, g in history)
     ]

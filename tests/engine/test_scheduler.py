@@ -12,7 +12,13 @@ from moelora.step.request import Request, Status
 def make_scheduler(num_pages=16, page_size=4, budget=64, max_seqs=8, slots=2):
     pages = PageAllocator(num_pages)
     table = SlotTable(slots)
-    return Scheduler(SchedulerConfig(max_seqs, budget, page_size), pages, table), pages, table
+    return (
+        Scheduler(
+            SchedulerConfig(max_seqs, budget, page_size, max_model_len=1 << 20), pages, table
+        ),
+        pages,
+        table,
+    )
 
 
 def make_request(i: int, prompt_len: int, lora: str | None = None) -> Request:
