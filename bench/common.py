@@ -11,7 +11,6 @@ short log of designs tried, with their figures and verdicts.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ import torch
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine, PlannedStep
 from moelora.lora.adapter import random_adapter
+from moelora.models.shapes import shape_config, write_config_folder
 from moelora.sampling_params import SamplingParams
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
 
@@ -127,39 +127,18 @@ def write_result(bench: str, lines: list[str], out: str | None) -> Path:
 
 # ---- the decode engine: a Qwen3-30B-A3B shape with random weights --------------------------
 
-QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"],
-    model_type="qwen3_moe",
-    vocab_size=151936,
-    hidden_size=2048,
-    intermediate_size=6144,
-    moe_intermediate_size=768,
-    num_hidden_layers=48,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    norm_topk_prob=True,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=4096,
-    rope_theta=1e6,
-    tie_word_embeddings=False,
-    hidden_act="silu",
-    eos_token_id=151645,
-)
 DECODE_BATCHES = (1, 8, 32, 64, 128)
 CONTEXT = 256  # prompt tokens per sequence before the timed decode step
 RANK = 16
 MAX_LORAS = 8
 
 
-def model_folder(layers: int) -> str:
-    """A model folder holding only config.json: the engine fills the weights at random."""
-    folder = tempfile.mkdtemp()
-    config = {**QWEN3_30B_A3B, "num_hidden_layers": layers}
-    Path(folder, "config.json").write_text(json.dumps(config))
-    return folder
+def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b") -> str:
+    """A model folder holding only the named shape's config.json (moelora.models.shapes), with
+    `layers` layers (None: the shape's own): the engine fills the weights at random
+    (load_format="dummy")."""
+    config = shape_config(shape, num_layers=layers)
+    return str(write_config_folder(config, tempfile.mkdtemp(prefix=f"moelora-{shape}-")))
 
 
 def make_engine(

@@ -1,0 +1,67 @@
+"""Named model shapes: the config.json of a known architecture, for runs with random weights
+(load_format="dummy", no checkpoint). The benchmarks and `moelora bench --shape NAME` build their
+engines from these, so a figure can be reproduced without downloading a model.
+
+- qwen3-30b-a3b: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert
+  intermediate 768), the shape every result in bench/results is measured on;
+- tiny-qwen3-moe: the demo model's shape (2 layers, 8 experts, hidden 64), for CPU smoke runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from moelora.demo import DEMO_SHAPE, model_config
+from moelora.errors import ConfigError
+
+QWEN3_30B_A3B: Mapping[str, object] = MappingProxyType(
+    dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        eos_token_id=151645,
+    )
+)
+TINY_QWEN3_MOE: Mapping[str, object] = MappingProxyType(
+    model_config(DEMO_SHAPE, vocab_size=512, eos_ids=[511])
+)
+SHAPES: Mapping[str, Mapping[str, object]] = MappingProxyType(
+    {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-qwen3-moe": TINY_QWEN3_MOE}
+)
+
+
+def shape_config(name: str, *, num_layers: int | None = None) -> dict:
+    """A copy of the named shape's config.json, with num_hidden_layers replaced if given."""
+    if name not in SHAPES:
+        raise ConfigError(f"shape {name!r} is unknown: expected one of {', '.join(SHAPES)}")
+    config = copy.deepcopy(dict(SHAPES[name]))  # the shape's own lists stay as they are
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return config
+
+
+def write_config_folder(config: Mapping[str, object], folder: str | Path) -> Path:
+    """A model folder holding only config.json: enough for load_format="dummy"."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(dict(config), indent=1))
+    return path

@@ -1,0 +1,37 @@
+"""moelora.models.shapes: named config.json contents for load_format="dummy" runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moelora.errors import ConfigError
+from moelora.models.registry import read_model_config
+from moelora.models.shapes import SHAPES, shape_config, write_config_folder
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_each_shape_reads_as_a_model_config(name: str, tmp_path: Path) -> None:
+    folder = write_config_folder(shape_config(name, num_layers=1), tmp_path)
+    model_config, _ = read_model_config(str(folder))
+    assert model_config.num_layers == 1
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 1
+    assert shape_config(name)["num_hidden_layers"] == SHAPES[name]["num_hidden_layers"]
+
+
+def test_the_qwen3_30b_a3b_shape_is_the_benchmarks_one(tmp_path: Path) -> None:
+    model_config, _ = read_model_config(str(write_config_folder(SHAPES["qwen3-30b-a3b"], tmp_path)))
+    assert (model_config.num_layers, model_config.num_experts, model_config.top_k) == (48, 128, 8)
+    assert (model_config.hidden_size, model_config.moe_intermediate_size) == (2048, 768)
+
+
+def test_a_copy_leaves_the_shape_as_it_is() -> None:
+    shape_config("qwen3-30b-a3b")["architectures"].append("x")
+    assert shape_config("qwen3-30b-a3b")["architectures"] == ["Qwen3MoeForCausalLM"]
+
+
+def test_an_unknown_shape_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"shape 'nope' is unknown: expected one of qwen3-30b"):
+        shape_config("nope")
