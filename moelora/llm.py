@@ -8,7 +8,8 @@ from typing import Any
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
-from moelora.errors import InvalidRequestError
+from moelora.errors import AdapterError, InvalidRequestError
+from moelora.lora.adapter import random_adapter
 from moelora.sampling_params import SamplingParams
 from moelora.step.request import RequestOutput
 
@@ -64,6 +65,33 @@ class LLM:
 
     def load_lora(self, name: str, path: str) -> None:
         self.engine.load_lora(name, path)
+
+    def add_random_lora(self, name: str, *, rank: int, seed: int = 0, scaling: float = 2.0) -> None:
+        """Register an adapter of random weights under `name`, without a PEFT folder: rank
+        `rank` (1 .. max_lora_rank) on every projection the model can adapt (attention q/k/v/o,
+        each expert's gate/up/down, a shared expert or dense MLP where the model has one),
+        A ~ N(0, 1/in) and B ~ N(0, 0.01^2), drawn from `seed` on the engine's device. Requests
+        then name it like a loaded adapter (lora=name); for benchmarks and smoke runs, where
+        what matters is the adapter's shape, not what it learned."""
+        engine = self.engine
+        targets = engine.lora_targets  # refuses an engine without LoRA first
+        max_rank = engine.config.max_lora_rank
+        if not 1 <= rank <= max_rank:  # before any weight is drawn: 48 layers take a while
+            raise AdapterError(
+                f"random adapter {name!r}: rank={rank} is invalid: expected 1 .. "
+                f"max_lora_rank={max_rank}"
+            )
+        config = engine.config
+        adapter = random_adapter(
+            name,
+            targets,
+            rank=rank,
+            seed=seed,
+            dtype=config.torch_dtype,
+            device=config.torch_device,
+            scaling=scaling,
+        )
+        engine.add_adapter(adapter)
 
     def unload_lora(self, name: str) -> None:
         self.engine.unload_lora(name)

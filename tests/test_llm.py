@@ -1,0 +1,55 @@
+"""LLM.add_random_lora on the tiny shape with dummy weights, on the CPU: an adapter without a
+PEFT folder, served like a loaded one, refused at the boundary like one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moelora import LLM, SamplingParams
+from moelora.errors import AdapterError, AdapterExistsError, InvalidRequestError
+from moelora.models.shapes import shape_config, write_config_folder
+
+PROMPT = [5, 6, 7, 8, 9, 10]
+PARAMS = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config_folder(shape_config("tiny-qwen3-moe"), tmp_path_factory.mktemp("tiny"))
+
+
+def _llm(folder: Path, **options) -> LLM:
+    return LLM(
+        str(folder), load_format="dummy", device="cpu", max_model_len=64, num_pages=16, **options
+    )
+
+
+def test_a_random_lora_is_served_like_a_loaded_one(folder: Path) -> None:
+    llm = _llm(folder, max_loras=2, max_lora_rank=8)
+    llm.add_random_lora("r1", rank=4, seed=1)
+    llm.add_random_lora("r1-again", rank=4, seed=1)
+    llm.add_random_lora("r2", rank=8, seed=2)  # three adapters, two slots: one waits on the host
+    assert llm.list_loras() == ["r1", "r1-again", "r2"]
+    outs = llm.generate([PROMPT] * 4, PARAMS, lora=[None, "r1", "r1-again", "r2"])
+    base, r1, r1_again, r2 = (out.logprobs for out in outs)
+    assert r1 == r1_again  # the seed fixes the weights
+    assert r1 != base and r2 != r1  # and they change what the model computes
+    llm.unload_lora("r1-again")
+    assert llm.list_loras() == ["r1", "r2"]
+
+
+def test_a_random_lora_is_refused_at_the_boundary(folder: Path) -> None:
+    llm = _llm(folder, max_lora_rank=8)
+    for rank in (0, 9):
+        with pytest.raises(AdapterError, match=rf"'r': rank={rank} is invalid: .*max_lora_rank=8"):
+            llm.add_random_lora("r", rank=rank)
+    llm.add_random_lora("r", rank=2)
+    with pytest.raises(AdapterExistsError, match="'r' is already loaded"):
+        llm.add_random_lora("r", rank=2)
+    with pytest.raises(AdapterExistsError, match="already loaded"):
+        llm.add_random_lora(str(folder), rank=2)  # the base model's name
+    without_lora = _llm(folder, enable_lora=False)
+    with pytest.raises(InvalidRequestError, match="LoRA is disabled"):
+        without_lora.add_random_lora("r", rank=2)
