@@ -6,16 +6,19 @@ Environment variables are read here, once, at startup: MOELORA_CACHE (where the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import shlex
 import sys
+import tempfile
 import typing
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+RANDOM_LORA_RANK = 16  # --random-lora's rank when none is given: the benchmarks' rank
 DEMO_PROMPTS = [
     ("sql", "SELECT name FROM users WHERE"),
     ("chat", "Tell me a story about a cat."),
@@ -60,16 +63,13 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="offline throughput on random prompts (vLLM's `bench throughput`)"
     )
-    bench.add_argument("model", help="a Hugging Face model folder, or 'demo'")
-    bench.add_argument("--num-prompts", type=int, default=64)
-    bench.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
-    bench.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     bench.add_argument(
-        "--lora",
-        action="append",
+        "model",
+        nargs="?",
         default=None,
-        help="repeatable; requests cycle through these adapters ('base' for none)",
+        help="a Hugging Face model folder, or 'demo'; none with --shape or --hf-config",
     )
+    _bench_args(bench)
     _engine_args(bench)
     bench.set_defaults(func=cmd_bench)
 
@@ -80,6 +80,40 @@ def _parser() -> argparse.ArgumentParser:
     _server_args(demo)
     demo.set_defaults(func=cmd_demo, model="demo")
     return parser
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    from moelora.models.shapes import SHAPES
+
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument(
+        "--lora",
+        action="append",
+        default=None,
+        help="repeatable; requests cycle through these adapters ('base' for none; default: the "
+        "--random-lora adapters, else base)",
+    )
+    p.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        help="with --load-format dummy: a named model shape instead of a model folder",
+    )
+    p.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="with --load-format dummy: a config.json (or a folder holding one) to build the "
+        "model from, instead of a model folder",
+    )
+    p.add_argument(
+        "--random-lora",
+        action="append",
+        default=[],
+        metavar="NAME[:RANK]",
+        help="repeatable: register an adapter of random weights on every projection the model "
+        f"can adapt (LLM.add_random_lora), of rank RANK (default {RANDOM_LORA_RANK})",
+    )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -157,13 +191,14 @@ def _lora_modules(items: list[str]) -> dict[str, str]:
     return modules
 
 
-def _engine_config(args: argparse.Namespace):
-    """EngineConfig from the flags; 'demo' means the demo folder and its adapters."""
+def _engine_config(args: argparse.Namespace, model: str | None = None):
+    """EngineConfig from the flags; 'demo' means the demo folder and its adapters. `model`, where
+    given, is the folder to use instead of the model argument (bench's --shape)."""
     from moelora.config import EngineConfig
 
     options = {f.name: getattr(args, f.name) for f, _ in _engine_flags()}
     options["lora_modules"] = _lora_modules(args.lora_modules)
-    model = args.model
+    model = model or args.model
     if model == "demo":
         from moelora.demo import ensure_demo
 
@@ -205,20 +240,72 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     """Random token prompts, ignore_eos, greedy: every request runs input + output tokens, so
     the figure depends on the engine, not on the text."""
+    for name in ("num_prompts", "input_len", "output_len"):
+        if getattr(args, name) < 1:
+            sys.exit(f"moelora: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
+    random_loras = [_random_lora(item) for item in args.random_lora]
+    with _bench_model(args) as model:
+        llm = _llm(_engine_config(args, model))
+        for i, (name, rank) in enumerate(random_loras):
+            llm.add_random_lora(name, rank=rank, seed=args.seed + i)
+        cycle = args.lora or [name for name, _ in random_loras] or ["base"]
+        _run_bench(llm, args, [None if name == "base" else name for name in cycle])
+
+
+@contextlib.contextmanager
+def _bench_model(args: argparse.Namespace) -> Iterator[str]:
+    """The model folder to build from: the model argument, or a temporary folder that holds
+    only the config.json of --shape or --hf-config (for --load-format dummy)."""
+    from moelora.models.shapes import write_config_folder
+
+    given = [flag for flag, v in (("--shape", args.shape), ("--hf-config", args.hf_config)) if v]
+    if len(given) > 1 or (given and args.model):
+        sys.exit(f"moelora: give one of the model argument, --shape and --hf-config, not {given}")
+    if not given:
+        if args.model is None:
+            sys.exit("moelora: expected a model folder, 'demo', --shape NAME or --hf-config PATH")
+        yield args.model
+        return
+    if args.load_format != "dummy":
+        sys.exit(f"moelora: {given[0]} gives a model without weights: add --load-format dummy")
+    with tempfile.TemporaryDirectory(prefix="moelora-shape-") as folder:
+        yield str(write_config_folder(_bench_config(args), folder))
+
+
+def _bench_config(args: argparse.Namespace) -> dict:
+    """The config.json that --shape names or --hf-config holds."""
+    from moelora.models.shapes import shape_config
+
+    if args.shape:
+        return shape_config(args.shape)
+    path = Path(args.hf_config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        sys.exit(f"moelora: --hf-config {args.hf_config!r}: expected a config.json: {e}")
+
+
+def _random_lora(item: str) -> tuple[str, int]:
+    """NAME[:RANK] -> (name, rank)."""
+    name, sep, rank = item.partition(":")
+    if name and not sep:
+        return name, RANDOM_LORA_RANK
+    if name and rank.isdigit() and int(rank) >= 1:
+        return name, int(rank)
+    sys.exit(f"moelora: --random-lora {item!r}: expected NAME or NAME:RANK, RANK an integer >= 1")
+
+
+def _run_bench(llm, args: argparse.Namespace, cycle: list[str | None]) -> None:
     import time
 
     import torch
 
     from moelora import SamplingParams
 
-    for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
-            sys.exit(f"moelora: --{name.replace('_', '-')} {getattr(args, name)}: expected >= 1")
-    llm = _llm(_engine_config(args))
     vocab = llm.engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     prompts = torch.randint(0, vocab, (args.num_prompts, args.input_len), generator=gen).tolist()
-    cycle = [None if name == "base" else name for name in args.lora or ["base"]]
     loras = [cycle[i % len(cycle)] for i in range(args.num_prompts)]
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), lora=loras[:1])  # warm-up
@@ -228,7 +315,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
     generated = sum(len(o.token_ids) for o in outs)
     total = generated + args.num_prompts * args.input_len
     names = [n or "base" for n in cycle]
-    print(f"model: {llm.engine.config.model} on {llm.engine.config.torch_device}")
+    config = llm.engine.config
+    weights = " (dummy weights)" if config.load_format == "dummy" else ""
+    print(
+        f"model: {args.shape or args.hf_config or config.model}{weights} on {config.torch_device}"
+    )
     print(
         f"requests: {args.num_prompts} x ({args.input_len} in, {args.output_len} out), "
         f"adapters cycled: {names}"

@@ -16,6 +16,7 @@ from moelora.errors import ConfigError
 
 # EngineConfig.projections: how the dense projections are computed on CUDA (kernels/linear.py)
 PROJECTIONS = ("batch-invariant", "skinny", "cublas")
+LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -87,7 +88,12 @@ class EngineConfig:
         "bf16 logits move slightly with the batch size), cublas",
         choices=PROJECTIONS,
     )
-    load_format: str = "auto"  # "dummy": random weights built on the device, no checkpoint read
+    load_format: str = _flag(
+        "auto",
+        "auto: the folder's safetensors; dummy: random weights made on the device, no checkpoint "
+        "read (the folder needs only config.json)",
+        choices=LOAD_FORMATS,
+    )
     served_model_name: str | None = _flag(
         None, "the base model's name in the API (default: the model argument)"
     )
@@ -165,7 +171,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_pages", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ("max_graph_bs", _at_least_1, _AT_LEAST_1),
-    ("load_format", lambda v: v in ("auto", "dummy"), "'auto' or 'dummy'"),
+    ("load_format", lambda v: v in LOAD_FORMATS, "'auto' or 'dummy'"),
 )
 
 

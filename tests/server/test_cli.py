@@ -17,6 +17,7 @@ import moelora
 from moelora import cli, demo
 from moelora.config import EngineConfig
 from moelora.errors import ConfigError
+from moelora.models.shapes import shape_config, write_config_folder
 
 from .conftest import API_KEY, Server, _free_port
 
@@ -133,6 +134,69 @@ def test_bench_reports_throughput_and_refuses_unknown_adapters(cache: Path) -> N
         [*cmd, *sizes, "--lora", "nope"], env=env, capture_output=True, text=True, timeout=180
     )
     assert bad.returncode != 0 and "'nope'" in bad.stderr
+
+
+CPU = ["--device", "cpu", "--max-model-len", "64", "--num-pages", "32"]
+SIZES = ["--num-prompts", "3", "--input-len", "6", "--output-len", "3"]
+TINY = ["--load-format", "dummy", "--shape", "tiny-qwen3-moe"]
+
+
+def _bench(*args: str) -> None:
+    cli.main(["bench", *CPU, *SIZES, *args])
+
+
+def test_bench_runs_a_named_shape_with_random_loras(capsys: pytest.CaptureFixture) -> None:
+    _bench(*TINY, "--random-lora", "r1:4", "--random-lora", "r2")
+    out = capsys.readouterr().out
+    assert "model: tiny-qwen3-moe (dummy weights) on cpu" in out
+    assert "3 x (6 in, 3 out), adapters cycled: ['r1', 'r2']" in out  # the default cycle
+    assert "output tokens/s" in out
+
+
+@pytest.mark.parametrize("given", ["file", "folder"])
+def test_bench_runs_an_hf_config(given: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    folder = write_config_folder(shape_config("tiny-qwen3-moe", num_layers=1), tmp_path)
+    path = folder / "config.json" if given == "file" else folder
+    _bench(
+        "--load-format",
+        "dummy",
+        "--hf-config",
+        str(path),
+        "--random-lora",
+        "r:2",
+        "--lora",
+        "base",
+        "--lora",
+        "r",
+    )
+    out = capsys.readouterr().out
+    assert f"model: {path} (dummy weights) on cpu" in out and "['base', 'r']" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--shape", "tiny-qwen3-moe"], "--shape gives a model without weights: add --load-format"),
+        ([*TINY, "--hf-config", "c.json"], "give one of the model argument, --shape and --hf-c"),
+        (["demo", *TINY], "give one of the model argument, --shape and --hf-config, not"),
+        ([], "expected a model folder, 'demo', --shape NAME or --hf-config PATH"),
+        (
+            ["--load-format", "dummy", "--hf-config", "/nonexistent/config.json"],
+            "--hf-config '/nonexistent/config.json': expected a config.json",
+        ),
+        ([*TINY, "--random-lora", "r:0"], "--random-lora 'r:0': expected NAME or NAME:RANK"),
+        ([*TINY, "--random-lora", "r:x"], "--random-lora 'r:x': expected"),
+        ([*TINY, "--random-lora", ":4"], "--random-lora ':4': expected"),
+        (
+            [*TINY, "--random-lora", "r:65"],
+            "moelora: random adapter 'r': rank=65 is invalid: expected 1 .. max_lora_rank=64",
+        ),
+    ],
+)
+def test_bench_refuses_a_model_it_cannot_build(args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _bench(*args)
+    assert message in str(exit_.value.code)
 
 
 KNOBS = {
