@@ -1,7 +1,7 @@
 """What the benchmarks share: the copy-bandwidth ceiling, CUDA-graph timing, where a run's result
-goes and its header; the Qwen3-30B-A3B decode engine (bench/decode.py, capture.py,
-profile_step.py); one MoE layer's LoRA pool and batch info (bench/kernels.py, tune_moe.py,
-ncu_moe.py).
+goes and its header; the Qwen3-30B-A3B decode engine, a decode step's floor and its timing
+(bench/decode.py, e2e.py, capture.py, profile_step.py); one MoE layer's LoRA pool and batch
+info (bench/kernels.py, tune_moe.py, ncu_moe.py).
 
 Each run writes its own dated result file, bench/results/<bench>-<device>-<date>-<commit>.md,
 whose header says the command, the commit and the machine; bench/results/NOTES.md keeps the
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -99,16 +102,16 @@ def result_path(bench: str) -> Path:
     return path
 
 
-def result_header(title: str, bandwidth: float | None) -> list[str]:
+def result_header(title: str, bandwidth: float | None, *, device: str = DEV) -> list[str]:
     import triton
 
+    name = torch.cuda.get_device_name() if device == DEV else platform.processor() or device
     lines = [
         f"# {title}",
         "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
         f"- commit: {commit()}",
-        f"- device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-        f"triton {triton.__version__}",
+        f"- device: {name}, torch {torch.__version__}, triton {triton.__version__}",
         f"- command: `PYTHONPATH=. python {' '.join(sys.argv)}`",
     ]
     if bandwidth is not None:
@@ -197,6 +200,67 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep
     step = engine.plan_step()
     assert len(step.request_ids) == B and step.inputs.num_tokens == B
     return step
+
+
+def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
+    """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
+
+    Experts: each distinct expert a layer routes to, once. LoRA: per active slot the attention
+    A/B at the real rank, and per distinct (slot, expert) pair that expert's A/B.
+    """
+    mc, elem, r = engine.model_config, 2, RANK
+    H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
+    qkv = mc.q_size + 2 * mc.kv_size
+    slots = step.inputs.slot_of_token.long().to(DEV) if engine.config.enable_lora else None
+    attn = (H * qkv + mc.q_size * H) * elem
+    model, lora = mc.vocab_size * H * elem, 0  # the lm_head (the embedding reads B rows only)
+    for ids in step.routed_experts():
+        model += attn + E * H * elem + int(ids.unique().numel()) * 3 * H * I * elem
+        if slots is None:
+            continue
+        active = slots >= 0
+        pairs = (slots[:, None] * E + ids.long())[active].unique().numel()
+        lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
+        n_slots = int(slots[active].unique().numel())
+        lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
+    kv_tokens = int(step.inputs.seq_lens.sum())
+    model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+    return model, lora
+
+
+def time_step(step: PlannedStep, *, eager: bool, device: str = DEV) -> float:
+    """Median ms of one decode forward and its logits (PlannedStep.logits_fn): the replay of
+    the batch's graph, its static inputs written once beforehand, then the lm_head on the
+    batch's rows as the runner does after a replay; or the eager model. The floor counts the
+    lm_head's weight, so the timed part must run it too. On the CPU (bench/e2e.py --smoke):
+    the median of a few eager calls, by the wall clock."""
+    assert eager or step.uses_graph, "the batch has no graph: raise max_graph_bs"
+    with torch.inference_mode():
+        logits = step.logits_fn(eager=eager)
+        if device == "cpu":
+            return wall_median_ms(logits, reps=3)
+        from triton.testing import do_bench
+
+        return do_bench(logits, warmup=25, rep=200, return_mode="median")
+
+
+def wall_median_ms(fn: Callable[[], object], *, reps: int) -> float:
+    """Median ms of `reps` calls by the wall clock, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def adapters_of(case: str, names: list[str], B: int) -> list[str | None]:
+    if case in ("disabled", "base-only"):
+        return [None] * B
+    if case == "1 adapter":
+        return [names[0]] * B
+    return [names[i % len(names)] for i in range(B)]
 
 
 # ---- one MoE layer: (E, H, I, K, layers a graph holds) ------------------------------------

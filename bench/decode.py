@@ -21,68 +21,24 @@ from common import (
     DECODE_BATCHES,
     MAX_LORAS,
     RANK,
+    adapters_of,
     add_random_adapters,
     capture_seconds,
     copy_bandwidth,
     decode_batch,
+    floor_bytes,
     make_engine,
     model_folder,
     result_header,
+    time_step,
     write_result,
 )
-from triton.testing import do_bench
 
 from moelora.config import PROJECTIONS
-from moelora.engine.engine import Engine, PlannedStep
 from moelora.kernels.pdl import pdl_kwargs
 from moelora.runner.graph_runner import graph_batch_sizes
 
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
-
-
-def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
-    """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
-
-    Experts: each distinct expert a layer routes to, once. LoRA: per active slot the attention
-    A/B at the real rank, and per distinct (slot, expert) pair that expert's A/B.
-    """
-    mc, elem, r = engine.model_config, 2, RANK
-    H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
-    qkv = mc.q_size + 2 * mc.kv_size
-    slots = step.inputs.slot_of_token.long().cuda() if engine.config.enable_lora else None
-    attn = (H * qkv + mc.q_size * H) * elem
-    model, lora = mc.vocab_size * H * elem, 0  # the lm_head (the embedding reads B rows only)
-    for ids in step.routed_experts():
-        model += attn + E * H * elem + int(ids.unique().numel()) * 3 * H * I * elem
-        if slots is None:
-            continue
-        active = slots >= 0
-        pairs = (slots[:, None] * E + ids.long())[active].unique().numel()
-        lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
-        n_slots = int(slots[active].unique().numel())
-        lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
-    kv_tokens = int(step.inputs.seq_lens.sum())
-    model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
-    return model, lora
-
-
-def time_step(step: PlannedStep, *, eager: bool) -> float:
-    """Median ms of one decode forward and its logits (PlannedStep.logits_fn): the replay of
-    the batch's graph, its static inputs written once beforehand, then the lm_head on the
-    batch's rows as the runner does after a replay; or the eager model. The floor counts the
-    lm_head's weight, so the timed part must run it too."""
-    assert eager or step.uses_graph, "the batch has no graph: raise max_graph_bs"
-    with torch.inference_mode():
-        logits = step.logits_fn(eager=eager)
-        return do_bench(logits, warmup=25, rep=200, return_mode="median")
-
-
-def adapters_of(case: str, names: list[str], B: int) -> list[str | None]:
-    if case in ("disabled", "base-only"):
-        return [None] * B
-    if case == "1 adapter":
-        return [names[0]] * B
-    return [names[i % len(names)] for i in range(B)]
 
 
 def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, batches):
