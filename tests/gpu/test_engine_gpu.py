@@ -65,6 +65,7 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, pr
         max_num_seqs=96,
         max_num_batched_tokens=4096,
         projections=projections,
+        async_scheduling=False,  # the test plans the next step itself, from known tokens
         **ENGINE,
     )
     engine = llm.engine
@@ -194,3 +195,44 @@ def test_an_engine_on_cuda_1_matches_one_on_cuda_0_and_leaves_cuda_0_alone(asset
     assert second.engine.stats().graph_replays > 0
     assert torch.cuda.memory_allocated(0) == on_0, "the cuda:1 engine allocated on cuda:0"
     assert torch.cuda.memory_allocated(1) > 0
+
+
+@pytest.mark.parametrize("arch", hf.ARCHS)
+def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(tmp_path, arch):
+    """bf16, graphs, mixed adapters, and requests that stop on EOS and stop ids (seen one step
+    late with async scheduling, after the next step was launched with them) beside ones that
+    run to max_tokens: the same greedy tokens and finish reasons, token for token."""
+    model = hf.make_model(arch, tmp_path / "model", seed=11)
+    adapters = {
+        f"a{i}": str(
+            hf.make_per_expert_adapter(
+                model, tmp_path / f"a{i}", seed=20 + i, rank=8, alpha=16, arch=arch
+            )
+        )
+        for i in range(3)
+    }
+    kw = dict(lora_modules=adapters, max_lora_rank=8, dtype="bfloat16", max_graph_bs=32)
+    off = LLM(str(model), async_scheduling=False, **kw, **ENGINE)
+    on = LLM(str(model), async_scheduling=True, **kw, **ENGINE)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(200) for _ in range(rng.randint(2, 40))] for _ in range(24)]
+    loras = [[None, "a0", "a1", "a2"][i % 4] for i in range(24)]
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    probe = off.generate(prompts, greedy, lora=loras)  # each request's own tokens
+    eos = probe[0].token_ids[6]
+    for llm in (on, off):
+        llm.engine.eos_token_ids = frozenset({eos})
+    params = [
+        SamplingParams(
+            max_tokens=10 + i % 7,
+            temperature=0,
+            ignore_eos=i % 3 == 0,
+            stop_token_ids=[probe[i].token_ids[2 + i % 6]] if i % 3 else None,
+        )
+        for i in range(24)
+    ]
+    want = [(o.token_ids, o.finish_reason) for o in off.generate(prompts, params, lora=loras)]
+    got = [(o.token_ids, o.finish_reason) for o in on.generate(prompts, params, lora=loras)]
+    assert got == want
+    assert sum(reason == "stop" for _, reason in want) >= 8
+    assert on.engine.stats().graph_replays > 0 and on.engine.stats().kv_pages_used == 0
