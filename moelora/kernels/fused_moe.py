@@ -4,9 +4,9 @@ Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].
 e = ids[t, k]; d13, d2 are the LoRA deltas of token t's adapter slot for expert e.
 
 Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
-  1. Align (moe_align.py, one launch of a few programs): sort the pairs by expert and pad each
-     expert's group to BM rows, so every BM-row block uses one expert. Buffers are sized from
-     T*K, E and BM only.
+  1. Align (moe_align.py, one launch of a few programs; two past PMAX pairs): sort the pairs
+     by expert and pad each expert's group to BM rows, so every BM-row block uses one expert.
+     Buffers are sized from T*K, E and BM only.
   2. gate_up: a program owns one block and BN columns of both gate and up, so SiLU-and-mul is
      applied in registers and only h = [rows, I] is written.
   3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
@@ -49,7 +49,7 @@ MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair s
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
 
-# 1. Align: moe_align.py (one launch; with LoRA it also shrinks each pair, see moe_lora.py).
+# 1. Align: moe_align.py (its last launch, with LoRA, also shrinks each pair: see moe_lora.py).
 
 # --------------------------------------------------------------------------------------------
 # 2. gate_up GEMM + LoRA + SiLU-and-mul.
@@ -439,10 +439,11 @@ def _lora(
 def _align(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, E: int, BM: int, lora: _Lora
 ) -> _Pairs:
-    """The align launch: programs 0..NA-1 group the pairs by expert; with LoRA, more programs
-    of the same launch shrink each pair (moe_lora.pair_shrink), `splits` jobs a pair on at most
-    MAX_SHRINK_PROGRAMS programs, each of which costs a base-only step a load. Only a launch
-    with LoRA gets SHRINK_WARPS: they would slow down the align alone."""
+    """The align launch (past PMAX pairs, after moe_align's count launch): programs 0..NA-1
+    group the pairs by expert; with LoRA, more programs of the same launch shrink each pair
+    (moe_lora.pair_shrink), `splits` jobs a pair on at most MAX_SHRINK_PROGRAMS programs, each
+    of which costs a base-only step a load. Only a launch with LoRA gets SHRINK_WARPS: they
+    would slow down the align alone."""
     P = ids.numel()
     NB = num_blocks(P, E, BM)
     sorted_pair = torch.empty(NB * BM, dtype=torch.int32, device=x.device)

@@ -6,19 +6,25 @@ Semantics: sorted_pair = the pair indices, stably sorted by expert, each expert'
 b*BM..b*BM+BM-1, -1 past the used blocks (align_reference is the torch statement of it).
 
 Algorithm. Buffers are sized from P = T*K, E and BM only, and nothing syncs with the host, so
-the launch is capturable in a CUDA graph. Up to PMAX pairs (every decode batch), the align is
-spread over NA programs that never talk to each other: each loads all P expert ids at once,
+the launches are capturable in a CUDA graph. Up to PMAX pairs (every decode batch), the align is
+one launch of NA programs that never talk to each other: each loads all P expert ids at once,
 histograms them into per-expert counts and turns those into each expert's first row (a cumsum
 of ceil(count / BM) * BM). Then program a
   - places its PCH pairs: row = expert's first row + pairs of that expert in earlier programs
     (a histogram of ids[:a*PCH]) + those earlier in its own chunk (a [PCH, PCH] compare);
   - writes its RB blocks: the expert of each block (experts that end at or before it) and -1
     in the block's rows past its expert's last pair.
-Pair rows and padding rows are disjoint, so the two halves need no ordering. Past PMAX (prefill,
-never in a graph) one program does the same serially over chunks of CH pairs, with a one-hot
-cumsum for the ranks. When the MoE has LoRA, programs from NA on of the same launch do each
-pair's gate_up shrink (moe_lora.pair_shrink, SPLITS jobs a pair), so that costs no launch of
-its own.
+Pair rows and padding rows are disjoint, so the two halves need no ordering.
+
+Past PMAX (prefill) a histogram of all P ids in every program would cost P x NA, so the counts
+come from a launch before: align_count_kernel histograms each chunk of CB pairs into a table
+counts [NC, E_PAD]. Program a of the align launch sums that (small) table for every expert's
+count and for each expert's pairs in chunks before a, and places chunk a by sorting it on
+(expert, pair) keys: a pair's rank among its expert's pairs of the chunk is its place in the
+sorted chunk less the chunk's pairs of smaller experts, and pairs of one expert keep their
+order. Blocks are written as above. When the MoE has LoRA, programs from NA on of the align
+launch do each pair's gate_up shrink (moe_lora.pair_shrink, SPLITS jobs a pair), so that costs
+no launch of its own.
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ from moelora.kernels.moe_lora import pair_shrink
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 
-# Largest P aligned by the parallel path: every program holds all P ids in registers.
+# Largest P aligned in one launch: every program holds all P ids in registers.
 PMAX = 4096
+# Past PMAX: chunks of CB pairs, a power of two from CHUNK_MIN to CHUNK_MAX (each CB is a compile
+# of its own), so that the chunks number at most the count table's rows a program loads at once.
+CHUNK_MIN, CHUNK_MAX = 256, 1024
+COUNT_TILE = 16384  # elements of the [NT, E_PAD] tile of counts an align program loads at once
 
 
 @triton.jit
@@ -74,8 +84,36 @@ def _align_parallel(
         rank = tl.sum(earlier.to(tl.int32), axis=1)  # same expert, earlier in this chunk
         tl.store(sorted_pair_ptr + first + rank, offs_c, mask=c_ok)
 
-    # -- blocks b0..b0+RB-1: their expert, and -1 in rows past the expert's last pair --
-    b0 = a * RB
+    _write_blocks(
+        b0=a * RB,
+        sorted_pair_ptr=sorted_pair_ptr,
+        expert_of_block_ptr=expert_of_block_ptr,
+        counts=counts,
+        blocks_end=blocks_end,
+        row_start=row_start,
+        E=E,
+        NB=NB,
+        BM=BM,
+        E_PAD=E_PAD,
+        RB=RB,
+    )
+
+
+@triton.jit
+def _write_blocks(
+    b0,
+    sorted_pair_ptr,
+    expert_of_block_ptr,
+    counts,  # [E_PAD] pairs of each expert
+    blocks_end,  # [E_PAD] cumsum of each expert's blocks
+    row_start,  # [E_PAD] each expert's first row
+    E,
+    NB,
+    BM: tl.constexpr,
+    E_PAD: tl.constexpr,
+    RB: tl.constexpr,
+):
+    """Blocks b0..b0+RB-1: their expert, and -1 in rows past the expert's last pair."""
     if b0 < NB:
         offs_e = tl.arange(0, E_PAD)
         b = b0 + tl.arange(0, RB)
@@ -89,60 +127,98 @@ def _align_parallel(
         tl.store(sorted_pair_ptr + rows, -1, mask=pad)
 
 
+@triton.jit(do_not_specialize=["P"])
+def align_count_kernel(
+    topk_ids_ptr,  # [P] int32
+    counts_ptr,  # [NC, E_PAD] int32 out: pairs of each expert in each chunk of CB pairs
+    P,
+    CB: tl.constexpr,
+    E_PAD: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """The chunked align's first launch: program c histograms pairs c*CB..c*CB+CB-1."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    c = tl.program_id(0)
+    offs = c * CB + tl.arange(0, CB)
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < P, other=0)
+    counts = tl.histogram(ids, E_PAD, mask=offs < P)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
+
+
 @triton.jit
-def _align_serial(
+def _align_chunked(
+    a,
     topk_ids_ptr,
+    counts_ptr,
     sorted_pair_ptr,
     expert_of_block_ptr,
     P,
     E,
     NB,
+    NC,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
-    CH: tl.constexpr,
+    CB: tl.constexpr,
+    NT: tl.constexpr,
+    RB: tl.constexpr,
 ):
-    """The whole align in one program, in chunks of CH pairs: any P."""
+    """Align program a of NA past PMAX: chunk a of CB pairs and blocks a*RB.. (see the module
+    docstring), from align_count_kernel's table counts [NC, E_PAD]."""
+    # -- every expert's pairs, those in chunks before a, and chunk a's own: sums of the table --
     offs_e = tl.arange(0, E_PAD)
-    offs_c = tl.arange(0, CH)
-
-    # -- pass 1: pairs per expert, then the first block of each expert --
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, P, CH):
-        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p0 + offs_c < P, other=-1)
-        counts += tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    mine = tl.zeros((E_PAD,), dtype=tl.int32)
+    for r0 in range(0, NC, NT):
+        rows = r0 + tl.arange(0, NT)
+        tile = tl.load(
+            counts_ptr + rows[:, None] * E_PAD + offs_e[None, :], mask=(rows < NC)[:, None], other=0
+        )
+        counts += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where((rows < a)[:, None], tile, 0), axis=0)
+        mine += tl.sum(tl.where((rows == a)[:, None], tile, 0), axis=0)
     blocks = (counts + BM - 1) // BM
     blocks_end = tl.cumsum(blocks, axis=0)
-    blocks_start = blocks_end - blocks
+    row_start = (blocks_end - blocks) * BM
 
-    # -- expert of each block: the number of experts that end at or before it --
-    for b0 in range(0, NB, CH):
-        b = b0 + offs_c
-        e = tl.sum((blocks_end[None, :] <= b[:, None]).to(tl.int32), axis=1)
-        tl.store(expert_of_block_ptr + b, tl.where(e < E, e, -1), mask=b < NB)
+    # -- chunk a, sorted on (expert, pair): its i-th pair goes to its expert's first row + the
+    #    expert's pairs in earlier chunks + i - the chunk's pairs of smaller experts; the pair in
+    #    the key keeps one expert's pairs in pair order (stable) --
+    if a < NC:
+        offs_c = tl.arange(0, CB)
+        p_ok = a * CB + offs_c < P
+        # past P: expert E_PAD, above every real one, so those sort last and are not stored
+        ids = tl.load(topk_ids_ptr + a * CB + offs_c, mask=p_ok, other=E_PAD)
+        key = tl.sort(ids * CB + offs_c)
+        expert = key // CB
+        smaller = tl.cumsum(mine, axis=0) - mine
+        first = tl.gather(row_start + before - smaller, tl.minimum(expert, E_PAD - 1), 0)
+        tl.store(sorted_pair_ptr + first + offs_c, a * CB + key % CB, mask=expert < E_PAD)
 
-    # -- pass 2: every row starts as padding, then each pair goes to its place --
-    for r0 in range(0, NB * BM, CH):
-        tl.store(sorted_pair_ptr + r0 + offs_c, -1, mask=r0 + offs_c < NB * BM)
-    tl.debug_barrier()  # the padding stores above must land before the pair stores below
-    seen = tl.zeros((E_PAD,), dtype=tl.int32)
-    for p0 in range(0, P, CH):
-        p_ok = p0 + offs_c < P
-        ids = tl.load(topk_ids_ptr + p0 + offs_c, mask=p_ok, other=-1)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [CH, E_PAD]
-        rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
-        first = tl.sum(onehot * (blocks_start * BM + seen)[None, :], axis=1)
-        tl.store(sorted_pair_ptr + first + rank, p0 + offs_c, mask=p_ok)
-        seen += tl.sum(onehot, axis=0)
+    _write_blocks(
+        b0=a * RB,
+        sorted_pair_ptr=sorted_pair_ptr,
+        expert_of_block_ptr=expert_of_block_ptr,
+        counts=counts,
+        blocks_end=blocks_end,
+        row_start=row_start,
+        E=E,
+        NB=NB,
+        BM=BM,
+        E_PAD=E_PAD,
+        RB=RB,
+    )
 
 
 # Sizes that change with the batch are not specialized on (divisibility by 16): each graph
 # batch size would otherwise compile its own variant, and capture pays for every compile.
-@triton.jit(do_not_specialize=["P", "NB", "NA", "NS"])
+@triton.jit(do_not_specialize=["P", "NB", "NC", "NA", "NS"])
 def align_kernel(
     # Pointers.
     topk_ids_ptr,  # [P] int32, P = T*K pairs, pair p = (token p // K, choice p % K)
     sorted_pair_ptr,  # [NB*BM] int32 out: pair of each row, -1 for padding rows
     expert_of_block_ptr,  # [NB] int32 out: expert of each block, -1 for unused blocks
+    counts_ptr,  # [NC, E_PAD] int32: align_count_kernel's table past PMAX (unused up to PMAX)
     # Pointers of the LoRA shrink programs (pid >= NA), see moe_lora.pair_shrink.
     x_ptr,
     slot_ptr,
@@ -152,11 +228,12 @@ def align_kernel(
     xa13_ptr,
     xa2_ptr,
     any_ptr,  # [1] int32: whether any slot is enabled this step
-    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), hidden, align programs,
-    # shrink programs.
+    # Sizes: pairs, experts, blocks (an upper bound on the blocks used), chunks (past PMAX),
+    # hidden, align programs, shrink programs.
     P,
     E,
     NB,
+    NC,
     H,
     NA,
     NS,
@@ -166,7 +243,7 @@ def align_kernel(
     stride_ae,
     stride_ai,
     stride_ar,
-    # Meta-parameters: LoRA shrink, then align (align_plan picks PARALLEL, P_PAD, PCH, RB).
+    # Meta-parameters: LoRA shrink, then align (align_plan picks CHUNKED and the tiles).
     K: tl.constexpr,
     HAS13: tl.constexpr,
     HAS2: tl.constexpr,
@@ -175,10 +252,11 @@ def align_kernel(
     SPLITS: tl.constexpr,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
-    CH: tl.constexpr,
-    PARALLEL: tl.constexpr,
+    CHUNKED: tl.constexpr,  # past PMAX: counts from align_count_kernel, chunks of CB pairs
     P_PAD: tl.constexpr,
     PCH: tl.constexpr,
+    CB: tl.constexpr,
+    NT: tl.constexpr,
     RB: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -213,7 +291,24 @@ def align_kernel(
                     BKS=BKS,
                     SPLITS=SPLITS,
                 )
-    elif PARALLEL:
+    elif CHUNKED:
+        _align_chunked(
+            a=pid,
+            topk_ids_ptr=topk_ids_ptr,
+            counts_ptr=counts_ptr,
+            sorted_pair_ptr=sorted_pair_ptr,
+            expert_of_block_ptr=expert_of_block_ptr,
+            P=P,
+            E=E,
+            NB=NB,
+            NC=NC,
+            BM=BM,
+            E_PAD=E_PAD,
+            CB=CB,
+            NT=NT,
+            RB=RB,
+        )
+    else:
         _align_parallel(
             a=pid,
             topk_ids_ptr=topk_ids_ptr,
@@ -228,25 +323,14 @@ def align_kernel(
             PCH=PCH,
             RB=RB,
         )
-    else:
-        _align_serial(
-            topk_ids_ptr=topk_ids_ptr,
-            sorted_pair_ptr=sorted_pair_ptr,
-            expert_of_block_ptr=expert_of_block_ptr,
-            P=P,
-            E=E,
-            NB=NB,
-            BM=BM,
-            E_PAD=E_PAD,
-            CH=CH,
-        )
 
 
-def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
+def align_plan(P: int, NB: int, *, E: int, BM: int, pmax: int = PMAX) -> tuple[int, dict]:
     """(NA, meta-parameters) of the align programs for P pairs and NB blocks: NA depends on P,
-    NB (so on P, E, BM) only, never on the ids, so a graph replay launches the same grid."""
+    NB (so on P, E, BM) only, never on the ids, so a graph replay launches the same grid. Past
+    pmax, meta's CB is the chunk of align_count_kernel's cdiv(P, CB) programs."""
     if P > pmax:
-        return 1, dict(PARALLEL=False, P_PAD=1, PCH=1, RB=1, num_warps=8)
+        return _chunked_plan(P, NB, E=E, BM=BM)
     # narrow programs up to 1024 pairs; past that every program's histogram of all P ids
     # dominates, so fewer, wider ones
     small = P <= 1024
@@ -255,7 +339,37 @@ def align_plan(P: int, NB: int, *, pmax: int = PMAX) -> tuple[int, dict]:
     # the histogram's width: at least a warp's lanes, in powers of 4 (not 2): each width is a
     # compile of its own, and a cold graph capture pays for every one
     P_PAD = max(64, 4 ** math.ceil(math.log(P, 4) - 1e-9))
-    return NA, dict(PARALLEL=True, P_PAD=P_PAD, PCH=PCH, RB=RB, num_warps=4 if small else 8)
+    meta = dict(CHUNKED=False, P_PAD=P_PAD, PCH=PCH, CB=1, NT=1, RB=RB)
+    return NA, meta | dict(num_warps=4 if small else 8)
+
+
+def _chunked_plan(P: int, NB: int, *, E: int, BM: int) -> tuple[int, dict]:
+    """Chunks of CB pairs, as few as NT (one load of the count table) while CB <= CHUNK_MAX;
+    RB blocks a program, about a chunk's rows (at least 4), so the block writers add few
+    programs to the chunks'."""
+    NT = min(128, COUNT_TILE // next_power_of_2(E))
+    CB = min(max(next_power_of_2(cdiv(P, NT)), CHUNK_MIN), CHUNK_MAX)
+    RB = max(4, CB // BM)
+    NA = max(cdiv(P, CB), cdiv(NB, RB))
+    return NA, dict(CHUNKED=True, P_PAD=1, PCH=1, CB=CB, NT=NT, RB=RB, num_warps=8)
+
+
+def count_table(ids: torch.Tensor, *, E: int, CB: int) -> torch.Tensor:
+    """align_count_kernel over ids [P] (int32, contiguous): counts [cdiv(P, CB), E_PAD] int32,
+    the pairs of each expert in each chunk of CB pairs. No host sync."""
+    E_PAD = next_power_of_2(E)
+    NC = cdiv(ids.numel(), CB)
+    counts = torch.empty(NC, E_PAD, dtype=torch.int32, device=ids.device)
+    align_count_kernel[(NC,)](
+        topk_ids_ptr=ids,
+        counts_ptr=counts,
+        P=ids.numel(),
+        CB=CB,
+        E_PAD=E_PAD,
+        num_warps=4,
+        **pdl_kwargs(ids.device),
+    )
+    return counts
 
 
 @dataclass(frozen=True)
@@ -308,22 +422,26 @@ def launch_align(
     E: int,
     BM: int,
     shrink: PairShrink,
-    pmax: int = PMAX,
+    pmax: int | None = None,
 ) -> None:
     """align_kernel over ids [P] (int32, contiguous) into sorted_pair [NB*BM] and
-    expert_of_block [NB]: NA programs align, shrink.programs more shrink. No host sync."""
+    expert_of_block [NB]: NA programs align, shrink.programs more shrink; past pmax (PMAX when
+    None) align_count_kernel runs first. No host sync."""
     P, NB = ids.numel(), expert_of_block.numel()
-    NA, meta = align_plan(P, NB, pmax=pmax)
+    NA, meta = align_plan(P, NB, E=E, BM=BM, pmax=PMAX if pmax is None else pmax)
+    counts = count_table(ids, E=E, CB=meta["CB"]) if meta["CHUNKED"] else ids
     if shrink.programs:
         meta["num_warps"] = max(meta["num_warps"], shrink.num_warps)
     align_kernel[(NA + shrink.programs,)](
         topk_ids_ptr=ids,
         sorted_pair_ptr=sorted_pair,
         expert_of_block_ptr=expert_of_block,
+        counts_ptr=counts,
         **shrink.pointers(unused=ids),
         P=P,
         E=E,
         NB=NB,
+        NC=counts.shape[0] if meta["CHUNKED"] else 1,
         H=0 if shrink.x is None else shrink.x.shape[1],
         NA=NA,
         NS=max(shrink.programs, 1),
@@ -340,7 +458,6 @@ def launch_align(
         SPLITS=shrink.splits,
         BM=BM,
         E_PAD=next_power_of_2(E),
-        CH=64,
         **meta,
         **pdl_kwargs(ids.device),
     )
@@ -352,9 +469,10 @@ def num_blocks(P: int, E: int, BM: int) -> int:
 
 
 def moe_align(
-    topk_ids: torch.Tensor, E: int, BM: int, *, pmax: int = PMAX
+    topk_ids: torch.Tensor, E: int, BM: int, *, pmax: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: see the module docstring. topk_ids [T, K] int32, ids in [0, E).
+    """Semantics: see the module docstring. topk_ids [T, K] int32, ids in [0, E); past pmax
+    (PMAX when None) pairs, the chunked path.
 
     Returns sorted_pair [NB*BM] int32 and expert_of_block [NB] int32, NB = num_blocks(T*K, E, BM).
     fused_moe's launch adds its LoRA shrink programs (PairShrink); this is the align alone.
