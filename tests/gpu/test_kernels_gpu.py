@@ -86,7 +86,8 @@ def _routing(T: int, E: int, K: int):
     return reference.route_topk(logits, K, renormalize=True)
 
 
-@pytest.mark.parametrize("T", [1, 7, 64, 256])
+# 2048 tokens: past PMAX pairs at K = 8, the align's chunked path with the pair shrink
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048])
 @pytest.mark.parametrize("spread", SPREADS)
 def test_fused_moe_bf16(moe_weights, T, spread):
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights

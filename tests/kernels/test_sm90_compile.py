@@ -219,7 +219,8 @@ def _launch_paged_attention() -> None:
 
 
 def _launch_moe() -> None:
-    """The MoE at every tuned tile config, LoRA off and on; the align's serial path past PMAX."""
+    """The MoE at every tuned tile config, LoRA off and on; past PMAX pairs the align's two
+    launches at each chunk size (CHUNK_MIN..CHUNK_MAX), LoRA off and on."""
     from lora_cases import batch_info, lora_weights
 
     from moelora.kernels import moe_align
@@ -236,7 +237,15 @@ def _launch_moe() -> None:
         weights, ids = torch.rand(T, K), torch.randint(0, E, (T, K), dtype=torch.int32)
         fused_moe(x, w13, w2, weights, ids, config=config)
         fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)
-    moe_align.moe_align(torch.randint(0, E, (600, K), dtype=torch.int32), E, 64)
+    for T, BM in ((600, 64), (4096, 16), (8192, 128), (16384, 32)):  # chunks of 256, 512, 1024
+        moe_align.moe_align(torch.randint(0, E, (T, K), dtype=torch.int32), E, BM)
+    T, config = 1024, max(_moe_configs(), key=lambda tc: tc[0])[1]  # the largest bucket's
+    info = batch_info(T, "mixed")
+    l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, BF16)
+    l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, BF16)
+    x, weights = torch.randn(T, Hm, dtype=BF16), torch.rand(T, K)
+    ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+    fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)
 
 
 def main() -> None:
