@@ -268,19 +268,21 @@ def adapters_of(case: str, names: list[str], B: int) -> list[str | None]:
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 8), "mixtral": (8, 4096, 14336, 2, 4)}
 
 
-def lora_pool(E: int, H: int, I: int, R: int, rank: int) -> tuple[LoraWeights, LoraWeights]:
+def lora_pool(
+    E: int, H: int, I: int, R: int, rank: int, *, device: str = DEV
+) -> tuple[LoraWeights, LoraWeights]:
     """MAX_LORAS slots of pool rank R, each holding an adapter of the given real rank."""
-    a13 = torch.zeros(MAX_LORAS, E, 2, R, H, dtype=DT, device=DEV)
-    b13 = torch.zeros(MAX_LORAS, E, 2 * I, R, dtype=DT, device=DEV)
-    a2 = torch.zeros(MAX_LORAS, E, 1, R, I, dtype=DT, device=DEV)
-    b2 = torch.zeros(MAX_LORAS, E, H, R, dtype=DT, device=DEV)
+    a13 = torch.zeros(MAX_LORAS, E, 2, R, H, dtype=DT, device=device)
+    b13 = torch.zeros(MAX_LORAS, E, 2 * I, R, dtype=DT, device=device)
+    a2 = torch.zeros(MAX_LORAS, E, 1, R, I, dtype=DT, device=device)
+    b2 = torch.zeros(MAX_LORAS, E, H, R, dtype=DT, device=device)
     for t, scale in ((a13, H**-0.5), (a2, I**-0.5), (b13, 0.1), (b2, 0.1)):
         view = t[..., :rank, :] if t.dim() == 5 else t[..., :rank]
         view.copy_(torch.randn_like(view) * scale)
     return LoraWeights(a13, b13, (I, I)), LoraWeights(a2, b2, (H,))
 
 
-def batch_info(M: int, case: str, rank: int) -> LoraBatchInfo:
+def batch_info(M: int, case: str, rank: int, *, device: str = DEV) -> LoraBatchInfo:
     """M tokens: "none" on no slot, "one" all on slot 0, else ("distinct") token t on t % 8."""
     if case == "none":
         slots = torch.full((M,), NO_SLOT)
@@ -291,8 +293,8 @@ def batch_info(M: int, case: str, rank: int) -> LoraBatchInfo:
     enabled = torch.zeros(MAX_LORAS, dtype=torch.int32)
     enabled[slots[slots >= 0].unique()] = 1
     return LoraBatchInfo(
-        slots.to(DEV, torch.int32),
-        torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=DEV),
-        torch.full((MAX_LORAS,), 0.5, device=DEV),
-        enabled.to(DEV),
+        slots.to(device, torch.int32),
+        torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=device),
+        torch.full((MAX_LORAS,), 0.5, device=device),
+        enabled.to(device),
     )

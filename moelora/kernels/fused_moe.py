@@ -623,3 +623,23 @@ def fused_moe(
         return pair_out.view(T, K, H)
     _sum_topk(pair_out, out, K)
     return out
+
+
+def fused_moe_align(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    E: int,
+    BM: int,
+    lora13: LoraWeights | None = None,
+    lora2: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 1 of fused_moe alone, launched as fused_moe launches it (with LoRA, the pair shrink
+    programs ride along): sorted_pair [NB*BM] and expert_of_block [NB] (moe_align.py). Arguments
+    as fused_moe's; for benchmarks of the align launch."""
+    ids = topk_ids.contiguous().view(-1)
+    lora = _lora(lora13, lora2, info, unused=ids)
+    pairs = _align(x, ids, topk_weights.contiguous().view(-1), E, BM, lora)
+    return pairs.sorted_pair, pairs.expert_of_block
