@@ -114,7 +114,7 @@ class Scheduler:
         if need > self.pages.num_free:
             return False
         if need > 0:
-            req.pages += self.pages.allocate(need)
+            req.add_pages(self.pages.allocate(need))
         return True
 
     def _preempt(self, req: Request) -> None:
@@ -127,7 +127,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         self.pages.free(req.pages)
-        req.pages = []
+        req.clear_pages()
         if req.slot is not None:
             self.slots.release(req.slot)
             req.slot = None

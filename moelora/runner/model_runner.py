@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from moelora.lora.slots import SlotPool
@@ -17,7 +18,6 @@ from moelora.step.batch import (
     HostBatch,
     fill_placeholders,
     forward_batch,
-    pages_for,
 )
 from moelora.step.lora import NO_SLOT
 from moelora.step.plan import StepOutput, StepPlan
@@ -154,43 +154,44 @@ class ModelRunner:
         return found
 
     def host_batch(self, plan: StepPlan) -> HostBatch:
-        ids, positions, slot_mapping, slots, q_lens, seq_lens = [], [], [], [], [], []
-        ps = self.page_size
-        for c in plan.chunks:
-            req = c.request
-            stop = c.start + c.num_tokens
-            ids += req.token_slice(c.start, stop)
-            pos = range(c.start, stop)
-            positions += pos
-            slot_mapping += [req.pages[p // ps] * ps + p % ps for p in pos]
-            slots += [NO_SLOT if req.slot is None else req.slot] * c.num_tokens
-            q_lens.append(c.num_tokens)
-            seq_lens.append(stop)
-        width = max(pages_for(s, ps) for s in seq_lens)
-        table = torch.zeros(len(plan.chunks), width, dtype=torch.int32)
+        """The step's inputs on the host. Python touches each chunk once (its tokens, its row of
+        pages, copied whole from Request.page_array); positions, KV slots and adapter slots per
+        token are computed for all chunks at once. Nothing is O(tokens so far)."""
+        ps, B = self.page_size, len(plan.chunks)
+        q_lens = np.array([c.num_tokens for c in plan.chunks], np.int64)
+        starts = np.array([c.start for c in plan.chunks], np.int64)
+        seq_lens = starts + q_lens
+        counts = -(-seq_lens // ps)
+        table = np.zeros((B, int(counts.max())), np.int32)
+        ids, chunk_slots = [], []
         for b, c in enumerate(plan.chunks):
-            used = c.request.pages[: pages_for(seq_lens[b], ps)]
-            table[b, : len(used)] = torch.tensor(used, dtype=torch.int32)
-        cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(q_lens).cumsum(0)
+            req = c.request
+            table[b, : counts[b]] = req.page_array[: counts[b]]
+            ids += req.token_slice(c.start, c.start + c.num_tokens)
+            chunk_slots.append(NO_SLOT if req.slot is None else req.slot)
+        cu = np.zeros(B + 1, np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        row = np.repeat(np.arange(B), q_lens)  # the chunk of each token
+        positions = np.arange(int(cu[-1])) - cu[row] + starts[row]
+        slot_mapping = table[row, positions // ps].astype(np.int64) * ps + positions % ps
         return HostBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64),
-            positions=torch.tensor(positions, dtype=torch.int64),
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-            cu_seqlens_q=cu,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            page_table=table,
-            slot_of_token=torch.tensor(slots, dtype=torch.int32),
-            slot_enabled=self._slot_enabled(slots),
-            max_query_len=max(q_lens),
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(slot_mapping),
+            cu_seqlens_q=torch.from_numpy(cu.astype(np.int32)),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
+            page_table=torch.from_numpy(table),
+            slot_of_token=torch.from_numpy(np.repeat(np.array(chunk_slots, np.int32), q_lens)),
+            slot_enabled=self._slot_enabled(set(chunk_slots)),
+            max_query_len=int(q_lens.max()),
         )
 
-    def _slot_enabled(self, slots: list[int]) -> torch.Tensor | None:
+    def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:
         pool = self.slot_pool
         if pool is None:
             return None
         enabled = torch.zeros(pool.max_loras, dtype=torch.int32)
-        for s in set(slots) - {NO_SLOT}:
+        for s in slots - {NO_SLOT}:
             enabled[s] = int(pool.host_rank[s] > 0)  # an empty slot does no work
         return enabled
 

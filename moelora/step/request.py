@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from moelora.sampling_params import SamplingParams
@@ -71,7 +72,9 @@ class Request:
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     text: str = ""
     detok_offsets: tuple[int, int] = (0, 0)  # see Tokenizer.decode_incremental
-    pages: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # add_pages and clear_pages change it
+    # the same ids, for each step's page table to copy whole (not id by id)
+    page_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     slot: int | None = None  # adapter slot held while running
     status: Status = Status.WAITING
@@ -103,6 +106,18 @@ class Request:
         """Finished: the tokens still in flight are never emitted."""
         del self.output_token_ids[self.num_outputs :]
         self.num_placeholders = 0
+
+    def add_pages(self, new: list[int]) -> None:
+        n = len(self.pages)
+        self.pages += new
+        if len(self.pages) > len(self.page_array):  # grows by doubling: O(1) a page
+            grown = np.zeros(max(2 * len(self.page_array), len(self.pages), 8), np.int32)
+            grown[:n] = self.page_array[:n]
+            self.page_array = grown
+        self.page_array[n : len(self.pages)] = new
+
+    def clear_pages(self) -> None:
+        self.pages = []
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """Tokens start..stop of prompt + output, without copying the whole sequence."""
