@@ -433,6 +433,10 @@ def parse_args() -> argparse.Namespace:
     sizes.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
     parser.add_argument("--throughput-cases", nargs="+", choices=CASES, help="default: disabled")
+    parser.add_argument("--tpot-cases", nargs="*", choices=CASES, help="default: all; none: skip")
+    parser.add_argument(
+        "--workloads", nargs="+", metavar="NxINxOUT", help="e.g. 256x512x128 (default: both)"
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     return parser.parse_args()
 
@@ -444,6 +448,11 @@ def main() -> None:
         setup = dataclasses.replace(setup, layers=args.layers)
     if args.throughput_cases:
         setup = dataclasses.replace(setup, throughput_cases=tuple(args.throughput_cases))
+    if args.tpot_cases is not None:
+        setup = dataclasses.replace(setup, cases=tuple(args.tpot_cases))
+    if args.workloads:
+        workloads = tuple(Workload(*map(int, w.split("x"))) for w in args.workloads)
+        setup = dataclasses.replace(setup, workloads=workloads)
     start = time.perf_counter()
     folder = model_folder(setup.layers, setup.shape)
     bw = copy_bandwidth() if setup.device.startswith("cuda") else None
