@@ -44,11 +44,16 @@ def test_demo_prints_each_adapter(cache: Path) -> None:
 
 
 def test_demo_serve_queries_each_adapter_then_stops(cache: Path) -> None:
-    port = _free_port()
-    out = _run(cache, "--serve", "--once", "--port", str(port))
-    for name in ("sql", "chat", "base"):
-        assert f"[{name:>5}]" in out
-    assert f"curl http://127.0.0.1:{port}/v1/completions" in out
+    """With async scheduling (the default) and without it: the same answers over HTTP."""
+    answers = []
+    for mode in ("--async-scheduling", "--no-async-scheduling"):
+        port = _free_port()
+        out = _run(cache, "--serve", "--once", "--port", str(port), mode)
+        for name in ("sql", "chat", "base"):
+            assert f"[{name:>5}]" in out
+        assert f"curl http://127.0.0.1:{port}/v1/completions" in out
+        answers.append([line for line in out.splitlines() if line.lstrip().startswith("[")])
+    assert answers[0] == answers[1] and len(answers[0]) >= 3
     assert "OpenAI(base_url=" in out
 
 
