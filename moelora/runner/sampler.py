@@ -139,7 +139,9 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     big = torch.finfo(logits.dtype).max
     logits = (logits / temps[:, None]).clamp(min=-big, max=big)
     vocab = logits.shape[-1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=logits.device)
+    # a top_k past the vocabulary keeps every token (4.9e27, valid, overflowed int64 here)
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
+    top_k = torch.tensor(top_k, device=logits.device)
     top_p = torch.tensor([p.top_p for p in params], device=logits.device)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device)[None, :]

@@ -130,3 +130,15 @@ def test_extreme_repetition_penalties_sample_finite_probabilities(penalty, tempe
         assert 0 <= r.token_id < 40
         if penalty < 1 and seen_positive[i]:  # a tiny penalty makes seen positive logits huge
             assert r.token_id in seen_positive[i]
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token():
+    """4883042256367895818142744576 is a valid top_k (>= -1) that overflowed int64: a 500
+    schemathesis found. Past the vocabulary it means every token, as top_k=-1 does."""
+    logits = torch.randn(2, 30)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    huge = [SamplingParams(top_k=4883042256367895818142744576, seed=i) for i in range(2)]
+    every = [SamplingParams(top_k=-1, seed=i) for i in range(2)]
+    got = sample(logits, huge, gens).results()
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert [r.token_id for r in got] == [r.token_id for r in sample(logits, every, gens).results()]
