@@ -290,6 +290,9 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Its pages and slot go back now: a step in flight that computes it is waited for
         first (an abort is rare; a later step() would wait for it anyway)."""
+        # an answer committed outside step() (in another abort, or an unload) and not yet
+        # delivered is dropped too: the caller gave up on it
+        self._ready = [out for out in self._ready if out.request_id != request_id]
         req = self._requests.get(request_id)
         if req is None:
             return

@@ -224,3 +224,20 @@ def test_unloading_an_adapter_the_step_in_flight_reads(tiny):
     on.unload_lora("a")
     assert "a" not in on.list_loras() and engine.slot_table.refs == [0, 0, 0, 0]
     assert engine._in_flight is None and engine.stats().kv_pages_used == 0
+
+
+def test_abort_of_an_answer_committed_outside_step_drops_it(tiny):
+    """An abort waits for the step in flight: a batch-mate may finish in that commit, and its
+    answer waits for the next step(). Aborted in that window, it never arrives."""
+    on = _llm(tiny, on=True)
+    engine = on.engine
+    short = dataclasses.replace(GREEDY, max_tokens=2)
+    engine.add_request("short", PROMPTS[1], short, None)
+    engine.add_request("long", PROMPTS[0], GREEDY, None)
+    outs = engine.step() + engine.step()  # short's last token is in flight now
+    assert not any(o.finished for o in outs)
+    engine.abort_request("long")  # commits the step in flight: short finishes there
+    assert [o.request_id for o in engine._ready] == ["short"] and engine._ready[0].finished
+    engine.abort_request("short")
+    assert engine.step() == [] and not engine.has_unfinished_requests()
+    assert engine.stats().kv_pages_used == 0
