@@ -290,17 +290,15 @@ class Engine:
     def abort_request(self, request_id: str) -> None:
         """Its pages and slot go back now: a step in flight that computes it is waited for
         first (an abort is rare; a later step() would wait for it anyway)."""
-        # an answer committed outside step() (in another abort, or an unload) and not yet
-        # delivered is dropped too: the caller gave up on it
-        self._ready = [out for out in self._ready if out.request_id != request_id]
         req = self._requests.get(request_id)
-        if req is None:
-            return
-        if self._step_computing(req) is not None:
-            with self.on_device():
-                self._ready += self._commit_all()
-        if req.status is not Status.FINISHED:  # it may have finished in that step
-            self._finish(req, "abort")
+        if req is not None:
+            if self._step_computing(req) is not None:
+                with self.on_device():
+                    self._ready += self._commit_all()
+            if req.status is not Status.FINISHED:  # it may have finished in that step
+                self._finish(req, "abort")
+        # its answers committed outside step() (here, in another abort, or in an unload) and
+        # not yet delivered are dropped: the caller gave up on them
         self._ready = [out for out in self._ready if out.request_id != request_id]
 
     def has_unfinished_requests(self) -> bool:
