@@ -68,6 +68,11 @@ class EngineConfig:
         "plan step N+1 on the host while the GPU runs step N; its input tokens stay on the "
         "device (vLLM's --async-scheduling; --no-async-scheduling: one step at a time)",
     )
+    enable_prefix_caching: bool = _flag(
+        True,
+        "reuse the KV pages of prompt prefixes already computed, per adapter load, base and "
+        "cache_salt (vLLM's --enable-prefix-caching)",
+    )
     max_graph_bs: int = _flag(
         256, "largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)"
     )

@@ -90,6 +90,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    # vLLM's: a further prefix-cache namespace, inside the request's adapter (or base) one
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         for name, valid, expected in _CHECKS:
@@ -159,6 +161,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("presence_penalty", _is_penalty, "a number in [-2, 2]"),
     ("frequency_penalty", _is_penalty, "a number in [-2, 2]"),
     ("repetition_penalty", lambda v: _is_number(v) and 0 < v < math.inf, "a finite number > 0"),
+    ("cache_salt", lambda v: v is None or isinstance(v, str), "None or a string"),
 )
 
 

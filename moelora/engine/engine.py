@@ -31,6 +31,7 @@ import torch
 from moelora.config import EngineConfig
 from moelora.engine.checks import check_request
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
+from moelora.engine.prefix_cache import namespace, page_hashes
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.errors import (
     AdapterBusyError,
@@ -63,7 +64,7 @@ _GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
 class EngineStats:
     num_running: int
     num_waiting: int
-    kv_pages_used: int
+    kv_pages_used: int  # held by requests
     kv_pages_total: int
     lora_slots_used: int
     lora_slots_total: int
@@ -71,6 +72,9 @@ class EngineStats:
     eager_steps: int
     graph_capture_seconds: float  # 0 without graphs
     graph_warm_up_seconds: float  # of the capture: every size's first forward, at once
+    kv_pages_cached: int = 0  # in the prefix cache, held or not (reset_prefix_cache empties it)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's count)
+    prefix_cache_hits: int = 0  # of them, tokens whose KV was found cached
 
 
 @dataclass
@@ -138,6 +142,9 @@ class Engine:
         num_pages = cfg.num_pages or self._auto_num_pages(max_len)
         self._build_runner(num_pages, max_len, ops)
         self.adapters: dict[str, LoraAdapter] = {}
+        # each adapter's load, a number no other load ever gets: its prefix-cache namespace
+        self._adapter_loads: dict[str, int] = {}
+        self._loads = itertools.count()
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()  # each launched step's number (Request.last_step)
@@ -284,6 +291,10 @@ class Engine:
             gen = torch.Generator(device=self.config.torch_device).manual_seed(seed)
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
+        if self.config.enable_prefix_caching:
+            req.cache_owner = self._adapter_loads[lora] if lora is not None else None
+            ns = namespace(req.cache_owner, params.cache_salt)
+            req.page_hashes = page_hashes(prompt, self.config.page_size, ns)
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -386,6 +397,9 @@ class Engine:
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(req.to_output())
+        for chunk in flight.plan.chunks:  # their pages are written: now they may be shared
+            if chunk.request.page_hashes:
+                self.scheduler.register(chunk.request, chunk.start + chunk.num_tokens)
         for req in flight.release_after:
             self.scheduler.release(req)
         return outputs
@@ -480,6 +494,7 @@ class Engine:
                 f"max_lora_rank={self.config.max_lora_rank}"
             )
         self.adapters[adapter.name] = adapter
+        self._adapter_loads[adapter.name] = next(self._loads)
 
     def _check_new_adapter(self, name: str) -> None:
         self._require_lora()
@@ -501,6 +516,13 @@ class Engine:
         if slot is not None:
             self.slot_pool.clear(slot)
         del self.adapters[name]
+        self.pages.drop_owner(self._adapter_loads.pop(name))  # its KV is never read again
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: every cached page leaves the prefix cache (those no request holds are free
+        again); later requests compute their prompts anew. True: done."""
+        self.pages.reset_cache()
+        return True
 
     def list_loras(self) -> list[str]:
         return list(self.adapters)
@@ -518,4 +540,7 @@ class Engine:
             eager_steps=self.runner.num_eager_steps,
             graph_capture_seconds=graphs.capture_seconds if graphs else 0.0,
             graph_warm_up_seconds=graphs.warm_up_seconds if graphs else 0.0,
+            kv_pages_cached=self.pages.num_cached,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
         )

@@ -1,6 +1,17 @@
-"""Paged KV cache: page allocation (host) and the per-layer cache tensors (device)."""
+"""Paged KV cache: page allocation with a prefix cache (host) and the per-layer cache tensors
+(device).
+
+A page is reference-counted: each request that holds it counts once. A full page of prompt
+tokens may be registered under its hash (prefix_cache.page_hashes: the chain of its parent's
+hash, its tokens and the request's namespace) once the step that wrote it is committed; later
+requests whose prompts begin with the same pages take them instead of computing them again.
+A cached page nobody holds stays cached, evictable: allocate() hands out free pages first,
+then evicts cached ones, least recently released first.
+"""
 
 from __future__ import annotations
+
+import collections
 
 import torch
 
@@ -11,21 +22,97 @@ class PageAllocator:
     def __init__(self, num_pages: int):
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low ids first
+        self._refs = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}  # page hash -> the cached page
+        self._hash_of: dict[int, bytes] = {}  # cached page -> its hash
+        self._owner_of: dict[int, object] = {}  # cached page -> what drop_owner drops it by
+        # cached pages no request holds, least recently released first
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Pages allocate() can hand out: free, or cached and held by no request."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_pages - len(self._free)
+        """Pages some request holds (vLLM's usage: a cached page nobody holds is free)."""
+        return self.num_pages - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        """Pages in the prefix cache, held or not (reset_cache() empties it)."""
+        return len(self._hash_of)
 
     def allocate(self, n: int) -> list[int]:
-        assert n <= len(self._free), "callers check num_free first"
-        return [self._free.pop() for _ in range(n)]
+        assert n <= self.num_free, "callers check num_free first"
+        pages = []
+        for _ in range(n):
+            if self._free:
+                page = self._free.pop()
+            else:
+                page, _ = self._evictable.popitem(last=False)
+                self._uncache(page)
+            assert self._refs[page] == 0, page
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
 
     def free(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """One reference to each page fewer: at none, a cached page stays cached (evictable),
+        any other goes back to the free list."""
+        for page in reversed(pages):  # a request's last pages are evicted first
+            assert self._refs[page] > 0, f"page {page} freed twice"
+            self._refs[page] -= 1
+            if self._refs[page] == 0:
+                if page in self._hash_of:
+                    self._evictable[page] = None
+                else:
+                    self._free.append(page)
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The cached pages of the longest prefix of `hashes`, each now held once more."""
+        pages = []
+        for h in hashes:
+            page = self._page_of.get(h)
+            if page is None:
+                break
+            pages.append(page)
+        for page in pages:
+            self._evictable.pop(page, None)
+            self._refs[page] += 1
+        return pages
+
+    def register(self, page: int, page_hash: bytes, owner: object) -> None:
+        """`page`, held and fully written by a committed step, is cached under page_hash. When
+        another page already holds that hash (two requests computed the same prefix at once),
+        this one stays its request's own."""
+        assert self._refs[page] > 0, page
+        if page_hash in self._page_of or page in self._hash_of:
+            return
+        self._page_of[page_hash] = page
+        self._hash_of[page] = page_hash
+        self._owner_of[page] = owner
+
+    def drop_owner(self, owner: object) -> None:
+        """Every page cached for `owner` (an adapter's load) leaves the cache."""
+        for page in [p for p, o in self._owner_of.items() if o == owner]:
+            self._drop(page)
+
+    def reset_cache(self) -> None:
+        """Every cached page leaves the cache; those no request holds are free again."""
+        for page in list(self._hash_of):
+            self._drop(page)
+
+    def _drop(self, page: int) -> None:
+        self._uncache(page)
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
+    def _uncache(self, page: int) -> None:
+        del self._page_of[self._hash_of.pop(page)]
+        del self._owner_of[page]
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

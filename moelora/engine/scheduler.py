@@ -16,6 +16,13 @@ the slot references; the engine carries the plan out.
   known length already reaches max_tokens or max_model_len is not planned again. Preemption
   waits until no step is in flight (schedule(can_preempt=False) gives None instead): the
   pages it frees could be the ones that step writes.
+- Prefix caching: a request admitted with nothing computed first takes the cached pages of
+  the longest prefix of its full prompt pages (its page_hashes) and starts computing after
+  them. Its last token is always computed (there must be a logit to sample), so at most
+  (num_tokens - 1) // page_size pages come from the cache. A request asking for prompt
+  logprobs takes none: they need every prompt position's logits. register() caches a
+  request's full prompt pages once the step that wrote them is committed, never before: a
+  page in the cache is never written again.
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vLLM's count)
+        self.prefix_cache_hits = 0  # of them, tokens found cached
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -96,9 +105,12 @@ class Scheduler:
                 return
             if req.lora is not None and not self.slots.can_acquire(req.lora):
                 continue  # its adapter waits for a slot; later requests may still run
+            cached = self._take_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve_pages(req, n):
+                self._give_back_cached_prefix(req)
                 return  # first come, first served on pages
+            self._count_cache_query(req, cached)
             if req.lora is not None:
                 req.slot, must_load = self.slots.acquire(req.lora)
                 if must_load:
@@ -108,6 +120,40 @@ class Scheduler:
             req.status = Status.RUNNING
             plan.chunks.append(Chunk.next_of(req, n))
             budget -= n
+
+    def _take_cached_prefix(self, req: Request) -> int:
+        """The request starts with the cached pages of its prompt's longest cached prefix:
+        how many tokens they hold."""
+        if req.num_computed_tokens or req.params.prompt_logprobs is not None:
+            return 0
+        most = (req.num_tokens - 1) // self.cfg.page_size
+        pages = self.pages.cached_prefix(req.page_hashes[:most])
+        req.add_pages(pages)
+        req.num_cached_pages = len(pages)
+        req.num_computed_tokens = len(pages) * self.cfg.page_size
+        return req.num_computed_tokens
+
+    def _give_back_cached_prefix(self, req: Request) -> None:
+        """Not admitted after all: it waits with nothing held, as before."""
+        self.pages.free(req.pages)
+        req.clear_pages()
+        req.num_cached_pages = req.num_computed_tokens = 0
+
+    def _count_cache_query(self, req: Request, cached: int) -> None:
+        if not req.page_hashes:
+            return
+        self.prefix_cache_queries += req.num_tokens
+        self.prefix_cache_hits += cached
+        if req.num_cached_tokens is None:  # what its outputs report: its first admission
+            req.num_cached_tokens = cached
+
+    def register(self, req: Request, num_computed: int) -> None:
+        """The request's first num_computed tokens are in the cache, written by committed
+        steps: its full prompt pages among them become cached pages."""
+        full = min(num_computed // self.cfg.page_size, len(req.page_hashes), len(req.pages))
+        for i in range(req.num_cached_pages, full):
+            self.pages.register(req.pages[i], req.page_hashes[i], req.cache_owner)
+        req.num_cached_pages = max(req.num_cached_pages, full)
 
     def _reserve_pages(self, req: Request, n: int) -> bool:
         need = pages_for(req.num_computed_tokens + n, self.cfg.page_size) - len(req.pages)
@@ -128,6 +174,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.pages.free(req.pages)
         req.clear_pages()
+        req.num_cached_pages = 0
         if req.slot is not None:
             self.slots.release(req.slot)
             req.slot = None

@@ -80,6 +80,13 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     last_step: int = -1  # the newest step that computes some of its tokens
+    # prefix caching: the hash of each full prompt page (empty when caching is off), what the
+    # cache drops its pages by (its adapter's load, None for base), how many of its pages
+    # are known to the cache, and the prompt tokens found cached at its first admission
+    page_hashes: list[bytes] = field(default_factory=list)
+    cache_owner: int | None = None
+    num_cached_pages: int = 0
+    num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -137,6 +144,7 @@ class Request:
             finish_reason=self.finish_reason,
             logprobs=Prefix(self.output_logprobs) if self.params.logprobs is not None else None,
             lora=self.lora,
+            num_cached_tokens=self.num_cached_tokens or 0,
             prompt_logprobs=(
                 [None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None
             ),
@@ -154,6 +162,7 @@ class RequestOutput:
     lora: str | None = None
     # vLLM's layout: None for the first prompt token, then one entry per prompt token
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def finished(self) -> bool:
