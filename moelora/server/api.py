@@ -92,7 +92,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
         streams = await _start(engine, inputs, body.model, request_id)
         echo = [inp.prompt for inp in inputs] if body.echo else None
         tokens = prompt_tokens(streams, body.n)
-        answer = CompletionAnswer(engine.tokenizer, request_id, body.model, tokens, echo)
+        answer = CompletionAnswer(engine.tokenizer, request_id, body.model, tokens, echo, n=body.n)
         return await _respond(raw, body, streams, answer, params.stop)
 
     @app.post(
@@ -105,7 +105,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
         request_id = protocol.new_id("chatcmpl")
         streams = await _start(engine, inputs, body.model, request_id)
         top, tokens = body.top_logprobs or 0, prompt_tokens(streams, body.n)
-        answer = ChatAnswer(engine.tokenizer, request_id, body.model, tokens, top)
+        answer = ChatAnswer(engine.tokenizer, request_id, body.model, tokens, top, n=body.n)
         return await _respond(raw, body, streams, answer, params.stop)
 
 

@@ -125,6 +125,11 @@ class ServerMetrics:
             ("moelora_num_requests_running", "Requests in the running batch.", stats.num_running),
             ("moelora_num_requests_waiting", "Requests waiting for a batch.", stats.num_waiting),
             ("moelora_kv_pages_used", "KV cache pages in use.", stats.kv_pages_used),
+            (
+                "moelora_kv_pages_cached",
+                "KV cache pages in the prefix cache, held by a request or not.",
+                stats.kv_pages_cached,
+            ),
             ("moelora_kv_pages_total", "KV cache pages in all.", stats.kv_pages_total),
             ("moelora_lora_slots_used", "Adapter slots holding an adapter.", stats.lora_slots_used),
             ("moelora_lora_slots_total", "Adapter slots in all.", stats.lora_slots_total),
@@ -146,6 +151,18 @@ class ServerMetrics:
             "moelora_eager_steps_total",
             "Steps run eagerly (prefill, or no graph).",
             stats.eager_steps,
+            "counter",
+        )
+        lines += _gauge(
+            "moelora_prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache at admission.",
+            stats.prefix_cache_queries,
+            "counter",
+        )
+        lines += _gauge(
+            "moelora_prefix_cache_hits_total",
+            "Prompt tokens found in the prefix cache (their KV not computed again).",
+            stats.prefix_cache_hits,
             "counter",
         )
         return "\n".join(lines) + "\n"

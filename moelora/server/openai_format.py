@@ -97,8 +97,11 @@ class Answer(ABC):
     OBJECT = ""
     CHUNK_OBJECT = ""
 
-    def __init__(self, decoder: Decoder, request_id: str, model: str, prompt_tokens: int):
+    def __init__(
+        self, decoder: Decoder, request_id: str, model: str, prompt_tokens: int, *, n: int = 1
+    ):
         self.decoder = decoder
+        self.n = n  # samples per prompt: finals come n by n, prompt by prompt
         created = protocol.now()
         self.head = {"id": request_id, "object": self.OBJECT, "created": created, "model": model}
         self.chunk_head = {**self.head, "object": self.CHUNK_OBJECT}
@@ -111,7 +114,9 @@ class Answer(ABC):
     def usage(self, finals: list[RequestOutput | None]) -> dict[str, int]:
         """Completion tokens of every sample that finished."""
         completion = sum(len(out.token_ids) for out in finals if out is not None)
-        return protocol.usage(self.prompt_tokens, completion)
+        # once per prompt, like prompt_tokens: its first sample's (the others share its pages)
+        cached = sum(out.num_cached_tokens for out in finals[:: self.n] if out is not None)
+        return protocol.usage(self.prompt_tokens, completion, cached)
 
     def usage_chunk(self, finals: list[RequestOutput | None]) -> Json:
         return {**self.chunk_head, "choices": [], "usage": self.usage(finals)}
@@ -148,8 +153,10 @@ class CompletionAnswer(Answer):
         model: str,
         prompt_tokens: int,
         echo: list[Prompt] | None,
+        *,
+        n: int = 1,
     ) -> None:
-        super().__init__(decoder, request_id, model, prompt_tokens)
+        super().__init__(decoder, request_id, model, prompt_tokens, n=n)
         self.echo = echo
         self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's, after its echo
 
@@ -231,9 +238,16 @@ class ChatAnswer(Answer):
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
     def __init__(
-        self, decoder: Decoder, request_id: str, model: str, prompt_tokens: int, top: int
+        self,
+        decoder: Decoder,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        top: int,
+        *,
+        n: int = 1,
     ) -> None:
-        super().__init__(decoder, request_id, model, prompt_tokens)
+        super().__init__(decoder, request_id, model, prompt_tokens, n=n)
         self.top = top  # top_logprobs: alternatives listed per token
         self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's
 

@@ -181,6 +181,9 @@ class SamplingFields(OpenAIBody):
     repetition_penalty: float | None = Field(default=None, gt=0)  # vLLM's extension
     logit_bias: LogitBias | None = None
     user: str | None = None
+    cache_salt: str | None = Field(
+        default=None, description="vLLM's: a prefix-cache namespace of its own (a tenant's)"
+    )
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError (HTTP 400) for values out of range."""
@@ -198,6 +201,7 @@ class SamplingFields(OpenAIBody):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._token_biases(),
+            cache_salt=self.cache_salt,
         )
 
     def _token_biases(self) -> dict[int, float] | None:
@@ -329,11 +333,12 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

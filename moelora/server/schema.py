@@ -40,10 +40,15 @@ class ErrorBody(Sent):
     error: ErrorDetail
 
 
+class PromptTokensDetails(Sent):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(Sent):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class CompletionLogprobs(Sent):
