@@ -293,8 +293,8 @@ class Engine:
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
         if self.config.enable_prefix_caching:
             req.cache_owner = self._adapter_loads[lora] if lora is not None else None
-            ns = namespace(req.cache_owner, params.cache_salt)
-            req.page_hashes = page_hashes(prompt, self.config.page_size, ns)
+            req.cache_namespace = namespace(req.cache_owner, params.cache_salt)
+            req.page_hashes = page_hashes(prompt, self.config.page_size, req.cache_namespace)
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -383,6 +383,10 @@ class Engine:
         flight = self._flights.popleft()
         result = flight.step.output()
         outputs = []
+        # their pages are written: now they may be shared (before a finish frees them)
+        for chunk in flight.plan.chunks:
+            if chunk.request.cache_namespace is not None:
+                self.scheduler.register(chunk.request, chunk.start + chunk.num_tokens)
         for i, chunk in enumerate(flight.plan.chunks):
             if chunk.request.status is not Status.FINISHED:
                 chunk.request.prompt_logprobs += result.prompt_logprobs.get(i, [])
@@ -397,9 +401,6 @@ class Engine:
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(req.to_output())
-        for chunk in flight.plan.chunks:  # their pages are written: now they may be shared
-            if chunk.request.page_hashes:
-                self.scheduler.register(chunk.request, chunk.start + chunk.num_tokens)
         for req in flight.release_after:
             self.scheduler.release(req)
         return outputs

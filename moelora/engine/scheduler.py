@@ -17,12 +17,13 @@ the slot references; the engine carries the plan out.
   waits until no step is in flight (schedule(can_preempt=False) gives None instead): the
   pages it frees could be the ones that step writes.
 - Prefix caching: a request admitted with nothing computed first takes the cached pages of
-  the longest prefix of its full prompt pages (its page_hashes) and starts computing after
-  them. Its last token is always computed (there must be a logit to sample), so at most
-  (num_tokens - 1) // page_size pages come from the cache. A request asking for prompt
+  the longest prefix of its full pages (its page_hashes: the prompt's, and after a
+  preemption the generated tokens' it had) and starts computing after them. Its last token
+  is always computed (there must be a logit to sample), so at most (num_tokens - 1) //
+  page_size pages come from the cache. A request asking for prompt
   logprobs takes none: they need every prompt position's logits. register() caches a
-  request's full prompt pages once the step that wrote them is committed, never before: a
-  page in the cache is never written again.
+  request's full pages, prompt and generated, once the step that wrote them is committed,
+  never before: a page in the cache is never written again.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from moelora.engine.kv_cache import PageAllocator
+from moelora.engine.prefix_cache import extend_hashes
 from moelora.lora.slots import SlotTable
 from moelora.step.batch import pages_for
 from moelora.step.plan import Chunk, StepPlan
@@ -140,7 +142,7 @@ class Scheduler:
         req.num_cached_pages = req.num_computed_tokens = 0
 
     def _count_cache_query(self, req: Request, cached: int) -> None:
-        if not req.page_hashes:
+        if req.cache_namespace is None:
             return
         self.prefix_cache_queries += req.num_tokens
         self.prefix_cache_hits += cached
@@ -149,8 +151,13 @@ class Scheduler:
 
     def register(self, req: Request, num_computed: int) -> None:
         """The request's first num_computed tokens are in the cache, written by committed
-        steps: its full prompt pages among them become cached pages."""
-        full = min(num_computed // self.cfg.page_size, len(req.page_hashes), len(req.pages))
+        steps: its full pages among them become cached pages. Their tokens are all known: the
+        newest, the input of the committed step, was sampled by a step committed before it."""
+        size = self.cfg.page_size
+        full = min(num_computed // size, len(req.pages))
+        if len(req.page_hashes) < full:  # pages of generated tokens: hashed once known
+            tokens = req.token_slice(len(req.page_hashes) * size, full * size)
+            extend_hashes(req.page_hashes, tokens, size, req.cache_namespace)
         for i in range(req.num_cached_pages, full):
             self.pages.register(req.pages[i], req.page_hashes[i], req.cache_owner)
         req.num_cached_pages = max(req.num_cached_pages, full)

@@ -80,9 +80,11 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     last_step: int = -1  # the newest step that computes some of its tokens
-    # prefix caching: the hash of each full prompt page (empty when caching is off), what the
-    # cache drops its pages by (its adapter's load, None for base), how many of its pages
-    # are known to the cache, and the prompt tokens found cached at its first admission
+    # prefix caching: its namespace (None: caching is off), the hash of each full page whose
+    # tokens are known (the prompt's at first, then generated ones), what the cache drops its
+    # pages by (its adapter's load, None for base), how many of its pages are known to the
+    # cache, and the prompt tokens found cached at its first admission
+    cache_namespace: bytes | None = None
     page_hashes: list[bytes] = field(default_factory=list)
     cache_owner: int | None = None
     num_cached_pages: int = 0

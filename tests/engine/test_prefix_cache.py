@@ -76,6 +76,23 @@ def test_a_hit_gives_the_tokens_and_logprobs_of_a_miss(bank, arch: str, page_siz
     _assert_same(_chosen(hit), _chosen(off.generate(PROMPTS, GREEDY, lora=loras)))
 
 
+@pytest.mark.parametrize("page_size", [16, 1])
+def test_the_next_turn_finds_the_answers_pages_cached(tiny, page_size: int) -> None:
+    """A conversation's turn 2 is turn 1's prompt and answer and a new message: the answer's
+    full pages were cached as they were generated, and the turn's tokens are a miss's."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=1)
+    loras = ["a", None]
+    turn2 = []
+    for llm in (_llm(tiny, page_size=page_size), _llm(tiny, enable_prefix_caching=False)):
+        first = llm.generate(PROMPTS[:2], params, lora=loras)
+        prompts = [p + list(o.token_ids) + [21, 22, 23, 24, 25] for p, o in zip(PROMPTS, first)]
+        turn2.append(llm.generate(prompts, params, lora=loras))
+    # computed in turn 1: the prompt and every answer token but the last (never an input)
+    want = [(len(p) + 19) // page_size * page_size for p in PROMPTS[:2]]
+    assert [o.num_cached_tokens for o in turn2[0]] == want
+    _assert_same(_chosen(turn2[0]), _chosen(turn2[1]))
+
+
 def _llm(tiny, **kw) -> LLM:
     return LLM(
         tiny["model"],
@@ -209,16 +226,21 @@ def test_random_traffic_returns_every_page(tiny) -> None:
     engine.runner.launch = _check_launch(engine, engine.runner.launch)
     prefixes = [[rng.randrange(1, 250) for _ in range(rng.randrange(4, 17))] for _ in range(6)]
     live: list[str] = []
+    prompts: dict[str, list[int]] = {}
+    turns: list[list[int]] = []  # finished requests' prompts and answers
     for i in range(1000):
         prompt = rng.choice(prefixes) + [rng.randrange(1, 250) for _ in range(rng.randrange(4))]
+        if turns and rng.random() < 0.3:  # a next turn: an earlier prompt and its answer, and more
+            prompt = rng.choice(turns) + [rng.randrange(1, 250) for _ in range(rng.randrange(3))]
         params = SamplingParams(
-            max_tokens=rng.randrange(1, 5),
+            max_tokens=rng.randrange(1, 9),
             temperature=0,
             ignore_eos=True,
             cache_salt=rng.choice([None, None, "t"]),
         )
         engine.add_request(str(i), prompt, params, rng.choice([None, "a", "b"]))
         live.append(str(i))
+        prompts[str(i)] = prompt
         if rng.random() < 0.08:
             engine.abort_request(live.pop(rng.randrange(len(live))))
         if rng.random() < 0.02:
@@ -233,6 +255,7 @@ def test_random_traffic_returns_every_page(tiny) -> None:
             for out in engine.step():
                 if out.finished and out.request_id in live:
                     live.remove(out.request_id)
+                    turns.append(prompts[out.request_id] + list(out.token_ids))
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.stats()
