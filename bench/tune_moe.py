@@ -40,7 +40,20 @@ LARGE = [
     C(32, 64, 128, 64, 128),
     C(16, 64, 128, 64, 128),
 ]
+# Prefill token counts: tensor-core tiles, 64 or 128 rows of one expert. BK stays 128, the K
+# blocking of the decode buckets, so that a row's reduction order does not change with the
+# number of tokens in its step (BM and BN do not touch it).
+PREFILL = [
+    C(32, 64, 128, 64, 128),
+    C(64, 64, 128, 64, 128),
+    C(64, 64, 128, 128, 128, warps=8),
+    C(64, 128, 128, 128, 128, warps=8, stages=2),
+    C(128, 64, 128, 64, 128),
+    C(128, 64, 128, 128, 128, warps=8),
+    C(128, 128, 128, 128, 128, warps=8, stages=2),
+]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
+CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}
 
 
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
@@ -84,7 +97,7 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(MOE_SHAPES))
-    parser.add_argument("--ms", nargs="+", type=int, default=list(CANDIDATES))
+    parser.add_argument("--ms", nargs="+", type=int, default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     for name in args.shapes:

@@ -1,0 +1,319 @@
+"""Prefill through the engine's own step loop: time to first token (TTFT) of one long prompt and
+prefill throughput of many, each beside its compute floor, on a Qwen3-30B-A3B shape with
+random weights.
+
+- TTFT: one prompt of N random tokens (N = 512 .. 16384), max_tokens=1, added to an idle
+  engine; the wall time from add_request until Engine.step() returns its token (the device
+  synchronised at the end). The median of REPS such prompts, after one untimed prompt of the
+  same length (kernels compiled).
+- Prefill throughput: 32 prompts x 2048 tokens, max_tokens=1, added at once: prompt tokens over
+  the wall time until the last one's token.
+- Floor: the FLOPs a prefill must do, over the bf16 matmul throughput measured in this run (an
+  8192^3 torch.mm): 2 x the active non-embedding parameters (attention projections, router,
+  top-k experts, shared expert) x tokens, plus causal attention, 2 x 2 x heads x head_dim x
+  T(T+1)/2 x layers per prompt of T tokens (QK^T and PV); the lm_head of the sampled tokens
+  only. LoRA's FLOPs are not counted (rank 16: < 1%).
+- Cases: LoRA disabled; enabled with base-only requests; 1 adapter; 8 distinct rank-16 adapters
+  (LLM.add_random_lora, attention and every expert) over the throughput prompts, request i on
+  a(i % 8) (TTFT: one prompt has one adapter, so "8 distinct" is a throughput case only).
+Prefix caching is off: every prompt is computed whole.
+
+    PYTHONPATH=.:bench python bench/prefill.py [--lengths N ...] [--layers N] [--profile]
+        [--smoke] [--out PATH]
+
+--profile: also the per-kernel GPU time of one 4096-token prefill, per layer (torch.profiler).
+--smoke: the tiny demo shape on the CPU: shows that the script runs; its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from common import MAX_LORAS, RANK, adapters_of, model_folder, result_header, write_result
+
+from moelora import LLM, SamplingParams
+from moelora.config import ModelConfig
+from moelora.engine.engine import Engine
+
+CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
+TTFT_CASES = CASES[:3]
+REPS = 3
+
+
+@dataclass(frozen=True)
+class Setup:
+    shape: str
+    layers: int | None
+    device: str
+    dtype: str
+    lengths: tuple[int, ...]
+    batch: tuple[int, int]  # throughput: prompts, tokens each
+    max_num_batched_tokens: int
+
+    @property
+    def max_model_len(self) -> int:
+        return max(*self.lengths, self.batch[1]) + 16
+
+
+FULL = Setup(
+    shape="qwen3-30b-a3b",
+    layers=48,
+    device="cuda",
+    dtype="bfloat16",
+    lengths=(512, 2048, 4096, 8192, 16384),
+    batch=(32, 2048),
+    max_num_batched_tokens=16384,
+)
+SMOKE = Setup(
+    shape="tiny-qwen3-moe",
+    layers=None,
+    device="cpu",
+    dtype="float32",
+    lengths=(16, 64),
+    batch=(4, 32),
+    max_num_batched_tokens=128,
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    what: str  # "TTFT N" or "P x N"
+    tokens: int
+    seconds: float
+    floor_seconds: float
+
+
+def matmul_flops_per_s(device: str) -> float:
+    """bf16 FLOP/s of an 8192^3 torch.mm (on the CPU: fp32 of a 1024^3 one)."""
+    if not device.startswith("cuda"):
+        a = torch.randn(1024, 1024)
+        start = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        return 3 * 2 * 1024**3 / (time.perf_counter() - start)
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Non-embedding parameters one token goes through (top-k experts only)."""
+    attention = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
+    moe = cfg.hidden_size * cfg.num_experts + cfg.top_k * 3 * cfg.hidden_size * (
+        cfg.moe_intermediate_size
+    )
+    moe += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size
+    dense = 3 * cfg.hidden_size * cfg.intermediate_size
+    return sum(attention + (moe if sparse else dense) for sparse in cfg.sparse_layers)
+
+
+def prefill_flops(cfg: ModelConfig, lengths: list[int]) -> float:
+    """FLOPs of prefilling prompts of these lengths, each sampling one token."""
+    dense = 2 * active_params(cfg) * sum(lengths)
+    per_pair = 2 * 2 * cfg.q_size * cfg.num_layers
+    attention = sum(per_pair * t * (t + 1) / 2 for t in lengths)
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size * len(lengths)
+    return dense + attention + lm_head
+
+
+def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
+    llm = LLM(
+        model=folder,
+        load_format="dummy",
+        device=setup.device,
+        dtype=setup.dtype,
+        enable_lora=lora,
+        max_loras=MAX_LORAS,
+        max_lora_rank=RANK if lora else 1,
+        max_num_seqs=max(setup.batch[0], 8),
+        max_graph_bs=max(setup.batch[0], 8),
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_model_len=setup.max_model_len,
+        enable_prefix_caching=False,
+    )
+    names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
+    for seed, name in enumerate(names):
+        llm.add_random_lora(name, rank=RANK, seed=seed)
+    return llm, names
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prefill_seconds(engine: Engine, prompts: list[list[int]], loras, device: str) -> float:
+    """Wall seconds from adding the prompts to an idle engine until each has its token."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    tag = time.perf_counter_ns()
+    ids = [f"p{tag}-{i}" for i in range(len(prompts))]
+    sync(device)
+    start = time.perf_counter()
+    for rid, prompt, lora in zip(ids, prompts, loras):
+        engine.add_request(rid, prompt, params, lora)
+    pending = set(ids)
+    while pending:
+        pending -= {out.request_id for out in engine.step() if out.finished}
+    sync(device)
+    return time.perf_counter() - start
+
+
+def random_prompts(gen: torch.Generator, vocab: int, count: int, length: int) -> list[list[int]]:
+    return torch.randint(0, vocab, (count, length), generator=gen).tolist()
+
+
+def measure(setup: Setup, folder: str, flops_per_s: float, *, profile: bool):
+    rows, tables = [], []
+    gen = torch.Generator().manual_seed(0)
+    for lora in (False, True):
+        llm, names = build(setup, folder, lora=lora)
+        engine, cfg = llm.engine, llm.engine.model_config
+        vocab = cfg.vocab_size
+        for case in (c for c in CASES if (c != "disabled") == lora):
+            if case in TTFT_CASES:
+                for n in setup.lengths:
+                    lora_of = adapters_of(case, names, 1)
+                    times = [
+                        prefill_seconds(
+                            engine, random_prompts(gen, vocab, 1, n), lora_of, setup.device
+                        )
+                        for _ in range(REPS + 1)
+                    ][1:]
+                    floor = prefill_flops(cfg, [n]) / flops_per_s
+                    rows.append(Row(case, f"TTFT {n}", n, statistics.median(times), floor))
+                    print_row(rows[-1])
+            count, n = setup.batch
+            loras = adapters_of(case, names, count)
+            prefill_seconds(engine, random_prompts(gen, vocab, count, n), loras, setup.device)
+            seconds = prefill_seconds(
+                engine, random_prompts(gen, vocab, count, n), loras, setup.device
+            )
+            floor = prefill_flops(cfg, [n] * count) / flops_per_s
+            rows.append(Row(case, f"{count} x {n}", count * n, seconds, floor))
+            print_row(rows[-1])
+            if profile:
+                tables.append(kernel_table(engine, setup, case, names, gen))
+        del llm, engine
+        gc.collect()
+        if setup.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return rows, tables
+
+
+def kernel_table(engine: Engine, setup: Setup, case: str, names, gen) -> list[str]:
+    """Per-layer GPU time of each kernel in one 4096-token prefill (8 prompts of 512 for 8
+    distinct, so that the adapters are mixed)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    count = 8 if case == "8 distinct" else 1
+    length = 4096 // count
+    loras = adapters_of(case, names, count)
+    vocab = engine.model_config.vocab_size
+    prefill_seconds(engine, random_prompts(gen, vocab, count, length), loras, setup.device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill_seconds(engine, random_prompts(gen, vocab, count, length), loras, setup.device)
+    total, calls = defaultdict(float), defaultdict(int)
+    for ev in prof.events():
+        if ev.device_type == DeviceType.CUDA:
+            total[ev.name[:70]] += ev.device_time
+            calls[ev.name[:70]] += 1
+    layers = engine.model_config.num_layers
+    lines = [
+        "",
+        f"### Kernels of one 4096-token prefill, {case} ({count} x {length}): "
+        f"{sum(total.values()) / layers / 1e3:.3f} ms kernel time per layer",
+        "",
+        "| kernel | calls per layer | ms per layer |",
+        "|---|---:|---:|",
+    ]
+    for name in sorted(total, key=lambda k: -total[k])[:14]:
+        cell = f"{calls[name] / layers:.2f} | {total[name] / layers / 1e3:.3f}"
+        lines.append(f"| `{name}` | {cell} |")
+    print("\n".join(lines), flush=True)
+    return lines
+
+
+def print_row(row: Row) -> None:
+    print(
+        f"{row.case:>10} {row.what:>12}: {1e3 * row.seconds:9.2f} ms  floor "
+        f"{1e3 * row.floor_seconds:8.2f} ms  x{row.seconds / row.floor_seconds:5.2f}  "
+        f"{row.tokens / row.seconds:9.0f} tok/s",
+        flush=True,
+    )
+
+
+def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: float):
+    title = f"Prefill: TTFT and prefill throughput beside the compute floor, {setup.shape} shape"
+    lines = result_header(f"{title} (random weights)", None, device=setup.device)
+    lines += [
+        f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; LLM("
+        f"load_format='dummy', max_num_batched_tokens {setup.max_num_batched_tokens}, "
+        f"max_model_len {setup.max_model_len}, enable_prefix_caching=False); LoRA: max_loras "
+        f"{MAX_LORAS}, rank {RANK}, on attention and every expert",
+        f"- matmul throughput (8192^3 bf16 torch.mm, do_bench median): "
+        f"{flops_per_s / 1e12:.0f} TFLOP/s; floor = FLOPs / it (see bench/prefill.py)",
+        f"- TTFT: the median of {REPS} prompts of fresh random tokens, each added alone to an "
+        "idle engine, until Engine.step() returns its token; throughput: "
+        f"{setup.batch[0]} x {setup.batch[1]} tokens added at once, until the last token",
+        f"- whole run: {seconds:.0f} s",
+        "",
+        "| case | what | tokens | ms | floor ms | x floor | tok/s | / disabled |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = {r.what: r for r in rows if r.case == "disabled"}
+    for r in rows:
+        rel = f"{base[r.what].seconds / r.seconds:.3f}" if r.what in base else ""
+        lines.append(
+            f"| {r.case} | {r.what} | {r.tokens} | {1e3 * r.seconds:.2f} | "
+            f"{1e3 * r.floor_seconds:.2f} | {r.seconds / r.floor_seconds:.2f} | "
+            f"{r.tokens / r.seconds:.0f} | {rel} |"
+        )
+    for table in tables:
+        lines += table
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
+    parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
+    parser.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths")
+    parser.add_argument("--profile", action="store_true", help="per-kernel times (CUDA)")
+    parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
+    args = parser.parse_args()
+    setup = SMOKE if args.smoke else FULL
+    if args.layers:
+        setup = dataclasses.replace(setup, layers=args.layers)
+    if args.lengths:
+        setup = dataclasses.replace(setup, lengths=tuple(args.lengths))
+    start = time.perf_counter()
+    flops_per_s = matmul_flops_per_s(setup.device)
+    folder = model_folder(setup.layers, setup.shape)
+    profile = args.profile and setup.device.startswith("cuda")
+    rows, tables = measure(setup, folder, flops_per_s, profile=profile)
+    lines = report(setup, rows, tables, flops_per_s, time.perf_counter() - start)
+    out = args.out
+    if args.smoke and out is None:  # a smoke run's figures do not belong in bench/results
+        out = str(Path(tempfile.mkdtemp(prefix="prefill-smoke-")) / "prefill-smoke.md")
+    write_result("prefill", lines, out)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
