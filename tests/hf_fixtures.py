@@ -705,3 +705,72 @@ def reference_generate(
     finally:
         torch.set_num_threads(threads)
     return outputs  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (GPT-OSS's release)
+
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def write_mxfp4_checkpoint(src: str | Path, dst: str | Path, *, seed: int) -> Path:
+    """`src` (a GPT-OSS folder) with its experts in MXFP4 the way openai/gpt-oss-* stores them:
+    `mlp.experts.{gate_up,down}_proj_blocks` [E, out, in / 32, 16] uint8 (two e2m1 codes a
+    byte, the low nibble first) and `_scales` [E, out, in / 32] uint8 (E8M0, bias 127), biases
+    as they are, and config.json's quantization_config. The codes and scales are random (about
+    unit-scale weights), not a quantization of src's experts."""
+    src, dst = Path(src), Path(dst)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in read_checkpoint(src).items():
+        if not re.search(r"experts\.(gate_up|down)_proj$", key):
+            tensors[key] = t
+            continue
+        E, fan_in, fan_out = t.shape
+        assert fan_in % 32 == 0, f"{key}: in {fan_in} is not a multiple of 32"
+        groups = (E, fan_out, fan_in // 32)
+        tensors[f"{key}_blocks"] = torch.randint(0, 256, (*groups, 16), generator=gen).to(
+            torch.uint8
+        )
+        # 2^-4 .. 2^-2 times codes of up to 6: about unit-scale weights at fan-in 64
+        tensors[f"{key}_scales"] = torch.randint(123, 126, groups, generator=gen).to(torch.uint8)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def write_dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """An MXFP4 folder dequantized to float32 by transformers' own function, without its
+    quantization_config: what the reference loads."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, dst = Path(src), Path(dst)
+    tensors = read_checkpoint(src)
+    out = {k: t for k, t in tensors.items() if not k.endswith(("_blocks", "_scales"))}
+    for key in [k for k in tensors if k.endswith("_blocks")]:
+        base = key.removesuffix("_blocks")
+        out[base] = convert_moe_packed_tensors(
+            tensors[key], tensors[f"{base}_scales"], dtype=torch.float32
+        )
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file({k: t.contiguous() for k, t in out.items()}, dst / "model.safetensors")
+    return dst

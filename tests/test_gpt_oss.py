@@ -131,3 +131,43 @@ def test_mixed_batch(bank: FixtureBank, llm) -> None:
     refs = bank.reference(model(bank), hf.PROMPTS, [paths[n] for n in loras])
     outs = run(llm, hf.PROMPTS, loras)
     assert_matches(bank, outs, refs, hf.PROMPTS, f"gpt_oss mixed batch {loras}")
+
+
+def mxfp4_models(bank: FixtureBank):
+    """(the MXFP4 folder, the same dequantized by transformers): intermediate 64, so both
+    expert tensors' inputs are whole groups of 32."""
+    base = bank.model_variant("i64", ARCH, intermediate_size=64)
+    packed = bank.adapter("gpt-oss-mxfp4", lambda p: hf.write_mxfp4_checkpoint(base, p, seed=31))
+    plain = bank.adapter("gpt-oss-mxfp4-f32", lambda p: hf.write_dequantized_checkpoint(packed, p))
+    return packed, plain
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mxfp4_dequantizes_as_transformers_does(bank: FixtureBank, dtype) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from moelora.kernels.reference import dequantize_mxfp4
+
+    packed, _ = mxfp4_models(bank)
+    tensors = hf.read_checkpoint(packed)
+    for key in [k for k in tensors if k.endswith("_blocks")]:
+        blocks, scales = tensors[key], tensors[key.replace("_blocks", "_scales")]
+        want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+        got = dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
+        assert got.dtype == want.dtype and torch.equal(got, want), key
+
+
+def test_mxfp4_checkpoint_loads_to_the_bit_and_equals_transformers(bank: FixtureBank) -> None:
+    """The engine's experts from the MXFP4 folder are transformers' dequantized ones, converted
+    (de-interleaved, transposed) to the bit; greedy outputs equal transformers' on them."""
+    packed, plain = mxfp4_models(bank)
+    llm = make_llm(bank, packed)
+    want = hf.read_checkpoint(plain)
+    mlp = llm.engine.model.layers[1].mlp
+    gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I], gate | up alternate
+    w13 = torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2)
+    assert torch.equal(mlp.w13.cpu(), w13)
+    assert torch.equal(mlp.w2.cpu(), want["model.layers.1.mlp.experts.down_proj"].transpose(1, 2))
+    prompts = hf.PROMPTS[:3]
+    refs = bank.reference(plain, prompts, [None] * 3)
+    assert_matches(bank, run(llm, prompts, None), refs, prompts, "gpt_oss MXFP4")

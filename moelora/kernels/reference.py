@@ -64,6 +64,45 @@ def swiglu_oai(gate_up: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS = {"silu": silu_and_mul, "swiglu_oai": swiglu_oai}
 
+# MXFP4's e2m1 values by their 4-bit code (sign in the top bit)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Semantics: out[..., 32 g + 2 j + n] = FP4_VALUES[nibble n of blocks[..., g, j]] *
+    2 ** (scales[..., g] - 127), the low nibble first (n = 0), as GPT-OSS's release stores its
+    experts and transformers reads them (integrations/mxfp4.py), in the same operations, so the
+    values are its to the bit. blocks [..., G, 16] uint8, scales [..., G] uint8 (E8M0).
+    Returns [..., G * 32] in dtype."""
+    *lead, G, B = blocks.shape
+    assert tuple(scales.shape) == (*lead, G), (blocks.shape, scales.shape)
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    blocks = blocks.to(torch.uint8).reshape(-1, B)
+    out = torch.empty(blocks.shape[0], 2 * B, dtype=dtype, device=blocks.device)
+    out[:, 0::2] = lut[(blocks & 0x0F).to(torch.int)]
+    out[:, 1::2] = lut[(blocks >> 4).to(torch.int)]
+    torch.ldexp(out, scales.to(torch.int32).reshape(-1, 1) - 127, out=out)
+    return out.reshape(*lead, G * 2 * B)
+
 
 def _slot_mask(info: LoraBatchInfo, slots: torch.Tensor) -> torch.Tensor:
     """True where the token's slot is a real, enabled slot (NO_SLOT and disabled -> False)."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moelora.errors import ModelConfigError
+from moelora.kernels.reference import dequantize_mxfp4
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
 
@@ -58,10 +59,34 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, fh.get_tensor(key)
 
 
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """MXFP4 pairs (`X_blocks` [E, out, in / 32, 16], `X_scales` [E, out, in / 32], in any order
+    and any shards) -> `X` [E, in, out] in dtype, the layout of the tensor the release quantized
+    (transformers' dequantization). The packed experts' kernel would take the pair as it is."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors:
+        base, _, kind = key.rpartition("_")
+        if kind not in ("blocks", "scales"):
+            yield key, t
+            continue
+        pair = halves.setdefault(base, {})
+        pair[kind] = t
+        if len(pair) == 2:
+            del halves[base]
+            yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype).transpose(1, 2)
+    for base, pair in halves.items():
+        missing = "scales" if "blocks" in pair else "blocks"
+        raise ModelConfigError(f"checkpoint has {base}_{sorted(pair)[0]} but no {base}_{missing}")
+
+
 def load_weights(model: MoeCausalLM, model_path: str) -> None:
-    """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones."""
+    """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones.
+    MXFP4 experts are dequantized to the model's dtype on the way."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
-    for key, tensor in iter_tensors(safetensors_files(model_path)):
+    tensors = iter_tensors(safetensors_files(model_path))
+    for key, tensor in dequantized(tensors, model.embed_tokens.dtype):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
             continue
