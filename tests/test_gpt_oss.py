@@ -171,3 +171,26 @@ def test_mxfp4_checkpoint_loads_to_the_bit_and_equals_transformers(bank: Fixture
     prompts = hf.PROMPTS[:3]
     refs = bank.reference(plain, prompts, [None] * 3)
     assert_matches(bank, run(llm, prompts, None), refs, prompts, "gpt_oss MXFP4")
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]),
+            "layer_types",
+        ),
+        (dict(quantization_config={"quant_method": "fp8"}), "quant_method='fp8'"),
+        (dict(attention_bias=False), "attention_bias=False"),
+    ],
+)
+def test_unsupported_variants_are_refused(bank: FixtureBank, tmp_path, change, message) -> None:
+    import json
+
+    from moelora.errors import ModelConfigError
+    from moelora.models.registry import read_model_config
+
+    config = json.loads((model(bank) / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ModelConfigError, match=message):
+        read_model_config(str(tmp_path))
