@@ -223,8 +223,10 @@ def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
         lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
         n_slots = int(slots[active].unique().numel())
         lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
-    kv_tokens = int(step.inputs.seq_lens.sum())
-    model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem * mc.num_layers
+    seq_lens = step.inputs.seq_lens.long()
+    for sliding in mc.sliding_layers:  # a sliding layer reads its window's keys only
+        kv_tokens = int((seq_lens.clamp(max=mc.sliding_window) if sliding else seq_lens).sum())
+        model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem
     return model, lora
 
 

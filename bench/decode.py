@@ -1,4 +1,5 @@
-"""Decode step time of a Qwen3-30B-A3B-shaped model (random weights), next to its floor.
+"""Decode step time of a Qwen3-30B-A3B-shaped model (or --shape NAME; random weights), next to
+its floor.
 
 Cases: LoRA disabled; LoRA enabled with a base-only batch; one adapter; 8 distinct rank-16
 adapters on attention and experts. Graph replay and eager at B in {1, 8, 32, 64, 128}; each
@@ -6,7 +7,7 @@ timed step is the forward and the lm_head (logits), as the floor counts the lm_h
 Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of this run; the
 experts touched are counted from the batch's real routing.
 
-    PYTHONPATH=. python bench/decode.py [--layers 48] [--batches 1 8 64] [--out PATH]
+    PYTHONPATH=. python bench/decode.py [--shape gpt-oss-20b] [--layers 48] [--batches 1 8 64]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from common import (
 
 from moelora.config import PROJECTIONS
 from moelora.kernels.pdl import pdl_kwargs
+from moelora.models.shapes import SHAPES
 from moelora.runner.graph_runner import graph_batch_sizes
 
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
@@ -60,7 +62,8 @@ def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_to
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
+    parser.add_argument("--layers", type=int, help="default: the shape's own")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES))
@@ -77,7 +80,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     eager = not args.no_eager
-    folder = model_folder(args.layers)
+    folder = model_folder(args.layers, args.shape)
     bw = copy_bandwidth()
     rows, capture = [], {}
     t0 = time.perf_counter()
@@ -103,12 +106,13 @@ def main() -> None:
 
 
 def report(args, bw: float, rows: list, capture: dict) -> list[str]:
-    lines = result_header("Decode step, Qwen3-30B-A3B shape (random weights)", bw)
+    lines = result_header(f"Decode step, {args.shape} shape (random weights)", bw)
     pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
     (off, off_warm), (on, on_warm) = capture.get("disabled", (0, 0)), capture.get("lora", (0, 0))
     max_bs = max(DECODE_BATCHES)
     lines += [
-        f"- layers: {args.layers} of 48; bf16; {CONTEXT} context tokens per sequence; LoRA "
+        f"- layers: {args.layers or 'all'} of {SHAPES[args.shape]['num_hidden_layers']}; bf16; "
+        f"{CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras {MAX_LORAS}, adapters on q/k/v/o and every expert's "
         "gate/up/down",
         f"- graph capture: {off:.1f} s (LoRA disabled; {off_warm:.1f} s of it the warm-up, where "

@@ -209,6 +209,24 @@ class ModelConfig:
     intermediate_size: int  # of dense layers
     shared_expert_intermediate_size: int  # 0 = no shared expert
     eos_token_ids: tuple[int, ...]
+    # What GPT-OSS adds; the common reading (models/common.py) turns all of it off.
+    sliding_window: int  # keys within this many positions of the query; 0 = no window
+    sliding_layers: tuple[bool, ...]  # per layer: attention limited to sliding_window
+    attention_sinks: bool  # a learned logit per query head in the softmax's denominator
+    o_bias: bool  # the attention's output projection has a bias
+    router_bias: bool
+    expert_bias: bool  # every expert's gate|up and down have biases
+    # "silu": silu(gate) * up; "swiglu_oai": GPT-OSS's clamped form (reference.swiglu_oai)
+    activation: str
+    # the checkpoint's fused experts: "gate_up_rows" (gate_up_proj [E, 2I, H], gate rows then
+    # up rows; down_proj [E, H, I]) or "interleaved_in_out" (GPT-OSS: gate_up_proj [E, H, 2I]
+    # with gate and up in alternate columns; down_proj [E, I, H])
+    experts_layout: str
+
+    def __post_init__(self) -> None:
+        assert self.activation in ("silu", "swiglu_oai"), self.activation
+        assert self.experts_layout in ("gate_up_rows", "interleaved_in_out"), self.experts_layout
+        assert len(self.sliding_layers) == self.num_layers, self.sliding_layers
 
     @property
     def q_size(self) -> int:

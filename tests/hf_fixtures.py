@@ -87,6 +87,25 @@ _ARCH_CONFIG: dict[str, dict] = {
         norm_topk_prob=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     ),
+    # sliding, full, sliding; a window of 5 is shorter than every prompt but one plus its
+    # output, so it matters in prefill and in decode; YaRN as the release has it, scaled down
+    "gpt_oss": dict(
+        num_hidden_layers=3,
+        head_dim=16,
+        num_local_experts=6,
+        intermediate_size=40,
+        sliding_window=5,
+        rms_norm_eps=1e-5,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 150000.0,
+        },
+    ),
 }
 
 
@@ -98,6 +117,7 @@ def _classes(arch: str):
         "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
         "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
         "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+        "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
     }[arch]
     return getattr(transformers, names[0]), getattr(transformers, names[1])
 
@@ -204,9 +224,12 @@ def _randomize(model: torch.nn.Module, *, seed: int, tied: bool) -> None:
     """Unit-scale weights: every linear maps unit inputs to unit outputs, logits spread ~3."""
     gen = torch.Generator().manual_seed(seed)
     hidden = model.config.hidden_size
+    gpt_oss = model.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
+            if gpt_oss and _randomize_gpt_oss(name, p, noise, hidden):
+                continue
             if name == "model.norm.weight" and tied:  # small tied embeddings: lift the logits
                 p.copy_(8.0 * (1.0 + 0.2 * noise))
             elif name.endswith("norm.weight"):
@@ -222,6 +245,25 @@ def _randomize(model: torch.nn.Module, *, seed: int, tied: bool) -> None:
                 p.copy_(noise * 2.0 / math.sqrt(hidden))
             else:  # 2D linears [out, in] and 3D experts [E, out, in]: fan-in is the last dim
                 p.copy_(noise / math.sqrt(p.shape[-1]))
+
+
+def _randomize_gpt_oss(name: str, p: torch.Tensor, noise: torch.Tensor, hidden: int) -> bool:
+    """GPT-OSS's own tensors (False: the common rule applies). Experts are [E, in, out]; gate_up
+    at 3x unit scale so some gates and ups pass the SwiGLU's clamp at 7; sinks of about the
+    scores' size, so they take a real share of the softmax."""
+    if name.endswith("experts.gate_up_proj"):
+        p.copy_(noise * 3.0 / math.sqrt(p.shape[1]))
+    elif name.endswith("experts.down_proj"):
+        p.copy_(noise / math.sqrt(p.shape[1]))
+    elif name.endswith("_bias"):
+        p.copy_(0.3 * noise)
+    elif name.endswith("self_attn.sinks"):
+        p.copy_(noise)
+    elif name.endswith("mlp.router.weight"):
+        p.copy_(noise * 2.0 / math.sqrt(hidden))
+    else:
+        return False
+    return True
 
 
 def _save_tokenizer(path: Path) -> None:
@@ -663,3 +705,72 @@ def reference_generate(
     finally:
         torch.set_num_threads(threads)
     return outputs  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------------------------
+# MXFP4 (GPT-OSS's release)
+
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def write_mxfp4_checkpoint(src: str | Path, dst: str | Path, *, seed: int) -> Path:
+    """`src` (a GPT-OSS folder) with its experts in MXFP4 the way openai/gpt-oss-* stores them:
+    `mlp.experts.{gate_up,down}_proj_blocks` [E, out, in / 32, 16] uint8 (two e2m1 codes a
+    byte, the low nibble first) and `_scales` [E, out, in / 32] uint8 (E8M0, bias 127), biases
+    as they are, and config.json's quantization_config. The codes and scales are random (about
+    unit-scale weights), not a quantization of src's experts."""
+    src, dst = Path(src), Path(dst)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in read_checkpoint(src).items():
+        if not re.search(r"experts\.(gate_up|down)_proj$", key):
+            tensors[key] = t
+            continue
+        E, fan_in, fan_out = t.shape
+        assert fan_in % 32 == 0, f"{key}: in {fan_in} is not a multiple of 32"
+        groups = (E, fan_out, fan_in // 32)
+        tensors[f"{key}_blocks"] = torch.randint(0, 256, (*groups, 16), generator=gen).to(
+            torch.uint8
+        )
+        # 2^-4 .. 2^-2 times codes of up to 6: about unit-scale weights at fan-in 64
+        tensors[f"{key}_scales"] = torch.randint(123, 126, groups, generator=gen).to(torch.uint8)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+def write_dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """An MXFP4 folder dequantized to float32 by transformers' own function, without its
+    quantization_config: what the reference loads."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src, dst = Path(src), Path(dst)
+    tensors = read_checkpoint(src)
+    out = {k: t for k, t in tensors.items() if not k.endswith(("_blocks", "_scales"))}
+    for key in [k for k in tensors if k.endswith("_blocks")]:
+        base = key.removesuffix("_blocks")
+        out[base] = convert_moe_packed_tensors(
+            tensors[key], tensors[f"{base}_scales"], dtype=torch.float32
+        )
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.startswith("model"):
+            shutil.copy(f, dst / f.name)
+    config = json.loads((dst / "config.json").read_text())
+    config.pop("quantization_config")
+    (dst / "config.json").write_text(json.dumps(config))
+    save_file({k: t.contiguous() for k, t in out.items()}, dst / "model.safetensors")
+    return dst

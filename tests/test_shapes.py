@@ -27,6 +27,25 @@ def test_the_qwen3_30b_a3b_shape_is_the_benchmarks_one(tmp_path: Path) -> None:
     assert (model_config.hidden_size, model_config.moe_intermediate_size) == (2048, 768)
 
 
+@pytest.mark.parametrize(
+    "name,layers,experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)]
+)
+def test_the_gpt_oss_shapes_are_the_releases(tmp_path: Path, name, layers, experts) -> None:
+    cfg, _ = read_model_config(str(write_config_folder(SHAPES[name], tmp_path)))
+    assert (cfg.arch, cfg.num_layers, cfg.num_experts, cfg.top_k) == ("gpt_oss", layers, experts, 4)
+    assert (cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_heads, cfg.head_dim) == (
+        2880,
+        2880,
+        64,
+        64,
+    )
+    assert cfg.sliding_window == 128 and cfg.sliding_layers[:2] == (True, False)
+    three, _ = read_model_config(
+        str(write_config_folder(shape_config(name, num_layers=3), tmp_path))
+    )
+    assert three.sliding_layers == (True, False, True)
+
+
 def test_a_copy_leaves_the_shape_as_it_is() -> None:
     shape_config("qwen3-30b-a3b")["architectures"].append("x")
     assert shape_config("qwen3-30b-a3b")["architectures"] == ["Qwen3MoeForCausalLM"]

@@ -12,6 +12,12 @@ Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
   3. down: a program owns one block and BN columns of H, multiplies by the routing weight and
      writes one row per pair; a last small kernel sums each token's K rows.
 
+GPT-OSS adds biases (b13 [E, 2I], b2 [E, H], added to the fp32 accumulators like the LoRA
+deltas) and its clamped SwiGLU (reference.swiglu_oai); both are constexpr options, so the other
+architectures compile the same kernels as before. Its MXFP4 experts would plug in here, as a
+main loop that dequantizes each weight tile after its load (not written yet: the loader
+dequantizes them to the model's dtype).
+
 The LoRA deltas are added to the fp32 accumulators before the activation / the routing
 weight. Each shrink is done once per pair (moe_lora: x @ A13.T by extra programs of the align
 kernel, h @ A2.T split over gate_up's column blocks) and the GEMM epilogues only expand. A
@@ -42,12 +48,16 @@ from moelora.kernels.moe_lora import (
     pair_shrink_block_k,
 )
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
+ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
+_ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
+_LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
 
 # 1. Align: moe_align.py (its last launch, with LoRA, also shrinks each pair: see moe_lora.py).
 
@@ -83,6 +93,7 @@ def _gate_up_kernel(
     a2_ptr,  # [S, E, 1, R, I]: h's columns feed xa2 here
     xa2_ptr,  # [P, BR] fp32
     any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
+    bias_ptr,  # [E, 2I] gate then up, only with HAS_BIAS
     # Sizes.
     H,
     I,
@@ -101,6 +112,8 @@ def _gate_up_kernel(
     S: tl.constexpr,
     HAS_LORA: tl.constexpr,
     HAS_LORA2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -182,8 +195,17 @@ def _gate_up_kernel(
                     PACK=PACK,
                 )
 
-    # -- activation and store --
-    h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
+    # -- bias, activation and store --
+    if HAS_BIAS:
+        bias_e = bias_ptr + expert.to(tl.int64) * 2 * I
+        acc_g += tl.load(bias_e + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(bias_e + I + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 1:
+        gate = tl.minimum(acc_g, _LIMIT)
+        up = tl.minimum(tl.maximum(acc_u, -_LIMIT), _LIMIT)
+        h = ((up + 1.0) * (gate / (1.0 + tl.exp(-_ALPHA * gate)))).to(h_ptr.dtype.element_ty)
+    else:
+        h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_rows = pid_m * BM + tl.arange(0, BM)
     h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
     tl.store(h_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
@@ -234,6 +256,7 @@ def _down_kernel(
     b_ptr,  # [S, E, H, R]
     xa2_ptr,  # [P, BR] fp32: h @ A2.T of each pair with an enabled slot
     any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
+    bias_ptr,  # [E, H], only with HAS_BIAS
     # Sizes.
     H,
     I,
@@ -248,6 +271,7 @@ def _down_kernel(
     S: tl.constexpr,
     PACK: tl.constexpr,
     HAS_LORA: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -321,6 +345,9 @@ def _down_kernel(
                     TWO=False,
                     PACK=PACK,
                 )
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * H + offs_n, mask=n_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     weight = tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0)
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * H + offs_n[None, :]
     out = (acc * weight[:, None]).to(out_ptr.dtype.element_ty)
@@ -478,7 +505,15 @@ def _align(
 
 
 def _gate_up(
-    x: torch.Tensor, w13: torch.Tensor, pairs: _Pairs, lora: _Lora, cfg: MoeConfig, launch: dict
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    pairs: _Pairs,
+    lora: _Lora,
+    cfg: MoeConfig,
+    launch: dict,
+    *,
+    bias: torch.Tensor | None,
+    activation: str,
 ) -> torch.Tensor:
     """h [NB*BM, I] = silu(gate) * up of each block row, gate_up's LoRA delta added before the
     activation; with down's LoRA each program also adds its columns' share of h @ A2.T."""
@@ -501,6 +536,7 @@ def _gate_up(
         a2_ptr=lora.down.a,
         xa2_ptr=pairs.xa2,
         any_ptr=lora.any_on,
+        bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
         stride_xt=x.stride(0),
@@ -516,6 +552,8 @@ def _gate_up(
         S=lora.S,
         HAS_LORA=lora.gate_up.on,
         HAS_LORA2=lora.down.on,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=ACTIVATIONS.index(activation),
         PACK=lora.PACK,
         BM=pairs.BM,
         BN=cfg.block_n,
@@ -527,7 +565,14 @@ def _gate_up(
 
 
 def _down(
-    h: torch.Tensor, w2: torch.Tensor, pairs: _Pairs, lora: _Lora, cfg: MoeConfig, launch: dict
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    pairs: _Pairs,
+    lora: _Lora,
+    cfg: MoeConfig,
+    launch: dict,
+    *,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair."""
     _, H, I = w2.shape
@@ -547,6 +592,7 @@ def _down(
         b_ptr=lora.down.b,
         xa2_ptr=pairs.xa2,
         any_ptr=lora.any_on,
+        bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
         stride_we=w2.stride(0),
@@ -558,6 +604,7 @@ def _down(
         S=lora.S,
         PACK=lora.PACK,
         HAS_LORA=lora.down.on,
+        HAS_BIAS=bias is not None,
         BM=pairs.BM,
         BN=cfg.block_n_down,
         BK=cfg.block_k_down,
@@ -588,8 +635,12 @@ def fused_moe(
     info: LoraBatchInfo | None = None,
     config: MoeConfig | None = None,
     sum_topk: bool = True,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+    """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2);
+    with b13 [E, 2I], b2 [E, H] and activation as reference.fused_moe has them.
 
     With sum_topk=False it returns the K weighted rows [T, K, H] unsummed (reference.sum_rows
     of them is out): the next rms_norm adds them, one launch fewer.
@@ -606,6 +657,9 @@ def fused_moe(
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
     assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
+    assert activation in ACTIVATIONS, activation
+    for bias, shape in ((b13, (E, 2 * I)), (b2, (E, H))):
+        assert bias is None or (bias.shape == shape and bias.is_contiguous()), (shape, bias)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -617,8 +671,8 @@ def fused_moe(
     lora = _lora(lora13, lora2, info, unused=ids)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
-    h = _gate_up(x, w13, pairs, lora, cfg, launch)
-    pair_out = _down(h, w2, pairs, lora, cfg, launch)
+    h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
+    pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)
     if not sum_topk:
         return pair_out.view(T, K, H)
     _sum_topk(pair_out, out, K)

@@ -24,6 +24,14 @@ so no memset is recorded. Prefill/extend runs eagerly: one program per BLOCK_Q t
 With the attention's LoRA folded (layers/attention_lora.py), a split decode's combine also
 shrinks the o projection's LoRA from each head's output (paged_attention_o_shrink).
 
+Two options serve GPT-OSS, as constexpr flags with their values in tensors or plain integers,
+so a graph captures them like any other argument:
+- a sliding window: the query at position p sees keys p - window < n <= p. A program's KV range
+  starts at its first row's window (a decode's split covers only that range), and the tiles
+  mask the keys that leave the window of later rows;
+- sinks, one learned logit per query head in the softmax's denominator: a program (or the
+  combine, when split) adds exp(sink - max) to the running sum once, after the last tile.
+
 Legend: T = tokens, B = sequences, P = pages per sequence, Hq / Hkv = query / KV heads,
 D = head dim, S = splits, G = Hq // Hkv.
 """
@@ -46,6 +54,7 @@ if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
+_LOG2_E = tl.constexpr(LOG2_E)  # what a kernel may read of a module global
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,15 @@ def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.maximum(per_split, BLOCK_N)
 
 
+@triton.jit
+def _window_start(first_pos, window, HAS_WINDOW: tl.constexpr):
+    # The first key the query at first_pos sees; the combine asks it of the decode's one query,
+    # and must get what the attention kernel got.
+    if HAS_WINDOW:
+        return tl.maximum(first_pos - window + 1, 0)
+    return 0
+
+
 @triton.jit(do_not_specialize=["num_seqs", "num_rows"])  # one compile for all batch sizes
 def _paged_attention_kernel(
     # Pointers
@@ -93,12 +111,14 @@ def _paged_attention_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     page_table_ptr,
+    sinks_ptr,  # [Hq] float32, only with HAS_SINKS
     # Sizes
     num_seqs,
     num_rows,
     head_dim,
     num_splits,
     scale_log2,
+    window,  # keys per query of a sliding window, only with HAS_WINDOW
     # Strides
     stride_qt,
     stride_qh,
@@ -125,6 +145,8 @@ def _paged_attention_kernel(
     PAGE_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     ZERO_TAIL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -177,10 +199,12 @@ def _paged_attention_kernel(
     )
     q = tl.load(q_ptrs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
 
-    # -- KV range: up to the block's last causal position, then this program's split ----------
+    # -- KV range: from the block's first window start (0 without a window) up to its last
+    # causal position, then this program's split -----------------------------------------------
     kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, (pid_m + 1) * BLOCK_Q))
-    split_len = _split_len(kv_end, num_splits, BLOCK_N)
-    kv_start = pid_s * split_len
+    kv_lo = _window_start(seq_len - q_len + pid_m * BLOCK_Q, window, HAS_WINDOW)
+    split_len = _split_len(kv_end - kv_lo, num_splits, BLOCK_N)
+    kv_start = kv_lo + pid_s * split_len
     kv_stop = tl.minimum(kv_end, kv_start + split_len)
     if SPLIT:
         if kv_start >= kv_stop:
@@ -209,6 +233,8 @@ def _paged_attention_kernel(
         )
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))
 
         # A row with nothing visible yet keeps max -inf; subtract 0 then so no NaN appears.
@@ -231,6 +257,12 @@ def _paged_attention_kernel(
         m_i = m_new
 
     # -- Store: the normalized output, or the split's partial and its log-sum-exp -------------
+    if HAS_SINKS and not SPLIT:  # split: the combine adds the sink, once
+        sink = tl.load(sinks_ptr + head, mask=row_mask, other=0.0).to(tl.float32) * _LOG2_E
+        m_new = tl.maximum(m_i, sink)  # finite: so is the sink
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     if not SPLIT:
         out_ptrs = (
@@ -258,6 +290,7 @@ def _combine_splits_kernel(
     out_ptr,
     cu_seqlens_q_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [Hq] float32, only with HAS_SINKS
     a_ptr,  # [max_loras, 1, R, Hq * D]: the o projection's LoRA A, only with SHRINK
     shrink_ptr,  # [T, Hq, 1, R] float32 out: each head's part of the shrink, only with SHRINK
     slot_ptr,
@@ -267,6 +300,7 @@ def _combine_splits_kernel(
     # Sizes
     head_dim,
     num_splits,
+    window,  # only with HAS_WINDOW
     # Strides
     stride_ot,
     stride_oh,
@@ -275,6 +309,8 @@ def _combine_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     SHRINK: tl.constexpr,
     R: tl.constexpr,
     RP: tl.constexpr,
@@ -290,7 +326,8 @@ def _combine_splits_kernel(
     if SHRINK:
         slot = tl.load(slot_ptr + q_start)  # asked first: its flag's gather waits on it
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    num_active = tl.cdiv(seq_len, _split_len(seq_len, num_splits, BLOCK_N))
+    span = seq_len - _window_start(seq_len - 1, window, HAS_WINDOW)
+    num_active = tl.cdiv(span, _split_len(span, num_splits, BLOCK_N))
 
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
@@ -305,8 +342,13 @@ def _combine_splits_kernel(
     )
     # seq_len 0 has no split: max -inf, weights 0, output 0.
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + pid_hq).to(tl.float32) * _LOG2_E
+        lse_max = tl.maximum(lse_max, sink)
     weight = tl.math.exp2(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.math.exp2(sink - lse_max)
     out = tl.sum(weight[:, None] * parts, 0) / tl.where(total == 0.0, 1.0, total)
     out = out.to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + q_start * stride_ot + pid_hq * stride_oh + offs_d * stride_od
@@ -357,14 +399,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA.
+    """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA;
+    window > 0 and sinks [Hq] float32 as reference.paged_attention has them.
 
     q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
     (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
     """
-    return launch_paged_attention(q, k_cache, v_cache, attn, scale)[0]
+    return launch_paged_attention(q, k_cache, v_cache, attn, scale, window=window, sinks=sinks)[0]
 
 
 def paged_attention_o_shrink(
@@ -375,6 +421,9 @@ def paged_attention_o_shrink(
     scale: float,
     lora: LoraWeights,
     info: LoraBatchInfo,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FoldedLora]:
     """Semantics: see reference.paged_attention_o_shrink: (out, FoldedLora(lora_shrink_split(
     out as [T, Hq*D], lora, info), lora, info)), the o projection's LoRA shrunk from the
@@ -384,7 +433,9 @@ def paged_attention_o_shrink(
     columns each): no launch of its own, which a base-only batch would otherwise pay for.
     Otherwise it is lora_shrink_split's launch.
     """
-    out, shrunk = launch_paged_attention(q, k_cache, v_cache, attn, scale, shrink=lora, info=info)
+    out, shrunk = launch_paged_attention(
+        q, k_cache, v_cache, attn, scale, shrink=lora, info=info, window=window, sinks=sinks
+    )
     if shrunk is None:
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
     return out, FoldedLora(shrunk, lora, info)
@@ -402,6 +453,8 @@ def launch_paged_attention(
     out: torch.Tensor | None = None,
     shrink: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """paged_attention with the tiles, the decode split count or the output given by the caller;
     returns (out, the shrink partials [T, Hq, 1, R] float32 of the o projection's LoRA `shrink`
@@ -411,6 +464,9 @@ def launch_paged_attention(
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
     _check_attention(q, k_cache, v_cache, attn)
+    assert window >= 0, window
+    if sinks is not None:
+        assert sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32, sinks.shape
     plan = _plan(q, k_cache, attn, config, num_splits)
     if plan.decode:
         # Decode programs zero the padded rows themselves: nothing else is recorded.
@@ -426,7 +482,7 @@ def launch_paged_attention(
         part_out = part_lse = out  # unused
     if q.shape[0] == 0 or num_seqs == 0:
         return out.zero_(), None
-    launch = _Attention(q, k_cache, v_cache, attn, scale, out, part_out, part_lse)
+    launch = _Attention(q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks)
     _launch_attention(launch, plan)
     if plan.num_splits == 1:
         return out, None
@@ -496,6 +552,8 @@ class _Attention(NamedTuple):
     out: torch.Tensor
     part_out: torch.Tensor
     part_lse: torch.Tensor
+    window: int  # 0: no sliding window
+    sinks: torch.Tensor | None
 
 
 def _launch_attention(a: _Attention, plan: _Plan) -> None:
@@ -512,11 +570,13 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         cu_seqlens_q_ptr=a.attn.cu_seqlens_q,
         seq_lens_ptr=a.attn.seq_lens,
         page_table_ptr=a.attn.page_table,
+        sinks_ptr=a.out if a.sinks is None else a.sinks,  # a.out: never read
         num_seqs=a.attn.page_table.shape[0],
         num_rows=num_rows,
         head_dim=head_dim,
         num_splits=plan.num_splits,
         scale_log2=a.scale * LOG2_E,
+        window=a.window,
         stride_qt=a.q.stride(0),
         stride_qh=a.q.stride(1),
         stride_qd=a.q.stride(2),
@@ -541,6 +601,8 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         PAGE_SIZE=a.k_cache.shape[1],
         SPLIT=plan.num_splits > 1,
         ZERO_TAIL=plan.decode,
+        HAS_WINDOW=a.window > 0,
+        HAS_SINKS=a.sinks is not None,
         DOT_PRECISION="ieee" if a.q.dtype == torch.float32 else None,
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,
@@ -570,6 +632,7 @@ def _launch_combine(
         out_ptr=a.out,
         cu_seqlens_q_ptr=a.attn.cu_seqlens_q,
         seq_lens_ptr=a.attn.seq_lens,
+        sinks_ptr=unused if a.sinks is None else a.sinks,
         a_ptr=shrink.a if on else unused,
         shrink_ptr=shrunk if on else unused,
         slot_ptr=info.slot_of_token if on else unused,
@@ -578,12 +641,15 @@ def _launch_combine(
         scaling_ptr=info.scaling_of_slot if on else unused,
         head_dim=head_dim,
         num_splits=plan.num_splits,
+        window=a.window,
         stride_ot=a.out.stride(0),
         stride_oh=a.out.stride(1),
         stride_od=a.out.stride(2),
         SPLITS_PAD=next_power_of_2(plan.num_splits),
         BLOCK_N=plan.config.block_n,
         BLOCK_D=next_power_of_2(head_dim),
+        HAS_WINDOW=a.window > 0,
+        HAS_SINKS=a.sinks is not None,
         SHRINK=on,
         R=R,
         RP=next_power_of_2(R),

@@ -49,6 +49,61 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def swiglu_oai(gate_up: torch.Tensor) -> torch.Tensor:
+    """Semantics: GPT-OSS's clamped SwiGLU, g = min(x[..., :I], 7), u = clamp(x[..., I:], -7,
+    7): (u + 1) * g * sigmoid(1.702 g). [.., 2I] -> [.., I] (gate half first, as w13 is)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    up = up.clamp(min=-SWIGLU_OAI_LIMIT, max=SWIGLU_OAI_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_OAI_ALPHA))
+
+
+ACTIVATIONS = {"silu": silu_and_mul, "swiglu_oai": swiglu_oai}
+
+# MXFP4's e2m1 values by their 4-bit code (sign in the top bit)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+
+
+def dequantize_mxfp4(
+    blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Semantics: out[..., 32 g + 2 j + n] = FP4_VALUES[nibble n of blocks[..., g, j]] *
+    2 ** (scales[..., g] - 127), the low nibble first (n = 0), as GPT-OSS's release stores its
+    experts and transformers reads them (integrations/mxfp4.py), in the same operations, so the
+    values are its to the bit. blocks [..., G, 16] uint8, scales [..., G] uint8 (E8M0).
+    Returns [..., G * 32] in dtype."""
+    *lead, G, B = blocks.shape
+    assert tuple(scales.shape) == (*lead, G), (blocks.shape, scales.shape)
+    lut = torch.tensor(FP4_VALUES, dtype=dtype, device=blocks.device)
+    blocks = blocks.to(torch.uint8).reshape(-1, B)
+    out = torch.empty(blocks.shape[0], 2 * B, dtype=dtype, device=blocks.device)
+    out[:, 0::2] = lut[(blocks & 0x0F).to(torch.int)]
+    out[:, 1::2] = lut[(blocks >> 4).to(torch.int)]
+    torch.ldexp(out, scales.to(torch.int32).reshape(-1, 1) - 127, out=out)
+    return out.reshape(*lead, G * 2 * B)
+
+
 def _slot_mask(info: LoraBatchInfo, slots: torch.Tensor) -> torch.Tensor:
     """True where the token's slot is a real, enabled slot (NO_SLOT and disabled -> False)."""
     safe = slots.clamp(min=0).long()
@@ -135,16 +190,22 @@ def fused_moe(
     lora2: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
     sum_topk: bool = True,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
-    """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2).
+    """Semantics: out[t] = sum_k w[t,k] * (act(x[t] @ W13[e].T + b13[e] + d13) @ W2[e].T + b2[e]
+    + d2), act = ACTIVATIONS[activation] (silu_and_mul or swiglu_oai), biases zero when None.
     (sum_topk=False allows [T, K, H] rows whose sum_rows is out; this reference sums anyway.)
 
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
     slot is NO_SLOT or disabled): d13 = scaling * (x @ A13[s,e,i].T) @ B13[s,e,slice_i].T.
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, K] float32; topk_ids [T, K] int32. lora13.a [S, E, 2, R, H],
-    lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H].
+    lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]; b13 [E, 2I] (gate,
+    then up), b2 [E, H]. Returns [T, H].
     """
+    act = ACTIVATIONS[activation]
     T, K = topk_ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -158,7 +219,7 @@ def fused_moe(
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = token_of_pair[pairs]
         xe = x[tok]
-        gate_up = xe @ w13[e].T
+        gate_up = xe @ w13[e].T + (0 if b13 is None else b13[e])
         if use_lora:
             lp = pairs[lora_pair[pairs]]
             sel = lora_pair[pairs].nonzero().squeeze(1)
@@ -169,8 +230,8 @@ def fused_moe(
                 xe[sel], lora13.a[slots, e], lora13.b[slots, e], lora13.out_slices, scale
             )
             gate_up[sel] += d.to(gate_up.dtype)
-        h = silu_and_mul(gate_up)
-        down = h @ w2[e].T
+        h = act(gate_up)
+        down = h @ w2[e].T + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
             d = _lora_delta(h[sel], lora2.a[slots, e], lora2.b[slots, e], lora2.out_slices, scale)
             down[sel] += d.to(down.dtype)
@@ -201,9 +262,15 @@ def paged_attention(
     v_cache: torch.Tensor,
     attn: AttentionMetadata,
     scale: float,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA.
 
+    With window > 0 the query at position p sees keys p - window < n <= p only (HF's sliding
+    window). With sinks [Hq] (float32), head h's softmax has one more logit, sinks[h], in its
+    denominator and none of its value: softmax([scores, sink])[:-1] @ v (GPT-OSS).
     q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros.
     """
@@ -224,8 +291,16 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", qb, k.float()) * scale
         q_pos = torch.arange(kv_len - (end - start), kv_len, device=q.device)
         k_pos = torch.arange(kv_len, device=q.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.float()).to(q.dtype)
+        hidden = k_pos[None, :] > q_pos[:, None]  # [q, k]
+        if window > 0:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - window
+        scores.masked_fill_(hidden[None], float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
     return out
 
 
@@ -237,11 +312,14 @@ def paged_attention_o_shrink(
     scale: float,
     lora: LoraWeights,
     info: LoraBatchInfo,
+    *,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, FoldedLora]:
     """Semantics: (out = paged_attention(...), FoldedLora(lora_shrink_split(out as
     [T, Hq * D], lora, info), lora, info)): the attention and the shrink of its o projection's
     LoRA, which the next norm expands (layers/attention_lora.py)."""
-    out = paged_attention(q, k_cache, v_cache, attn, scale)
+    out = paged_attention(q, k_cache, v_cache, attn, scale, window=window, sinks=sinks)
     shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
     return out, FoldedLora(shrunk, lora, info)
 

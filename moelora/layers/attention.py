@@ -18,15 +18,23 @@ from moelora.step.lora import FoldedLora
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, **kw):
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, *, sliding: bool = False, **kw
+    ):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
         self.ops = ops
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.sliding_window if sliding else 0  # 0: the whole causal range
         slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
         self.qkv_proj = LoraLinear(cfg.hidden_size, slices, ops, bias=cfg.qkv_bias, **kw)
-        self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, **kw)
+        self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, bias=cfg.o_bias, **kw)
+        self.sinks = None
+        if cfg.attention_sinks:
+            # float32 whatever the model's dtype: they join the softmax's float32 sums
+            sinks = torch.zeros(cfg.num_heads, dtype=torch.float32, device=kw["device"])
+            self.sinks = nn.Parameter(sinks, requires_grad=False)
         eps = cfg.rms_norm_eps
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(cfg.head_dim, eps, ops, **kw)
@@ -42,7 +50,9 @@ class Attention(nn.Module):
         T = x.shape[0]
         q = self._rope_store_kv(self.qkv_proj(x, batch.lora), batch, kv_cache)
         k_cache, v_cache = kv_cache
-        out = self.ops.paged_attention(q, k_cache, v_cache, batch.attn, self.scale)
+        out = self.ops.paged_attention(
+            q, k_cache, v_cache, batch.attn, self.scale, window=self.window, sinks=self.sinks
+        )
         return self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora)
 
     def forward_folded(
@@ -59,7 +69,15 @@ class Attention(nn.Module):
         q = self._rope_store_kv(self.qkv_proj(x, None), batch, kv_cache, expand=qkv)
         k_cache, v_cache = kv_cache
         out, o = self.ops.paged_attention_o_shrink(
-            q, k_cache, v_cache, batch.attn, self.scale, self.o_proj.lora, batch.lora
+            q,
+            k_cache,
+            v_cache,
+            batch.attn,
+            self.scale,
+            self.o_proj.lora,
+            batch.lora,
+            window=self.window,
+            sinks=self.sinks,
         )
         return self.o_proj(out.reshape(T, self.cfg.q_size), None), o
 

@@ -16,10 +16,19 @@ from moelora.step.batch import ForwardBatch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, sparse: bool, rotary: RotaryEmbedding, ops: Ops, **kw):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        rotary: RotaryEmbedding,
+        ops: Ops,
+        *,
+        sparse: bool,
+        sliding: bool,
+        **kw,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.self_attn = Attention(cfg, rotary, ops, **kw)
+        self.self_attn = Attention(cfg, rotary, ops, sliding=sliding, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         if sparse:
             self.mlp = SparseMoE(cfg, ops, **kw)

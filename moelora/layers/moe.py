@@ -39,6 +39,12 @@ class SparseMoE(nn.Module):
         self.gate = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)  # router
         self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        self.gate_bias = self.w13_bias = self.w2_bias = None
+        if cfg.router_bias:
+            self.gate_bias = nn.Parameter(torch.empty(E, **kw), requires_grad=False)
+        if cfg.expert_bias:
+            self.w13_bias = nn.Parameter(torch.empty(E, 2 * I, **kw), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
         self.lora13: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
         self.lora2: LoraWeights | None = None
         self.shared_expert = None
@@ -49,7 +55,7 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
         cfg, lora = self.cfg, batch.lora
-        router_logits = self.ops.linear(x, self.gate)  # [T, E]
+        router_logits = self.ops.linear(x, self.gate, self.gate_bias)  # [T, E]
         weights, ids = self.ops.route_topk(
             router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
         )
@@ -66,8 +72,16 @@ class SparseMoE(nn.Module):
             info=lora,
             # the next norm adds the top-k rows; a shared expert is added to their sum here
             sum_topk=self.shared_expert is not None,
+            **self._expert_options(),
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, batch)
             out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
         return out
+
+    def _expert_options(self) -> dict:
+        """fused_moe's options where this MoE differs from the plain SwiGLU without biases:
+        none at all for the architectures that need none, so their launches stay as they are."""
+        if self.w13_bias is None and self.cfg.activation == "silu":
+            return {}
+        return dict(b13=self.w13_bias, b2=self.w2_bias, activation=self.cfg.activation)

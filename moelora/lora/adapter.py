@@ -7,7 +7,8 @@ Accepted key forms (after 'base_model.model.' and Mixtral's aliases are folded):
   model.layers.L.mlp.experts.E.{gate,up,down}_proj         one expert (Mixtral: w1, w3, w2)
   model.layers.L.mlp.experts[.base_layer]                  PEFT target_parameters on the 3D
       expert weights: A [r*E, in] holds expert e in rows e*r:(e+1)*r; B [out, r*E] holds it in
-      columns e::E (interleaved). gate_up and down are told apart by their shapes.
+      columns e::E (interleaved). gate_up and down are told apart by their shapes. GPT-OSS's
+      gate_up_proj is [E, H, 2I] with gate and up alternating, and PEFT's B rows alternate alike.
 Everything else is refused with an AdapterError naming the adapter, the key and the mismatch.
 """
 
@@ -224,7 +225,9 @@ class _Placer:
                 index = None if t is t13 else 0  # gate_up: one A serves both slices
                 # expert e: rows e*r:(e+1)*r of A, but columns e::E of B (PEFT interleaves B)
                 return [
-                    _Piece(t.key, index, e, a[e * r : (e + 1) * r], b[:, e::E], scale, key)
+                    _Piece(
+                        t.key, index, e, a[e * r : (e + 1) * r], _b_rows(t, b[:, e::E]), scale, key
+                    )
                     for e in range(E)
                 ]
         H, I = t13.in_features, t2.in_features
@@ -236,6 +239,14 @@ class _Placer:
 
     def error(self, key: str, what: str) -> AdapterError:
         return AdapterError(f"adapter {self.name!r}: key {key!r} {what}")
+
+
+def _b_rows(t: LoraTarget, b: torch.Tensor) -> torch.Tensor:
+    """One expert's B [out, r] in the slot's row order: where the checkpoint alternates gate and
+    up rows (GPT-OSS's gate_up_proj columns), the gate rows first, then the up rows."""
+    if not t.gate_up_interleaved:
+        return b
+    return torch.cat([b[0::2], b[1::2]])
 
 
 def _module_scale(cfg: dict, peft_key: str, r: int) -> float:

@@ -26,6 +26,9 @@ class LoraTarget:
     num_experts: int  # 0 for a dense projection
     owner: nn.Module
     attr: str  # attribute of owner that holds the LoraWeights
+    # PEFT target_parameters on this checkpoint's fused gate_up alternate gate and up in
+    # lora_B's rows (GPT-OSS), where the slot holds gate rows, then up rows
+    gate_up_interleaved: bool = False
 
     @property
     def out_features(self) -> int:
@@ -39,8 +42,9 @@ def lora_targets(model: nn.Module) -> dict[str, LoraTarget]:
         linears = {"qkv": attn.qkv_proj, "o": attn.o_proj}
         if hasattr(mlp, "w13"):
             E, I, H = mlp.w13.shape[0], mlp.w2.shape[2], mlp.w2.shape[1]
+            interleaved = mlp.cfg.experts_layout == "interleaved_in_out"
             targets[f"layers.{i}.experts13"] = LoraTarget(
-                f"layers.{i}.experts13", H, (I, I), E, mlp, "lora13"
+                f"layers.{i}.experts13", H, (I, I), E, mlp, "lora13", interleaved
             )
             targets[f"layers.{i}.experts2"] = LoraTarget(
                 f"layers.{i}.experts2", I, (H,), E, mlp, "lora2"

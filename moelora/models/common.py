@@ -36,6 +36,14 @@ def model_config(hf, arch: str, **differs) -> ModelConfig:
         intermediate_size=getattr(hf, "intermediate_size", 0) or 0,
         shared_expert_intermediate_size=0,
         eos_token_ids=tuple([eos] if isinstance(eos, int) else (eos or [])),
+        sliding_window=0,
+        sliding_layers=(False,) * hf.num_hidden_layers,
+        attention_sinks=False,
+        o_bias=False,
+        router_bias=False,
+        expert_bias=False,
+        activation="silu",
+        experts_layout="gate_up_rows",
     )
     return ModelConfig(**{**fields, **differs})
 

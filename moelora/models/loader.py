@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from moelora.errors import ModelConfigError
+from moelora.kernels.reference import dequantize_mxfp4
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
 
@@ -22,6 +23,7 @@ _ALIASES = [
     (re.compile(r"\.experts\.(\d+)\.w1(?=\.|$)"), r".experts.\1.gate_proj"),
     (re.compile(r"\.experts\.(\d+)\.w3(?=\.|$)"), r".experts.\1.up_proj"),
     (re.compile(r"\.experts\.(\d+)\.w2(?=\.|$)"), r".experts.\1.down_proj"),
+    (re.compile(r"\.mlp\.router\."), ".mlp.gate."),  # GPT-OSS
 ]
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
@@ -57,10 +59,34 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, fh.get_tensor(key)
 
 
+def dequantized(
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """MXFP4 pairs (`X_blocks` [E, out, in / 32, 16], `X_scales` [E, out, in / 32], in any order
+    and any shards) -> `X` [E, in, out] in dtype, the layout of the tensor the release quantized
+    (transformers' dequantization). The packed experts' kernel would take the pair as it is."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors:
+        base, _, kind = key.rpartition("_")
+        if kind not in ("blocks", "scales"):
+            yield key, t
+            continue
+        pair = halves.setdefault(base, {})
+        pair[kind] = t
+        if len(pair) == 2:
+            del halves[base]
+            yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype).transpose(1, 2)
+    for base, pair in halves.items():
+        missing = "scales" if "blocks" in pair else "blocks"
+        raise ModelConfigError(f"checkpoint has {base}_{sorted(pair)[0]} but no {base}_{missing}")
+
+
 def load_weights(model: MoeCausalLM, model_path: str) -> None:
-    """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones."""
+    """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones.
+    MXFP4 experts are dequantized to the model's dtype on the way."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
-    for key, tensor in iter_tensors(safetensors_files(model_path)):
+    tensors = iter_tensors(safetensors_files(model_path))
+    for key, tensor in dequantized(tensors, model.embed_tokens.dtype):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -102,12 +128,16 @@ def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
     parts = rest.split(".")
     if rest in ("input_layernorm.weight", "post_attention_layernorm.weight"):
         return [(getattr(layer, parts[0]).weight, t)]
-    if parts[0] == "self_attn":
+    if rest == "self_attn.sinks" and layer.self_attn.sinks is not None:
+        return [(attn.sinks, t)]
+    if parts[0] == "self_attn" and len(parts) == 3:
         mod, kind = parts[1], parts[2]
         if mod in _QKV:
             return [(_slice(attn.qkv_proj, kind, _QKV[mod]), t)]
         if mod == "o_proj" and kind == "weight":
             return [(attn.o_proj.weight, t)]
+        if mod == "o_proj" and kind == "bias" and attn.o_proj.bias is not None:
+            return [(attn.o_proj.bias, t)]
         if mod in ("q_norm", "k_norm") and hasattr(attn, mod):
             return [(getattr(attn, mod).weight, t)]
     if parts[0] == "mlp":
@@ -120,6 +150,8 @@ def _mlp_targets(mlp, i: int, parts: list[str], t: torch.Tensor):
         found = _dense_targets(mlp, parts, t)
     elif parts == ["gate", "weight"]:
         found = [(mlp.gate, t)]
+    elif parts == ["gate", "bias"] and mlp.gate_bias is not None:
+        found = [(mlp.gate_bias, t)]
     elif parts[0] == "experts":
         found = _expert_targets(mlp, parts[1:], t)
     elif parts == ["shared_expert_gate", "weight"] and mlp.shared_expert is not None:
@@ -137,6 +169,8 @@ def _mlp_targets(mlp, i: int, parts: list[str], t: torch.Tensor):
 def _expert_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
     """Fused 3D tensors (gate_up_proj [E, 2I, H], down_proj [E, H, I]) or one expert's."""
     I = mlp.w2.shape[2]
+    if mlp.cfg.experts_layout == "interleaved_in_out":
+        return _interleaved_targets(mlp, parts, t)
     if parts == ["gate_up_proj"]:
         return [(mlp.w13, t)]
     if parts == ["down_proj"]:
@@ -151,6 +185,29 @@ def _expert_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
         if proj == "down_proj":
             return [(mlp.w2[e], t)]
     return None
+
+
+def _interleaved_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
+    """GPT-OSS's experts, converted once: gate_up_proj [E, H, 2I] with gate in the even
+    columns and up in the odd ones -> w13 [E, 2I, H] gate rows then up rows; down_proj
+    [E, I, H] -> w2 [E, H, I]; the biases alike."""
+    name = ".".join(parts)
+    if name == "gate_up_proj" and t.dim() == 3:
+        return [(mlp.w13, _deinterleave(t, dim=2).transpose(1, 2))]
+    if name == "gate_up_proj_bias" and mlp.w13_bias is not None:
+        return [(mlp.w13_bias, _deinterleave(t, dim=1))]
+    if name == "down_proj" and t.dim() == 3:
+        return [(mlp.w2, t.transpose(1, 2))]
+    if name == "down_proj_bias" and mlp.w2_bias is not None:
+        return [(mlp.w2_bias, t)]
+    return None
+
+
+def _deinterleave(t: torch.Tensor, *, dim: int) -> torch.Tensor:
+    """Alternate entries along dim (gate, up, gate, up, ...) -> all gates, then all ups."""
+    n = t.shape[dim]
+    halves = [t.index_select(dim, torch.arange(s, n, 2, device=t.device)) for s in (0, 1)]
+    return torch.cat(halves, dim=dim)
 
 
 def _dense_targets(mlp: DenseMLP, parts: list[str], t: torch.Tensor):

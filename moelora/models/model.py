@@ -34,7 +34,8 @@ class MoeCausalLM(nn.Module):
             torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, sparse, rotary, ops, **kw) for sparse in cfg.sparse_layers
+            DecoderLayer(cfg, rotary, ops, sparse=sparse, sliding=sliding, **kw)
+            for sparse, sliding in zip(cfg.sparse_layers, cfg.sliding_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.lm_head = (

@@ -6,13 +6,14 @@ from collections.abc import Callable
 
 from moelora.config import ModelConfig
 from moelora.errors import ModelConfigError
-from moelora.models import mixtral, olmoe, qwen2_moe, qwen3_moe
+from moelora.models import gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
 
 ARCHITECTURES: dict[str, Callable] = {
     "Qwen3MoeForCausalLM": qwen3_moe.model_config,
     "Qwen2MoeForCausalLM": qwen2_moe.model_config,
     "MixtralForCausalLM": mixtral.model_config,
     "OlmoeForCausalLM": olmoe.model_config,
+    "GptOssForCausalLM": gpt_oss.model_config,
 }
 
 

@@ -4,7 +4,11 @@ engines from these, so a figure can be reproduced without downloading a model.
 
 - qwen3-30b-a3b: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert
   intermediate 768), the shape every result in bench/results is measured on;
-- tiny-qwen3-moe: the demo model's shape (2 layers, 8 experts, hidden 64), for CPU smoke runs.
+- tiny-qwen3-moe: the demo model's shape (2 layers, 8 experts, hidden 64), for CPU smoke runs;
+- gpt-oss-20b, gpt-oss-120b: openai/gpt-oss-{20b,120b}'s config.json (24 / 36 layers, 32 / 128
+  experts, top-4, hidden and expert intermediate 2880, 64 query and 8 KV heads of 64, a
+  128-token window on every other layer), without its quantization_config: dummy weights are
+  bf16 experts.
 """
 
 from __future__ import annotations
@@ -41,11 +45,56 @@ QWEN3_30B_A3B: Mapping[str, object] = MappingProxyType(
         eos_token_id=151645,
     )
 )
+
+
+def _gpt_oss(num_layers: int, num_experts: int) -> Mapping[str, object]:
+    return MappingProxyType(
+        dict(
+            architectures=["GptOssForCausalLM"],
+            model_type="gpt_oss",
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=num_layers,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=num_experts,
+            num_experts_per_tok=4,
+            sliding_window=128,
+            layer_types=["sliding_attention", "full_attention"] * (num_layers // 2),
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            rope_parameters=dict(
+                rope_type="yarn",
+                factor=32.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=4096,
+                rope_theta=150000.0,
+            ),
+            tie_word_embeddings=False,
+            hidden_act="silu",
+            eos_token_id=200002,
+            pad_token_id=199999,
+        )
+    )
+
+
+GPT_OSS_20B = _gpt_oss(24, 32)
+GPT_OSS_120B = _gpt_oss(36, 128)
 TINY_QWEN3_MOE: Mapping[str, object] = MappingProxyType(
     model_config(DEMO_SHAPE, vocab_size=512, eos_ids=[511])
 )
 SHAPES: Mapping[str, Mapping[str, object]] = MappingProxyType(
-    {"qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-qwen3-moe": TINY_QWEN3_MOE}
+    {
+        "qwen3-30b-a3b": QWEN3_30B_A3B,
+        "tiny-qwen3-moe": TINY_QWEN3_MOE,
+        "gpt-oss-20b": GPT_OSS_20B,
+        "gpt-oss-120b": GPT_OSS_120B,
+    }
 )
 
 
@@ -56,6 +105,9 @@ def shape_config(name: str, *, num_layers: int | None = None) -> dict:
     config = copy.deepcopy(dict(SHAPES[name]))  # the shape's own lists stay as they are
     if num_layers is not None:
         config["num_hidden_layers"] = num_layers
+        if "layer_types" in config:  # one entry a layer: the pattern goes on as it started
+            types = config["layer_types"]
+            config["layer_types"] = [types[i % len(types)] for i in range(num_layers)]
     return config
 
 

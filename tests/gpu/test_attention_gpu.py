@@ -33,7 +33,13 @@ SCALE = D**-0.5
 
 
 def make_cache(
-    seq_lens: list[int], page_size: int, *, max_pages: int | None = None, seed: int = 0
+    seq_lens: list[int],
+    page_size: int,
+    *,
+    max_pages: int | None = None,
+    seed: int = 0,
+    kv_heads: int = HKV,
+    head_dim: int = D,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """bf16 caches with random data in every sequence's slots and NaN elsewhere.
 
@@ -53,11 +59,11 @@ def make_cache(
         page_table[b, :n_pages] = perm[used : used + n_pages]
         valid[slots_of(page_table[b], kv_len, page_size)] = True
         used += n_pages
-    shape = (num_pages, page_size, HKV, D)
+    shape = (num_pages, page_size, kv_heads, head_dim)
     caches = []
     for _ in range(2):
         cache = torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
-        cache.view(-1, HKV, D)[~valid] = float("nan")
+        cache.view(-1, kv_heads, head_dim)[~valid] = float("nan")
         caches.append(cache)
     return caches[0], caches[1], page_table, int(spare)
 
@@ -80,9 +86,16 @@ def metadata(q_lens: list[int], seq_lens: list[int], page_table: torch.Tensor, p
     )
 
 
-def assert_close_to_reference(out, q, k_cache, v_cache, attn) -> None:
+def assert_close_to_reference(out, q, k_cache, v_cache, attn, **options) -> None:
+    """options: paged_attention's window and sinks."""
+    scale = q.shape[-1] ** -0.5
     expected = reference.paged_attention(
-        q.float(), k_cache.nan_to_num().float(), v_cache.nan_to_num().float(), attn, SCALE
+        q.float(),
+        k_cache.nan_to_num().float(),
+        v_cache.nan_to_num().float(),
+        attn,
+        scale,
+        **options,
     )
     assert torch.isfinite(out).all()
     rel = (out.float() - expected).norm() / expected.norm().clamp(min=1e-6)
@@ -192,3 +205,60 @@ def test_decode_cuda_graph_replay():
         torch.cuda.synchronize()
         assert_close_to_reference(out, q, k_cache, v_cache, attn)
         assert (out[num_real:] == 0).all(), f"trial {trial}: padded rows are not zero"
+
+
+# GPT-OSS's attention: 64 query heads and 8 KV heads of 64, a 128-token window on every other
+# layer, and a sink logit per query head.
+OSS_HQ, OSS_HKV, OSS_D, OSS_WINDOW = 64, 8, 64, 128
+
+
+def run_oss_case(q_lens, seq_lens, *, window: int, pad_rows: int = 1, seed: int = 0) -> None:
+    k_cache, v_cache, page_table, _ = make_cache(
+        seq_lens, 16, seed=seed, kv_heads=OSS_HKV, head_dim=OSS_D
+    )
+    attn = metadata(q_lens, seq_lens, page_table, pad_rows)
+    rows = attn.slot_mapping.shape[0]
+    q = torch.randn(rows, OSS_HQ, OSS_D, device="cuda", dtype=torch.bfloat16)
+    sinks = 2.0 * torch.randn(OSS_HQ, device="cuda", dtype=torch.float32)
+    out = paged_attention(q, k_cache, v_cache, attn, OSS_D**-0.5, window=window, sinks=sinks)
+    assert_close_to_reference(out, q, k_cache, v_cache, attn, window=window, sinks=sinks)
+    assert (out[int(attn.cu_seqlens_q[-1]) :] == 0).all()
+
+
+@pytest.mark.parametrize("window", [OSS_WINDOW, 0])
+@pytest.mark.parametrize(
+    "seq_lens", [[8192], [1, 15, 127, 128, 129, 1000, 4096, 8192]], ids=["B1-8k", "B8-mixed"]
+)
+def test_decode_gpt_oss_window_and_sinks(window, seq_lens):
+    """Split decodes (B=1) and unsplit ones, the window shorter and longer than sequences."""
+    run_oss_case([1] * len(seq_lens), seq_lens, window=window)
+
+
+@pytest.mark.parametrize("window", [OSS_WINDOW, 0])
+def test_prefill_gpt_oss_window_and_sinks(window):
+    run_oss_case([1000, 1, 300, 0, 77], [1000, 4096, 3000, 0, 77], window=window, pad_rows=5)
+
+
+def test_decode_gpt_oss_cuda_graph_replay():
+    """Window and sinks are captured like every other argument: replays with new lengths."""
+    graph_bs, max_len = 8, 2048
+    max_pages = max_len // 16
+    k_cache, v_cache, page_table, _ = make_cache(
+        [max_len] * graph_bs, 16, max_pages=max_pages, kv_heads=OSS_HKV, head_dim=OSS_D
+    )
+    attn = metadata([1] * graph_bs, [max_len] * graph_bs, page_table)
+    q = torch.randn(graph_bs, OSS_HQ, OSS_D, device="cuda", dtype=torch.bfloat16)
+    sinks = 2.0 * torch.randn(OSS_HQ, device="cuda", dtype=torch.float32)
+    options = dict(window=OSS_WINDOW, sinks=sinks)
+    graph, out = capture(lambda: paged_attention(q, k_cache, v_cache, attn, OSS_D**-0.5, **options))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        lens = torch.randint(1, max_len + 1, (graph_bs,), generator=gen)
+        attn.seq_lens.copy_(lens.to(torch.int32))
+        q.copy_(torch.randn(q.shape, generator=gen).to(q))
+        sinks.copy_(2.0 * torch.randn(OSS_HQ, generator=gen))
+        k_cache.normal_()
+        v_cache.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_close_to_reference(out, q, k_cache, v_cache, attn, **options)

@@ -184,3 +184,25 @@ def test_fused_moe_gives_the_same_bits_past_pmax(poison_empty, monkeypatch):
     monkeypatch.setattr(moe_align, "CHUNK_MAX", 32)
     assert torch.equal(fused_moe(*args, **lora, config=GROUPED), one_launch)
     assert rel_err(one_launch, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize("spread", ["none", "mixed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_moe_gpt_oss_biases_and_clamped_swiglu(poison_empty, T, spread, dtype):
+    """GPT-OSS's experts: biases on gate|up and down, the clamped SwiGLU; gate|up at 4x scale so
+    a share of the gates and ups pass the clamp at 7 (checked), with the LoRA epilogues."""
+    args, lora = moe_case(T, 8, 2, spread, dtype)
+    x, w13, w2, weights, ids = args
+    w13 = (w13.float() * 4.0).to(dtype)
+    E = w13.shape[0]
+    b13 = (0.3 * torch.randn(E, 2 * I)).to(dtype)
+    b2 = (0.3 * torch.randn(E, H)).to(dtype)
+    clamped = (x.float() @ w13.float().transpose(1, 2)).abs() > reference.SWIGLU_OAI_LIMIT
+    assert clamped.float().mean() > 0.01
+    args = (x, w13, w2, weights, ids)
+    oss = dict(b13=b13, b2=b2, activation="swiglu_oai")
+    out = fused_moe(*args, **lora, config=GROUPED, **oss)
+    want = reference.fused_moe(*args, **lora, **oss)
+    assert rel_err(out, want) <= TOL[dtype]
+    assert rel_err(reference.fused_moe(*args, **lora), want) > 0.1  # the options matter

@@ -83,12 +83,24 @@ def _slots(pages: torch.Tensor, kv_len: int, page_size: int) -> torch.Tensor:
     return pages.long()[pos // page_size] * page_size + pos % page_size
 
 
-def check_attention(q, k_cache, v_cache, attn, *, num_splits: int | None = None) -> None:
+def check_attention(
+    q,
+    k_cache,
+    v_cache,
+    attn,
+    *,
+    num_splits: int | None = None,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+) -> None:
     scale = q.shape[-1] ** -0.5
-    expected = reference.paged_attention(q, k_cache.nan_to_num(), v_cache.nan_to_num(), attn, scale)
+    options = dict(window=window, sinks=sinks)
+    expected = reference.paged_attention(
+        q, k_cache.nan_to_num(), v_cache.nan_to_num(), attn, scale, **options
+    )
     out = torch.full_like(q, float("nan"))
     got, _ = launch_paged_attention(
-        q, k_cache, v_cache, attn, scale, num_splits=num_splits, out=out
+        q, k_cache, v_cache, attn, scale, num_splits=num_splits, out=out, **options
     )
     assert got.data_ptr() == out.data_ptr()
     assert torch.isfinite(got).all(), "a row was left unwritten or read NaN past seq_len"
@@ -277,3 +289,95 @@ def test_store_then_attend_chunked_prefill(dtype):
     )
     expected = reference.paged_attention(q, k_cache, v_cache, whole, 0.25)
     torch.testing.assert_close(torch.cat(outs).float(), expected.float(), **TOL[dtype])
+
+
+def random_sinks(num_q_heads: int, seed: int) -> torch.Tensor:
+    """Per-head sink logits about the size of the scores (some above them, some below)."""
+    return 2.0 * torch.randn(num_q_heads, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,sinks", [(1, False), (7, True), (40, False), (0, True)])
+def test_decode_window_and_sinks(dtype, num_splits, window, sinks):
+    """GPT-OSS's sliding window (shorter and longer than the sequences) and sinks, split or
+    not: the combine must count the sink once and agree on the window's split range."""
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 0, 1],
+        [45, 70, 0, 5],
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=2,
+        seed=window,
+    )
+    s = random_sinks(4, window) if sinks else None
+    check_attention(q, k_cache, v_cache, attn, num_splits=num_splits, window=window, sinks=s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("window,sinks", [(7, True), (20, False)])
+def test_extend_window_and_sinks(dtype, heads, window, sinks):
+    """Chunks after cached prefixes, whole prompts, a decode and padded rows, with a window
+    shorter than a query block (a block's rows start their windows at different keys)."""
+    q, k_cache, v_cache, attn = make_step(
+        [17, 1, 0, 30, 5],
+        [50, 66, 0, 30, 21],
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=3,
+        seed=window + heads[0],
+    )
+    s = random_sinks(heads[0], window) if sinks else None
+    check_attention(q, k_cache, v_cache, attn, window=window, sinks=s)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_decode_o_lora_shrink_window_and_sinks(num_splits):
+    """The folded o shrink reads the output that the window and the sinks made."""
+    Hq, D, window = 4, 16, 9
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 1],
+        [45, 70, 9],
+        num_q_heads=Hq,
+        num_kv_heads=2,
+        head_dim=D,
+        page_size=16,
+        dtype=torch.float32,
+    )
+    T = q.shape[0]
+    info = batch_info(T, "distinct")
+    lora = lora_weights(info.num_slots, (), 1, 8, Hq * D, (24,), info.rank_of_slot, q.dtype)
+    sinks, scale = random_sinks(Hq, 3), D**-0.5
+    options = dict(window=window, sinks=sinks)
+    expect_out, expect = reference.paged_attention_o_shrink(
+        q, k_cache, v_cache, attn, scale, lora, info, **options
+    )
+    if num_splits is None:
+        out, folded = paged_attention_o_shrink(
+            q, k_cache, v_cache, attn, scale, lora, info, **options
+        )
+        part = folded.shrunk
+    else:
+        out, part = launch_paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            attn,
+            scale,
+            num_splits=num_splits,
+            shrink=lora,
+            info=info,
+            **options,
+        )
+    torch.testing.assert_close(out, expect_out, **TOL[torch.float32])
+    on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
+    assert on.any()
+    got = part[on].sum(dim=1)[:, 0]
+    assert rel_err(got, expect.shrunk[on].sum(dim=1)[:, 0]) <= 1e-5

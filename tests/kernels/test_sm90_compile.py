@@ -214,8 +214,20 @@ def _launch_paged_attention() -> None:
     o = lora_weights(S, (), 1, R, HQ * D, (H,), info.rank_of_slot, BF16)
     split = dict(config=paged_attention.DECODE_SPLIT_CONFIG, num_splits=4, shrink=o, info=info)
     run(q, cache, cache, decode, 0.1, **split)
+    oss = dict(window=16, sinks=torch.randn(HQ))  # GPT-OSS's sliding layers
+    run(
+        q,
+        cache,
+        cache,
+        decode,
+        0.1,
+        config=paged_attention.DECODE_SPLIT_CONFIG,
+        num_splits=4,
+        **oss,
+    )
     q = torch.randn(64, HQ, D, dtype=BF16)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
+    run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG, **oss)
 
 
 def _launch_moe() -> None:
