@@ -43,7 +43,9 @@ from common import MAX_LORAS, RANK, adapters_of, model_folder, result_header, wr
 from moelora import LLM, SamplingParams
 from moelora.config import ModelConfig
 from moelora.engine.engine import Engine
+from moelora.step.batch import pages_for
 
+PAGE_SIZE = 16
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
 TTFT_CASES = CASES[:3]
 REPS = 3
@@ -143,6 +145,11 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
         max_graph_bs=max(setup.batch[0], 8),
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len,
+        # every prompt of the throughput batch at once, or the longest TTFT prompt: the rest
+        # of the GPU stays free for the activations of 16384-token steps (an engine sizing its
+        # KV cache to the free memory left too little of it for the LoRA engine)
+        num_pages=setup.batch[0] * pages_for(setup.max_model_len, PAGE_SIZE) + 16,
+        page_size=PAGE_SIZE,
         enable_prefix_caching=False,
     )
     names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []

@@ -246,18 +246,32 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(tmp_path, arch)
     assert on.engine.stats().graph_replays > 0 and on.engine.stats().kv_pages_used == 0
 
 
-def test_prefix_cache_hits_agree_with_misses_in_bf16(assets):
+def _agreement(a, b) -> tuple[int, float]:
+    """(requests whose greedy tokens are all equal, the largest chosen-token logprob
+    difference up to each request's first split, and at it)."""
+    same, worst = 0, 0.0
+    for h, m in zip(a, b, strict=True):
+        n = _common_prefix(h.token_ids, m.token_ids)
+        same += n == len(h.token_ids) == len(m.token_ids)
+        for i in range(min(n + 1, len(h.token_ids))):
+            worst = max(worst, abs(h.logprobs[i][h.token_ids[i]] - m.logprobs[i][m.token_ids[i]]))
+    return same, worst
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prefix_cache_hits_agree_with_misses(assets, dtype):
     """200 random requests over shared prefixes and mixed adapters, computed whole (caching
-    off) and as cache hits (their prefixes cached first): the greedy tokens agree for >= 99% of
-    them, and every chosen-token logprob up to a split (and at it) is within 0.02. A hit's
-    suffix is an extend whose attention reads the prefix from the paged KV in another order
-    than a whole prefill does, so bits may differ."""
+    off, all submitted at once) and as cache hits (their prefixes cached first, then all
+    submitted at once). In fp32 a hit gives a miss's tokens and logprobs. In bf16 the engine's
+    bits depend on how a step is made up (tensor-core tiles follow the token count): the
+    control is the same misses submitted 10 at a time, and hits must agree with the misses at
+    least as often as that control does (it measured 158 of 200 on the H200 at 72a29b2)."""
     model, adapters = assets
     kw = dict(
         lora_modules=adapters,
         max_loras=NUM_ADAPTERS,
         max_lora_rank=64,
-        dtype="bfloat16",
+        dtype=dtype,
         max_graph_bs=64,
         max_num_seqs=64,
         max_num_batched_tokens=4096,
@@ -272,20 +286,26 @@ def test_prefix_cache_hits_agree_with_misses_in_bf16(assets):
     ]
     loras = [lora for _, lora in cases]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    miss = LLM(model, enable_prefix_caching=False, **kw).generate(prompts, params, lora=loras)
+    uncached = LLM(model, enable_prefix_caching=False, **kw)
+    miss = uncached.generate(prompts, params, lora=loras)
+    by_ten = []
+    for i in range(0, len(prompts), 10):
+        by_ten += uncached.generate(prompts[i : i + 10], params, lora=loras[i : i + 10])
+    del uncached
     cached = LLM(model, **kw)
     warm = sorted(set(cases), key=str)
     cached.generate(
         [prefixes[p] for p, _ in warm], SamplingParams(max_tokens=1), lora=[lo for _, lo in warm]
     )
     hit = cached.generate(prompts, params, lora=loras)
-    assert sum(o.num_cached_tokens >= 32 for o in hit) == len(hit)
-    same = sum(h.token_ids == m.token_ids for h, m in zip(hit, miss))
-    worst = 0.0
-    for h, m in zip(hit, miss):
-        n = _common_prefix(h.token_ids, m.token_ids)
-        for i in range(min(n + 1, len(h.token_ids))):
-            worst = max(worst, abs(h.logprobs[i][h.token_ids[i]] - m.logprobs[i][m.token_ids[i]]))
-    print(f"hit == miss for {same} of {len(hit)} requests; largest logprob difference {worst:.4f}")
-    assert same >= 0.99 * len(hit)
-    assert worst <= 0.02
+    assert all(o.num_cached_tokens >= 32 for o in hit)
+    same, worst = _agreement(hit, miss)
+    control, control_worst = _agreement(by_ten, miss)
+    print(
+        f"{dtype}: hit == miss for {same} of {len(hit)} requests (largest logprob difference "
+        f"{worst:.4f}); misses 10 at a time == all at once for {control} ({control_worst:.4f})"
+    )
+    if dtype == "float32":
+        assert same == len(hit) and worst <= 1e-4
+    else:
+        assert same >= control - 0.02 * len(hit)
