@@ -40,6 +40,7 @@ from moelora.kernels.moe_align import PairShrink, launch_align, num_blocks
 from moelora.kernels.moe_config import MoeConfig, default_config
 from moelora.kernels.moe_lora import (
     PAIR_SPLITS,
+    block_shrink_kernel,
     block_slots,
     down_partial_shrink,
     expand_rows,
@@ -55,6 +56,10 @@ from moelora.step.lora import LoraBatchInfo, LoraWeights
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
+# pairs from which gate_up's shrink runs block by block (moe_lora.block_shrink_kernel): past the
+# align's PMAX, every prefill chunk of more than 512 tokens at top-8
+BLOCK_SHRINK_FROM = 4097
+BLOCK_SHRINK_K = 64  # its input chunk
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
 _ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
 _LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
@@ -481,6 +486,8 @@ def _align(
         xa2 = torch.empty(P, lora.BR, dtype=torch.float32, device=x.device)
     K = P // x.shape[0]
     splits = PAIR_SPLITS if P < HALF_SPLITS_FROM else PAIR_SPLITS // 2
+    # from BLOCK_SHRINK_FROM pairs the shrink runs block by block after the align instead
+    by_block = lora.gate_up.on and P >= BLOCK_SHRINK_FROM and lora.S <= 63
     shrink = PairShrink(
         x=x,
         slot=lora.slot,
@@ -497,10 +504,39 @@ def _align(
         BR=lora.BR,
         BKS=pair_shrink_block_k(lora.BR, splits),
         splits=splits,
-        programs=min(P * splits, MAX_SHRINK_PROGRAMS) if lora.on else 0,
+        programs=min(P * splits, MAX_SHRINK_PROGRAMS) if lora.on and not by_block else 0,
         num_warps=SHRINK_WARPS,
     )
     launch_align(ids, sorted_pair, expert_of_block, E=E, BM=BM, shrink=shrink)
+    if by_block:
+        sa = lora.gate_up.a_strides
+        block_shrink_kernel[(NB,)](
+            x_ptr=x,
+            sorted_pair_ptr=sorted_pair,
+            expert_of_block_ptr=expert_of_block,
+            slot_ptr=lora.slot,
+            enabled_ptr=lora.enabled,
+            rank_ptr=lora.rank,
+            any_ptr=lora.any_on,
+            a_ptr=lora.gate_up.a,
+            xa13_ptr=xa13,
+            xa2_ptr=xa2,
+            H=x.shape[1],
+            stride_xt=x.stride(0),
+            stride_as=sa[0],
+            stride_ae=sa[1],
+            stride_ai=sa[2],
+            stride_ar=sa[3],
+            K=K,
+            S=lora.S,
+            HAS13=True,
+            HAS2=lora.down.on,
+            BM=BM,
+            BK=BLOCK_SHRINK_K,
+            BR=lora.BR,
+            num_warps=4 if BM <= 64 else 8,
+            **pdl_kwargs(x.device),
+        )
     return _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2)
 
 

@@ -11,7 +11,11 @@ whole row. Here it is split by who has the data anyway:
     many, twice the rows each, from fused_moe.HALF_SPLITS_FROM pairs on) (`pair_shrink`),
     each writing a few of the pair's rows of xa13 [P, 2, R] (fp32) over all of H. Jobs of
     pairs without an enabled slot exit at once; the programs do nothing when no slot is
-    enabled. The first job of each pair zeroes its xa2 row.
+    enabled. The first job of each pair zeroes its xa2 row. Each pair reads its expert's
+    whole A13 (2 x R x H): at prefill sizes (from fused_moe.BLOCK_SHRINK_FROM pairs) that is
+    gigabytes, so there a launch after the align shrinks block by block instead
+    (`block_shrink_kernel`): a block's rows share one expert, and each slot present in it
+    reads that expert's A13 once, as one tensor-core product.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
     BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
@@ -25,6 +29,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
+from moelora.kernels.pdl import pdl_wait
 
 
 @triton.jit
@@ -257,6 +262,85 @@ def expand_rows(
         bt0 = bt0_next
         bt1 = bt1_next
     return acc0, acc1
+
+
+@triton.jit
+def block_shrink_kernel(
+    # Pointers: the input, the align's blocks, LoRA batch info and A13, the scratch.
+    x_ptr,  # [T, H]
+    sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
+    expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
+    slot_ptr,
+    enabled_ptr,
+    rank_ptr,
+    any_ptr,
+    a_ptr,  # A13 [S, E, 2, R, H]
+    xa13_ptr,  # [P, 2, BR] fp32 out
+    xa2_ptr,  # [P, BR] fp32 out: zeroed for gate_up's atomic adds
+    # Sizes and strides (last dims contiguous).
+    H,
+    stride_xt,
+    stride_as,
+    stride_ae,
+    stride_ai,
+    stride_ar,
+    # Meta-parameters.
+    K: tl.constexpr,
+    S: tl.constexpr,
+    HAS13: tl.constexpr,
+    HAS2: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    BR: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """pair_shrink's outputs for one block of the align: xa13[pair, i] = x[token] @
+    A13[s, e, i].T for the rows with an enabled slot s (e: the block's expert), xa2[pair] = 0.
+    Column c of the [BM, 2 * BR] product is gate's rank row c for c < BR, up's c - BR after."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    pid = tl.program_id(0)
+    expert = tl.load(expert_of_block_ptr + pid)
+    if expert < 0:
+        return
+    if tl.load(any_ptr) == 0:
+        return
+    offs_m = tl.arange(0, BM)
+    pair = tl.load(sorted_pair_ptr + pid * BM + offs_m)
+    row_ok = pair >= 0
+    token = tl.where(row_ok, pair // K, 0)
+    slot_rows = tl.load(slot_ptr + token, mask=row_ok, other=-1)
+    safe = tl.maximum(slot_rows, 0)
+    on = tl.load(enabled_ptr + safe, mask=slot_rows >= 0, other=0) != 0
+    slot_rows = tl.where(on, slot_rows, -1)
+    rows_on = slot_rows >= 0
+    if HAS2:
+        offs_r = tl.arange(0, BR)
+        zeros = tl.zeros((BM, BR), dtype=tl.float32)
+        tl.store(xa2_ptr + pair[:, None] * BR + offs_r[None, :], zeros, mask=rows_on[:, None])
+    if HAS13:
+        # which slots the block holds, one bit each (S <= 63: the wrapper checks)
+        bits = tl.where(rows_on, tl.full((BM,), 1, tl.int64) << safe.to(tl.int64), 0)
+        present = tl.reduce(bits, 0, _or)
+        offs_c = tl.arange(0, 2 * BR)
+        half, r = offs_c // BR, offs_c % BR
+        offs_k = tl.arange(0, BK)
+        a_e = a_ptr + expert.to(tl.int64) * stride_ae + half[None, :] * stride_ai
+        a_e = a_e + r[None, :] * stride_ar + offs_k[:, None]  # [BK, 2 * BR]
+        x_rows = x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+        acc = tl.zeros((BM, 2 * BR), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k_ok = offs_k < H - k0
+            xt = tl.load(x_rows + k0, mask=rows_on[:, None] & k_ok[None, :], other=0.0)
+            for s in tl.static_range(S):
+                if ((present >> s) & 1) != 0:
+                    r_ok = r < tl.load(rank_ptr + s)
+                    a = tl.load(
+                        a_e + s * stride_as + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0
+                    )
+                    # each row has one slot: the others' rows are zero in this product
+                    acc = dot(tl.where((slot_rows == s)[:, None], xt, 0.0).to(a.dtype), a, acc)
+        xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_c[None, :]
+        tl.store(xa_ptrs, acc, mask=rows_on[:, None])
 
 
 PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16

@@ -86,8 +86,9 @@ def _routing(T: int, E: int, K: int):
     return reference.route_topk(logits, K, renormalize=True)
 
 
-# 2048 tokens: past PMAX pairs at K = 8, the align's chunked path with the pair shrink
-@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048])
+# 2048 tokens: past PMAX pairs at K = 8, the align's chunked path and the block shrink
+# (fused_moe.BLOCK_SHRINK_FROM); 4096: the same at K = 2 too, and the prefill tiles
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048, 4096])
 @pytest.mark.parametrize("spread", SPREADS)
 def test_fused_moe_bf16(moe_weights, T, spread):
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights

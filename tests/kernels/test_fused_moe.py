@@ -206,3 +206,46 @@ def test_fused_moe_gpt_oss_biases_and_clamped_swiglu(poison_empty, T, spread, dt
     want = reference.fused_moe(*args, **lora, **oss)
     assert rel_err(out, want) <= TOL[dtype]
     assert rel_err(reference.fused_moe(*args, **lora), want) > 0.1  # the options matter
+
+
+@pytest.mark.parametrize("spread", ["mixed", "distinct", "one"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_block_shrink_at_prefill_sizes(poison_empty, monkeypatch, spread, dtype):
+    """From BLOCK_SHRINK_FROM pairs gate_up's shrink runs block by block after the align, one
+    product per slot a block holds (moe_lora.block_shrink_kernel): lowered to 1 pair here, its
+    input chunk to 32 so that its loop runs twice."""
+    from moelora.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
+    monkeypatch.setattr(module, "BLOCK_SHRINK_K", 32)
+    args, lora = moe_case(24, 8, 2, spread, dtype)
+    out = fused_moe(*args, **lora, config=GROUPED)
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
+
+
+def test_block_shrink_follows_real_rank_in_a_larger_pool(poison_empty, monkeypatch):
+    """The block shrink reads no column of A13 past a slot's real rank (NaN there), and skips
+    disabled slots and slots with rank 0."""
+    from moelora.kernels import fused_moe as module
+
+    monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
+    T, E, K, R = 24, 4, 2, 64
+    args, _ = moe_case(T, E, K, "none", torch.float32)
+    info = batch_info(T, "distinct")
+    info = LoraBatchInfo(
+        info.slot_of_token,
+        torch.tensor([0, 1, 8, 16, 0, 24, 40, 64], dtype=torch.int32),
+        info.scaling_of_slot,
+        torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32),
+    )
+    lora = dict(
+        lora13=lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot, torch.float32),
+        lora2=lora_weights(8, (E,), 1, R, I, (H,), info.rank_of_slot, torch.float32),
+        info=info,
+    )
+    expect = reference.fused_moe(*args, **lora)
+    for w in (lora["lora13"], lora["lora2"]):
+        for s, r in enumerate(info.rank_of_slot.tolist()):
+            w.a[s, ..., r:, :] = float("nan")
+            w.b[s, ..., r:] = float("nan")
+    assert rel_err(fused_moe(*args, **lora, config=GROUPED), expect) <= 1e-5
