@@ -147,7 +147,7 @@ def test_lora_shrink_split_bf16(T, spread, rank):
     assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-2
 
 
-@pytest.mark.parametrize("T", [1, 7, 64, 256])
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 300, 4096])  # past 256: the prefill tiles
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize(
     "in_dim,slices", [(2048, (4096, 512, 512)), (4096, (2048,)), (2048, (768, 768))]

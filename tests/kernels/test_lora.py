@@ -31,6 +31,24 @@ def test_add_lora_matches_reference(T, n, spread, dtype):
     assert torch.equal(y_out[untouched], y[untouched])
 
 
+@pytest.mark.parametrize("spread", ["mixed", "distinct"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_add_lora_prefill_tiles(monkeypatch, spread, dtype):
+    """Past PREFILL_ROWS rows (lowered to 8 here) the programs take 64 rows and up to 1024
+    columns, 64 deep: 70 rows give a partial row tile, slices wider than one column group."""
+    from moelora.kernels import lora as module
+
+    monkeypatch.setattr(module, "PREFILL_ROWS", 8)
+    T, H, R, slices = 70, 160, 16, (1100, 64, 64)
+    info = batch_info(T, spread)
+    lora = lora_weights(info.num_slots, (), 3, R, H, slices, info.rank_of_slot, dtype)
+    x = torch.randn(T, H, dtype=dtype)
+    y = torch.randn(T, sum(slices), dtype=dtype)
+    ref = reference.add_lora_(y.clone(), x, lora, info)
+    out = add_lora_(y.clone(), x, lora, info)
+    assert rel_err(out - y, ref - y) <= TOL[dtype]
+
+
 def test_add_lora_rank_beyond_real_rank_is_ignored():
     """Garbage past a slot's real rank must not be read: the kernel follows rank_of_slot."""
     T, H = 8, 32
