@@ -470,6 +470,19 @@ class _Experts:
     scale_strides: tuple[int, int]  # expert, row (0, 0 for a tensor)
     mxfp4: bool
 
+    def launch_args(self, name: str) -> dict:
+        """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
+        strides and the MXFP4 flag."""
+        return {
+            f"{name}_ptr": self.w,
+            f"{name}_scale_ptr": self.scales,
+            "stride_we": self.strides[0],
+            "stride_wn": self.strides[1],
+            "stride_se": self.scale_strides[0],
+            "stride_sn": self.scale_strides[1],
+            "MXFP4": self.mxfp4,
+        }
+
 
 def _experts(w: torch.Tensor | Mxfp4Weight, unused: torch.Tensor) -> _Experts:
     if isinstance(w, Mxfp4Weight):
@@ -587,11 +600,9 @@ def _gate_up(
     I = I2 // 2
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
-    w = _experts(w13, lora.unused)
     _gate_up_kernel[(pairs.NB, cdiv(I, cfg.block_n))](
         x_ptr=x,
-        w13_ptr=w.w,
-        w13_scale_ptr=w.scales,
+        **_experts(w13, lora.unused).launch_args("w13"),
         h_ptr=h,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -608,10 +619,6 @@ def _gate_up(
         H=H,
         I=I,
         stride_xt=x.stride(0),
-        stride_we=w.strides[0],
-        stride_wn=w.strides[1],
-        stride_se=w.scale_strides[0],
-        stride_sn=w.scale_strides[1],
         stride_bs=sb[0],
         stride_be=sb[1],
         stride_bn=sb[2],
@@ -624,7 +631,6 @@ def _gate_up(
         HAS_LORA2=lora.down.on,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
-        MXFP4=w.mxfp4,
         PACK=lora.PACK,
         BM=pairs.BM,
         BN=cfg.block_n,
@@ -649,11 +655,9 @@ def _down(
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
     sb = lora.down.b_strides
-    w = _experts(w2, lora.unused)
     _down_kernel[(pairs.NB, cdiv(H, cfg.block_n_down))](
         h_ptr=h,
-        w2_ptr=w.w,
-        w2_scale_ptr=w.scales,
+        **_experts(w2, lora.unused).launch_args("w2"),
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
@@ -668,10 +672,6 @@ def _down(
         bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
-        stride_we=w.strides[0],
-        stride_wn=w.strides[1],
-        stride_se=w.scale_strides[0],
-        stride_sn=w.scale_strides[1],
         stride_bs=sb[0],
         stride_be=sb[1],
         stride_bn=sb[2],
@@ -680,7 +680,6 @@ def _down(
         PACK=lora.PACK,
         HAS_LORA=lora.down.on,
         HAS_BIAS=bias is not None,
-        MXFP4=w.mxfp4,
         BM=pairs.BM,
         BN=cfg.block_n_down,
         BK=cfg.block_k_down,
