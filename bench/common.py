@@ -27,9 +27,10 @@ import torch
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine, PlannedStep
 from moelora.lora.adapter import random_adapter
-from moelora.models.shapes import shape_config, write_config_folder
+from moelora.models.shapes import MXFP4_QUANTIZATION, shape_config, write_config_folder
 from moelora.sampling_params import SamplingParams
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
+from moelora.step.mxfp4 import mxfp4_bytes
 
 DEV = "cuda"
 DT = torch.bfloat16
@@ -136,11 +137,14 @@ RANK = 16
 MAX_LORAS = 8
 
 
-def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b") -> str:
+def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False) -> str:
     """A model folder holding only the named shape's config.json (moelora.models.shapes), with
     `layers` layers (None: the shape's own): the engine fills the weights at random
-    (load_format="dummy")."""
+    (load_format="dummy"). mxfp4: with the GPT-OSS release's quantization_config, so a CUDA
+    engine makes the experts packed MXFP4."""
     config = shape_config(shape, num_layers=layers)
+    if mxfp4:
+        config["quantization_config"] = dict(MXFP4_QUANTIZATION)
     return str(write_config_folder(config, tempfile.mkdtemp(prefix=f"moelora-{shape}-")))
 
 
@@ -205,17 +209,19 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep
 def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
     """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
 
-    Experts: each distinct expert a layer routes to, once. LoRA: per active slot the attention
-    A/B at the real rank, and per distinct (slot, expert) pair that expert's A/B.
+    Experts: each distinct expert a layer routes to, once, in bf16 or, packed, in MXFP4 (code
+    and scale bytes). LoRA: per active slot the attention A/B at the real rank, and per distinct
+    (slot, expert) pair that expert's A/B.
     """
     mc, elem, r = engine.model_config, 2, RANK
     H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
+    expert = mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I) if mc.experts_mxfp4 else 3 * H * I * elem
     qkv = mc.q_size + 2 * mc.kv_size
     slots = step.inputs.slot_of_token.long().to(DEV) if engine.config.enable_lora else None
     attn = (H * qkv + mc.q_size * H) * elem
     model, lora = mc.vocab_size * H * elem, 0  # the lm_head (the embedding reads B rows only)
     for ids in step.routed_experts():
-        model += attn + E * H * elem + int(ids.unique().numel()) * 3 * H * I * elem
+        model += attn + E * H * elem + int(ids.unique().numel()) * expert
         if slots is None:
             continue
         active = slots >= 0

@@ -8,6 +8,7 @@ Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of t
 experts touched are counted from the batch's real routing.
 
     PYTHONPATH=. python bench/decode.py [--shape gpt-oss-20b] [--layers 48] [--batches 1 8 64]
+    PYTHONPATH=. python bench/decode.py --shape gpt-oss-120b --mxfp4  # experts packed MXFP4
 """
 
 from __future__ import annotations
@@ -69,18 +70,27 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
     parser.add_argument(
+        "--mxfp4",
+        action="store_true",
+        help="the release's MXFP4 quantization_config in the shape's config (gpt-oss shapes): "
+        "random experts made packed on the GPU, the floor counting their MXFP4 bytes",
+    )
+    parser.add_argument(
         "--projections",
         choices=PROJECTIONS,
         default="batch-invariant",
         help="EngineConfig.projections",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.mxfp4 and SHAPES[args.shape].get("model_type") != "gpt_oss":
+        parser.error(f"--mxfp4 is for the gpt-oss shapes, not --shape {args.shape}")
+    return args
 
 
 def main() -> None:
     args = parse_args()
     eager = not args.no_eager
-    folder = model_folder(args.layers, args.shape)
+    folder = model_folder(args.layers, args.shape, mxfp4=args.mxfp4)
     bw = copy_bandwidth()
     rows, capture = [], {}
     t0 = time.perf_counter()
@@ -106,12 +116,17 @@ def main() -> None:
 
 
 def report(args, bw: float, rows: list, capture: dict) -> list[str]:
-    lines = result_header(f"Decode step, {args.shape} shape (random weights)", bw)
+    weights = "random weights, MXFP4 experts" if args.mxfp4 else "random weights"
+    lines = result_header(f"Decode step, {args.shape} shape ({weights})", bw)
     pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
     (off, off_warm), (on, on_warm) = capture.get("disabled", (0, 0)), capture.get("lora", (0, 0))
     max_bs = max(DECODE_BATCHES)
+    dtypes = (
+        "bf16, the experts MXFP4 (packed; the floor counts their bytes)" if args.mxfp4 else "bf16"
+    )
     lines += [
-        f"- layers: {args.layers or 'all'} of {SHAPES[args.shape]['num_hidden_layers']}; bf16; "
+        f"- layers: {args.layers or 'all'} of {SHAPES[args.shape]['num_hidden_layers']}; "
+        f"{dtypes}; "
         f"{CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras {MAX_LORAS}, adapters on q/k/v/o and every expert's "
         "gate/up/down",

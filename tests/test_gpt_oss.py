@@ -159,18 +159,63 @@ def test_mxfp4_dequantizes_as_transformers_does(bank: FixtureBank, dtype) -> Non
 
 def test_mxfp4_checkpoint_loads_to_the_bit_and_equals_transformers(bank: FixtureBank) -> None:
     """The engine's experts from the MXFP4 folder are transformers' dequantized ones, converted
-    (de-interleaved, transposed) to the bit; greedy outputs equal transformers' on them."""
+    (de-interleaved, transposed) to the bit (on CUDA they stay packed: dequantized here); greedy
+    outputs equal transformers' on them (on CUDA, from the packed fused MoE)."""
+    from moelora.kernels.reference import dense_experts
+    from moelora.step.mxfp4 import Mxfp4Weight
+
     packed, plain = mxfp4_models(bank)
     llm = make_llm(bank, packed)
     want = hf.read_checkpoint(plain)
     mlp = llm.engine.model.layers[1].mlp
+    assert isinstance(mlp.w13, Mxfp4Weight) == (bank.device != "cpu")
     gate_up = want["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I], gate | up alternate
     w13 = torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2)
-    assert torch.equal(mlp.w13.cpu(), w13)
-    assert torch.equal(mlp.w2.cpu(), want["model.layers.1.mlp.experts.down_proj"].transpose(1, 2))
+    assert torch.equal(dense_experts(mlp.w13, torch.float32).cpu(), w13)
+    down = want["model.layers.1.mlp.experts.down_proj"].transpose(1, 2)
+    assert torch.equal(dense_experts(mlp.w2, torch.float32).cpu(), down)
     prompts = hf.PROMPTS[:3]
     refs = bank.reference(plain, prompts, [None] * 3)
     assert_matches(bank, run(llm, prompts, None), refs, prompts, "gpt_oss MXFP4")
+
+
+def test_mxfp4_experts_load_packed_and_dummy_ones_are_made_packed(bank: FixtureBank) -> None:
+    """Where the kernels take them packed (CUDA), the experts stay MXFP4: built here with the
+    reference table on the CPU, whose fused_moe dequantizes them too. The codes and scales are
+    the release's, gate_up's rows de-interleaved; dequantized, they are the engine's experts to
+    the bit (the CPU engine's dequantized at load: it resolves the flag off). Dummy weights are
+    made packed, no bf16 expert anywhere."""
+    from moelora.kernels.ops import REFERENCE_OPS
+    from moelora.kernels.reference import dense_experts
+    from moelora.models.loader import fill_dummy, load_weights
+    from moelora.models.model import MoeCausalLM
+    from moelora.models.registry import read_model_config
+    from moelora.step.mxfp4 import Mxfp4Weight
+
+    packed, _ = mxfp4_models(bank)
+    mc, hf_config = read_model_config(str(packed))
+    assert mc.experts_mxfp4
+    cpu, f32 = torch.device("cpu"), torch.float32
+    model = MoeCausalLM(mc, hf_config, 64, REFERENCE_OPS, dtype=torch.float32, device=cpu)
+    with torch.no_grad():
+        load_weights(model, str(packed))
+    llm = make_llm(bank, packed)
+    assert llm.engine.model_config.experts_mxfp4 == (bank.device != "cpu")
+    release = hf.read_checkpoint(packed)["model.layers.1.mlp.experts.gate_up_proj_blocks"]
+    w13 = model.layers[1].mlp.w13
+    assert torch.equal(w13.blocks[:, 1], release[:, 2].flatten(1))  # gate row 1 <- row 2
+    assert torch.equal(w13.blocks[:, w13.shape[1] // 2], release[:, 1].flatten(1))  # up row 0
+    for layer, dense in zip(model.layers, llm.engine.model.layers):
+        mlp = layer.mlp
+        assert isinstance(mlp.w13, Mxfp4Weight) and isinstance(mlp.w2, Mxfp4Weight)
+        for w, engine_w in ((mlp.w13, dense.mlp.w13), (mlp.w2, dense.mlp.w2)):
+            assert torch.equal(dense_experts(w, f32), dense_experts(engine_w, f32).cpu())
+    with torch.no_grad():
+        fill_dummy(model, seed=0)
+    experts = {n: p for n, p in model.named_parameters() if ".mlp.w" in n and "bias" not in n}
+    assert experts and all(p.dtype == torch.uint8 for p in experts.values()), list(experts)
+    scales = torch.cat([p.flatten() for n, p in experts.items() if n.endswith("_scales")])
+    assert scales.min() == 119 and scales.max() == 121
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from moelora.errors import ConfigError
 from moelora.models.registry import read_model_config
-from moelora.models.shapes import SHAPES, shape_config, write_config_folder
+from moelora.models.shapes import MXFP4_QUANTIZATION, SHAPES, shape_config, write_config_folder
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
@@ -44,6 +44,14 @@ def test_the_gpt_oss_shapes_are_the_releases(tmp_path: Path, name, layers, exper
         str(write_config_folder(shape_config(name, num_layers=3), tmp_path))
     )
     assert three.sliding_layers == (True, False, True)
+
+
+def test_a_gpt_oss_shape_with_the_releases_quantization_has_mxfp4_experts(tmp_path: Path) -> None:
+    config = {**shape_config("gpt-oss-120b"), "quantization_config": dict(MXFP4_QUANTIZATION)}
+    cfg, _ = read_model_config(str(write_config_folder(config, tmp_path)))
+    assert cfg.experts_mxfp4
+    plain, _ = read_model_config(str(write_config_folder(shape_config("gpt-oss-120b"), tmp_path)))
+    assert not plain.experts_mxfp4
 
 
 def test_a_copy_leaves_the_shape_as_it_is() -> None:

@@ -24,7 +24,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -127,6 +127,9 @@ class Engine:
             force_reference=cfg.force_reference_kernels,
             projections=cfg.projections,
         )
+        if self.model_config.experts_mxfp4 and not ops.keeps_mxfp4:
+            # resolved before the model is built: these kernels get the experts dequantized
+            self.model_config = replace(self.model_config, experts_mxfp4=False)
         self.model = self._load_model(hf, max_len, ops)
         self.tokenizer, self.eos_token_ids = self._load_tokenizer()
         self.slot_pool = self.slot_table = None

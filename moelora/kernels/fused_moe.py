@@ -14,9 +14,11 @@ Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
 
 GPT-OSS adds biases (b13 [E, 2I], b2 [E, H], added to the fp32 accumulators like the LoRA
 deltas) and its clamped SwiGLU (reference.swiglu_oai); both are constexpr options, so the other
-architectures compile the same kernels as before. Its MXFP4 experts would plug in here, as a
-main loop that dequantizes each weight tile after its load (not written yet: the loader
-dequantizes them to the model's dtype).
+architectures compile the same kernels as before. Its MXFP4 experts (step/mxfp4.Mxfp4Weight)
+stay packed: with the MXFP4 constexpr both GEMMs take their main loop from mxfp4.py, which loads
+[BK/2, BN] code bytes and [BK/32, BN] scale bytes a tile, expands them to x's dtype in registers
+and feeds the same tl.dot; the epilogues (LoRA, biases, activation) are the same code. BK is then
+a multiple of 32, and so are H and I (the format's groups).
 
 The LoRA deltas are added to the fp32 accumulators before the activation / the routing
 weight. Each shrink is done once per pair (moe_lora: x @ A13.T by extra programs of the align
@@ -48,10 +50,12 @@ from moelora.kernels.moe_lora import (
     packed_walk,
     pair_shrink_block_k,
 )
+from moelora.kernels.mxfp4 import down_mxfp4_loop, gate_up_mxfp4_loop
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
@@ -84,7 +88,8 @@ def _block_rows(pid_m, sorted_pair_ptr, expert_of_block_ptr, BM: tl.constexpr):
 def _gate_up_kernel(
     # Pointers: activations, weights, output, the align's blocks.
     x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2I, H]
+    w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8
+    w13_scale_ptr,  # [E, 2I, H/32] uint8, only with MXFP4
     h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
@@ -106,6 +111,8 @@ def _gate_up_kernel(
     stride_xt,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_bs,
     stride_be,
     stride_bn,
@@ -119,6 +126,7 @@ def _gate_up_kernel(
     HAS_LORA2: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU
+    MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -147,24 +155,42 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BK)
     x_rows = token.to(tl.int64) * stride_xt
     w_e = w13_ptr + expert.to(tl.int64) * stride_we
-    wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
-    wu_ptrs = wg_ptrs + I * stride_wn
 
     # -- main loop: both accumulators share each x tile --
-    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        k_ok = offs_k < H - k0
-        xt = tl.load(
-            x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
+    if MXFP4:
+        acc_g, acc_u = gate_up_mxfp4_loop(
+            x_ptr=x_ptr,
+            x_rows=x_rows,
+            row_ok=row_ok,
+            w_e=w_e,
+            s_e=w13_scale_ptr + expert.to(tl.int64) * stride_se,
+            offs_n=offs_n,
+            n_ok=n_ok,
+            H=H,
+            I=I,
+            stride_wn=stride_wn,
+            stride_sn=stride_sn,
+            BM=BM,
+            BN=BN,
+            BK=BK,
         )
-        w_mask = k_ok[:, None] & n_ok[None, :]
-        acc_g = dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g)
-        acc_u = dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
-        wg_ptrs += BK
-        wu_ptrs += BK
+    else:
+        wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
+        wu_ptrs = wg_ptrs + I * stride_wn
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k_ok = offs_k < H - k0
+            xt = tl.load(
+                x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            acc_g = dot(xt, tl.load(wg_ptrs, mask=w_mask, other=0.0), acc_g)
+            acc_u = dot(xt, tl.load(wu_ptrs, mask=w_mask, other=0.0), acc_u)
+            wg_ptrs += BK
+            wu_ptrs += BK
 
     # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
     if HAS_LORA or HAS_LORA2:
@@ -248,7 +274,8 @@ def _gate_up_kernel(
 def _down_kernel(
     # Pointers: activations, weights, output, routing, the align's blocks.
     h_ptr,  # [NB*BM, I], block rows
-    w2_ptr,  # [E, H, I]
+    w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8
+    w2_scale_ptr,  # [E, H, I/32] uint8, only with MXFP4
     out_ptr,  # [P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair
     topk_weights_ptr,  # [P] float32
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
@@ -268,6 +295,8 @@ def _down_kernel(
     # Strides (last dims contiguous).
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_bs,
     stride_be,
     stride_bn,
@@ -277,6 +306,7 @@ def _down_kernel(
     PACK: tl.constexpr,
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -299,24 +329,41 @@ def _down_kernel(
     h_rows = pid_m * BM + tl.arange(0, BM)
     offs_k = tl.arange(0, BK)
     h_offs = h_rows.to(tl.int64) * I
-    w_ptrs = (
-        w2_ptr
-        + expert.to(tl.int64) * stride_we
-        + offs_n[None, :].to(tl.int64) * stride_wn
-        + offs_k[:, None]
-    )
 
     # -- main loop --
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, I, BK):
-        k_ok = offs_k < I - k0
-        ht = tl.load(
-            h_ptr + h_offs[:, None] + (k0 + offs_k)[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
+    if MXFP4:
+        acc = down_mxfp4_loop(
+            h_ptr=h_ptr,
+            h_offs=h_offs,
+            row_ok=row_ok,
+            w_e=w2_ptr + expert.to(tl.int64) * stride_we,
+            s_e=w2_scale_ptr + expert.to(tl.int64) * stride_se,
+            offs_n=offs_n,
+            n_ok=n_ok,
+            I=I,
+            stride_wn=stride_wn,
+            stride_sn=stride_sn,
+            BM=BM,
+            BN=BN,
+            BK=BK,
         )
-        acc = dot(ht, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
-        w_ptrs += BK
+    else:
+        w_ptrs = (
+            w2_ptr
+            + expert.to(tl.int64) * stride_we
+            + offs_n[None, :].to(tl.int64) * stride_wn
+            + offs_k[:, None]
+        )
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            k_ok = offs_k < I - k0
+            ht = tl.load(
+                h_ptr + h_offs[:, None] + (k0 + offs_k)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            acc = dot(ht, tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0), acc)
+            w_ptrs += BK
 
     # -- epilogue: LoRA delta (only blocks with an enabled slot), routing weight, store --
     if HAS_LORA:
@@ -418,6 +465,38 @@ class _Lora:
 
 
 @dataclass(frozen=True)
+class _Experts:
+    """One expert weight as a launch takes it: a tensor [E, N, K], or MXFP4 code bytes
+    [E, N, K/2] and scale bytes [E, N, K/32] (the scales `unused` for a tensor)."""
+
+    w: torch.Tensor
+    scales: torch.Tensor
+    strides: tuple[int, int]  # expert, row (of w)
+    scale_strides: tuple[int, int]  # expert, row (0, 0 for a tensor)
+    mxfp4: bool
+
+    def launch_args(self, name: str) -> dict:
+        """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
+        strides and the MXFP4 flag."""
+        return {
+            f"{name}_ptr": self.w,
+            f"{name}_scale_ptr": self.scales,
+            "stride_we": self.strides[0],
+            "stride_wn": self.strides[1],
+            "stride_se": self.scale_strides[0],
+            "stride_sn": self.scale_strides[1],
+            "MXFP4": self.mxfp4,
+        }
+
+
+def _experts(w: torch.Tensor | Mxfp4Weight, unused: torch.Tensor) -> _Experts:
+    if isinstance(w, Mxfp4Weight):
+        b, s = w.blocks, w.scales
+        return _Experts(b, s, (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1)), True)
+    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False)
+
+
+@dataclass(frozen=True)
 class _Pairs:
     """The T*K (token, expert) pairs as the GEMMs take them: the align's NB blocks of BM rows
     (one expert each), and the LoRA shrinks' scratch, one row per pair."""
@@ -508,41 +587,48 @@ def _align(
         num_warps=SHRINK_WARPS,
     )
     launch_align(ids, sorted_pair, expert_of_block, E=E, BM=BM, shrink=shrink)
+    pairs = _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2)
     if by_block:
-        sa = lora.gate_up.a_strides
-        block_shrink_kernel[(NB,)](
-            x_ptr=x,
-            sorted_pair_ptr=sorted_pair,
-            expert_of_block_ptr=expert_of_block,
-            slot_ptr=lora.slot,
-            enabled_ptr=lora.enabled,
-            rank_ptr=lora.rank,
-            any_ptr=lora.any_on,
-            a_ptr=lora.gate_up.a,
-            xa13_ptr=xa13,
-            xa2_ptr=xa2,
-            H=x.shape[1],
-            stride_xt=x.stride(0),
-            stride_as=sa[0],
-            stride_ae=sa[1],
-            stride_ai=sa[2],
-            stride_ar=sa[3],
-            K=K,
-            S=lora.S,
-            HAS13=True,
-            HAS2=lora.down.on,
-            BM=BM,
-            BK=BLOCK_SHRINK_K,
-            BR=lora.BR,
-            num_warps=4 if BM <= 64 else 8,
-            **pdl_kwargs(x.device),
-        )
-    return _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2)
+        _block_shrink(x, pairs, lora)
+    return pairs
+
+
+def _block_shrink(x: torch.Tensor, pairs: _Pairs, lora: _Lora) -> None:
+    """gate_up's shrink (and xa2's zeroing) block by block after the align: at prefill sizes,
+    instead of the align's pair shrink programs (moe_lora.block_shrink_kernel)."""
+    sa = lora.gate_up.a_strides
+    block_shrink_kernel[(pairs.NB,)](
+        x_ptr=x,
+        sorted_pair_ptr=pairs.sorted_pair,
+        expert_of_block_ptr=pairs.expert_of_block,
+        slot_ptr=lora.slot,
+        enabled_ptr=lora.enabled,
+        rank_ptr=lora.rank,
+        any_ptr=lora.any_on,
+        a_ptr=lora.gate_up.a,
+        xa13_ptr=pairs.xa13,
+        xa2_ptr=pairs.xa2,
+        H=x.shape[1],
+        stride_xt=x.stride(0),
+        stride_as=sa[0],
+        stride_ae=sa[1],
+        stride_ai=sa[2],
+        stride_ar=sa[3],
+        K=pairs.K,
+        S=lora.S,
+        HAS13=True,
+        HAS2=lora.down.on,
+        BM=pairs.BM,
+        BK=BLOCK_SHRINK_K,
+        BR=lora.BR,
+        num_warps=4 if pairs.BM <= 64 else 8,
+        **pdl_kwargs(x.device),
+    )
 
 
 def _gate_up(
     x: torch.Tensor,
-    w13: torch.Tensor,
+    w13: torch.Tensor | Mxfp4Weight,
     pairs: _Pairs,
     lora: _Lora,
     cfg: MoeConfig,
@@ -559,7 +645,7 @@ def _gate_up(
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
     _gate_up_kernel[(pairs.NB, cdiv(I, cfg.block_n))](
         x_ptr=x,
-        w13_ptr=w13,
+        **_experts(w13, lora.unused).launch_args("w13"),
         h_ptr=h,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -576,8 +662,6 @@ def _gate_up(
         H=H,
         I=I,
         stride_xt=x.stride(0),
-        stride_we=w13.stride(0),
-        stride_wn=w13.stride(1),
         stride_bs=sb[0],
         stride_be=sb[1],
         stride_bn=sb[2],
@@ -602,7 +686,7 @@ def _gate_up(
 
 def _down(
     h: torch.Tensor,
-    w2: torch.Tensor,
+    w2: torch.Tensor | Mxfp4Weight,
     pairs: _Pairs,
     lora: _Lora,
     cfg: MoeConfig,
@@ -616,7 +700,7 @@ def _down(
     sb = lora.down.b_strides
     _down_kernel[(pairs.NB, cdiv(H, cfg.block_n_down))](
         h_ptr=h,
-        w2_ptr=w2,
+        **_experts(w2, lora.unused).launch_args("w2"),
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
@@ -631,8 +715,6 @@ def _down(
         bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
-        stride_we=w2.stride(0),
-        stride_wn=w2.stride(1),
         stride_bs=sb[0],
         stride_be=sb[1],
         stride_bn=sb[2],
@@ -661,8 +743,8 @@ def _sum_topk(pair_out: torch.Tensor, out: torch.Tensor, K: int) -> None:
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Mxfp4Weight,
+    w2: torch.Tensor | Mxfp4Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -681,7 +763,8 @@ def fused_moe(
     With sum_topk=False it returns the K weighted rows [T, K, H] unsummed (reference.sum_rows
     of them is out): the next rms_norm adds them, one launch fewer.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype); topk_weights [T, K] float32;
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype, or both Mxfp4Weight with H
+    and I multiples of 32, expanded to x's dtype a tile at a time); topk_weights [T, K] float32;
     topk_ids [T, K] int32. lora13.a [S, E, 2, R, H], lora13.b [S, E, 2I, R]; lora2.a
     [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H]. No host sync: capturable.
     """
@@ -691,6 +774,9 @@ def fused_moe(
     K = topk_ids.shape[1]
     assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
+    mxfp4 = isinstance(w13, Mxfp4Weight)
+    assert isinstance(w2, Mxfp4Weight) == mxfp4, (type(w13), type(w2))
+    assert not mxfp4 or (H % MXFP4_GROUP == 0 and I % MXFP4_GROUP == 0), (H, I)
     assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
     assert activation in ACTIVATIONS, activation
@@ -700,6 +786,7 @@ def fused_moe(
     if T == 0:
         return out
     cfg = config or default_config(T, E, H, I, K, x.device)
+    assert not mxfp4 or (cfg.block_k % MXFP4_GROUP == 0 == cfg.block_k_down % MXFP4_GROUP), cfg
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA

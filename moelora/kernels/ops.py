@@ -27,6 +27,9 @@ class Ops:
     rms_norm: Callable
     rms_norm_lora: Callable
     rope_store_kv: Callable
+    # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
+    # the engine has them dequantized once at load instead)
+    keeps_mxfp4: bool
 
 
 REFERENCE_OPS = Ops(
@@ -40,6 +43,7 @@ REFERENCE_OPS = Ops(
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
+    keeps_mxfp4=False,
 )
 
 
@@ -79,4 +83,5 @@ def triton_ops(projections: str) -> Ops:
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
+        keeps_mxfp4=True,
     )

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
+from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -104,6 +105,16 @@ def dequantize_mxfp4(
     return out.reshape(*lead, G * 2 * B)
 
 
+def dense_experts(w: torch.Tensor | Mxfp4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Semantics: w [E, N, K] as a tensor: packed experts dequantized (dequantize_mxfp4) to
+    dtype, a tensor as it is."""
+    if not isinstance(w, Mxfp4Weight):
+        return w
+    E, N, K = w.shape
+    blocks = w.blocks.view(E, N, K // MXFP4_GROUP, MXFP4_GROUP // 2)
+    return dequantize_mxfp4(blocks, w.scales, dtype)
+
+
 def _slot_mask(info: LoraBatchInfo, slots: torch.Tensor) -> torch.Tensor:
     """True where the token's slot is a real, enabled slot (NO_SLOT and disabled -> False)."""
     safe = slots.clamp(min=0).long()
@@ -181,8 +192,8 @@ def add_lora_(
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Mxfp4Weight,
+    w2: torch.Tensor | Mxfp4Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -203,9 +214,10 @@ def fused_moe(
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     topk_weights [T, K] float32; topk_ids [T, K] int32. lora13.a [S, E, 2, R, H],
     lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]; b13 [E, 2I] (gate,
-    then up), b2 [E, H]. Returns [T, H].
+    then up), b2 [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
     """
     act = ACTIVATIONS[activation]
+    w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)
     T, K = topk_ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()

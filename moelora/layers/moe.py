@@ -14,6 +14,7 @@ from moelora.kernels.reference import silu_and_mul
 from moelora.layers.linear import LoraLinear
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
+from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 
 class DenseMLP(nn.Module):
@@ -37,8 +38,14 @@ class SparseMoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         kw = dict(dtype=dtype, device=device)
         self.gate = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)  # router
-        self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
+        self.w13: nn.Parameter | Mxfp4Weight
+        self.w2: nn.Parameter | Mxfp4Weight
+        if cfg.experts_mxfp4:
+            self.w13 = self._packed("w13", (E, 2 * I, H), device)
+            self.w2 = self._packed("w2", (E, H, I), device)
+        else:
+            self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
         self.gate_bias = self.w13_bias = self.w2_bias = None
         if cfg.router_bias:
             self.gate_bias = nn.Parameter(torch.empty(E, **kw), requires_grad=False)
@@ -51,6 +58,17 @@ class SparseMoE(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, ops, **kw)
             self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
+
+    def _packed(self, name: str, shape: tuple[int, int, int], device) -> Mxfp4Weight:
+        """MXFP4 experts of `shape` [E, N, K]: parameters NAME_blocks and NAME_scales (what the
+        loader fills and counts), held together as the Mxfp4Weight the fused MoE takes."""
+        E, N, K = shape
+        kw = dict(dtype=torch.uint8, device=device)
+        blocks = nn.Parameter(torch.empty(E, N, K // 2, **kw), requires_grad=False)
+        scales = nn.Parameter(torch.empty(E, N, K // MXFP4_GROUP, **kw), requires_grad=False)
+        self.register_parameter(f"{name}_blocks", blocks)
+        self.register_parameter(f"{name}_scales", scales)
+        return Mxfp4Weight(blocks, scales)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""

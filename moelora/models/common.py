@@ -44,6 +44,7 @@ def model_config(hf, arch: str, **differs) -> ModelConfig:
         expert_bias=False,
         activation="silu",
         experts_layout="gate_up_rows",
+        experts_mxfp4=False,
     )
     return ModelConfig(**{**fields, **differs})
 

@@ -35,6 +35,13 @@ def model_config(hf) -> ModelConfig:
             f"quantization_config.quant_method={method!r} is not supported for gpt_oss: "
             f"expected none or one of {list(_QUANT_METHODS)}"
         )
+    mxfp4 = method == "mxfp4"
+    for name in ("hidden_size", "intermediate_size"):
+        if mxfp4 and getattr(hf, name) % 32:
+            raise ModelConfigError(
+                f"{name}={getattr(hf, name)} is not supported with MXFP4 experts: expected a "
+                "multiple of 32 (the format's groups)"
+            )
     return common.model_config(
         hf,
         "gpt_oss",
@@ -51,4 +58,5 @@ def model_config(hf) -> ModelConfig:
         expert_bias=True,
         activation="swiglu_oai",
         experts_layout="interleaved_in_out",
+        experts_mxfp4=mxfp4,
     )

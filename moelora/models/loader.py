@@ -17,6 +17,7 @@ from moelora.errors import ModelConfigError
 from moelora.kernels.reference import dequantize_mxfp4
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
+from moelora.step.mxfp4 import Mxfp4Weight
 
 _ALIASES = [
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -60,11 +61,12 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def dequantized(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, *, packed: bool
+) -> Iterator[tuple[str, torch.Tensor | Mxfp4Weight]]:
     """MXFP4 pairs (`X_blocks` [E, out, in / 32, 16], `X_scales` [E, out, in / 32], in any order
     and any shards) -> `X` [E, in, out] in dtype, the layout of the tensor the release quantized
-    (transformers' dequantization). The packed experts' kernel would take the pair as it is."""
+    (transformers' dequantization); or, packed, `X` as the Mxfp4Weight [E, out, in] of the same
+    bytes: the release packs the input axis, which is K in moelora's layout too."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors:
         base, _, kind = key.rpartition("_")
@@ -75,7 +77,11 @@ def dequantized(
         pair[kind] = t
         if len(pair) == 2:
             del halves[base]
-            yield base, dequantize_mxfp4(pair["blocks"], pair["scales"], dtype).transpose(1, 2)
+            blocks, scales = pair["blocks"], pair["scales"]
+            if packed:
+                yield base, Mxfp4Weight(blocks.flatten(2).to(torch.uint8), scales.to(torch.uint8))
+            else:
+                yield base, dequantize_mxfp4(blocks, scales, dtype).transpose(1, 2)
     for base, pair in halves.items():
         missing = "scales" if "blocks" in pair else "blocks"
         raise ModelConfigError(f"checkpoint has {base}_{sorted(pair)[0]} but no {base}_{missing}")
@@ -83,10 +89,12 @@ def dequantized(
 
 def load_weights(model: MoeCausalLM, model_path: str) -> None:
     """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones.
-    MXFP4 experts are dequantized to the model's dtype on the way."""
+    MXFP4 experts are dequantized to the model's dtype on the way, unless the model keeps them
+    packed (ModelConfig.experts_mxfp4)."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
     tensors = iter_tensors(safetensors_files(model_path))
-    for key, tensor in dequantized(tensors, model.embed_tokens.dtype):
+    dtype, packed = model.embed_tokens.dtype, model.cfg.experts_mxfp4
+    for key, tensor in dequantized(tensors, dtype, packed=packed):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
             continue
@@ -192,6 +200,8 @@ def _interleaved_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
     columns and up in the odd ones -> w13 [E, 2I, H] gate rows then up rows; down_proj
     [E, I, H] -> w2 [E, H, I]; the biases alike."""
     name = ".".join(parts)
+    if name in ("gate_up_proj", "down_proj") and mlp.cfg.experts_mxfp4:
+        return _packed_targets(mlp, name, t)
     if name == "gate_up_proj" and t.dim() == 3:
         return [(mlp.w13, _deinterleave(t, dim=2).transpose(1, 2))]
     if name == "gate_up_proj_bias" and mlp.w13_bias is not None:
@@ -201,6 +211,24 @@ def _interleaved_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
     if name == "down_proj_bias" and mlp.w2_bias is not None:
         return [(mlp.w2_bias, t)]
     return None
+
+
+def _packed_targets(mlp: SparseMoE, name: str, t: torch.Tensor | Mxfp4Weight):
+    """GPT-OSS's MXFP4 experts kept packed: the release's [E, out, in] codes and scales are
+    moelora's [E, N, K] already (K = in); gate_up's rows are de-interleaved, whole rows of
+    codes and scales, so no group is split."""
+    if not isinstance(t, Mxfp4Weight):
+        raise ModelConfigError(
+            f"checkpoint weight {name!r} is not MXFP4 (*_blocks, *_scales), but the config's "
+            "quantization_config says mxfp4"
+        )
+    if name == "gate_up_proj":
+        w = mlp.w13
+        return [
+            (w.blocks, _deinterleave(t.blocks, dim=1)),
+            (w.scales, _deinterleave(t.scales, dim=1)),
+        ]
+    return [(mlp.w2.blocks, t.blocks), (mlp.w2.scales, t.scales)]
 
 
 def _deinterleave(t: torch.Tensor, *, dim: int) -> torch.Tensor:
@@ -238,5 +266,9 @@ def fill_dummy(model: MoeCausalLM, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif name.endswith("_blocks"):  # MXFP4 experts, made packed: every code
+            p.random_(0, 256, generator=gen)
+        elif name.endswith("_scales"):  # 2^-8 .. 2^-6 times codes of mean size 2.25: ~0.02
+            p.random_(119, 122, generator=gen)
         else:
             p.uniform_(-0.02, 0.02, generator=gen)

@@ -8,7 +8,8 @@ engines from these, so a figure can be reproduced without downloading a model.
 - gpt-oss-20b, gpt-oss-120b: openai/gpt-oss-{20b,120b}'s config.json (24 / 36 layers, 32 / 128
   experts, top-4, hidden and expert intermediate 2880, 64 query and 8 KV heads of 64, a
   128-token window on every other layer), without its quantization_config: dummy weights are
-  bf16 experts.
+  bf16 experts. With MXFP4_QUANTIZATION added as its quantization_config (bench/decode.py
+  --mxfp4), a CUDA engine makes them packed MXFP4 instead (step/mxfp4.py), never bf16.
 """
 
 from __future__ import annotations
@@ -83,6 +84,18 @@ def _gpt_oss(num_layers: int, num_experts: int) -> Mapping[str, object]:
     )
 
 
+# openai/gpt-oss-*'s quantization_config: its experts are MXFP4, the rest bf16
+MXFP4_QUANTIZATION: Mapping[str, object] = MappingProxyType(
+    dict(
+        quant_method="mxfp4",
+        modules_to_not_convert=[
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    )
+)
 GPT_OSS_20B = _gpt_oss(24, 32)
 GPT_OSS_120B = _gpt_oss(36, 128)
 TINY_QWEN3_MOE: Mapping[str, object] = MappingProxyType(

@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from cuda_graphs import capture  # noqa: E402
-from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
+from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
@@ -113,6 +113,77 @@ def test_fused_moe_untuned_tiles_bf16(moe_weights, config, T):
     )
     ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
     assert rel_err(out, ref) <= 1e-2, (name, T, config)
+
+
+MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4), "gpt-oss-120b": (128, 2880, 2880, 4)}
+
+
+@pytest.fixture(scope="module", params=list(MXFP4_SHAPES))
+def mxfp4_experts(request):
+    """Packed experts of a GPT-OSS shape: random codes, scale bytes 118..122 (weights of about
+    1/sqrt(2880)), biases; their fp32 dequantization is the reference's weights."""
+    E, H, I, K = MXFP4_SHAPES[request.param]
+    torch.manual_seed(0)
+    w13, w2 = mxfp4_weight(E, 2 * I, H, (118, 122), DEV), mxfp4_weight(E, H, I, (118, 122), DEV)
+    b13 = (0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16)
+    b2 = (0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16)
+    info = batch_info(1, "none", DEV)
+    ranks = info.rank_of_slot.cpu()
+    lora13 = lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV)
+    lora2 = lora_weights(info.num_slots, (E,), 1, R, I, (H,), ranks, torch.bfloat16, DEV)
+    yield request.param, (E, H, I, K), w13, w2, b13, b2, lora13, lora2
+    torch.cuda.empty_cache()
+
+
+# BK 128 leaves a 64-deep tail of H = I = 2880: whole groups masked
+@pytest.mark.parametrize("config", [None, MoeConfig(block_k=128, block_k_down=128)])
+@pytest.mark.parametrize("T", [1, 7, 64, 256])
+@pytest.mark.parametrize("spread", ["none", "distinct", "mixed"])
+def test_fused_moe_mxfp4_bf16(mxfp4_experts, config, T, spread):
+    """MXFP4 experts expanded in the main loops, with biases, the clamped SwiGLU and the LoRA
+    epilogues, against the fp32 reference on their dequantized weights."""
+    name, (E, H, I, K), w13, w2, b13, b2, lora13, lora2 = mxfp4_experts
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, spread, DEV)
+    oss = dict(activation="swiglu_oai")
+    lora = dict(lora13=lora13, lora2=lora2, info=info)
+    out = fused_moe(
+        x, w13, w2, topk_weights, topk_ids, **lora, b13=b13, b2=b2, config=config, **oss
+    )
+    dense13, dense2 = (reference.dense_experts(w, torch.float32) for w in (w13, w2))
+    ref = reference.fused_moe(
+        x.float(),
+        dense13,
+        dense2,
+        topk_weights,
+        topk_ids,
+        lora13=_f32(lora13),
+        lora2=_f32(lora2),
+        info=info,
+        b13=b13.float(),
+        b2=b2.float(),
+        **oss,
+    )
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2, (name, T, spread, config)
+
+
+def test_fused_moe_mxfp4_replays_in_a_cuda_graph(mxfp4_experts):
+    """Captured with every slot disabled; replayed with slots on, it gives the eager bits."""
+    name, (E, H, I, K), w13, w2, b13, b2, lora13, lora2 = mxfp4_experts
+    T = 16
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, "none", DEV)
+    oss = dict(b13=b13, b2=b2, activation="swiglu_oai", lora13=lora13, lora2=lora2, info=info)
+    graph, out = capture(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, **oss))
+    new = batch_info(T, "mixed", DEV)
+    for field in dataclasses.fields(info):
+        getattr(info, field.name).copy_(getattr(new, field.name))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused_moe(x, w13, w2, topk_weights, topk_ids, **oss)), name
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 256])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
+from moelora.step.mxfp4 import Mxfp4Weight
 
 SLOT_RANKS = (0, 1, 8, 16)
 SPREADS = ("none", "one", "distinct", "mixed")
@@ -36,6 +37,18 @@ def lora_weights(
         a[s, ..., r:, :] = 0
         b[s, ..., r:] = 0
     return LoraWeights(a.to(device, dtype), b.to(device, dtype), out_slices)
+
+
+def mxfp4_weight(
+    E: int, N: int, K: int, scales: tuple[int, int], device: str = "cpu"
+) -> Mxfp4Weight:
+    """Packed experts [E, N, K] of random codes (every byte value) and random scale bytes in
+    [scales[0], scales[1]]: 2^(s - 127) times codes of up to 6."""
+    g = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, (1,))))
+    blocks = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
+    low, high = scales
+    scale_bytes = torch.randint(low, high + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
+    return Mxfp4Weight(blocks.to(device), scale_bytes.to(device))
 
 
 def batch_info(T: int, spread: str, device: str = "cpu", num_slots: int = 8) -> LoraBatchInfo:

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 import torch
-from lora_cases import SPREADS, batch_info, lora_weights, rel_err
+from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.fused_moe import MoeConfig, fused_moe
@@ -249,3 +249,59 @@ def test_block_shrink_follows_real_rank_in_a_larger_pool(poison_empty, monkeypat
             w.a[s, ..., r:, :] = float("nan")
             w.b[s, ..., r:] = float("nan")
     assert rel_err(fused_moe(*args, **lora, config=GROUPED), expect) <= 1e-5
+
+
+# MXFP4 experts kept packed. Scale bytes 120..126 (2^-7 .. 2^-1 times codes of up to 6) keep
+# the fp16 sums in range at H = 64, I = 32; the GPT-OSS options (biases, the clamped SwiGLU)
+# with the LoRA epilogues. BK must be a multiple of 32: GROUPED's down BK is 16.
+MXFP4_SCALES = (120, 126)
+MXFP4_TILES = dataclasses.replace(GROUPED, block_k_down=32)
+
+
+def mxfp4_case(T: int, spread: str, dtype: torch.dtype):
+    """moe_case's inputs with packed experts in place of the dense ones, and GPT-OSS's options."""
+    (x, _, _, weights, ids), lora = moe_case(T, 8, 2, spread, dtype)
+    E = 8
+    w13 = mxfp4_weight(E, 2 * I, H, MXFP4_SCALES)
+    w2 = mxfp4_weight(E, H, I, MXFP4_SCALES)
+    oss = dict(
+        b13=(0.3 * torch.randn(E, 2 * I)).to(dtype),
+        b2=(0.3 * torch.randn(E, H)).to(dtype),
+        activation="swiglu_oai",
+    )
+    return (x, w13, w2, weights, ids), lora, oss
+
+
+@pytest.mark.parametrize(
+    "T,spread,dtype,lora_too",
+    [
+        (7, "mixed", torch.float32, True),
+        (7, "mixed", torch.float16, False),
+        (1, "distinct", torch.float16, False),
+    ],
+)
+def test_fused_moe_mxfp4_matches_reference(poison_empty, T, spread, dtype, lora_too):
+    """Packed experts, expanded a tile at a time, against the reference on their dequantized
+    weights: with the LoRA epilogues (and, lora_too, without), biases and the clamped SwiGLU
+    (a share of the gates and ups past the clamp at 7, checked)."""
+    args, lora, oss = mxfp4_case(T, spread, dtype)
+    x, w13 = args[0], reference.dense_experts(args[1], dtype)
+    clamped = (x.float() @ w13.float().transpose(1, 2)).abs() > reference.SWIGLU_OAI_LIMIT
+    assert clamped.float().mean() > 0.01
+    for with_lora in (lora, {}) if lora_too else (lora,):
+        out = fused_moe(*args, **with_lora, config=MXFP4_TILES, **oss)
+        assert rel_err(out, reference.fused_moe(*args, **with_lora, **oss)) <= TOL[dtype]
+
+
+def test_fused_moe_mxfp4_gives_the_bits_of_its_dequantized_weights(poison_empty):
+    """The expanded tiles are dequantize_mxfp4's values to the bit, so the packed MoE gives the
+    bits of the dense kernel on the dequantized weights (same tiles, same sums): fp16, the plain
+    SiLU without biases, 16 tokens, LoRA on a mixed spread, BK past H and I (masked groups)."""
+    dtype = torch.float16
+    args, lora, _ = mxfp4_case(16, "mixed", dtype)
+    x, w13, w2, weights, ids = args
+    dense = (x, reference.dense_experts(w13, dtype), reference.dense_experts(w2, dtype))
+    tiles = dataclasses.replace(WIDE, block_k=128, block_k_down=64)
+    out = fused_moe(*args, **lora, config=tiles)
+    assert torch.equal(out, fused_moe(*dense, weights, ids, **lora, config=tiles))
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
