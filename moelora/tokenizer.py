@@ -35,6 +35,11 @@ class Tokenizer:
         self._leading_spaces_dropped = _leading_spaces_dropped(decoder)
         self._token_bytes: dict[int, bytes] = {}  # filled on first use: vocabularies are large
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (what xgrammar reads the vocabulary from)."""
+        return self._tok
+
     @staticmethod
     def exists(model_path: str) -> bool:
         return (Path(model_path) / "tokenizer.json").exists() or (

@@ -80,6 +80,9 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: str | None = None
     last_step: int = -1  # the newest step that computes some of its tokens
+    # a constrained request's place in its grammar (engine.grammar.GrammarState), advanced by
+    # each committed token; None: unconstrained
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:
