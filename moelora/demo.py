@@ -37,8 +37,8 @@ CHATML_TEMPLATE = (
     "<tools></tools> XML tags:\\n<tools>' }}"
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}"
