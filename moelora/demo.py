@@ -28,17 +28,14 @@ ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 NUM_MERGES = 200
 
-# ChatML, with Qwen's Hermes tool calls: the tools in a system turn of their own, an assistant's
-# calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, tool results in a user turn
-# as <tool_response>. A chat without tools renders as plain ChatML.
+# ChatML, with Qwen's Hermes tool calls: an assistant's calls as <tool_call>{"name": ...,
+# "arguments": ...}</tool_call>, tool results in a user turn as <tool_response>. The tools are
+# listed by name only, in a system turn of their own: the demo's context is short. A chat
+# without tools renders as plain ChatML.
 CHATML_TEMPLATE = (
-    "{% if tools %}{{ '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions to "
-    "assist with the user query.\\n\\nYou are provided with function signatures within "
-    "<tools></tools> XML tags:\\n<tools>' }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
-    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{% if tools %}{{ '<|im_start|>system\\nTools: ' }}"
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}"
+    '{{ \'. Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages %}"
     "{% if message['role'] == 'tool' %}"
