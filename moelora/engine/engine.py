@@ -485,6 +485,8 @@ class Engine:
                     return "stop"
         if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or []):
             return "stop"
+        if req.grammar is not None and req.grammar.terminated:  # ignore_eos too: it is complete
+            return "stop"
         known = len(req.prompt_token_ids) + req.num_outputs
         if req.num_outputs >= p.max_tokens or known >= self.max_model_len:
             return "length"

@@ -139,8 +139,9 @@ class ModelRunner:
         if not reqs:
             return LaunchedStep(None, forwarded.prompt_logprobs)
         params = [r.params for r in reqs]
+        # the tokens known so far: by now the requests hold this step's placeholders too
         history = (
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+            [(r.prompt_token_ids, r.output_token_ids[: r.num_outputs]) for r in reqs]
             if any(p.adjusts_logits for p in params)
             else None
         )

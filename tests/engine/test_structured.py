@@ -93,6 +93,18 @@ def test_greedy_constrained_is_the_best_allowed_token_at_each_step(llm):
     assert out.text == choices[0]
 
 
+def test_a_complete_grammar_stops_also_with_ignore_eos_and_penalties(llm):
+    """What the grammar ends with is the output's end: nothing after it could keep to it."""
+    spec = Structured(choice=["", "ab"])
+    params = [
+        SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, structured_outputs=spec),
+        SamplingParams(max_tokens=9, frequency_penalty=1.0, seed=1, structured_outputs=spec),
+    ]
+    outs = llm.generate(["SELECT", "hi"], params)
+    assert [o.finish_reason for o in outs] == ["stop", "stop"]
+    assert all(o.text in ("", "ab") for o in outs) and len(outs[0].token_ids) <= 3
+
+
 def test_a_schema_compiles_once(llm):
     grammars = llm.engine.grammars
     schema = {"type": "object", "properties": {"k": {"enum": ["x"]}}, "required": ["k"]}

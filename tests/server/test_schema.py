@@ -33,10 +33,19 @@ API_KEY = "test-key"  # conftest's; not imported: schemathesis loads this file o
 PROTECTED_ADAPTERS = frozenset({"sql", "chat", "extra", "hot", "misshapen"})
 SERVED = ("demo", "sql", "chat", "extra")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# a grammar xgrammar cannot compile, two constraints at once, a tool choice the tools do not
+# allow: what a JSON schema of the body cannot say
+_CONSTRAINTS = (
+    r"|structured outputs are asked for by"
+    r"|^structured_outputs\S* is (not a valid|invalid)"
+    r"|tool_choice"
+)
 # what a schema-valid request may be refused for (HTTP 400, no `param`), and why
 SEMANTIC_REFUSALS = {
-    "/v1/completions": r"max_model_len|maximum context length|token id \d+ is invalid",
-    "/v1/chat/completions": r"max_model_len|maximum context length|token id \d+ is invalid",
+    "/v1/completions": r"max_model_len|maximum context length|token id \d+ is invalid"
+    + _CONSTRAINTS,
+    "/v1/chat/completions": r"max_model_len|maximum context length|token id \d+ is invalid"
+    + _CONSTRAINTS,
     "/v1/load_lora_adapter": r"^adapter .*: |already loaded",  # the folder, not the schema
 }
 # schemathesis's default, and 400, which only_semantic_refusals checks
