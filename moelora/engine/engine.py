@@ -296,14 +296,15 @@ class Engine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             gen = torch.Generator(device=self.config.torch_device).manual_seed(seed)
+        state = None
         if params.structured_outputs is not None:
             self.text_tokenizer("structured outputs")  # a grammar is over the vocabulary
-            grammar = self.grammars.matcher(
+            state = self.grammars.matcher(
                 grammar or self.grammars.compile(params.structured_outputs)
             )
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
-        req.grammar = grammar
+        req.grammar = state
         self._requests[request_id] = req
         self.scheduler.add(req)
 

@@ -88,11 +88,17 @@ class Grammars:
 
     def token_mask(self, rows: list[int], states: list[GrammarState]) -> TokenMask:
         """The bitmask of a step's constrained rows (rows[i] of the step's samples is states[i]'s
-        request), on the host: pinned where a GPU will read it, so its copy does not block."""
+        request), on the host: pinned where a GPU will read it, so its copy does not block.
+        Engine thread only."""
         words = xgr.get_bitmask_shape(len(rows), self.vocab_size)
         bitmask = torch.empty(words, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        for i, state in enumerate(states):
-            state.fill(bitmask, i)
+        live = [i for i, state in enumerate(states) if not state.terminated]
+        if len(live) < len(states):  # their tokens are dropped: their requests have ended
+            bitmask[[i for i in range(len(states)) if i not in set(live)]] = -1
+        # one by one on the engine thread: xgrammar's BatchGrammarMatcher threads made a server
+        # step 8x slower on a 2-core machine (bench/results/NOTES.md)
+        for i in live:
+            states[i].matcher.fill_next_token_bitmask(bitmask, i)
         return TokenMask(bitmask, rows)
 
 
@@ -117,20 +123,15 @@ class GrammarState:
     """One constrained request's place in its grammar: advanced by each committed token."""
 
     def __init__(self, matcher: xgr.GrammarMatcher) -> None:
-        self._matcher = matcher
+        self.matcher = matcher
 
     def accept(self, token_id: int) -> None:
         # the token was sampled under this grammar's own mask, so it is always accepted; a
         # refusal would mean the mask and the matcher went apart
-        accepted = self._matcher.accept_token(token_id)
+        accepted = self.matcher.accept_token(token_id)
         assert accepted, f"token {token_id} refused by its own grammar"
-
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        if self._matcher.is_terminated():  # the token is dropped: its request has ended
-            bitmask[row] = -1
-        else:
-            self._matcher.fill_next_token_bitmask(bitmask, row)
 
     @property
     def terminated(self) -> bool:
-        return self._matcher.is_terminated()
+        """The grammar is complete and its stop token accepted: nothing may follow."""
+        return self.matcher.is_terminated()

@@ -24,6 +24,9 @@ from moelora.sampling_params import StructuredOutputsParams
 from moelora.server.protocol import ChatCompletionRequest, NamedToolChoice
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# a function without `parameters` takes none: its arguments are {} (a bare {"type": "object"}
+# would let a model write any object, as long as it likes)
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -116,7 +119,7 @@ def tool_plan(
                 f"tool_choice names the function {name!r}: expected one of the tools "
                 f"{[t.function.name for t in tools]}"
             )
-        schema = named[0].function.parameters or {"type": "object"}
+        schema = named[0].function.parameters or NO_PARAMETERS
         return StructuredOutputsParams(json=schema), ToolParser("named", name)
     if choice == "required":
         return StructuredOutputsParams(json=_calls_schema(body)), ToolParser("required")
@@ -136,7 +139,7 @@ def _calls_schema(body: ChatCompletionRequest) -> dict[str, Any]:
             "type": "object",
             "properties": {
                 "name": {"type": "string", "enum": [t.function.name]},
-                "parameters": t.function.parameters or {"type": "object"},
+                "parameters": t.function.parameters or NO_PARAMETERS,
             },
             "required": ["name", "parameters"],
         }
