@@ -11,6 +11,7 @@ short log of designs tried, with their figures and verdicts.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -135,6 +136,38 @@ DECODE_BATCHES = (1, 8, 32, 64, 128)
 CONTEXT = 256  # prompt tokens per sequence before the timed decode step
 RANK = 16
 MAX_LORAS = 8
+
+
+def write_random_tokenizer(folder: str | Path, vocab_size: int, *, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer of vocab_size tokens (tokenizer.json, tokenizer_config.json)
+    into a model folder, for runs that need one (structured outputs read the vocabulary): the
+    256 bytes, random merges of a token and a letter up to vocab_size - 2, then <|endoftext|>
+    and <|im_end|> (the EOS). Tokens average a few letters, as a real vocabulary's do."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    letters = [ch for ch in alphabet if ch.isalnum() and ch.isascii()] + ["Ġ"]  # Ġ: a space
+    tokens, merges = list(alphabet), []
+    gen = torch.Generator().manual_seed(seed)
+    while len(vocab) < vocab_size - 2:
+        left = tokens[int(torch.randint(0, len(tokens), (1,), generator=gen))]
+        right = letters[int(torch.randint(0, len(letters), (1,), generator=gen))]
+        if left + right not in vocab and len(left) < 12:
+            vocab[left + right] = len(vocab)
+            tokens.append(left + right)
+            merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    tokenizer.save(str(Path(folder) / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": SPECIALS[-1]}
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+SPECIALS = ("<|endoftext|>", "<|im_end|>")
 
 
 def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False) -> str:

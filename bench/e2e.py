@@ -13,10 +13,15 @@ whole engine, async scheduling on and off, on a Qwen3-30B-A3B shape with random 
 - cases, as bench/decode.py's: LoRA disabled; enabled with base-only requests; 8 distinct
   rank-16 adapters (`LLM.add_random_lora`) on attention and every expert (throughput: LoRA
   disabled only, unless --throughput-cases says more).
+- structured outputs (an engine of its own: its model folder has a tokenizer, random, of the
+  shape's vocabulary, which the other cases' engines do without): TPOT as above, 8 distinct
+  adapters, temperature 1, of B free requests; B requests constrained to a 10-field JSON schema;
+  B free and B constrained in one batch; and 2B free. constrained / free > 1: what the grammar
+  masks cost a step (the async design fills them while the step's forward runs).
 Each LoRA setting's engine is built twice in this one process, async_scheduling on, then off
 (graphs captured once per engine), and everything is measured on each.
 
-    PYTHONPATH=. python bench/e2e.py [--quick | --smoke] [--layers N] [--out PATH]
+    PYTHONPATH=. python bench/e2e.py [--quick | --smoke] [--layers N] [--out PATH] [--no-structured]
 
 --quick: B = 1 and 64, one 64 x (512 in, 128 out) workload, LoRA disabled and 8 distinct.
 --smoke: the tiny demo shape on the CPU, a few steps: shows that the script runs end to end;
@@ -28,6 +33,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import statistics
 import tempfile
 import time
@@ -45,11 +51,13 @@ from common import (
     model_folder,
     result_header,
     time_step,
+    write_random_tokenizer,
     write_result,
 )
 
 from moelora import LLM, SamplingParams
 from moelora.engine.engine import Engine
+from moelora.sampling_params import StructuredOutputsParams
 from moelora.step.batch import pages_for
 
 CASES = ("disabled", "base-only", "8 distinct")
@@ -89,6 +97,7 @@ class Setup:
     rank: int
     max_num_seqs: int  # and max_graph_bs: every decode batch replays a graph
     max_num_batched_tokens: int  # vLLM's default for offline use on an H100/H200
+    structured_B: int = 64  # constrained requests, beside as many free ones (0: not measured)
 
     @property
     def max_model_len(self) -> int:
@@ -139,7 +148,49 @@ SMOKE = Setup(
     rank=4,
     max_num_seqs=8,
     max_num_batched_tokens=64,
+    structured_B=4,
 )
+# ten fields of every kind; the lengths keep a request decoding through the timed windows
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0},
+        "name": {"type": "string", "minLength": 16, "maxLength": 32},
+        "email": {"type": "string", "minLength": 16, "maxLength": 48},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "country": {"enum": ["FR", "DE", "IT", "ES", "PT"]},
+        "active": {"type": "boolean"},
+        "score": {"type": "number"},
+        "tags": {
+            "type": "array",
+            "items": {"type": "string", "minLength": 8, "maxLength": 16},
+            "minItems": 4,
+            "maxItems": 8,
+        },
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string", "minLength": 16},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "zip"],
+        },
+        "notes": {"type": "string", "minLength": 64, "maxLength": 128},
+    },
+    "required": [
+        "id",
+        "name",
+        "email",
+        "age",
+        "country",
+        "active",
+        "score",
+        "tags",
+        "address",
+        "notes",
+    ],
+}
+STRUCTURED_MIXES = ("B free", "B constrained", "B free + B constrained", "2B free")
 
 
 @dataclass(frozen=True)
@@ -167,6 +218,14 @@ class Throughput:
     @property
     def total_tokens(self) -> int:
         return self.output_tokens + self.workload.prompts * self.workload.input_len
+
+
+@dataclass(frozen=True)
+class StructuredTpot:
+    mix: str  # one of STRUCTURED_MIXES
+    num_free: int
+    num_constrained: int
+    step_ms: float  # Engine.step(), wall clock
 
 
 @dataclass(frozen=True)
@@ -298,11 +357,87 @@ def measure_throughput(
     return Throughput(case, workload, llm.engine.config.async_scheduling, seconds, generated)
 
 
+# ---- structured outputs -----------------------------------------------------------------
+
+
+def measure_structured(setup: Setup, folder: str) -> list[StructuredTpot]:
+    """Each of STRUCTURED_MIXES on one engine (async on, 8 distinct adapters), whose folder has
+    a random tokenizer of the shape's vocabulary: the grammar is compiled against it."""
+    B = setup.structured_B
+    config = json.loads((Path(folder) / "config.json").read_text())
+    folder = tempfile.mkdtemp(prefix="moelora-structured-")
+    (Path(folder) / "config.json").write_text(json.dumps(config))
+    write_random_tokenizer(folder, config["vocab_size"])
+    sized = dataclasses.replace(setup, max_num_seqs=max(setup.max_num_seqs, 2 * B))
+    llm, names = build(sized, folder, lora=True, async_on=True)
+    mixes = {"B free": (B, 0), "B constrained": (0, B), "B free + B constrained": (B, B)}
+    mixes["2B free"] = (2 * B, 0)
+    rows = []
+    for mix, (free, constrained) in mixes.items():
+        ms = structured_step_ms(llm, sized, names, free, constrained)
+        rows.append(StructuredTpot(mix, free, constrained, ms))
+        print(f"structured {mix:>24}: step {ms:8.3f} ms", flush=True)
+    return rows
+
+
+def structured_step_ms(
+    llm: LLM, setup: Setup, names: list[str], free: int, constrained: int
+) -> float:
+    """TPOT of `free` + `constrained` requests in one batch, as measure_tpot times it."""
+    engine, n = llm.engine, free + constrained
+    prompts = random_prompts(engine.model_config.vocab_size, n, setup.prompt_len, seed=n)
+    spec = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    max_tokens = setup.max_model_len - setup.prompt_len
+    params = [
+        SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0,
+            seed=i,
+            ignore_eos=i < free,
+            structured_outputs=spec if i >= free else None,
+        )
+        for i in range(n)
+    ]
+    ids = [f"structured-{free}-{constrained}-{i}" for i in range(n)]
+    try:
+        for rid, prompt, p, lora in zip(ids, prompts, params, adapters_of("8 distinct", names, n)):
+            engine.add_request(rid, prompt, p, lora)
+        start_decoding(engine, ids)
+        windows = [decode_window_ms(engine, n, setup) for _ in range(setup.windows)]
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    return statistics.median(windows)
+
+
+def structured_table(rows: list[StructuredTpot]) -> list[str]:
+    if not rows:
+        return []
+    ms = {r.mix: r.step_ms for r in rows}
+    B = rows[0].num_free
+    lines = [
+        "",
+        f"Structured outputs, B = {B}, 8 distinct adapters, temperature 1, async on:",
+        "",
+        "| batch | free | constrained | step ms | / free batch of the same size |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    same_size = {"B free": "B free", "B constrained": "B free"}
+    same_size |= {"B free + B constrained": "2B free", "2B free": "2B free"}
+    for r in rows:
+        ratio = r.step_ms / ms[same_size[r.mix]]
+        lines.append(
+            f"| {r.mix} | {r.num_free} | {r.num_constrained} | {r.step_ms:.3f} | {ratio:.3f} |"
+        )
+    return lines
+
+
 # ---- the run ----------------------------------------------------------------------------
 
 
 def run(setup: Setup, folder: str, bw: float | None):
-    """Every figure, engine by engine: LoRA disabled then enabled, each async on then off."""
+    """Every figure, engine by engine: LoRA disabled then enabled, each async on then off;
+    then the structured outputs' engine."""
     tpots, throughputs, builds = [], [], []
     for lora in (False, True):
         cases = [c for c in setup.cases if (c != "disabled") == lora]
@@ -329,7 +464,8 @@ def run(setup: Setup, folder: str, bw: float | None):
             gc.collect()
             if setup.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    return tpots, throughputs, builds
+    structured = measure_structured(setup, folder) if setup.structured_B else []
+    return tpots, throughputs, builds, structured
 
 
 def print_tpot(row: Tpot) -> None:
@@ -354,7 +490,7 @@ def print_throughput(row: Throughput) -> None:
 
 
 def report(setup: Setup, bw: float | None, results, seconds: float) -> list[str]:
-    tpots, throughputs, builds = results
+    tpots, throughputs, builds, structured = results
     title = "End to end: TPOT and offline throughput, async scheduling on and off"
     lines = result_header(f"{title}, {setup.shape} shape (random weights)", bw, device=setup.device)
     lines += [
@@ -382,7 +518,7 @@ def report(setup: Setup, bw: float | None, results, seconds: float) -> list[str]
             f"{'on' if b.async_on else 'off'}: built in {b.seconds:.1f} s (graph capture "
             f"{b.capture[0]:.1f} s, of it warm-up {b.capture[1]:.1f} s)"
         )
-    return lines + tpot_table(tpots) + throughput_table(throughputs)
+    return lines + tpot_table(tpots) + throughput_table(throughputs) + structured_table(structured)
 
 
 def tpot_table(rows: list[Tpot]) -> list[str]:
@@ -438,6 +574,9 @@ def parse_args() -> argparse.Namespace:
         "--workloads", nargs="+", metavar="NxINxOUT", help="e.g. 256x512x128 (default: both)"
     )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
+    parser.add_argument(
+        "--no-structured", action="store_true", help="skip the structured-outputs batches"
+    )
     return parser.parse_args()
 
 
@@ -450,6 +589,8 @@ def main() -> None:
         setup = dataclasses.replace(setup, throughput_cases=tuple(args.throughput_cases))
     if args.tpot_cases is not None:
         setup = dataclasses.replace(setup, cases=tuple(args.tpot_cases))
+    if args.no_structured:
+        setup = dataclasses.replace(setup, structured_B=0)
     if args.workloads:
         workloads = tuple(Workload(*map(int, w.split("x"))) for w in args.workloads)
         setup = dataclasses.replace(setup, workloads=workloads)

@@ -22,15 +22,34 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-DEMO_VERSION = "1"
+DEMO_VERSION = "2"  # 2: the chat template renders tools
 MARKER = "COMPLETE"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
 NUM_MERGES = 200
 
+# ChatML, with Qwen's Hermes tool calls: an assistant's calls as <tool_call>{"name": ...,
+# "arguments": ...}</tool_call>, tool results in a user turn as <tool_response>. The tools are
+# listed by name only, in a system turn of their own: the demo's context is short. A chat
+# without tools renders as plain ChatML.
 CHATML_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools: ' }}"
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}"
+    '{{ \'. Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\\n\' }}'
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set args = call['function']['arguments'] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + "
+    "(args if args is string else (args | tojson)) + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

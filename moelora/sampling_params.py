@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from moelora.errors import InvalidRequestError
@@ -73,6 +74,73 @@ class _Normalised:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint, which every sampled token keeps to.
+    json: a JSON schema (a dict, or its text); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings; grammar: an EBNF grammar
+    (xgrammar's dialect, its start rule `root`). The engine compiles it once per distinct `key`
+    (moelora.engine.grammar)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            given,
+            "exactly one of json, regex, choice, grammar, json_object",
+        )
+        _check(
+            self.json is None or isinstance(self.json, (dict, str)),
+            "structured_outputs.json",
+            self.json,
+            "a JSON schema (an object or its text)",
+        )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(
+                value is None or isinstance(value, str),
+                f"structured_outputs.{name}",
+                value,
+                "a string",
+            )
+        _check(
+            self.choice is None
+            or (
+                isinstance(self.choice, list)
+                and self.choice
+                and all(isinstance(c, str) for c in self.choice)
+            ),
+            "structured_outputs.choice",
+            self.choice,
+            "a non-empty list of strings",
+        )
+
+    @property
+    def kind(self) -> str:
+        return next(f.name for f in fields(self) if getattr(self, f.name) not in (None, False))
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """What a compiled grammar is cached by: the kind and its spec in one canonical text
+        (a schema's keys sorted, so the same schema sent twice compiles once)."""
+        value = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return self.kind, value  # refused when it is compiled, naming the error
+        if not isinstance(value, str):
+            value = json.dumps(value, sort_keys=True, ensure_ascii=False)
+        return self.kind, value
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = _Normalised(1.0, _floored_temperature)  # 0 = greedy
@@ -92,6 +160,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     # vLLM's: a further prefix-cache namespace, inside the request's adapter (or base) one
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar every token keeps to
 
     def __post_init__(self) -> None:
         for name, valid, expected in _CHECKS:
@@ -110,6 +179,13 @@ class SamplingParams:
             "stop",
             self.stop,
             "non-empty strings",
+        )
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            self.structured_outputs,
+            "None or a StructuredOutputsParams",
         )
 
     @property

@@ -35,6 +35,15 @@ class Tokenizer:
         self._leading_spaces_dropped = _leading_spaces_dropped(decoder)
         self._token_bytes: dict[int, bytes] = {}  # filled on first use: vocabularies are large
 
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer underneath (what xgrammar reads the vocabulary from)."""
+        return self._tok
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._tok.chat_template
+
     @staticmethod
     def exists(model_path: str) -> bool:
         return (Path(model_path) / "tokenizer.json").exists() or (
@@ -108,10 +117,15 @@ class Tokenizer:
         utf8.decode(b"".join(self.token_bytes(t) for t in ids))
         return bool(utf8.getstate()[0])  # the bytes it holds for the next call
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], tools: list[dict] | None = None
+    ) -> list[int]:
+        """tools: OpenAI's tool specs, which the template shows the model (None: no tools)."""
         if self._tok.chat_template is None:
             raise InvalidRequestError("this model folder has no chat template")
-        text = self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = self._tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
         return self._tok.encode(text, add_special_tokens=False)
 
 

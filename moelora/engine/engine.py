@@ -12,6 +12,9 @@ waits for Python. What that costs is one step late, and exact:
 - a step is planned without preemption; one that needs it waits until nothing is in flight;
 - requests with penalties need their last token on the host to plan: while one runs, steps
   are run one at a time;
+- a request constrained by a grammar needs its last token on the host for its mask, but only
+  to sample: step N+1's forward is launched first, then step N is committed (each grammar
+  advances), then the masks are filled and N+1's sampling is launched after its forward;
 - aborting a request, or unloading an adapter, that the step in flight computes first waits
   for that step.
 Greedy tokens are the same either way: only the order of host work changes.
@@ -25,11 +28,13 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 from moelora.config import EngineConfig
 from moelora.engine.checks import check_request
+from moelora.engine.grammar import Grammars
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.prefix_cache import namespace, page_hashes
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
@@ -48,6 +53,7 @@ from moelora.models.loader import fill_dummy, load_weights
 from moelora.models.model import MoeCausalLM
 from moelora.models.registry import read_model_config
 from moelora.runner.model_runner import LaunchedStep, ModelRunner
+from moelora.runner.sampler import TokenMask
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import HostBatch, pages_for
 from moelora.step.plan import StepPlan
@@ -83,7 +89,7 @@ class InFlight:
 
     number: int
     plan: StepPlan
-    step: LaunchedStep
+    step: LaunchedStep | None  # None only inside _launch: forward launched, sampling not yet
     release_after: list[Request] = field(default_factory=list)  # finished while it ran
 
 
@@ -132,6 +138,10 @@ class Engine:
             self.model_config = replace(self.model_config, experts_mxfp4=False)
         self.model = self._load_model(hf, max_len, ops)
         self.tokenizer, self.eos_token_ids = self._load_tokenizer()
+        self.grammars = None  # structured outputs need the tokenizer's vocabulary
+        if self.tokenizer is not None:
+            vocab = self.model_config.vocab_size
+            self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
         self.slot_pool = self.slot_table = None
         if cfg.enable_lora:
             self.slot_pool = SlotPool(
@@ -273,7 +283,11 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         lora: str | None = None,
+        *,
+        grammar: Any = None,
     ) -> None:
+        """grammar: params.structured_outputs compiled by self.grammars (the server compiles off
+        the engine thread); None: compiled here, when the params ask for one."""
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id={request_id!r} is already in use")
         if params.stop:
@@ -292,12 +306,19 @@ class Engine:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
             gen = torch.Generator(device=self.config.torch_device).manual_seed(seed)
+        state = None
+        if params.structured_outputs is not None:
+            self.text_tokenizer("structured outputs")  # a grammar is over the vocabulary
+            state = self.grammars.matcher(
+                grammar or self.grammars.compile(params.structured_outputs)
+            )
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
         if self.config.enable_prefix_caching:
             req.cache_owner = self._adapter_loads[lora] if lora is not None else None
             req.cache_namespace = namespace(req.cache_owner, params.cache_salt)
             req.page_hashes = page_hashes(prompt, self.config.page_size, req.cache_namespace)
+        req.grammar = state
         self._requests[request_id] = req
         self.scheduler.add(req)
 
@@ -340,7 +361,7 @@ class Engine:
             outputs += self._commit_all()
             plan = self._schedule()
         if plan.chunks:
-            self._flights.append(self._launch(plan))
+            outputs += self._launch(plan)
         # the step just launched stays in flight; with nothing launched, nothing may wait
         while len(self._flights) > (1 if overlap and plan.chunks else 0):
             outputs += self._commit_oldest()
@@ -360,19 +381,41 @@ class Engine:
         reqs = itertools.chain(self.scheduler.running, self.scheduler.waiting)
         return any(r.params.uses_history for r in reqs)
 
-    def _launch(self, plan: StepPlan) -> InFlight:
+    def _launch(self, plan: StepPlan) -> list[RequestOutput]:
+        """Launch the plan's forward, then its sampling. With constrained requests in it, the
+        step before is committed in between, while the forward runs: their masks follow every
+        token before this step's. Returns the outputs of what was committed."""
         prev = self._flights[-1].step.tokens if self._flights else None
-        step = self.runner.launch(plan, prev_tokens=prev)
-        number = next(self._steps)
+        forwarded = self.runner.forward_step(plan, prev_tokens=prev)
+        flight = InFlight(next(self._steps), plan, None)
         row = 0
         for chunk in plan.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
-            req.last_step = number
+            req.last_step = flight.number
             if chunk.samples:
                 req.add_placeholder(row)
                 row += 1
-        return InFlight(number, plan, step)
+        self._flights.append(flight)  # in flight from here: a request finishing now waits for it
+        outputs, mask = [], None
+        if any(r.grammar is not None for r in forwarded.requests):
+            while len(self._flights) > 1:
+                outputs += self._commit_oldest()
+            mask = self._token_mask(forwarded.requests)
+        flight.step = self.runner.sample_step(forwarded, mask)
+        return outputs
+
+    def _token_mask(self, requests: list[Request]) -> TokenMask | None:
+        """The bitmask of the rows whose requests are constrained and still running (a row of
+        a request that ended in the step just committed samples a token that is dropped)."""
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.grammar is not None and r.status is not Status.FINISHED
+        ]
+        if not rows:
+            return None
+        return self.grammars.token_mask(rows, [requests[i].grammar for i in rows])
 
     def _commit_all(self) -> list[RequestOutput]:
         outputs = []
@@ -398,6 +441,8 @@ class Engine:
             if req.status is Status.FINISHED:
                 continue  # finished or aborted while this step ran: its token is dropped
             req.commit(sample.token_id)
+            if req.grammar is not None:
+                req.grammar.accept(sample.token_id)
             if sample.logprobs is not None:
                 req.output_logprobs.append(sample.logprobs)
             reason = self._finish_reason(req, sample.token_id)
@@ -458,6 +503,8 @@ class Engine:
                     req.text = req.text[:cut]
                     return "stop"
         if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or []):
+            return "stop"
+        if req.grammar is not None and req.grammar.terminated:  # ignore_eos too: it is complete
             return "stop"
         known = len(req.prompt_token_ids) + req.num_outputs
         if req.num_outputs >= p.max_tokens or known >= self.max_model_len:

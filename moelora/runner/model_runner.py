@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from moelora.lora.slots import SlotPool
 from moelora.runner.graph_runner import GraphRunner
-from moelora.runner.sampler import Sampled, sample, token_logprobs
+from moelora.runner.sampler import Sampled, TokenMask, sample, token_logprobs
 from moelora.step.batch import (
     ForwardBatch,
     HostBatch,
@@ -21,6 +22,7 @@ from moelora.step.batch import (
 )
 from moelora.step.lora import NO_SLOT
 from moelora.step.plan import StepOutput, StepPlan
+from moelora.step.request import Request
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
 
@@ -48,6 +50,15 @@ class LaunchedStep:
         if self._event is not None:
             self._event.synchronize()
         return StepOutput(self._host.results(), self.prompt_logprobs)
+
+
+@dataclass(frozen=True)
+class Forwarded:
+    """A step whose forward and lm_head are launched and whose tokens are not yet sampled."""
+
+    logits: torch.Tensor | None  # [N, V]: a row per request that samples (None: none does)
+    requests: list[Request]  # of those rows, in row order
+    prompt_logprobs: dict[int, list[dict[int, float]]]
 
 
 class ModelRunner:
@@ -92,8 +103,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """One forward over every chunk, sampling a token for each chunk that reaches its last
-        token, launched on the GPU without waiting for it (only prompt logprobs wait).
+        """forward_step, then sample_step without a grammar mask."""
+        return self.sample_step(self.forward_step(plan, prev_tokens))
+
+    @torch.inference_mode()
+    def forward_step(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> Forwarded:
+        """One forward over every chunk and the lm_head of each chunk that reaches its last
+        token, launched on the GPU without waiting for it (only prompt logprobs wait); nothing
+        is sampled yet, so the host may prepare the grammar masks meanwhile.
         prev_tokens: the tokens the step before sampled, still on the device, which the
         placeholders of this plan's inputs stand for (-1 - j: its row j)."""
         host = self.host_batch(plan)
@@ -109,18 +126,28 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(plan, host, hidden)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         if not sampling:
-            return LaunchedStep(None, prompt_logprobs)
+            return Forwarded(None, [], prompt_logprobs)
         last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
         logits = self.model.compute_logits(hidden[last_rows])
-        reqs = [plan.chunks[i].request for i in sampling]
+        return Forwarded(logits, [plan.chunks[i].request for i in sampling], prompt_logprobs)
+
+    @torch.inference_mode()
+    def sample_step(self, forwarded: Forwarded, mask: TokenMask | None = None) -> LaunchedStep:
+        """Sample a token for each of the forward's rows (mask: the constrained rows' grammars),
+        launched on the GPU without waiting for it."""
+        reqs = forwarded.requests
+        if not reqs:
+            return LaunchedStep(None, forwarded.prompt_logprobs)
         params = [r.params for r in reqs]
+        # the tokens known so far: by now the requests hold this step's placeholders too
         history = (
-            [(r.prompt_token_ids, r.output_token_ids) for r in reqs]
+            [(r.prompt_token_ids, r.output_token_ids[: r.num_outputs]) for r in reqs]
             if any(p.adjusts_logits for p in params)
             else None
         )
-        sampled = sample(logits, params, [r.generator for r in reqs], history)
-        return LaunchedStep(sampled, prompt_logprobs)
+        generators = [r.generator for r in reqs]
+        sampled = sample(forwarded.logits, params, generators, history, mask)
+        return LaunchedStep(sampled, forwarded.prompt_logprobs)
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
         """The model's ForwardBatch of `host`, copied to the device (the eager path)."""

@@ -16,6 +16,24 @@ PENALTY_RANGE = (1e-30, 1e30)
 
 
 @dataclass(frozen=True)
+class TokenMask:
+    """The tokens a step's constrained rows may sample (their grammars'), from the host."""
+
+    bitmask: torch.Tensor  # [n, ceil(V / 32)] int32: bit j of word w allows token 32 w + j
+    rows: list[int]  # the step's sample row of each bitmask row
+
+
+def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Semantics: logits[rows[i], t] = -inf where bit t of bitmask[i] is 0, for every i at once.
+    logits [N, V] float, in place; bitmask [n, W] int32 with 32 W >= V; rows [n] int64; all on
+    logits' device. Other rows are not touched."""
+    V = logits.shape[-1]
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> bits) & 1).flatten(1)[:, :V].bool()  # [n, V]
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+@dataclass(frozen=True)
 class Sampled:
     """One step's samples, still on the device: nothing here has waited for the GPU."""
 
@@ -63,17 +81,23 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     history: list[tuple[list[int], list[int]]] | None = None,
+    mask: TokenMask | None = None,
 ) -> Sampled:
     """logits [N, V] float32, one row per request that emits a token this step; history:
-    each row's (prompt, generated) token ids, needed when a request asks for penalties.
-    Logprobs are the model's own (before penalties and temperature), as vLLM reports them.
-    Launches only: the host does not wait for the GPU here."""
+    each row's (prompt, generated) token ids, needed when a request asks for penalties; mask:
+    the grammars of the constrained rows (None: no row is constrained, and nothing is masked).
+    Logprobs are the model's own (before penalties, grammars and temperature), as vLLM reports
+    them. Launches only: the host does not wait for the GPU here."""
     num_top = tuple(p.logprobs for p in params)
     wants_logprobs = any(k is not None for k in num_top)
     logprobs_all = logits.log_softmax(dim=-1) if wants_logprobs else None
     if any(p.adjusts_logits for p in params):
         assert history is not None and len(history) == len(params)
         logits = adjust_logits(logits, params, history)
+    if mask is not None:  # in place: the caller's logits are this step's own
+        device = logits.device
+        rows = torch.tensor(mask.rows, dtype=torch.int64).to(device, non_blocking=True)
+        apply_token_mask(logits, mask.bitmask.to(device, non_blocking=True), rows)
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from moelora.errors import AdapterExistsError
-from moelora.sampling_params import SamplingParams
+from moelora.sampling_params import SamplingParams, StructuredOutputsParams
 from moelora.server import protocol, schema
 from moelora.server.async_engine import AsyncEngine, GenerateInput, RequestStream
 from moelora.server.errors import add_error_handlers
@@ -40,6 +40,7 @@ from moelora.server.streaming import (
     sse_events,
     unless_disconnected,
 )
+from moelora.server.tool_calls import tool_plan, tools_for_template
 
 
 class ApiKeyMiddleware:
@@ -101,11 +102,13 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine) -> None:
         responses=schema.generation(schema.ChatCompletion, schema.ChatCompletionChunk),
     )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        params, inputs = _chat_inputs(body, _lora_of(engine, body.model))
+        template = engine.tokenizer.chat_template if engine.tokenizer is not None else None
+        constraint, parser = tool_plan(body, template)
+        params, inputs = _chat_inputs(body, _lora_of(engine, body.model), constraint)
         request_id = protocol.new_id("chatcmpl")
         streams = await _start(engine, inputs, body.model, request_id)
         top, tokens = body.top_logprobs or 0, prompt_tokens(streams, body.n)
-        answer = ChatAnswer(engine.tokenizer, request_id, body.model, tokens, top, n=body.n)
+        answer = ChatAnswer(engine.tokenizer, request_id, body.model, tokens, top, parser, n=body.n)
         return await _respond(raw, body, streams, answer, params.stop)
 
 
@@ -123,15 +126,19 @@ def _completion_inputs(
 
 
 def _chat_inputs(
-    body: ChatCompletionRequest, lora: str | None
+    body: ChatCompletionRequest, lora: str | None, constraint: StructuredOutputsParams | None
 ) -> tuple[SamplingParams, list[GenerateInput]]:
+    """constraint: what the tool choice constrains the output to, if anything."""
     max_tokens = body.requested_max_tokens
     params = body.sampling_params(1 if max_tokens is None else max_tokens, body.num_logprobs)
+    if constraint is not None:
+        params = dataclasses.replace(params, structured_outputs=constraint)
     messages = [m.for_template() for m in body.messages]
     default_max = max_tokens is None
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    tools = tools_for_template(body)
     return params, [
-        GenerateInput(messages, p, lora, default_max, max_tokens_param=field)
+        GenerateInput(messages, p, lora, default_max, max_tokens_param=field, tools=tools)
         for p in body.samples(params)
     ]
 

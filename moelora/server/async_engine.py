@@ -49,6 +49,7 @@ class GenerateInput:
     lora: str | None
     default_max_tokens: bool = False  # max_tokens: whatever room max_model_len leaves
     max_tokens_param: str = "max_tokens"  # the field that set it, named when it is refused
+    tools: list[dict[str, Any]] | None = None  # a chat's tools, for its template to show
 
 
 @dataclass
@@ -160,9 +161,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         tracked = _Tracked(loop, outputs, model, arrival=time.perf_counter())
-        prompt_ids = await self._prompt_ids(inp.prompt)
+        prompt_ids = await self._prompt_ids(inp.prompt, inp.tools)
         params = self._fitted_params(inp, len(prompt_ids))
-        add = functools.partial(self._add, request_id, prompt_ids, params, inp.lora, tracked)
+        grammar = await self._grammar(params)
+        add = functools.partial(
+            self._add, request_id, prompt_ids, params, inp.lora, tracked, grammar
+        )
         try:
             await self.call(add)
         except asyncio.CancelledError:  # the client left while the request was being admitted
@@ -170,12 +174,23 @@ class AsyncEngine:
             raise
         return RequestStream(self, request_id, outputs, prompt_ids)
 
-    async def _prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def _grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar compiled by a worker (from the cache when its spec was seen
+        before), so the engine thread never compiles; None for an unconstrained request, or a
+        model without a tokenizer, which the engine refuses itself."""
+        spec, grammars = params.structured_outputs, self._engine.grammars
+        if spec is None or grammars is None:
+            return None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._workers, grammars.compile, spec)
+
+    async def _prompt_ids(self, prompt: Prompt, tools: list[dict[str, Any]] | None) -> list[int]:
         """Token ids as given, or the text's or the chat's, encoded by a worker."""
         if isinstance(prompt, str):
             needed_for, encode = "text prompts", self._encode_text
         elif prompt and isinstance(prompt[0], dict):
-            needed_for, encode = "chat messages", self._encode_chat
+            needed_for = "chat messages"
+            encode = functools.partial(self._encode_chat, tools=tools)
         else:
             return list(prompt)
         if self.tokenizer is None:  # the engine's own refusal, which names what to send instead
@@ -187,8 +202,10 @@ class AsyncEngine:
     def _encode_text(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
-    def _encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages)
+    def _encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, tools)
 
     def _check_prompt_chars(self, prompt: str | list[dict[str, Any]]) -> None:
         """A chat counts its messages' contents, which a template wraps in more text. A template
@@ -299,9 +316,10 @@ class AsyncEngine:
         params: SamplingParams,
         lora: str | None,
         tracked: _Tracked,
+        grammar: Any,
         engine: Any,
     ) -> None:
-        engine.add_request(request_id, prompt_ids, params, lora=lora)
+        engine.add_request(request_id, prompt_ids, params, lora=lora, grammar=grammar)
         self._tracked[request_id] = tracked
         self.metrics.prompt_tokens.inc(len(prompt_ids), model=tracked.model)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from moelora.server import protocol
 from moelora.server.async_engine import Prompt, RequestStream
 from moelora.server.streaming import Delta
+from moelora.server.tool_calls import ToolParser
 
 if TYPE_CHECKING:
     from moelora.step.request import RequestOutput
@@ -233,7 +234,11 @@ class CompletionAnswer(Answer):
 
 
 class ChatAnswer(Answer):
-    """/v1/chat/completions. Streamed, each choice opens with a chunk that names its role."""
+    """/v1/chat/completions. Streamed, each choice opens with a chunk that names its role.
+
+    With tools (a ToolParser), a choice whose text holds calls answers them as `tool_calls`,
+    with finish_reason "tool_calls"; streamed, the calls come whole in one chunk once the choice
+    has finished, and only text that cannot be part of a call streams as content before."""
 
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
@@ -244,20 +249,37 @@ class ChatAnswer(Answer):
         model: str,
         prompt_tokens: int,
         top: int,
+        tools: ToolParser | None = None,
         *,
         n: int = 1,
     ) -> None:
         super().__init__(decoder, request_id, model, prompt_tokens, n=n)
         self.top = top  # top_logprobs: alternatives listed per token
+        self.tools = tools
         self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's
+        self._sent: dict[int, int] = {}  # streamed with tools: characters sent as content
 
     def choice(self, index: int, out: RequestOutput) -> Json:
+        message: Json = {"role": "assistant", "content": out.text}
+        finish_reason = out.finish_reason
+        content, calls = self.tool_calls(out)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
+            finish_reason = "tool_calls"
         return {
             "index": index,
-            "message": {"role": "assistant", "content": out.text},
+            "message": message,
             "logprobs": self.logprobs(out.token_ids, out.logprobs, TextCursor(self.decoder)),
-            "finish_reason": out.finish_reason,
+            "finish_reason": finish_reason,
         }
+
+    def tool_calls(self, out: RequestOutput, *, indexed: bool = False) -> tuple[str | None, list]:
+        """(content, calls as JSON) of a finished choice; no calls without tools, or when the
+        choice did not stop (a call cut by max_tokens is not a call)."""
+        if self.tools is None or out.finish_reason != "stop":
+            return out.text, []
+        content, calls = self.tools.parse(out.text)
+        return content, [c.json(i if indexed else None) for i, c in enumerate(calls)]
 
     def opening(self, num_choices: int) -> list[Json]:
         return [
@@ -268,11 +290,36 @@ class ChatAnswer(Answer):
         if index not in self._cursors:
             self._cursors[index] = TextCursor(self.decoder)
         logprobs = self.logprobs(delta.token_ids, delta.logprobs, self._cursors[index])
-        if out.finished:
+        if self.tools is not None:
+            yield from self._tool_chunks(index, out, delta, logprobs)
+        elif out.finished:
             content = {"content": delta.text} if delta.text else {}
             yield self.delta_chunk(index, content, out.finish_reason, logprobs)
         elif delta.text or logprobs:
             yield self.delta_chunk(index, {"content": delta.text}, None, logprobs)
+
+    def _tool_chunks(
+        self, index: int, out: RequestOutput, delta: Delta, logprobs: Json | None
+    ) -> Iterator[Json]:
+        sent = self._sent.get(index, 0)
+        if not out.finished:  # as far as the text deltas allow, and no part of a call
+            end = min(delta.start + len(delta.text), self.tools.streamed_text_end(out.text))
+            if end > sent:
+                self._sent[index] = end
+                yield self.delta_chunk(index, {"content": out.text[sent:end]}, None, logprobs)
+            return
+        content, calls = self.tool_calls(out, indexed=True)
+        if not calls:
+            rest = out.text[sent:]
+            yield self.delta_chunk(
+                index, {"content": rest} if rest else {}, out.finish_reason, logprobs
+            )
+            return
+        rest = (content or "")[sent:]
+        if rest:
+            yield self.delta_chunk(index, {"content": rest})
+        yield self.delta_chunk(index, {"tool_calls": calls}, None, logprobs)
+        yield self.delta_chunk(index, {}, "tool_calls")
 
     def delta_chunk(
         self, index: int, delta: Json, finish_reason: str | None = None, logprobs: Any = None

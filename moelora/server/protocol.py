@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from moelora.errors import InvalidRequestError
-from moelora.sampling_params import SamplingParams
+from moelora.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # samples per prompt: each is a request of its own (no shared prefix yet)
 MAX_LOGPROBS = 20  # OpenAI's and vLLM's limit; more would only cost the engine time
@@ -57,7 +57,7 @@ STRING, STRINGS, TOKEN_IDS, TOKEN_ID_LISTS, PARTS = (
     "<token id lists>",
     "<parts>",
 )
-UNION_TAGS = frozenset({STRING, STRINGS, TOKEN_IDS, TOKEN_ID_LISTS, PARTS})
+UNION_TAGS = frozenset({STRING, STRINGS, TOKEN_IDS, TOKEN_ID_LISTS, PARTS, "<function>"})
 KEY_TAG = "[key]"  # where pydantic says that a dict's key, not its value, is wrong
 
 
@@ -162,6 +162,41 @@ class StreamOptions(OpenAIBody):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBody):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class TextFormat(OpenAIBody):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(OpenAIBody):
+    type: Literal["json_object"]
+
+
+class JsonSchemaResponseFormat(OpenAIBody):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputsField(OpenAIBody):
+    """vLLM's `structured_outputs`: exactly one of its fields."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(OpenAIBody):
     """The sampling parameters both generation endpoints share (vLLM's extensions included)."""
 
@@ -184,6 +219,37 @@ class SamplingFields(OpenAIBody):
     cache_salt: str | None = Field(
         default=None, description="vLLM's: a prefix-cache namespace of its own (a tenant's)"
     )
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    # vLLM's older names of structured_outputs' fields
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for, from whichever field it is in; None for
+        none. More than one is an InvalidRequestError naming them."""
+        specs = {}
+        fmt = self.response_format
+        if isinstance(fmt, JsonObjectFormat):
+            specs["response_format"] = {"json_object": True}
+        elif isinstance(fmt, JsonSchemaResponseFormat):
+            schema = fmt.json_schema.schema_
+            specs["response_format"] = {"json": schema} if schema else {"json_object": True}
+        if self.structured_outputs is not None:
+            given = self.structured_outputs.model_dump(exclude_none=True)
+            specs["structured_outputs"] = {k.rstrip("_"): v for k, v in given.items()}
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                specs[f"guided_{name}"] = {name: value}
+        if len(specs) > 1:
+            raise InvalidRequestError(
+                f"structured outputs are asked for by {sorted(specs)}: expected at most one of "
+                "response_format, structured_outputs and the guided_* fields"
+            )
+        return StructuredOutputsParams(**next(iter(specs.values()))) if specs else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError (HTTP 400) for values out of range."""
@@ -202,6 +268,7 @@ class SamplingFields(OpenAIBody):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._token_biases(),
             cache_salt=self.cache_salt,
+            structured_outputs=self.structured_spec(),
         )
 
     def _token_biases(self) -> dict[int, float] | None:
@@ -287,6 +354,38 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {
 }
 
 
+class FunctionSpec(OpenAIBody):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(OpenAIBody):
+    name: str
+
+
+class NamedToolChoice(OpenAIBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag(STRING)]
+    | Annotated[NamedToolChoice, Tag("<function>")],
+    Discriminator(
+        lambda v: STRING if isinstance(v, str) else "<function>",
+        custom_error_type="invalid_type",
+        custom_error_message='expected "none", "auto", "required" or a named function',
+    ),
+]
+
+
 class ChatCompletionRequest(SamplingFields):
     model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
 
@@ -297,6 +396,9 @@ class ChatCompletionRequest(SamplingFields):
     )
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = Field(default=None, description="needs logprobs: true")
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = Field(default=None, description="default: auto with tools")
+    parallel_tool_calls: bool = True
 
     @property
     def requested_max_tokens(self) -> int | None:

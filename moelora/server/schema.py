@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 
 REF = "#/components/schemas/{model}"
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Sent(BaseModel):
@@ -104,16 +105,32 @@ class ChatLogprobs(Sent):
     content: list[TokenLogprob] | None
 
 
+class FunctionCall(Sent):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Sent):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    index: int
+
+
 class AssistantMessage(Sent):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None when tool calls are all the answer
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Sent):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason
+    finish_reason: ChatFinishReason
 
 
 class ChatCompletion(Sent):
@@ -128,13 +145,14 @@ class ChatCompletion(Sent):
 class ChatDelta(Sent):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # each call whole, in one chunk
 
 
 class ChatChunkChoice(Sent):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChatFinishReason | None
 
 
 class ChatCompletionChunk(Sent):

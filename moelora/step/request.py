@@ -89,6 +89,9 @@ class Request:
     cache_owner: int | None = None
     num_cached_pages: int = 0
     num_cached_tokens: int | None = None
+    # a constrained request's place in its grammar (engine.grammar.GrammarState), advanced by
+    # each committed token; None: unconstrained
+    grammar: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -69,18 +69,18 @@ class Steps:
     def __init__(self, llm: LLM) -> None:
         engine = self.engine = llm.engine
         self.plans: list[list[str]] = []
-        launch, free = engine.runner.launch, engine.pages.free
+        forward, free = engine.runner.forward_step, engine.pages.free
 
-        def recording_launch(plan, prev_tokens=None):
+        def recording_forward(plan, prev_tokens=None):
             self.plans.append([c.request.request_id for c in plan.chunks])
-            return launch(plan, prev_tokens=prev_tokens)
+            return forward(plan, prev_tokens=prev_tokens)
 
         def checked_free(pages):
             twice = set(pages) & set(engine.pages._free)
             assert not twice, f"pages {sorted(twice)} freed twice"
             free(pages)
 
-        engine.runner.launch = recording_launch
+        engine.runner.forward_step = recording_forward
         engine.pages.free = checked_free
 
     def count(self, request_id: str) -> int:

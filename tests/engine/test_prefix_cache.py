@@ -108,7 +108,7 @@ def test_adapters_and_base_never_share_a_page(tiny) -> None:
     llm = _llm(tiny)
     engine = llm.engine
     cached_pages: dict[str, set[int]] = {}  # the cached pages each namespace's requests held
-    launch = engine.runner.launch
+    launch = engine.runner.forward_step
 
     def recording_launch(plan, prev_tokens=None):
         for c in plan.chunks:
@@ -116,7 +116,7 @@ def test_adapters_and_base_never_share_a_page(tiny) -> None:
             cached_pages.setdefault(c.request.lora or "base", set()).update(held)
         return launch(plan, prev_tokens=prev_tokens)
 
-    engine.runner.launch = recording_launch
+    engine.runner.forward_step = recording_launch
     for lora in ("a", "b", None):  # one after another: each could hit the one before
         assert llm.generate([PROMPTS[0]], GREEDY, lora=[lora])[0].num_cached_tokens == 0
     for lora in ("a", "b", None):
@@ -223,7 +223,7 @@ def test_random_traffic_returns_every_page(tiny) -> None:
     rng = random.Random(0)
     llm = _llm(tiny, page_size=4, num_pages=40, max_num_seqs=12, max_num_batched_tokens=48)
     engine = llm.engine
-    engine.runner.launch = _check_launch(engine, engine.runner.launch)
+    engine.runner.forward_step = _check_launch(engine, engine.runner.forward_step)
     prefixes = [[rng.randrange(1, 250) for _ in range(rng.randrange(4, 17))] for _ in range(6)]
     live: list[str] = []
     prompts: dict[str, list[int]] = {}

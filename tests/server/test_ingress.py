@@ -205,9 +205,9 @@ class _ThreadSpy:
         self._threads.append(threading.current_thread().name)
         return self._inner.encode(text)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None):
         self._threads.append(threading.current_thread().name)
-        return self._inner.apply_chat_template(messages)
+        return self._inner.apply_chat_template(messages, tools)
 
 
 def test_prompts_are_tokenized_off_the_engine_thread(server: Server) -> None:

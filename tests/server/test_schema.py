@@ -33,10 +33,19 @@ API_KEY = "test-key"  # conftest's; not imported: schemathesis loads this file o
 PROTECTED_ADAPTERS = frozenset({"sql", "chat", "extra", "hot", "misshapen"})
 SERVED = ("demo", "sql", "chat", "extra")
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+# a grammar xgrammar cannot compile, two constraints at once, a tool choice the tools do not
+# allow: what a JSON schema of the body cannot say
+_CONSTRAINTS = (
+    r"|structured outputs are asked for by"
+    r"|^structured_outputs\S* is (not a valid|invalid)"
+    r"|tool_choice"
+)
 # what a schema-valid request may be refused for (HTTP 400, no `param`), and why
 SEMANTIC_REFUSALS = {
-    "/v1/completions": r"max_model_len|maximum context length|token id \d+ is invalid",
-    "/v1/chat/completions": r"max_model_len|maximum context length|token id \d+ is invalid",
+    "/v1/completions": r"max_model_len|maximum context length|token id \d+ is invalid"
+    + _CONSTRAINTS,
+    "/v1/chat/completions": r"max_model_len|maximum context length|token id \d+ is invalid"
+    + _CONSTRAINTS,
     "/v1/load_lora_adapter": r"^adapter .*: |already loaded",  # the folder, not the schema
 }
 # schemathesis's default, and 400, which only_semantic_refusals checks
@@ -206,18 +215,26 @@ def test_answers_match_their_schemas(server) -> None:
         "logprobs": True,
         "top_logprobs": 2,
     }
+    tools = [{"type": "function", "function": {"name": "f"}}]  # no parameters: {}
+    tool_call = {**chat, "max_tokens": 80, "tools": tools, "tool_choice": "required"}
+    tool_call["parallel_tool_calls"] = False  # one call, [{"name": "f", "parameters": {}}]
     cases = [
         ("/v1/completions", {**completion, "echo": True}, "Completion", "CompletionChunk"),
         ("/v1/chat/completions", chat, "ChatCompletion", "ChatCompletionChunk"),
+        ("/v1/chat/completions", tool_call, "ChatCompletion", "ChatCompletionChunk"),
     ]
     for path, body, whole, chunk in cases:
         r = httpx.post(f"{url}{path}", json=body, headers=headers, timeout=60)
         _validator(spec, whole).validate(r.json())
+        calls = "tools" in body  # the call ends the answer before max_tokens
+        assert not calls or r.json()["choices"][0]["finish_reason"] == "tool_calls", r.json()
         streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
         r = httpx.post(f"{url}{path}", json=streamed, headers=headers, timeout=60)
         assert r.headers["content-type"].startswith("text/event-stream")
         chunks = _sse(r)
-        assert chunks[-1]["usage"]["completion_tokens"] == 3 * body.get("n", 1)
+        if not calls:
+            assert chunks[-1]["usage"]["completion_tokens"] == 3 * body.get("n", 1)
+        assert not calls or chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
         for event in chunks:
             _validator(spec, chunk).validate(event)
     models = httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()
