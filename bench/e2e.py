@@ -568,7 +568,9 @@ def parse_args() -> argparse.Namespace:
     sizes.add_argument("--quick", action="store_true", help="a smaller subset (see above)")
     sizes.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
-    parser.add_argument("--throughput-cases", nargs="+", choices=CASES, help="default: disabled")
+    parser.add_argument(
+        "--throughput-cases", nargs="*", choices=CASES, help="default: disabled; none: skip"
+    )
     parser.add_argument("--tpot-cases", nargs="*", choices=CASES, help="default: all; none: skip")
     parser.add_argument(
         "--workloads", nargs="+", metavar="NxINxOUT", help="e.g. 256x512x128 (default: both)"
@@ -585,7 +587,7 @@ def main() -> None:
     setup = SMOKE if args.smoke else QUICK if args.quick else FULL
     if args.layers:
         setup = dataclasses.replace(setup, layers=args.layers)
-    if args.throughput_cases:
+    if args.throughput_cases is not None:
         setup = dataclasses.replace(setup, throughput_cases=tuple(args.throughput_cases))
     if args.tpot_cases is not None:
         setup = dataclasses.replace(setup, cases=tuple(args.tpot_cases))
