@@ -137,9 +137,10 @@ def test_fused_moe_grouped_path_reads_the_step_flag(poison_empty):
     assert rel_err(out, base) > 1e-2
 
 
-def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
-    """Ranks 1..64 in a rank-64 pool: NaN past each slot's real rank must never be read."""
-    T, E, K, R = 7, 4, 2, 64
+def real_rank_case(T: int):
+    """A MoE over slots of ranks 0..64 in a rank-64 pool, two of them disabled, with NaN past
+    each slot's real rank in A and B: (args, LoRA, the reference output from before the NaN)."""
+    E, K, R = 4, 2, 64
     args, _ = moe_case(T, E, K, "none", torch.float32)
     info = batch_info(T, "distinct")
     info = LoraBatchInfo(
@@ -158,6 +159,12 @@ def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
         for s, r in enumerate(info.rank_of_slot.tolist()):
             w.a[s, ..., r:, :] = float("nan")
             w.b[s, ..., r:] = float("nan")
+    return args, lora, expect
+
+
+def test_fused_moe_follows_real_rank_in_a_larger_pool(poison_empty):
+    """Ranks 1..64 in a rank-64 pool: NaN past each slot's real rank must never be read."""
+    args, lora, expect = real_rank_case(7)
     assert rel_err(fused_moe(*args, **lora, config=GROUPED), expect) <= 1e-5
 
 
@@ -229,25 +236,7 @@ def test_block_shrink_follows_real_rank_in_a_larger_pool(poison_empty, monkeypat
     from moelora.kernels import fused_moe as module
 
     monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
-    T, E, K, R = 24, 4, 2, 64
-    args, _ = moe_case(T, E, K, "none", torch.float32)
-    info = batch_info(T, "distinct")
-    info = LoraBatchInfo(
-        info.slot_of_token,
-        torch.tensor([0, 1, 8, 16, 0, 24, 40, 64], dtype=torch.int32),
-        info.scaling_of_slot,
-        torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32),
-    )
-    lora = dict(
-        lora13=lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot, torch.float32),
-        lora2=lora_weights(8, (E,), 1, R, I, (H,), info.rank_of_slot, torch.float32),
-        info=info,
-    )
-    expect = reference.fused_moe(*args, **lora)
-    for w in (lora["lora13"], lora["lora2"]):
-        for s, r in enumerate(info.rank_of_slot.tolist()):
-            w.a[s, ..., r:, :] = float("nan")
-            w.b[s, ..., r:] = float("nan")
+    args, lora, expect = real_rank_case(24)
     assert rel_err(fused_moe(*args, **lora, config=GROUPED), expect) <= 1e-5
 
 
