@@ -73,6 +73,12 @@ def graph_ms(fn: Callable[[], object], layers: int) -> float:
     return graph_replay_ms(fn, warmup=10, rep=60) / layers
 
 
+def sync(device: str) -> None:
+    """Wait for the device's queued work (nothing to wait for on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 # ---- results ----------------------------------------------------------------------------
 
 
@@ -121,8 +127,11 @@ def result_header(title: str, bandwidth: float | None, *, device: str = DEV) -> 
     return lines
 
 
-def write_result(bench: str, lines: list[str], out: str | None) -> Path:
-    """Write a run's lines to `out`, or by default to its dated file (result_path)."""
+def write_result(bench: str, lines: list[str], out: str | None, *, smoke: bool = False) -> Path:
+    """Write a run's lines to `out`, or by default to its dated file (result_path); a smoke
+    run's, by default, to a temporary file: its figures do not belong in bench/results."""
+    if smoke and not out:
+        out = str(Path(tempfile.mkdtemp(prefix=f"{bench}-smoke-")) / f"{bench}-smoke.md")
     path = Path(out) if out else result_path(bench)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

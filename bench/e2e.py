@@ -50,6 +50,7 @@ from common import (
     floor_bytes,
     model_folder,
     result_header,
+    sync,
     time_step,
     write_random_tokenizer,
     write_result,
@@ -261,11 +262,6 @@ def build(setup: Setup, folder: str, *, lora: bool, async_on: bool) -> tuple[LLM
     for seed, name in enumerate(names):
         llm.add_random_lora(name, rank=setup.rank, seed=seed)
     return llm, names
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def random_prompts(vocab: int, count: int, length: int, *, seed: int) -> list[list[int]]:
@@ -602,11 +598,8 @@ def main() -> None:
     results = run(setup, folder, bw)
     seconds = time.perf_counter() - start
     print(f"total {seconds:.0f} s")
-    out = args.out
-    if args.smoke and out is None:  # a smoke run's figures do not belong in bench/results
-        out = str(Path(tempfile.mkdtemp(prefix="e2e-smoke-")) / "e2e-smoke.md")
     lines = report(setup, bw, results, seconds)
-    write_result("e2e", lines, out)
+    write_result("e2e", lines, args.out, smoke=args.smoke)
     print("\n".join(lines))
 
 

@@ -31,14 +31,20 @@ import argparse
 import dataclasses
 import gc
 import statistics
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from common import MAX_LORAS, RANK, adapters_of, model_folder, result_header, write_result
+from common import (
+    MAX_LORAS,
+    RANK,
+    adapters_of,
+    model_folder,
+    result_header,
+    sync,
+    write_result,
+)
 
 from moelora import LLM, SamplingParams
 from moelora.config import ModelConfig
@@ -156,11 +162,6 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
     for seed, name in enumerate(names):
         llm.add_random_lora(name, rank=RANK, seed=seed)
     return llm, names
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def prefill_seconds(engine: Engine, prompts: list[list[int]], loras, device: str) -> float:
@@ -315,10 +316,7 @@ def main() -> None:
     profile = args.profile and setup.device.startswith("cuda")
     rows, tables = measure(setup, folder, flops_per_s, profile=profile)
     lines = report(setup, rows, tables, flops_per_s, time.perf_counter() - start)
-    out = args.out
-    if args.smoke and out is None:  # a smoke run's figures do not belong in bench/results
-        out = str(Path(tempfile.mkdtemp(prefix="prefill-smoke-")) / "prefill-smoke.md")
-    write_result("prefill", lines, out)
+    write_result("prefill", lines, args.out, smoke=args.smoke)
     print("\n".join(lines))
 
 

@@ -32,13 +32,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
-from common import model_folder, result_header, time_step, write_result
+from common import model_folder, result_header, sync, time_step, write_result
 
 from moelora import LLM, SamplingParams
 from moelora.engine.engine import Engine
@@ -134,11 +132,6 @@ class Run:
     def ttft_ms(self, turns: range, q: float) -> float:
         values = sorted(t for n in turns for t in self.ttft.get(n, []))
         return 1e3 * values[min(len(values) - 1, int(q * len(values)))]
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def random_tokens(gen: torch.Generator, vocab: int, n: int) -> list[int]:
@@ -400,10 +393,7 @@ def main() -> None:
     start = time.perf_counter()
     runs, reference, built = measure(setup, model_folder(setup.layers, setup.shape))
     lines = report(setup, runs, reference, built, time.perf_counter() - start)
-    out = args.out
-    if args.smoke and out is None:  # a smoke run's figures do not belong in bench/results
-        out = str(Path(tempfile.mkdtemp(prefix="prefix-smoke-")) / "prefix-cache-smoke.md")
-    write_result("prefix-cache", lines, out)
+    write_result("prefix-cache", lines, args.out, smoke=args.smoke)
     print("\n".join(lines))
 
 
