@@ -4,18 +4,27 @@ active, as the engine runs it; then checks the winner with one active adapter is
 the runner-up by more than 5% (else takes the runner-up).
 
     PYTHONPATH=. python bench/tune_moe.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 32 64 256]
+
+The GPT-OSS shapes' experts are MXFP4 (random codes, packed as the engine keeps them; their
+tiles are keyed apart): each tile is tried with the table-lookup expansion and with the
+arithmetic one (MoeConfig.mxfp4_lut). Every line shows the time beside the floor: the bytes of
+the experts the tokens touch over the copy bandwidth measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
-from common import DEV, DT, MOE_SHAPES, batch_info, graph_ms, lora_pool
+from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lora_pool
 
 from moelora.kernels import reference
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.moe_config import MoeConfig, save_configs
+from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
+
+MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, 4), "gpt-oss-120b": (128, 2880, 2880, 4, 4)}
 
 
 def C(bm, bn, bk, bnd, bkd, warps=4, stages=3) -> MoeConfig:
@@ -52,37 +61,104 @@ PREFILL = [
     C(128, 64, 128, 128, 128, warps=8),
     C(128, 128, 128, 128, 128, warps=8, stages=2),
 ]
+MXFP4_EXTRA = [
+    C(16, 64, 64, 64, 64),
+    C(16, 128, 128, 128, 128, warps=8),
+    C(16, 64, 256, 64, 256, stages=2),
+    C(16, 128, 256, 128, 256, warps=8, stages=2),
+]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}
 
 
+def random_mxfp4(E: int, N: int, K: int) -> Mxfp4Weight:
+    """Random codes, scale bytes 118..122 (weights of about 1/sqrt(2880))."""
+    blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=DEV)
+    scales = torch.randint(118, 123, (E, N, K // MXFP4_GROUP), dtype=torch.uint8, device=DEV)
+    return Mxfp4Weight(blocks, scales)
+
+
+def experts(E: int, H: int, I: int, layers: int, mxfp4: bool) -> tuple[list, list]:
+    if mxfp4:
+        return (
+            [random_mxfp4(E, 2 * I, H) for _ in range(layers)],
+            [random_mxfp4(E, H, I) for _ in range(layers)],
+        )
+    return (
+        [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)],
+        [torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5 for _ in range(layers)],
+    )
+
+
+def floor_us(ti: torch.Tensor, H: int, I: int, mxfp4: bool, bandwidth: float) -> float:
+    """One layer's floor: the touched experts' weight bytes read once, over the copy bandwidth
+    (which counts the bytes read and written), as bench/decode.py's floor."""
+    per_expert = (
+        mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I) if mxfp4 else 2 * 3 * H * I
+    )  # bf16: 2 bytes an element
+    return 1e6 * ti.unique().numel() * per_expert / bandwidth
+
+
+def gpt_oss_options(E: int, H: int, I: int) -> dict:
+    """GPT-OSS's expert biases and clamped SwiGLU."""
+    return dict(
+        b13=torch.randn(E, 2 * I, dtype=DT, device=DEV),
+        b2=torch.randn(E, H, dtype=DT, device=DEV),
+        activation="swiglu_oai",
+    )
+
+
+def candidates(M: int, mxfp4: bool) -> list[MoeConfig]:
+    """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 and both expansions."""
+    if not mxfp4:
+        return CANDIDATES[M]
+    return [
+        dataclasses.replace(c, mxfp4_lut=lut)
+        for c in CANDIDATES[M] + MXFP4_EXTRA
+        for lut in (True, False)
+    ]
+
+
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
-    E, H, I, K, _ = MOE_SHAPES[name]
+    mxfp4 = name in MXFP4_SHAPES
+    E, H, I, K, _ = (MXFP4_SHAPES if mxfp4 else MOE_SHAPES)[name]
     torch.manual_seed(0)
-    w13 = [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)]
-    w2 = [torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5 for _ in range(layers)]
+    w13, w2 = experts(E, H, I, layers, mxfp4)
     pools = [lora_pool(E, H, I, 16, 16) for _ in range(layers)]
+    oss = [gpt_oss_options(E, H, I) if mxfp4 else {} for _ in range(layers)]
+    bandwidth = copy_bandwidth()
     best = {}
     for M in ms:
         x = torch.randn(M, H, dtype=DT, device=DEV)
         tw, ti = reference.route_topk(torch.randn(M, E, device=DEV), K, renormalize=True)
+        floor = floor_us(ti, H, I, mxfp4, bandwidth)
 
         def run(cfg, info, x=x, tw=tw, ti=ti):
             for i in range(layers):
                 lora13, lora2 = pools[i]
                 fused_moe(
-                    x, w13[i], w2[i], tw, ti, lora13=lora13, lora2=lora2, info=info, config=cfg
+                    x,
+                    w13[i],
+                    w2[i],
+                    tw,
+                    ti,
+                    lora13=lora13,
+                    lora2=lora2,
+                    info=info,
+                    config=cfg,
+                    **oss[i],
                 )
 
         none, one = batch_info(M, "none", 16), batch_info(M, "one", 16)
         timed = []
-        for cfg in CANDIDATES[M]:
+        for cfg in candidates(M, mxfp4):
             try:
                 timed.append((graph_ms(lambda cfg=cfg, i=none: run(cfg, i), layers), cfg))
             except Exception as e:  # a tile that does not fit (shared memory): skip it
                 print(f"{name} M={M} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                 continue
-            print(f"{name} M={M} {1e3 * timed[-1][0]:8.1f} us  {cfg}", flush=True)
+            us = 1e3 * timed[-1][0]
+            print(f"{name} M={M} {us:8.1f} us  floor {floor:6.1f} us  x{us / floor:5.2f}  {cfg}")
         timed.sort(key=lambda t: t[0])
         choice = timed[0][1]
         if len(timed) > 1:
@@ -96,15 +172,18 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(MOE_SHAPES))
+    parser.add_argument(
+        "--shapes", nargs="+", choices=[*MOE_SHAPES, *MXFP4_SHAPES], default=list(MOE_SHAPES)
+    )
     parser.add_argument("--ms", nargs="+", type=int, default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     for name in args.shapes:
-        E, H, I, K, _ = MOE_SHAPES[name]
+        mxfp4 = name in MXFP4_SHAPES
+        E, H, I, K, _ = (MXFP4_SHAPES if mxfp4 else MOE_SHAPES)[name]
         best = tune_shape(name, args.ms, args.layers)
         torch.cuda.empty_cache()
-        path = save_configs(torch.cuda.get_device_name(), E, H, I, K, best)
+        path = save_configs(torch.cuda.get_device_name(), E, H, I, K, best, mxfp4=mxfp4)
         print(f"wrote {path}", flush=True)
 
 

@@ -30,6 +30,7 @@ launches as the base MoE and pays only those gathers (and align programs that ex
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,7 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
+    MXFP4_LUT: tl.constexpr,  # ... by table lookups (mxfp4.lut_tile_dot)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -173,6 +175,7 @@ def _gate_up_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            LUT=MXFP4_LUT,
         )
     else:
         wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -307,6 +310,7 @@ def _down_kernel(
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
+    MXFP4_LUT: tl.constexpr,  # ... by table lookups (mxfp4.lut_tile_dot)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -346,6 +350,7 @@ def _down_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            LUT=MXFP4_LUT,
         )
     else:
         w_ptrs = (
@@ -474,6 +479,7 @@ class _Experts:
     strides: tuple[int, int]  # expert, row (of w)
     scale_strides: tuple[int, int]  # expert, row (0, 0 for a tensor)
     mxfp4: bool
+    lut: bool  # MXFP4 tiles by table lookups (MoeConfig.mxfp4_lut, where they can run)
 
     def launch_args(self, name: str) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -486,14 +492,24 @@ class _Experts:
             "stride_se": self.scale_strides[0],
             "stride_sn": self.scale_strides[1],
             "MXFP4": self.mxfp4,
+            "MXFP4_LUT": self.lut,
         }
 
 
-def _experts(w: torch.Tensor | Mxfp4Weight, unused: torch.Tensor) -> _Experts:
+def _experts(
+    w: torch.Tensor | Mxfp4Weight, unused: torch.Tensor, x: torch.Tensor, cfg: MoeConfig
+) -> _Experts:
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
-        return _Experts(b, s, (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1)), True)
-    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False)
+        # the table lookups are inline PTX (no interpreter) and give bf16 (mxfp4.lut_tile_dot)
+        lut = (
+            cfg.mxfp4_lut
+            and x.dtype == torch.bfloat16
+            and x.device.type == "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        )
+        return _Experts(b, s, (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1)), True, lut)
+    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, False)
 
 
 @dataclass(frozen=True)
@@ -645,7 +661,7 @@ def _gate_up(
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
     _gate_up_kernel[(pairs.NB, cdiv(I, cfg.block_n))](
         x_ptr=x,
-        **_experts(w13, lora.unused).launch_args("w13"),
+        **_experts(w13, lora.unused, x, cfg).launch_args("w13"),
         h_ptr=h,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -700,7 +716,7 @@ def _down(
     sb = lora.down.b_strides
     _down_kernel[(pairs.NB, cdiv(H, cfg.block_n_down))](
         h_ptr=h,
-        **_experts(w2, lora.unused).launch_args("w2"),
+        **_experts(w2, lora.unused, h, cfg).launch_args("w2"),
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
@@ -785,7 +801,7 @@ def fused_moe(
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    cfg = config or default_config(T, E, H, I, K, x.device)
+    cfg = config or default_config(T, E, H, I, K, x.device, mxfp4=mxfp4)
     assert not mxfp4 or (cfg.block_k % MXFP4_GROUP == 0 == cfg.block_k_down % MXFP4_GROUP), cfg
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)

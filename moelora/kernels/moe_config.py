@@ -24,14 +24,18 @@ class MoeConfig:
     block_k_down: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # MXFP4 experts in bf16 on the GPU: expand each tile by byte-permute table lookups
+    # (mxfp4.lut_tile_dot), not by a dozen integer operations an element (mxfp4.mxfp4_tile)
+    mxfp4_lut: bool = True
 
 
 def config_file(device_name: str) -> Path:
     return CONFIG_DIR / f"fused_moe_{device_name.replace(' ', '_')}.json"
 
 
-def shape_key(E: int, H: int, I: int, K: int) -> str:
-    return f"E={E},H={H},I={I},K={K}"
+def shape_key(E: int, H: int, I: int, K: int, mxfp4: bool = False) -> str:
+    """MXFP4 experts have their own tiles: their main loop is another kernel's."""
+    return f"E={E},H={H},I={I},K={K}" + (",mxfp4" if mxfp4 else "")
 
 
 @functools.cache
@@ -39,11 +43,13 @@ def _load_configs(path: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device) -> MoeConfig:
+def default_config(
+    T: int, E: int, H: int, I: int, K: int, device: torch.device, *, mxfp4: bool = False
+) -> MoeConfig:
     """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
     if device.type == "cuda":
         table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
-            shape_key(E, H, I, K), {}
+            shape_key(E, H, I, K, mxfp4), {}
         )
         if table:
             buckets = sorted(int(m) for m in table)
@@ -54,14 +60,16 @@ def default_config(T: int, E: int, H: int, I: int, K: int, device: torch.device)
     return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
 
 
-def save_configs(device_name: str, E: int, H: int, I: int, K: int, table: dict) -> Path:
+def save_configs(
+    device_name: str, E: int, H: int, I: int, K: int, table: dict, *, mxfp4: bool = False
+) -> Path:
     """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe),
     keeping the shape's other buckets."""
     path = config_file(device_name)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     # merged into the shape's table: tuning some buckets keeps the others
-    entry = data.setdefault(shape_key(E, H, I, K), {})
+    entry = data.setdefault(shape_key(E, H, I, K, mxfp4), {})
     entry.update({str(m): asdict(cfg) for m, cfg in table.items()})
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     _load_configs.cache_clear()

@@ -135,13 +135,23 @@ def mxfp4_experts(request):
     torch.cuda.empty_cache()
 
 
-# BK 128 leaves a 64-deep tail of H = I = 2880: whole groups masked
-@pytest.mark.parametrize("config", [None, MoeConfig(block_k=128, block_k_down=128)])
+# BK 128 leaves a 64-deep tail of H = I = 2880: whole groups masked; the table lookups (the
+# default) and the arithmetic expansion (mxfp4_lut=False)
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        MoeConfig(block_k=128, block_k_down=128),
+        MoeConfig(block_k=128, block_k_down=128, mxfp4_lut=False),
+        MoeConfig(block_n=32, block_k=256, block_n_down=32, block_k_down=256),
+    ],
+)
 @pytest.mark.parametrize("T", [1, 7, 64, 256])
 @pytest.mark.parametrize("spread", ["none", "distinct", "mixed"])
 def test_fused_moe_mxfp4_bf16(mxfp4_experts, config, T, spread):
-    """MXFP4 experts expanded in the main loops, with biases, the clamped SwiGLU and the LoRA
-    epilogues, against the fp32 reference on their dequantized weights."""
+    """MXFP4 experts expanded in the main loops (by table lookups or arithmetic), with
+    biases, the clamped SwiGLU and the LoRA epilogues, against the fp32 reference on their
+    dequantized weights."""
     name, (E, H, I, K), w13, w2, b13, b2, lora13, lora2 = mxfp4_experts
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(T, E, K)

@@ -37,7 +37,15 @@ LORAS = [None, "sql", "chat", "sql"]
 def test_constrained_beside_free_requests_on_cuda(tmp_path, dtype):
     assets = ensure_demo(tmp_path / "demo")
     adapters = {name: str(path) for name, path in assets.adapters.items()}
-    llm = LLM(str(assets.model), lora_modules=adapters, max_loras=2, max_lora_rank=16, dtype=dtype)
+    # a fixed KV cache: the other dtype's engine may still hold its memory
+    llm = LLM(
+        str(assets.model),
+        lora_modules=adapters,
+        max_loras=2,
+        max_lora_rank=16,
+        dtype=dtype,
+        num_pages=512,
+    )
     assert llm.engine.config.torch_device.type == "cuda"
     free = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
     free += [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)] * 2

@@ -41,6 +41,7 @@ DTYPES = {
     torch.int32: "i32",
     torch.int64: "i64",
     torch.bool: "i1",
+    torch.uint8: "u8",
 }
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
@@ -258,6 +259,35 @@ def _launch_moe() -> None:
     x, weights = torch.randn(T, Hm, dtype=BF16), torch.rand(T, K)
     ids = torch.randint(0, E, (T, K), dtype=torch.int32)
     fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)
+    _launch_mxfp4_moe()
+
+
+def _launch_mxfp4_moe() -> None:
+    """GPT-OSS's packed experts at its tuned tiles, LoRA on, biases and the clamped SwiGLU.
+    On CPU tensors the launch takes the arithmetic expansion; main() compiles the table
+    lookups' variant of each MXFP4 launch as well."""
+    from lora_cases import batch_info, lora_weights, mxfp4_weight
+
+    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.moe_config import MoeConfig
+
+    path = Path(__file__).parents[2] / "moelora/kernels/configs/fused_moe_NVIDIA_H200.json"
+    table = json.loads(path.read_text())["E=128,H=2880,I=2880,K=4,mxfp4"]
+    E, Hm, Im, K = 32, 256, 128, 4
+    w13, w2 = mxfp4_weight(E, 2 * Im, Hm, (118, 122)), mxfp4_weight(E, Hm, Im, (118, 122))
+    oss = dict(
+        b13=torch.randn(E, 2 * Im, dtype=BF16),
+        b2=torch.randn(E, Hm, dtype=BF16),
+        activation="swiglu_oai",
+    )
+    for T, cfg in ((int(m), MoeConfig(**c)) for m, c in table.items()):
+        info = batch_info(T, "mixed")
+        l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, BF16)
+        l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, BF16)
+        x, weights = torch.randn(T, Hm, dtype=BF16), torch.rand(T, K)
+        ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+        lora = dict(lora13=l13, lora2=l2, info=info)
+        fused_moe(x, w13, w2, weights, ids, **lora, config=cfg, **oss)
 
 
 def main() -> None:
@@ -270,6 +300,8 @@ def main() -> None:
             seen.add(key)
             names.add(kernel.fn.__name__)
             _compile(kernel, args, dict(kwargs))
+            if kwargs.get("MXFP4"):  # what a CUDA bf16 launch takes (fused_moe._experts)
+                _compile(kernel, args, dict(kwargs, MXFP4_LUT=True))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
 
 
