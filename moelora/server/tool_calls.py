@@ -50,10 +50,9 @@ class ToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
-    def json(self, index: int | None = None) -> dict[str, Any]:
-        call = {"id": self.id, "type": "function"}
-        call["function"] = {"name": self.name, "arguments": self.arguments}
-        return call if index is None else {"index": index, **call}
+    def json(self) -> dict[str, Any]:
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"id": self.id, "type": "function", "function": function}
 
 
 @dataclass(frozen=True)

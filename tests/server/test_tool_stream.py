@@ -1,6 +1,6 @@
 """Streamed tool calls without a server: the extractor (ToolParser.partial_calls) fed real calls
-text a character at a time, against the whole answer to the same text. Inputs are drawn fresh
-each run; a failure prints its seed."""
+text a character at a time, and ChatAnswer's chunks fed outputs of random sizes, against the
+whole answer to the same text. Inputs are drawn fresh each run; a failure prints its seed."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
+from moelora.server.openai_format import ChatAnswer
+from moelora.server.streaming import TextDeltas
 from moelora.server.tool_calls import HERMES_CLOSE, HERMES_OPEN, CallStream, ToolParser
+from moelora.step.request import RequestOutput
 
 # what breaks a scan that does not respect strings: brackets, quotes, escapes, separators
 TRICKY = '{}[]":,\\ <>é\n'
@@ -151,3 +154,83 @@ def test_the_scan_stops_at_what_cannot_be_a_call() -> None:
     assert [c.arguments for c in cut] == ['{"a": "\\"}']  # the quote is escaped: still open
     assert auto.partial_calls(f"{HERMES_OPEN} [1]") == []
     assert auto.partial_calls(f'{HERMES_OPEN}{{"name": "f') == []  # the name not yet whole
+
+
+class _NoDecoder:
+    """The chunks below ask for no logprobs: nothing is decoded."""
+
+    def decode(self, ids: list[int]) -> str:
+        raise AssertionError("decoded")
+
+    token_bytes = leading_bytes = decode
+
+
+def _streamed(parser: ToolParser, text: str, finish_reason: str, rng: random.Random) -> list:
+    """ChatAnswer's chunks for the text arriving in outputs of 1 to 4 characters."""
+    answer = ChatAnswer(_NoDecoder(), "chatcmpl-1", "m", 1, 0, parser)
+    deltas, chunks, k = TextDeltas(None), [], 0
+    while k < len(text):
+        k = min(len(text), k + rng.randint(1, 4))
+        finished = finish_reason if k == len(text) else None
+        out = RequestOutput("r", [1], list(range(k)), text[:k], finished, None)
+        chunks += [c["choices"][0] for c in answer.chunks(0, out, deltas.next(out))]
+    return chunks
+
+
+def _joined(chunks: list) -> tuple[str, dict[int, dict]]:
+    """The content and the calls (by index) that a client puts together from the chunks."""
+    content, calls = "", {}
+    for chunk in chunks:
+        content += chunk["delta"].get("content", "")
+        for entry in chunk["delta"].get("tool_calls", []):
+            call = calls.setdefault(entry["index"], {"id": entry.get("id"), "arguments": ""})
+            call.setdefault("name", entry["function"].get("name"))
+            call["arguments"] += entry["function"]["arguments"]
+    return content, calls
+
+
+@pytest.mark.parametrize("mode", ["named", "required", "auto"])
+def test_streamed_chunks_add_up_to_the_whole_answer(mode: str) -> None:
+    for _ in range(10):
+        rng, seed = _rng()
+        parser, calls = _draw(mode, rng)
+        text, arguments = _calls_text(mode, calls, rng)
+        chunks = _streamed(parser, text, "stop", rng)
+        content, streamed = _joined(chunks)
+        whole = ChatAnswer(_NoDecoder(), "chatcmpl-1", "m", 1, 0, parser).choice(
+            0, RequestOutput("r", [1], [0] * len(text), text, "stop", None)
+        )
+        assert whole["finish_reason"] == "tool_calls", seed
+        assert [c["finish_reason"] for c in chunks] == [None] * (len(chunks) - 1) + ["tool_calls"]
+        assert content.strip() == (whole["message"]["content"] or ""), seed
+        assert "<" not in content.replace("<b>", ""), (seed, content)  # no part of a tag
+        assert [c["arguments"] for c in streamed.values()] == arguments, seed
+        wanted = [c["function"] for c in whole["message"]["tool_calls"]]
+        assert [c["name"] for c in streamed.values()] == [w["name"] for w in wanted], seed
+        assert [json.loads(c["arguments"]) for c in streamed.values()] == [
+            json.loads(w["arguments"]) for w in wanted
+        ], seed
+
+
+@pytest.mark.parametrize("mode", ["named", "required", "auto"])
+def test_a_call_cut_by_max_tokens_keeps_its_pieces_and_says_length(mode: str) -> None:
+    rng, seed = _rng()
+    parser, calls = _draw(mode, rng)
+    text, arguments = _calls_text(mode, calls, rng)
+    end = text.index(arguments[-1]) + rng.randrange(1, len(arguments[-1]))  # inside the last
+    chunks = _streamed(parser, text[:end], "length", rng)
+    _, streamed = _joined(chunks)
+    assert chunks[-1]["finish_reason"] == "length", seed
+    assert [c["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1), seed
+    *whole, last = [c["arguments"] for c in streamed.values()]
+    assert whole == arguments[:-1], seed
+    assert arguments[-1].startswith(last) and last != arguments[-1], (seed, last)  # nothing added
+
+
+def test_auto_without_a_call_streams_all_of_its_text_as_content() -> None:
+    rng, seed = _rng()
+    text = "a <b> and a <tool" + _string(rng) + "<tool_ca"
+    chunks = _streamed(ToolParser("auto"), text, "stop", rng)
+    content, calls = _joined(chunks)
+    assert (content, calls) == (text, {}), seed
+    assert chunks[-1]["finish_reason"] == "stop", seed
