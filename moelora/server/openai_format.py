@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from moelora.server import protocol
 from moelora.server.async_engine import Prompt, RequestStream
 from moelora.server.streaming import Delta
-from moelora.server.tool_calls import ToolParser
+from moelora.server.tool_calls import CallStream, ToolParser
 
 if TYPE_CHECKING:
     from moelora.step.request import RequestOutput
@@ -237,8 +237,11 @@ class ChatAnswer(Answer):
     """/v1/chat/completions. Streamed, each choice opens with a chunk that names its role.
 
     With tools (a ToolParser), a choice whose text holds calls answers them as `tool_calls`,
-    with finish_reason "tool_calls"; streamed, the calls come whole in one chunk once the choice
-    has finished, and only text that cannot be part of a call streams as content before."""
+    with finish_reason "tool_calls". Streamed, only text that cannot be part of a call streams
+    as content, before any call; each call then streams as OpenAI streams it (tool_calls.py),
+    as far as the text deltas have let text out. A choice that ends without calls that parse
+    (cut by max_tokens) keeps what it has sent, and its finish_reason says why it ended: no
+    brace is added to close a call."""
 
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
@@ -258,6 +261,7 @@ class ChatAnswer(Answer):
         self.tools = tools
         self._cursors: dict[int, TextCursor] = {}  # streamed: each choice's
         self._sent: dict[int, int] = {}  # streamed with tools: characters sent as content
+        self._calls: dict[int, CallStream] = {}  # streamed with tools: what went out of calls
 
     def choice(self, index: int, out: RequestOutput) -> Json:
         message: Json = {"role": "assistant", "content": out.text}
@@ -273,13 +277,13 @@ class ChatAnswer(Answer):
             "finish_reason": finish_reason,
         }
 
-    def tool_calls(self, out: RequestOutput, *, indexed: bool = False) -> tuple[str | None, list]:
+    def tool_calls(self, out: RequestOutput) -> tuple[str | None, list]:
         """(content, calls as JSON) of a finished choice; no calls without tools, or when the
         choice did not stop (a call cut by max_tokens is not a call)."""
         if self.tools is None or out.finish_reason != "stop":
             return out.text, []
         content, calls = self.tools.parse(out.text)
-        return content, [c.json(i if indexed else None) for i, c in enumerate(calls)]
+        return content, [c.json() for c in calls]
 
     def opening(self, num_choices: int) -> list[Json]:
         return [
@@ -301,25 +305,29 @@ class ChatAnswer(Answer):
     def _tool_chunks(
         self, index: int, out: RequestOutput, delta: Delta, logprobs: Json | None
     ) -> Iterator[Json]:
+        """The output's content, then its call entries, one a chunk; the output's logprobs go
+        with its first chunk (an empty one if it sends nothing else), its finish with its last."""
+        released = delta.start + len(delta.text)  # what the text deltas have let out
         sent = self._sent.get(index, 0)
-        if not out.finished:  # as far as the text deltas allow, and no part of a call
-            end = min(delta.start + len(delta.text), self.tools.streamed_text_end(out.text))
-            if end > sent:
-                self._sent[index] = end
-                yield self.delta_chunk(index, {"content": out.text[sent:end]}, None, logprobs)
-            return
-        content, calls = self.tool_calls(out, indexed=True)
-        if not calls:
-            rest = out.text[sent:]
-            yield self.delta_chunk(
-                index, {"content": rest} if rest else {}, out.finish_reason, logprobs
-            )
-            return
-        rest = (content or "")[sent:]
-        if rest:
-            yield self.delta_chunk(index, {"content": rest})
-        yield self.delta_chunk(index, {"tool_calls": calls}, None, logprobs)
-        yield self.delta_chunk(index, {}, "tool_calls")
+        pieces: list[Json] = []
+        end = min(released, self.tools.streamed_text_end(out.text))
+        if end > sent:
+            pieces.append({"content": out.text[sent:end]})
+            self._sent[index] = sent = end
+        calls = self._calls.setdefault(index, CallStream())
+        entries = calls.advance(self.tools.partial_calls(out.text[:released]))
+        pieces += [{"tool_calls": [entry]} for entry in entries]
+        finish = None
+        if out.finished:
+            parsed = self.tool_calls(out)[1]
+            if not parsed and not calls.ids and len(out.text) > sent:  # no call: all content
+                pieces.append({"content": out.text[sent:]})
+            finish = "tool_calls" if parsed else out.finish_reason
+        if not pieces and (finish or logprobs):
+            pieces.append({})
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            yield self.delta_chunk(index, piece, finish if last else None, None if i else logprobs)
 
     def delta_chunk(
         self, index: int, delta: Json, finish_reason: str | None = None, logprobs: Any = None

@@ -116,8 +116,19 @@ class ToolCall(Sent):
     function: FunctionCall
 
 
-class ToolCallDelta(ToolCall):
+class FunctionCallDelta(Sent):
+    name: str | None = None  # in the call's first chunk only
+    arguments: str  # the next piece of the arguments' JSON text ("" in the first chunk)
+
+
+class ToolCallDelta(Sent):
+    """A streamed call: its first chunk has the id, type and name; each chunk after it only a
+    piece of the arguments, which joined in order are the call's arguments."""
+
     index: int
+    id: str | None = None  # in the call's first chunk only
+    type: Literal["function"] | None = None  # in the call's first chunk only
+    function: FunctionCallDelta
 
 
 class AssistantMessage(Sent):
@@ -145,7 +156,7 @@ class ChatCompletion(Sent):
 class ChatDelta(Sent):
     role: Literal["assistant"] | None = None
     content: str | None = None
-    tool_calls: list[ToolCallDelta] | None = None  # each call whole, in one chunk
+    tool_calls: list[ToolCallDelta] | None = None  # one entry a chunk
 
 
 class ChatChunkChoice(Sent):

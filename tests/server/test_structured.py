@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from typing import Literal
 
@@ -129,42 +130,114 @@ def _check_calls(calls: list[dict]) -> None:
         assert call["id"].startswith("call_")
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_langchain_bind_tools_required_returns_a_call(server, stream):
-    llm = _langchain(server, temperature=1.0, seed=7, streaming=stream)
-    # one call: a random model might chain calls until max_tokens
-    bound = llm.bind_tools([Weather, Alarm], tool_choice="required", parallel_tool_calls=False)
-    if stream:
-        message = None
-        for chunk in bound.stream("What is the weather in Paris?"):
-            message = chunk if message is None else message + chunk
-    else:
-        message = bound.invoke("What is the weather in Paris?")
-    _check_calls(message.tool_calls)
-    assert message.response_metadata.get("finish_reason") == "tool_calls"
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
 
 
-def test_a_named_function_is_called_and_streams_as_openai_streams_it(server):
-    tools = [
-        {"type": "function", "function": {"name": "Alarm", "parameters": Alarm.model_json_schema()}}
+def test_langchain_bind_tools_required_streams_the_call_it_returns_whole(server):
+    seed = _seed()
+    messages = []
+    for stream in (False, True):
+        llm = _langchain(server, temperature=1.0, seed=seed, streaming=stream)
+        # one call: a random model might chain calls until max_tokens
+        bound = llm.bind_tools([Weather, Alarm], tool_choice="required", parallel_tool_calls=False)
+        if stream:
+            chunks = list(bound.stream("What is the weather in Paris?"))
+            assert sum(bool(c.tool_call_chunks) for c in chunks) > 2, seed  # header, pieces
+            message = chunks[0]
+            for chunk in chunks[1:]:
+                message += chunk
+        else:
+            message = bound.invoke("What is the weather in Paris?")
+        _check_calls(message.tool_calls)
+        assert message.response_metadata.get("finish_reason") == "tool_calls", seed
+        messages.append(message)
+    whole, streamed = ([(c["name"], c["args"]) for c in m.tool_calls] for m in messages)
+    assert streamed == whole, seed
+
+
+def _tools(*models: type[BaseModel]) -> list[dict]:
+    return [
+        {"type": "function", "function": {"name": m.__name__, "parameters": m.model_json_schema()}}
+        for m in models
     ]
-    choice = {"type": "function", "function": {"name": "Alarm"}}
-    client = server.client(timeout=60)
-    whole = client.chat.completions.create(
-        model=BASE, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=30
-    )
-    call = whole.choices[0].message.tool_calls[0]
-    assert whole.choices[0].finish_reason == "tool_calls"
-    assert call.function.name == "Alarm" and call.id.startswith("call_")
-    Alarm.model_validate_json(call.function.arguments)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "Alarm", "Weather"])
+def test_streamed_calls_come_in_pieces_that_add_up_to_the_whole_answer(server, tool_choice):
+    """Seeded alike, the stream and the whole answer make the same call: the stream sends its
+    header first, then its arguments in pieces, and every token's logprobs once."""
+    client, seed = server.client(timeout=60), _seed()
+    named = {"type": "function", "function": {"name": tool_choice}}
+    request = {
+        "model": "chat",
+        "messages": MESSAGES,
+        "tools": _tools(Weather, Alarm),
+        "tool_choice": tool_choice if tool_choice == "required" else named,
+        "parallel_tool_calls": False,  # one call: a random model might chain them
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": seed,
+        "logprobs": True,
+    }
+    whole = client.chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls", (seed, whole)
+    [call] = whole.message.tool_calls
     stream = client.chat.completions.create(
-        model=BASE, messages=MESSAGES, tools=tools, tool_choice=choice, max_tokens=30, stream=True
+        **request, stream=True, stream_options={"include_usage": True}
     )
     chunks = list(stream)
-    deltas = [c.choices[0].delta.tool_calls for c in chunks if c.choices[0].delta.tool_calls]
-    assert [d[0].index for d in deltas] == [0] and deltas[0][0].function.name == "Alarm"
-    assert deltas[0][0].function.arguments == call.function.arguments  # greedy: the same call
-    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    entries = [e for c in chunks if c.choices for e in c.choices[0].delta.tool_calls or []]
+    header, *pieces = entries
+    assert (header.index, header.function.name, header.function.arguments) == (
+        0,
+        call.function.name,
+        "",
+    ), seed
+    assert header.id.startswith("call_") and header.type == "function", seed
+    assert all(e.index == 0 and e.id is None and e.function.name is None for e in pieces), seed
+    assert len(pieces) > 1, seed
+    arguments = "".join(e.function.arguments for e in pieces)
+    assert json.loads(arguments) == json.loads(call.function.arguments), seed
+    if tool_choice != "required":  # the constrained text is the arguments, whole or streamed
+        assert arguments == call.function.arguments, seed
+    {"Weather": Weather, "Alarm": Alarm}[call.function.name].model_validate_json(arguments)
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["tool_calls"]
+    assert not "".join(c.delta.content or "" for c in choices), seed  # all of it is the call
+    logprobs = [t for c in choices if c.logprobs for t in c.logprobs.content]
+    assert [t.token for t in logprobs] == [t.token for t in whole.logprobs.content], seed
+    assert len(logprobs) == chunks[-1].usage.completion_tokens, seed
+
+
+def test_the_openai_stream_helper_parses_the_streamed_call_as_the_whole_one(server):
+    import openai
+
+    client, seed = server.client(timeout=60), _seed()
+    request = {
+        "model": BASE,
+        "messages": MESSAGES,
+        "tools": [openai.pydantic_function_tool(m) for m in (Weather, Alarm)],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_tokens": 120,
+        "temperature": 1.0,
+        "seed": seed,
+    }
+    [whole] = client.chat.completions.parse(**request).choices[0].message.tool_calls
+    with client.chat.completions.stream(**request) as stream:
+        events = list(stream)
+        final = stream.get_final_completion().choices[0]
+    [call] = final.message.tool_calls
+    assert final.finish_reason == "tool_calls", seed
+    assert isinstance(call.function.parsed_arguments, (Weather, Alarm)), seed
+    assert call.function.parsed_arguments == whole.function.parsed_arguments, seed
+    assert call.function.name == whole.function.name, seed
+    deltas = [e for e in events if e.type == "tool_calls.function.arguments.delta"]
+    [done] = [e for e in events if e.type == "tool_calls.function.arguments.done"]
+    assert len(deltas) > 1, seed
+    assert "".join(e.arguments_delta for e in deltas) == done.arguments, seed
+    assert done.parsed_arguments == whole.function.parsed_arguments, seed
 
 
 def test_regex_and_choice_hold_with_vllms_fields_and_their_old_names(server):
