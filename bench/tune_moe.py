@@ -66,6 +66,11 @@ MXFP4_EXTRA = [
     C(16, 128, 128, 128, 128, warps=8),
     C(16, 64, 256, 64, 256, stages=2),
     C(16, 128, 256, 128, 256, warps=8, stages=2),
+    # more warps and deeper pipelines: the expansion's latency to hide
+    C(16, 64, 128, 64, 128, warps=8),
+    C(16, 64, 128, 64, 128, stages=5),
+    C(16, 32, 128, 32, 128, warps=2, stages=4),
+    C(16, 128, 128, 128, 128, warps=8, stages=4),
 ]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}
@@ -109,14 +114,12 @@ def gpt_oss_options(E: int, H: int, I: int) -> dict:
 
 
 def candidates(M: int, mxfp4: bool) -> list[MoeConfig]:
-    """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 and both expansions."""
+    """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880, by table lookups, and
+    the first tile by arithmetic too (for the ratio: it has not won a bucket)."""
     if not mxfp4:
         return CANDIDATES[M]
-    return [
-        dataclasses.replace(c, mxfp4_lut=lut)
-        for c in CANDIDATES[M] + MXFP4_EXTRA
-        for lut in (True, False)
-    ]
+    tiles = [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
+    return tiles + [dataclasses.replace(CANDIDATES[M][0], mxfp4_lut=False)]
 
 
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
