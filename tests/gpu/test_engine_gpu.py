@@ -1,5 +1,6 @@
-"""The engine on the GPU: graph replay equals eager on random mixed decode batches, a request
-does not depend on its batch-mates, and a base batch after a mixed one equals LoRA disabled.
+"""The engine on the GPU: graph replay equals eager on random mixed decode batches (Qwen3-MoE,
+and GPT-OSS with bf16 and with MXFP4 experts), a request does not depend on its batch-mates,
+and a base batch after a mixed one equals LoRA disabled.
 
 Skipped without CUDA; run on the device by scripts/gpu-check.
 """
@@ -68,15 +69,20 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, pr
         async_scheduling=False,  # the test plans the next step itself, from known tokens
         **ENGINE,
     )
+    _graph_equals_eager(llm, [None, *adapters], batches=200, max_bs=96)
+
+
+def _graph_equals_eager(llm, names: list, *, batches: int, max_bs: int) -> None:
+    """`batches` random decode batches of 1..max_bs requests over names (None: base), each
+    prefilled eagerly, then its decode step run eagerly and replayed: the same bits."""
     engine = llm.engine
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.sizes[0] == 96
+    assert graphs is not None and graphs.sizes[0] == max_bs
     rng = random.Random(1)
-    names = [None, *adapters]
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     worst = 0.0
-    for it in range(200):
-        bs = rng.randint(1, 96)
+    for it in range(batches):
+        bs = rng.randint(1, max_bs)
         ids = [f"{it}-{j}" for j in range(bs)]
         for rid in ids:
             prompt = [rng.randrange(256) for _ in range(rng.randint(1, 24))]
@@ -96,6 +102,43 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, pr
             engine.abort_request(rid)
     assert worst == 0.0, f"graph replay differs from eager by {worst}"
     assert engine.stats().kv_pages_used == 0
+
+
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_gpt_oss_graph_replay_equals_eager_on_mixed_decode_batches(tmp_path, experts):
+    """GPT-OSS (sliding windows shorter than the contexts, sinks, biases) with its experts
+    bf16 or kept MXFP4 (the table-lookup expansion), adapters on attention and on the experts'
+    target_parameters of two ranks, mixed with base requests: replays equal eager steps."""
+    model = hf.make_model("gpt_oss", tmp_path / "model", seed=7, intermediate_size=64)
+    if experts == "mxfp4":
+        model = hf.write_mxfp4_checkpoint(model, tmp_path / "mxfp4", seed=8)
+    adapters = {}
+    for name, rank, targets in (("a", 8, ["q_proj", "v_proj", "o_proj"]), ("b", 16, ["k_proj"])):
+        adapters[name] = str(
+            hf.make_peft_adapter(
+                model,
+                tmp_path / name,
+                targets=targets,
+                target_parameters=hf.EXPERT_PARAMS,
+                seed=30 + rank,
+                rank=rank,
+                alpha=2 * rank,
+            )
+        )
+    llm = LLM(
+        str(model),
+        lora_modules=adapters,
+        max_loras=2,
+        max_lora_rank=16,
+        dtype="bfloat16",
+        max_graph_bs=32,
+        max_num_seqs=32,
+        async_scheduling=False,  # the test plans the next step itself, from known tokens
+        **ENGINE,
+    )
+    mlp = llm.engine.model.layers[0].mlp
+    assert (type(mlp.w13).__name__ == "Mxfp4Weight") == (experts == "mxfp4")
+    _graph_equals_eager(llm, [None, *adapters], batches=40, max_bs=32)
 
 
 def _alone_base_mixed(llm, prompts, target, params):
