@@ -6,9 +6,11 @@ the figure is the replay time divided by LAYERS, so graph launch costs are sprea
 A one-layer graph is timed too (one replay: launch latency included). The floor is the KV bytes
 a layer must read divided by the copy bandwidth measured in the same run (a large device-to-device
 copy, counting read + write). Also times one eager 4096-token prefill. `--sweep` times other
-tiles and split counts.
+tiles and split counts. `--prefill` times causal prefills of 4096 and 16384 tokens at
+PREFILL_CONFIG and at other tiles instead, beside the matmul floor (FLOPs over an 8192^3 bf16
+torch.mm's throughput, measured in the same run).
 
-    PYTHONPATH=. python bench/attention.py [--sweep] [--out PATH]
+    PYTHONPATH=. python bench/attention.py [--sweep | --prefill] [--out PATH]
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ import torch
 from common import copy_bandwidth, graph_replay_ms, result_header, write_result
 from triton.testing import do_bench
 
-from moelora.kernels.paged_attention import AttentionConfig, decode_plan, launch_paged_attention
+from moelora.kernels.paged_attention import (
+    PREFILL_CONFIG,
+    AttentionConfig,
+    decode_plan,
+    launch_paged_attention,
+)
 from moelora.step.batch import AttentionMetadata
 
 HQ, HKV, D, PAGE = 32, 4, 128, 16
@@ -76,14 +83,14 @@ def time_decode(step, layers: int, rep_ms: int = 100, **launch) -> float:
     return time_graph(run, rep_ms) / layers
 
 
-def time_prefill(tokens: int) -> tuple[float, float]:
+def time_prefill(tokens: int, config: AttentionConfig | None = None) -> tuple[float, float]:
     """Median ms and TFLOP/s of one causal prefill of `tokens` tokens (eager)."""
     _, [(k_cache, v_cache)], attn = decode_step(1, tokens, 1)
     q = torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE)
     cu = torch.tensor([0, tokens], device="cuda", dtype=torch.int32)
     attn = replace(attn, cu_seqlens_q=cu, max_query_len=tokens)
     ms = do_bench(
-        lambda: launch_paged_attention(q, k_cache, v_cache, attn, D**-0.5),
+        lambda: launch_paged_attention(q, k_cache, v_cache, attn, D**-0.5, config=config),
         return_mode="median",
     )
     flops = 2 * 2 * HQ * D * tokens * tokens / 2  # QK^T and PV, causal half
@@ -132,12 +139,59 @@ def sweep_table(sweep_rows: list) -> list[str]:
     return lines
 
 
+PREFILL_TILES = [
+    PREFILL_CONFIG,
+    AttentionConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3),
+    AttentionConfig(block_m=256, block_n=32, num_warps=8, num_stages=3),
+    AttentionConfig(block_m=256, block_n=128, num_warps=8, num_stages=2),
+    AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=2),
+]
+
+
+def prefill_lines(bandwidth: float) -> list[str]:
+    """Causal prefills at each of PREFILL_TILES beside the matmul floor."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=DTYPE)
+    mm_ms = do_bench(lambda: a @ a, return_mode="median")
+    peak = 2 * 8192**3 / (mm_ms * 1e-3) / 1e12
+    lines = result_header("Paged attention prefill", bandwidth)
+    lines += [
+        f"- shape: Qwen3-30B-A3B attention, Hq={HQ}, Hkv={HKV}, D={D}, page {PAGE}, bf16; one "
+        "sequence, eager launch, do_bench median",
+        f"- matmul throughput (8192^3 bf16 torch.mm): {peak:.0f} TFLOP/s; floor = causal FLOPs "
+        "(4 Hq D T^2 / 2) over it",
+        "",
+        "| tokens | block_m | block_n | warps | stages | ms | TFLOP/s | × floor |",
+        "|---:" * 8 + "|",
+    ]
+    for tokens in (4096, 16384):
+        for c in PREFILL_TILES:
+            try:
+                ms, tflops = time_prefill(tokens, c)
+            except Exception as e:  # a tile past the shared memory or registers: skip it
+                print(f"{tokens} {c}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            row = (tokens, c.block_m, c.block_n, c.num_warps, c.num_stages)
+            lines.append(
+                "| " + " | ".join(map(str, row)) + f" | {ms:.3f} | {tflops:.0f} | "
+                f"{peak / tflops:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time other tiles and splits")
+    parser.add_argument("--prefill", action="store_true", help="prefill tiles instead (above)")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.prefill:
+        lines = prefill_lines(copy_bandwidth())
+        write_result("attention-prefill", lines, args.out)
+        return
     bandwidth = copy_bandwidth()
     rows, sweep_rows = measure(bandwidth, args.sweep)
     prefill_ms, prefill_tflops = time_prefill(4096)

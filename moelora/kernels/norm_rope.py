@@ -428,6 +428,7 @@ def _rope_store_kv_kernel(
     shrunk_ptr,
     b_ptr,
     # Sizes and strides.
+    num_tokens,
     Hq,
     Hkv,
     D,
@@ -452,91 +453,109 @@ def _rope_store_kv_kernel(
     EXPAND: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
+    TOKENS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
-    # -- map the program to one head of one token: q heads, then k heads, then v heads --
-    t = tl.program_id(0).to(tl.int64)
+    # -- map the program to one head of TOKENS tokens: q heads, then k heads, then v heads --
     h = tl.program_id(1)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     dtype = q_out_ptr.dtype.element_ty
     half = D // 2
     partner = (offs + half) % D
+    # v heads are only copied; they have no other output (without the store there are none:
+    # the branch is compiled, never taken)
+    is_v = (h >= Hq + Hkv) & STORE_KV
     if EXPAND:
-        lslot_in = tl.load(slot_ptr + t)  # asked for first: its flag and rank depend on it
         # this head's slice of q|k|v (its columns start at h * D: v heads come last, as in
         # the grid)
         slice_i = (h >= Hq).to(tl.int32) + (h >= Hq + Hkv).to(tl.int32)
-
-    # -- the cache row of this token, as store_kv computes it; padded rows (-1) store nothing --
-    if STORE_KV:
-        slot = tl.load(slot_mapping_ptr + t)
-        cache_row = (slot // page_size) * stride_cp + (slot % page_size) * stride_cs
-        store_mask = mask & (slot >= 0)
-        if h >= Hq + Hkv:
-            # v heads are only copied; they have no other output
-            hv = h - Hq - Hkv
-            x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
-            if EXPAND:
-                lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-                lb_row = b_ptr + lslot * stride_bs
-                if rank > 0:
-                    d_v, d_unused = _lora_expand_head(
-                        shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
-                    )
-                    x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
-            v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
-            tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
-            return
-
     if h < Hq:
-        src = q_ptr + t * stride_qt + h * stride_qh
-        dst = q_out_ptr + (t * Hq + h) * D
         norm_w = q_norm_ptr
     else:
-        src = k_ptr + t * stride_kt + (h - Hq) * stride_kh
-        dst = k_out_ptr + (t * Hkv + (h - Hq)) * D
         norm_w = k_norm_ptr
-
-    # -- the head in place and its rotate_half partner, D/2 lanes away --
-    x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-    x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
-
-    # -- the q|k|v projection's LoRA, expanded into this head (and its partner lanes) --
-    if EXPAND:
-        lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-        lb_row = b_ptr + lslot * stride_bs
-        if rank > 0:
-            d, d_rot = _lora_expand_head(
-                shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
-            )
-            x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-            x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-
-    # -- per-head RMSNorm of both copies with the one row scale (reference.rms_norm's order) --
     if HAS_NORM:
-        scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
         w = tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
         w_rot = tl.load(norm_w + partner, mask=mask, other=0.0).to(tl.float32)
-        x = (w * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x_rot = (w_rot * (x_rot * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    x_rot = tl.where(offs < half, -x_rot, x_rot)
+    for i in range(TOKENS):
+        t = (tl.program_id(0) * TOKENS + i).to(tl.int64)
+        if t < num_tokens:
+            if EXPAND:
+                lslot_in = tl.load(slot_ptr + t)  # asked for first: its flag and rank depend on it
+            # -- the cache row of this token, as store_kv computes it; padded rows (-1) store
+            # nothing --
+            if STORE_KV:
+                slot = tl.load(slot_mapping_ptr + t)
+                cache_row = (slot // page_size) * stride_cp + (slot % page_size) * stride_cs
+                store_mask = mask & (slot >= 0)
+            else:  # names for the v branch, which is compiled either way
+                cache_row = t * 0
+                store_mask = mask
+            if is_v:
+                hv = h - Hq - Hkv
+                x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
+                if EXPAND:
+                    lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
+                    lb_row = b_ptr + lslot * stride_bs
+                    if rank > 0:
+                        d_v, d_unused = _lora_expand_head(
+                            shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                        )
+                        x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
+                v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
+                tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+            else:
+                if h < Hq:
+                    src = q_ptr + t * stride_qt + h * stride_qh
+                    dst = q_out_ptr + (t * Hq + h) * D
+                else:
+                    src = k_ptr + t * stride_kt + (h - Hq) * stride_kh
+                    dst = k_out_ptr + (t * Hkv + (h - Hq)) * D
 
-    # -- x * cos + rotate_half(x) * sin with the tables rounded to x's dtype first --
-    pos = tl.load(pos_ptr + t)
-    c = tl.load(cos_ptr + pos * stride_cl + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    s = tl.load(sin_ptr + pos * stride_sl + offs, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    a = (x * c).to(dtype).to(tl.float32)
-    b = (x_rot * s).to(dtype).to(tl.float32)
-    out = (a + b).to(dtype)
-    tl.store(dst + offs, out, mask=mask)
+                # -- the head in place and its rotate_half partner, D/2 lanes away --
+                x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+                x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
 
-    # -- the rotated k, rounded to x's dtype first, is what store_kv would cache from k_out --
-    if STORE_KV:
-        if h >= Hq:
-            k_dst = k_cache_ptr + cache_row + (h - Hq) * stride_ch + offs
-            tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
+                # -- the q|k|v projection's LoRA, expanded into this head (and its partner
+                # lanes) --
+                if EXPAND:
+                    lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
+                    lb_row = b_ptr + lslot * stride_bs
+                    if rank > 0:
+                        d, d_rot = _lora_expand_head(
+                            shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                        )
+                        x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                        x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+
+                # -- per-head RMSNorm of both copies with the one row scale (reference.rms_norm's
+                # order) --
+                if HAS_NORM:
+                    scale = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+                    x = (w * (x * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                    x_rot = (
+                        (w_rot * (x_rot * scale).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+                    )
+                x_rot = tl.where(offs < half, -x_rot, x_rot)
+
+                # -- x * cos + rotate_half(x) * sin with the tables rounded to x's dtype first --
+                pos = tl.load(pos_ptr + t)
+                c = tl.load(cos_ptr + pos * stride_cl + offs, mask=mask, other=0.0)
+                c = c.to(dtype).to(tl.float32)
+                sn = tl.load(sin_ptr + pos * stride_sl + offs, mask=mask, other=0.0)
+                sn = sn.to(dtype).to(tl.float32)
+                a = (x * c).to(dtype).to(tl.float32)
+                b = (x_rot * sn).to(dtype).to(tl.float32)
+                out = (a + b).to(dtype)
+                tl.store(dst + offs, out, mask=mask)
+
+                # -- the rotated k, rounded to x's dtype first, is what store_kv would cache
+                # from k_out --
+                if STORE_KV:
+                    if h >= Hq:
+                        k_dst = k_cache_ptr + cache_row + (h - Hq) * stride_ch + offs
+                        tl.store(k_dst, out.to(k_cache_ptr.dtype.element_ty), mask=store_mask)
 
 
 def rope_store_kv(
@@ -635,16 +654,19 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
 def _launch_rope(
     r: _Rope, expand: FoldedLora | None, q_out: torch.Tensor, k_out: torch.Tensor
 ) -> None:
-    """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head."""
+    """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head of
+    TOKENS tokens. A prefill's (token, head) programs would be a hundred thousand single warps,
+    each too short to cover its own launch: 8 tokens a program from 1024 tokens on."""
     T, Hq, D = r.q.shape
     Hkv = r.k.shape[1]
     BLOCK_D = next_power_of_2(D)
+    tokens = 1 if T < 1024 else 8
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
     num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
     R = 1 if expand is None else expand.weights.b.shape[2]
     RC = max(1, min(next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
     unused = r.q  # every pointer whose flag is off: never read
-    _rope_store_kv_kernel[(T, Hq + (2 if r.stores else 1) * Hkv)](
+    _rope_store_kv_kernel[(cdiv(T, tokens), Hq + (2 if r.stores else 1) * Hkv)](
         q_ptr=r.q,
         k_ptr=r.k,
         pos_ptr=r.positions,
@@ -655,6 +677,7 @@ def _launch_rope(
         **_or_unused(unused, q_norm_ptr=r.q_norm, k_norm_ptr=r.k_norm),
         **_store_args(r, unused),
         **_expand_args(expand, unused),
+        num_tokens=T,
         Hq=Hq,
         Hkv=Hkv,
         D=D,
@@ -671,6 +694,7 @@ def _launch_rope(
         EXPAND=expand is not None,
         R=R,
         RC=RC,
+        TOKENS=tokens,
         num_warps=num_warps,
         enable_fp_fusion=False,
         **pdl_kwargs(r.q.device),

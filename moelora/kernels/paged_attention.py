@@ -71,7 +71,8 @@ class AttentionConfig:
 # long KV tiles when each (sequence, KV head) has one program, shorter ones when it is split.
 DECODE_CONFIG = AttentionConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
-PREFILL_CONFIG = AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+# Prefill: `bench/attention.py --prefill` (256 rows: 32 tokens x the group of 8 query heads)
+PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=2)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 MAX_SPLITS = 64
@@ -97,6 +98,82 @@ def _window_start(first_pos, window, HAS_WINDOW: tl.constexpr):
     if HAS_WINDOW:
         return tl.maximum(first_pos - window + 1, 0)
     return 0
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    start,
+    kv_stop,
+    q_pos,
+    window,
+    page_row_ptr,
+    k_head,
+    v_head,
+    scale_log2,
+    stride_kp,
+    stride_ks,
+    stride_kd,
+    stride_vp,
+    stride_vs,
+    stride_vd,
+    stride_pt_p,
+    offs_d,
+    d_mask,
+    BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One KV tile of the online softmax: (m_i, l_i, acc) after keys start .. start+BLOCK_N-1,
+    gathered through the page table. Without MASKED every row sees every key of the tile (the
+    caller knows): no causal, range or window mask is computed, and the bits are the masked
+    tile's, whose masks would have kept every key."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_mask = offs_n < kv_stop
+        page = tl.load(page_row_ptr + (offs_n // PAGE_SIZE) * stride_pt_p, mask=n_mask, other=0)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+    else:
+        page = tl.load(page_row_ptr + (offs_n // PAGE_SIZE) * stride_pt_p)
+        kv_mask = d_mask[None, :]
+    page = page.to(tl.int64)
+    in_page = offs_n % PAGE_SIZE
+    k = tl.load(
+        k_head
+        + page[:, None] * stride_kp
+        + in_page[:, None] * stride_ks
+        + offs_d[None, :] * stride_kd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if MASKED:
+        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
+        qk = tl.where(visible, qk, float("-inf"))
+
+    # A row with nothing visible yet keeps max -inf; subtract 0 then so no NaN appears.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_ref)
+    p = tl.math.exp2(qk - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        v_head
+        + page[:, None] * stride_vp
+        + in_page[:, None] * stride_vs
+        + offs_d[None, :] * stride_vd,
+        mask=kv_mask,
+        other=0.0,
+    )
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_rows"])  # one compile for all batch sizes
@@ -156,7 +233,9 @@ def _paged_attention_kernel(
     # -- Map the program to (sequence, KV head, query block, split) ---------------------------
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
-    pid_m = tl.program_id(2) // num_splits
+    # the last query blocks first: under the causal mask they have the most keys, so the
+    # longest programs start in the first wave, not in the tail
+    pid_m = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
     pid_s = tl.program_id(2) % num_splits
     num_q_heads = tl.num_programs(1) * GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -210,51 +289,78 @@ def _paged_attention_kernel(
         if kv_start >= kv_stop:
             return
 
-    # -- Accumulate in fp32 with the online softmax --------------------------------------------
+    # -- Accumulate in fp32 with the online softmax: first the tiles every row sees whole (no
+    # mask), then the rest (the causal diagonal, the range's end, a window's edges) -----------
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     page_row_ptr = page_table_ptr + pid_b * stride_pt_b
-    for start in range(kv_start, kv_stop, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < kv_stop
-        page = tl.load(page_row_ptr + (offs_n // PAGE_SIZE) * stride_pt_p, mask=n_mask, other=0)
-        page = page.to(tl.int64)
-        in_page = offs_n % PAGE_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + page[:, None] * stride_kp
-            + in_page[:, None] * stride_ks
-            + pid_h * stride_kh
-            + offs_d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
+    k_head = k_cache_ptr + pid_h * stride_kh
+    v_head = v_cache_ptr + pid_h * stride_vh
+    # keys up to the block's first position are every row's (a window's rows see fewer)
+    whole_stop = kv_start
+    if not HAS_WINDOW:
+        first_pos = seq_len - q_len + pid_m * BLOCK_Q
+        whole_stop = kv_start + (tl.minimum(kv_stop, first_pos + 1) - kv_start) // BLOCK_N * BLOCK_N
+        whole_stop = tl.maximum(whole_stop, kv_start)
+    for start in range(kv_start, whole_stop, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            start,
+            kv_stop,
+            q_pos,
+            window,
+            page_row_ptr,
+            k_head,
+            v_head,
+            scale_log2,
+            stride_kp,
+            stride_ks,
+            stride_kd,
+            stride_vp,
+            stride_vs,
+            stride_vd,
+            stride_pt_p,
+            offs_d,
+            d_mask,
+            BLOCK_N,
+            PAGE_SIZE,
+            False,
+            HAS_WINDOW,
+            DOT_PRECISION,
         )
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
-        if HAS_WINDOW:
-            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-
-        # A row with nothing visible yet keeps max -inf; subtract 0 then so no NaN appears.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_ref)
-        p = tl.math.exp2(qk - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-
-        v = tl.load(
-            v_cache_ptr
-            + page[:, None] * stride_vp
-            + in_page[:, None] * stride_vs
-            + pid_h * stride_vh
-            + offs_d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
+    for start in range(whole_stop, kv_stop, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q,
+            m_i,
+            l_i,
+            acc,
+            start,
+            kv_stop,
+            q_pos,
+            window,
+            page_row_ptr,
+            k_head,
+            v_head,
+            scale_log2,
+            stride_kp,
+            stride_ks,
+            stride_kd,
+            stride_vp,
+            stride_vs,
+            stride_vd,
+            stride_pt_p,
+            offs_d,
+            d_mask,
+            BLOCK_N,
+            PAGE_SIZE,
+            True,
+            HAS_WINDOW,
+            DOT_PRECISION,
         )
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
 
     # -- Store: the normalized output, or the split's partial and its log-sum-exp -------------
     if HAS_SINKS and not SPLIT:  # split: the combine adds the sink, once

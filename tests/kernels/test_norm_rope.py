@@ -412,6 +412,51 @@ def _check_caches_with_lora(caches, ref_caches, slots, v, on) -> None:
         assert differ <= 0.02 * got.numel() + 1, f"{differ} of {got.numel()} differ"
 
 
+def test_rope_store_kv_prefill_programs_of_several_tokens(poison_empty):
+    """From 1024 tokens on a program takes 8 tokens of its head: 1029 tokens leave the last
+    program 5, and padded rows (-1) among them; the same values as the reference, every
+    row stored where its slot says."""
+    torch.manual_seed(1029)
+    T, Hq, Hkv, D, dtype = 1029, 2, 1, 16, torch.float32
+    q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, True)
+    num_pages, page_size = 300, 4
+    slots = torch.randperm(num_pages * page_size)[:T]
+    slots[[3, T - 1]] = -1
+    caches = [torch.full((num_pages, page_size, Hkv, D), SENTINEL, dtype=dtype) for _ in "kv"]
+    refs = [c.clone() for c in caches]
+    got = rope_store_kv(
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q_norm,
+        k_norm,
+        EPS,
+        v=v,
+        k_cache=caches[0],
+        v_cache=caches[1],
+        slot_mapping=slots,
+    )
+    want = reference.rope_store_kv(
+        q,
+        k,
+        positions,
+        cos,
+        sin,
+        q_norm,
+        k_norm,
+        EPS,
+        v=v,
+        k_cache=refs[0],
+        v_cache=refs[1],
+        slot_mapping=slots,
+    )
+    for a, b in zip((*got, *caches), (*want, *refs)):
+        torch.testing.assert_close(a, b, **TOL[dtype])
+    assert (caches[1] != SENTINEL).all(-1).all(-1).flatten().sum() == T - 2
+
+
 ROPE_LORA_CASES = [(1, "one", 16), (9, "mixed", 64), (9, "distinct", 16), (9, "none", 16)]
 
 

@@ -125,7 +125,7 @@ H, HQ, HKV, D, R, S = 2048, 32, 4, 128, 16, 8
 def _launch_every_op() -> None:
     """The engine's ops at a Qwen3-30B-A3B layer's sizes (the MoE narrowed in H and I, which
     the kernels take at run time): small batches, one decode and one prefill of each kind."""
-    for T in (1, 64):
+    for T in (1, 64, 1024):  # from 1024 tokens the rotary's programs take 8 tokens each
         _launch_norms_and_rotary(T)
     _launch_projections()
     _launch_paged_attention()
