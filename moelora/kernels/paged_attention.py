@@ -7,11 +7,15 @@ lists its pages in order, so KV position n is at slot `page_table[b, n // page_s
 page_size + n % page_size`. The new query tokens of a step sit at the end of their sequence:
 token j of sequence b is at position `seq_len_b - q_len_b + j` and sees KV 0..that position.
 
-One program owns one sequence, one KV head and a block of query rows. A row is a pair
+One program owns one sequence, one KV head and a block of query rows (the last blocks first:
+under the causal mask they have the most keys). A row is a pair
 (token, query head): BLOCK_Q consecutive new tokens times the GROUP query heads that share the
 KV head, so each KV tile is read once for the whole group. The program walks its KV range one
 BLOCK_N tile at a time, gathering the tile's rows through the page table, and keeps the
-flash-attention running max, running sum and fp32 accumulator (online softmax, base 2).
+flash-attention running max, running sum and fp32 accumulator (online softmax, base 2). The
+tiles every row of the block sees whole come first and compute no mask; the mask of the others
+applies after the exponent, so a key's weight is computed alike in both and a row's output
+does not depend on where its block or chunk starts (tests/gpu/test_attention_gpu.py).
 
 Decode (at most one new token per sequence) has few rows and long KV ranges, so its range is cut
 into S pieces (flash-decoding): each program writes a partial output with its
@@ -27,8 +31,8 @@ shrinks the o projection's LoRA from each head's output (paged_attention_o_shrin
 Two options serve GPT-OSS, as constexpr flags with their values in tensors or plain integers,
 so a graph captures them like any other argument:
 - a sliding window: the query at position p sees keys p - window < n <= p. A program's KV range
-  starts at its first row's window (a decode's split covers only that range), and the tiles
-  mask the keys that leave the window of later rows;
+  starts at the tile (a multiple of BLOCK_N) holding its first row's window start (a decode's
+  split covers only that range), and the tiles mask the keys outside each row's window;
 - sinks, one learned logit per query head in the softmax's denominator: a program (or the
   combine, when split) adds exp(sink - max) to the running sum once, after the last tile.
 
@@ -92,11 +96,13 @@ def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _window_start(first_pos, window, HAS_WINDOW: tl.constexpr):
-    # The first key the query at first_pos sees; the combine asks it of the decode's one query,
-    # and must get what the attention kernel got.
+def _window_start(first_pos, window, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
+    # The first key of the tile holding the first key the query at first_pos sees; the combine
+    # asks it of the decode's one query, and must get what the attention kernel got. Tiles
+    # start at multiples of BLOCK_N (the keys before the window masked), so a row's keys are
+    # grouped into the same tiles whatever block or chunk its query is in.
     if HAS_WINDOW:
-        return tl.maximum(first_pos - window + 1, 0)
+        return tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
     return 0
 
 
@@ -131,8 +137,8 @@ def _attend_tile(
 ):
     """One KV tile of the online softmax: (m_i, l_i, acc) after keys start .. start+BLOCK_N-1,
     gathered through the page table. Without MASKED every row sees every key of the tile (the
-    caller knows): no causal, range or window mask is computed, and the bits are the masked
-    tile's, whose masks would have kept every key."""
+    caller knows): no causal, range or window mask is computed; the visible keys' arithmetic
+    is the masked tile's either way (see p)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         n_mask = offs_n < kv_stop
@@ -156,13 +162,18 @@ def _attend_tile(
         visible = (offs_n[None, :] <= q_pos[:, None]) & n_mask[None, :]
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))
-
+        m_new = tl.maximum(m_i, tl.max(tl.where(visible, qk, float("-inf")), 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
     # A row with nothing visible yet keeps max -inf; subtract 0 then so no NaN appears.
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.math.exp2(m_i - m_ref)
+    # the mask applies to p, after the exponent: the compiler then fuses qk's scaling into
+    # the subtraction (an FMA) in both kinds of tile alike, so a key's weight does not depend
+    # on whether its tile was masked, i.e. on where the query's block or chunk starts
     p = tl.math.exp2(qk - m_ref[:, None])
+    if MASKED:
+        p = tl.where(visible, p, 0.0)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(
         v_head
@@ -281,7 +292,7 @@ def _paged_attention_kernel(
     # -- KV range: from the block's first window start (0 without a window) up to its last
     # causal position, then this program's split -----------------------------------------------
     kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum(q_len, (pid_m + 1) * BLOCK_Q))
-    kv_lo = _window_start(seq_len - q_len + pid_m * BLOCK_Q, window, HAS_WINDOW)
+    kv_lo = _window_start(seq_len - q_len + pid_m * BLOCK_Q, window, HAS_WINDOW, BLOCK_N)
     split_len = _split_len(kv_end - kv_lo, num_splits, BLOCK_N)
     kv_start = kv_lo + pid_s * split_len
     kv_stop = tl.minimum(kv_end, kv_start + split_len)
@@ -432,7 +443,7 @@ def _combine_splits_kernel(
     if SHRINK:
         slot = tl.load(slot_ptr + q_start)  # asked first: its flag's gather waits on it
     seq_len = tl.load(seq_lens_ptr + pid_b)
-    span = seq_len - _window_start(seq_len - 1, window, HAS_WINDOW)
+    span = seq_len - _window_start(seq_len - 1, window, HAS_WINDOW, BLOCK_N)
     num_active = tl.cdiv(span, _split_len(span, num_splits, BLOCK_N))
 
     offs_s = tl.arange(0, SPLITS_PAD)

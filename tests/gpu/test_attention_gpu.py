@@ -111,6 +111,25 @@ def run_case(q_lens, seq_lens, page_size, *, pad_rows=0, seed=0) -> None:
     assert (out[int(attn.cu_seqlens_q[-1]) :] == 0).all()
 
 
+@pytest.mark.parametrize("window", [0, 128])
+def test_a_prefill_row_does_not_depend_on_where_its_chunk_starts(window):
+    """A prompt's last rows prefilled in one chunk or as a later chunk (its query blocks start
+    elsewhere, so other key tiles are masked): the same bits, at the engine's prefill tiles."""
+    T = 1500
+    k_cache, v_cache, page_table, _ = make_cache([T], 16, seed=window)
+    q = torch.randn(T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    whole = paged_attention(
+        q, k_cache, v_cache, metadata([T], [T], page_table), SCALE, window=window
+    )
+    assert_close_to_reference(
+        whole, q, k_cache, v_cache, metadata([T], [T], page_table), window=window
+    )
+    for start in (1, 37, 600, 1023):
+        attn = metadata([T - start], [T], page_table)
+        part = paged_attention(q[start:], k_cache, v_cache, attn, SCALE, window=window)
+        assert torch.equal(part, whole[start:]), f"chunk from {start}"
+
+
 @pytest.mark.parametrize(
     "seq_lens",
     [[8192], [1, 15, 16, 17, 1000, 4096, 8191, 8192], list(range(64, 8192, 64))],
