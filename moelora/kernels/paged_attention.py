@@ -76,7 +76,7 @@ class AttentionConfig:
 DECODE_CONFIG = AttentionConfig(block_m=16, block_n=128, num_warps=4, num_stages=2)
 DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
 # Prefill: `bench/attention.py --prefill` (256 rows: 32 tokens x the group of 8 query heads)
-PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=128, num_warps=8, num_stages=2)
+PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
 MAX_SPLITS = 64
