@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import hf_fixtures as hf
 import pytest
+import test_gpt_oss as gpt_oss
 import torch
 
 from moelora import LLM, SamplingParams
@@ -52,9 +53,13 @@ class Engines:
     def get(self, arch: str, mode: str) -> LLM:
         if (arch, mode) not in self.llms:
             bank = self.bank
-            loras = {"a": bank.peft_adapter(arch), "b": bank.per_expert_adapter(arch)}
+            if arch == "gpt_oss":  # test_gpt_oss's model and adapters (built once a session)
+                path, loras = gpt_oss.model(bank), gpt_oss.adapters(bank)
+            else:
+                path = bank.model(arch)
+                loras = {"a": bank.peft_adapter(arch), "b": bank.per_expert_adapter(arch)}
             self.llms[arch, mode] = LLM(
-                str(bank.model(arch)),
+                str(path),
                 lora_modules={k: str(v) for k, v in loras.items()},
                 dtype="float32",
                 device="cpu",
@@ -82,10 +87,30 @@ def tokens(llm: LLM, prompts, loras) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("mode", ["tp2", "ep2"])
-@pytest.mark.parametrize("arch", hf.ARCHS)
+@pytest.mark.parametrize("arch", [*hf.ARCHS, "gpt_oss"])
 def test_mixed_batch_matches_one_rank(engines: Engines, arch: str, mode: str) -> None:
     want = tokens(engines.get(arch, "tp1"), hf.PROMPTS, LORAS)
     assert tokens(engines.get(arch, mode), hf.PROMPTS, LORAS) == want
+
+
+@pytest.mark.parametrize("mode", ["tp2", "ep2"])
+def test_logprobs_and_prompt_logprobs_match_one_rank(engines: Engines, mode: str) -> None:
+    """The gathered logits themselves, not only their argmax: prompt windows and sampled rows."""
+    params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=2, prompt_logprobs=2)
+    loras = [None, "b", "a"]
+    want = engines.get("qwen2_moe", "tp1").generate(hf.PROMPTS[:3], params, lora=loras)
+    got = engines.get("qwen2_moe", mode).generate(hf.PROMPTS[:3], params, lora=loras)
+    for w, g in zip(want, got):
+        assert list(g.token_ids) == list(w.token_ids)
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) > 1
+        for mine, theirs in [
+            *zip(g.logprobs, w.logprobs),
+            *zip(g.prompt_logprobs, w.prompt_logprobs),
+        ]:
+            assert (mine is None) == (theirs is None)
+            if mine is not None:
+                assert mine.keys() == theirs.keys()
+                assert all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine)
 
 
 def _lifecycle(llm: LLM, bank: FixtureBank, arch: str) -> list[list[int]]:
