@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import signal
 import time
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from moelora.config import EngineConfig
 from moelora.errors import ConfigError, EngineDeadError
 from moelora.models.registry import read_model_config
 from moelora.models.shard import check_divides
+from moelora.runner.tp import ClearSlot
 
 if TYPE_CHECKING:
     from conftest import FixtureBank
@@ -162,6 +164,17 @@ def test_a_killed_worker_fails_the_next_step_at_once(engines: Engines) -> None:
         tokens(llm, hf.PROMPTS[:2], [None, "a"])
     with pytest.raises(EngineDeadError):  # and it stays dead
         tokens(llm, hf.PROMPTS[:1], [None])
+    assert time.monotonic() - start < 10
+
+
+def test_a_worker_that_fails_in_a_step_fails_the_engine(engines: Engines) -> None:
+    """A command the worker cannot run (a slot that does not exist) ends it while rank 0 goes
+    on into the step: caught before the step's collectives or inside them, never a hang."""
+    llm = engines.get("qwen2_moe", "ep2")
+    llm.engine.workers.pipes[0].send_bytes(pickle.dumps(ClearSlot(slot=10_000)))
+    start = time.monotonic()
+    with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) exited with code 1"):
+        tokens(llm, hf.PROMPTS[:2], [None, "b"])
     assert time.monotonic() - start < 10
 
 
