@@ -115,6 +115,30 @@ def test_logprobs_and_prompt_logprobs_match_one_rank(engines: Engines, mode: str
                 assert all(abs(mine[t] - theirs[t]) < 1e-5 for t in mine)
 
 
+@pytest.mark.parametrize(
+    "arch,layout,shards", [("mixtral", "fused", 2), ("qwen3_moe", "per_expert", 3)]
+)
+def test_checkpoint_layouts_load_sharded(
+    bank: FixtureBank, engines: Engines, arch: str, layout: str, shards: int
+) -> None:
+    """Fused 3D experts, per-expert tensors, a parameter's tensors spread over files: each rank
+    streams the checkpoint into its part (models/shard.load_shard) and gives one rank's tokens."""
+    want = tokens(engines.get(arch, "tp1"), hf.PROMPTS, [None] * len(hf.PROMPTS))
+    path = bank.layout(arch, layout, shards)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        device="cpu",
+        num_pages=64,
+        enable_lora=False,
+        tensor_parallel_size=2,
+    )
+    try:
+        assert tokens(llm, hf.PROMPTS, [None] * len(hf.PROMPTS)) == want
+    finally:
+        llm.close()
+
+
 def _lifecycle(llm: LLM, bank: FixtureBank, arch: str) -> list[list[int]]:
     """Generations around a live load and unload (a third adapter, a third rank) and an abort
     of a running request; every token the engine gave, in order."""

@@ -28,7 +28,7 @@ from moelora.kernels.ops import Ops, make_ops
 from moelora.lora.slots import SlotPool
 from moelora.models.loader import fill_dummy, load_weights
 from moelora.models.model import MoeCausalLM
-from moelora.models.shard import copy_shard
+from moelora.models.shard import load_shard
 from moelora.runner.model_runner import ModelRunner
 from moelora.runner.tp import Workers, serve
 from moelora.step.parallel import Shard
@@ -73,25 +73,21 @@ def make_rank_ops(cfg: EngineConfig, shard: Shard, device: torch.device) -> Ops:
 def load_model(
     cfg: EngineConfig, mc: ModelConfig, hf_config, max_len: int, ops: Ops, device: torch.device
 ) -> MoeCausalLM:
-    """This rank's model with its weights. Several ranks: the whole model is read into host
-    memory, and each rank keeps its part of it (models/shard.py)."""
+    """This rank's model with its weights. Several ranks: each reads the checkpoint and keeps
+    its part of every parameter (models/shard.py); dummy weights are each rank's own draw."""
     model = MoeCausalLM(mc, hf_config, max_len, ops, dtype=cfg.torch_dtype, device=device)
     with torch.no_grad():
-        if ops.shard.size == 1:
-            _fill(model, cfg)
-            return model
-        cpu = torch.device("cpu")
-        full = MoeCausalLM(mc, hf_config, max_len, make_ops(cpu), dtype=cfg.torch_dtype, device=cpu)
-        _fill(full, cfg)
-        copy_shard(full, model, ops.shard)
+        if cfg.load_format == "dummy":
+            fill_dummy(model, cfg.seed)
+        elif ops.shard.size == 1:
+            load_weights(model, cfg.model)
+        else:
+            meta = torch.device("meta")
+            whole = MoeCausalLM(
+                mc, hf_config, max_len, make_ops(meta), dtype=cfg.torch_dtype, device=meta
+            )
+            load_shard(model, whole, cfg.model, ops.shard)
     return model
-
-
-def _fill(model: MoeCausalLM, cfg: EngineConfig) -> None:
-    if cfg.load_format == "dummy":
-        fill_dummy(model, cfg.seed)
-    else:
-        load_weights(model, cfg.model)
 
 
 def kv_config(mc: ModelConfig, shard: Shard) -> ModelConfig:

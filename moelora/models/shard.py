@@ -15,6 +15,7 @@ import torch
 
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
+from moelora.models.loader import check_filled, placed_tensors
 from moelora.models.model import MoeCausalLM
 from moelora.step.parallel import Shard
 
@@ -53,11 +54,27 @@ def check_divides(cfg: ModelConfig, size: int, *, expert_parallel: bool) -> None
         raise ConfigError(f"{what} with MXFP4 experts kept packed is not supported")
 
 
-def copy_shard(full: MoeCausalLM, local: MoeCausalLM, shard: Shard) -> None:
-    """Every parameter of `local` (built for `shard`) filled with its part of `full`."""
-    params = dict(full.named_parameters())
-    for name, target in local.named_parameters():
-        target.copy_(part(name, params[name], shard, full.cfg))
+def load_shard(local: MoeCausalLM, whole: MoeCausalLM, model_path: str, shard: Shard) -> None:
+    """Every parameter of `local` (built for `shard`) filled with its part of the checkpoint's.
+    `whole` is the whole model on the meta device: its views say where each checkpoint tensor
+    goes. A parameter is held whole in host memory only from its first tensor to its last, so
+    a rank never holds the whole checkpoint."""
+    names = {id(p): n for n, p in whole.named_parameters()}
+    params = dict(local.named_parameters())
+    pending: dict[int, torch.Tensor] = {}  # id(parameter of whole) -> its host copy so far
+    filled: dict[int, int] = {}  # id(parameter of whole) -> elements written
+    for target, source in placed_tensors(whole, model_path):
+        base = target if target._base is None else target._base
+        key = id(base)
+        if key not in pending:
+            pending[key] = torch.empty(base.shape, dtype=base.dtype)
+        view = pending[key].as_strided(target.shape, target.stride(), target.storage_offset())
+        view.copy_(source)
+        filled[key] = filled.get(key, 0) + target.numel()
+        if filled[key] >= base.numel():
+            name = names[key]
+            params[name].copy_(part(name, pending.pop(key), shard, whole.cfg))
+    check_filled(whole, filled, model_path)
 
 
 def part(name: str, t: torch.Tensor, shard: Shard, cfg: ModelConfig) -> torch.Tensor:
