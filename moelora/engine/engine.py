@@ -244,6 +244,12 @@ class Engine:
         )
         # graphs would have to capture the collectives on every rank: not yet, so eager
         one_rank = self.workers is None
+        if not one_rank and cfg.torch_device.type == "cuda" and not cfg.enforce_eager:
+            log.warning(
+                "tensor_parallel_size=%d runs every step eagerly: CUDA graphs that capture the "
+                "collectives are not implemented yet",
+                cfg.tensor_parallel_size,
+            )
         if (
             one_rank
             and cfg.torch_device.type == "cuda"
