@@ -1,7 +1,12 @@
 """The ranks of one host: how each builds its part of the model, and how rank 0 (the engine's
-own process) starts ranks 1..N-1 with torch.multiprocessing (spawn) and joins them in one
+own process) starts ranks 1..N-1 with torch.multiprocessing and joins them in one
 torch.distributed group (NCCL on CUDA, gloo on the CPU) built on a TCPStore it serves: no
 launcher, and no default process group, so several engines may live in one process.
+
+Workers come from a fork server (a fresh interpreter, never a fork of rank 0, so no CUDA
+context or thread is inherited) that has imported torch and moelora once: a worker then starts
+in well under a second, where spawn would import everything again for each. A script that
+builds a multi-rank engine needs the `if __name__ == "__main__":` guard, as with spawn.
 
 A worker builds what rank 0 builds, minus the scheduler, the tokenizer and the sampler, then
 runs rank 0's commands (runner/tp.py). Workers are daemons: they die with rank 0's interpreter
@@ -38,7 +43,7 @@ from moelora.step.parallel import Shard
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
 
-# forkserver, not fork: the workers must not inherit rank 0's threads or CUDA context
+# not fork: the workers must not inherit rank 0's threads or CUDA context
 START_METHOD = "forkserver"
 
 
@@ -104,9 +109,9 @@ def start_workers(
         "127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
     )
     ctx = torch.multiprocessing.get_context(START_METHOD)
-    # the fork server imports torch and moelora once per process; each worker after the first
-    # engine's is a fork of it, started in a fraction of a second (spawn would import again)
-    # (with what unpickling a worker's RankSpec imports: the HF config's class, rotary's)
+    # what a worker imports, the fork server imports once (it starts with the first engine's
+    # workers): moelora, rotary's transformers module, and the HF config's class, which
+    # unpickling a RankSpec imports (seconds each)
     preload = ["moelora.engine.ranks", "transformers.modeling_rope_utils"]
     ctx.set_forkserver_preload(preload + [type(hf_config).__module__])
     processes, pipes = [], []
@@ -131,8 +136,8 @@ def start_workers(
 
 def _wait_for_workers(store: Any, workers: Workers) -> None:
     """Until every worker has reached the store; a worker that dies first (an import error, a
-    script without `if __name__ == "__main__":`, which spawn needs) fails at once, not after
-    the rendezvous times out."""
+    script without its `if __name__ == "__main__":` guard) fails at once, not after the
+    rendezvous times out."""
     keys = [f"up/{rank}" for rank in range(1, len(workers.processes) + 1)]
     deadline = time.monotonic() + COLLECTIVE_TIMEOUT.total_seconds()
     while not store.check(keys):
