@@ -139,6 +139,24 @@ def test_checkpoint_layouts_load_sharded(
         llm.close()
 
 
+@pytest.mark.parametrize("mode", ["tp2", "ep2"])
+def test_benchmark_hooks_run_on_every_rank(engines: Engines, mode: str) -> None:
+    """PlannedStep.logits_fn (what bench/ times) on several ranks: the same logits as one rank."""
+    found = []
+    for llm in (engines.get("mixtral", "tp1"), engines.get("mixtral", mode)):
+        engine = llm.engine
+        for i, (prompt, lora) in enumerate(zip(hf.PROMPTS[:3], [None, "a", "b"])):
+            engine.add_request(f"hook-{i}", prompt, greedy(), lora)
+        step = engine.plan_step()
+        found.append((step.logits_fn(eager=True)(), step.forward_fn(eager=True)()))
+        for request_id in step.request_ids:
+            engine.abort_request(request_id)
+    (want, want_hidden), (got, got_hidden) = found
+    assert got.shape == want.shape and got_hidden.shape == want_hidden.shape
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    torch.testing.assert_close(got_hidden, want_hidden, rtol=0, atol=1e-4)
+
+
 def _lifecycle(llm: LLM, bank: FixtureBank, arch: str) -> list[list[int]]:
     """Generations around a live load and unload (a third adapter, a third rank) and an abort
     of a running request; every token the engine gave, in order."""

@@ -138,7 +138,7 @@ class ModelRunner:
         rows = [w.rows for w in windows]
         if sampling:
             rows.append(host.cu_seqlens_q[1:][sampling].long() - 1)
-        logits = self.forward_rows(host, prev_tokens, rows)
+        _, logits = self.forward_rows(host, prev_tokens, rows)
         prompt_logprobs = self._prompt_logprobs(windows, logits[: len(windows)])
         if not sampling:
             return Forwarded(None, [], prompt_logprobs)
@@ -147,10 +147,11 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_rows(
         self, host: HostBatch, prev_tokens: torch.Tensor | None, rows: list[torch.Tensor]
-    ) -> list[torch.Tensor | None]:
-        """The forward of `host`, then the lm_head's logits [len(r), V] of each row set r in
-        `rows` (host int64 indices), in order. With workers, rank 0 sends them the same first,
-        and every rank runs this (a worker's logits are None: they went to rank 0)."""
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The forward of `host` (its hidden states), then the lm_head's logits [len(r), V] of
+        each row set r in `rows` (host int64 indices), in order. With workers, rank 0 sends them
+        the same first, and every rank runs this (a worker's logits are None: they went to
+        rank 0)."""
         if self.workers is not None:
             self.workers.send(Forward(host, rows))
         with self._collectives():
@@ -168,7 +169,7 @@ class ModelRunner:
                 hidden = self._forward(batch)
                 self.num_eager_steps += 1
             device_rows = [r.to(self.device, non_blocking=True) for r in rows]
-            return [self.model.compute_logits(hidden[r]) for r in device_rows]
+            return hidden, [self.model.compute_logits(hidden[r]) for r in device_rows]
 
     @contextlib.contextmanager
     def _collectives(self) -> Iterator[None]:
@@ -303,7 +304,8 @@ class ModelRunner:
         written once here (it returns the padded rows [bs, H]), or with eager=True (or no graph
         that fits) the eager forward of the same inputs ([T, H]). Samples nothing, changes no
         request."""
-        self._one_rank("forward_fn")
+        if self.workers is not None:  # eager on every rank, the inputs sent each call
+            return lambda: self.forward_rows(host, None, [])[0]
         if eager or self.graphs is None or not self.graphs.can_run(host):
             batch = self.device_batch(host)
             return lambda: self._forward(batch)
@@ -312,6 +314,9 @@ class ModelRunner:
     def logits_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
         """forward_fn, then the lm_head on the batch's T rows, as a step computes them."""
         T = host.num_tokens
+        if self.workers is not None:  # the lm_head's gather is a collective too
+            rows = [torch.arange(T)]
+            return lambda: self.forward_rows(host, None, rows)[1][0]
         forward = self.forward_fn(host, eager=eager)
         return lambda: self.model.compute_logits(forward()[:T])
 
