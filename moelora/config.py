@@ -99,6 +99,16 @@ class EngineConfig:
         "read (the folder needs only config.json)",
         choices=LOAD_FORMATS,
     )
+    tensor_parallel_size: int = _flag(
+        1,
+        "ranks, one process each on one host (vLLM's --tensor-parallel-size): attention heads, "
+        "MLPs, experts and the vocabulary are split over them; rank 0 schedules and samples",
+    )
+    enable_expert_parallel: bool = _flag(
+        False,
+        "with --tensor-parallel-size N, each rank holds E/N whole experts rather than 1/N of "
+        "every expert (vLLM's --enable-expert-parallel)",
+    )
     served_model_name: str | None = _flag(
         None, "the base model's name in the API (default: the model argument)"
     )
@@ -131,6 +141,14 @@ class EngineConfig:
                 f"device={device!r} is invalid: this machine has {torch.cuda.device_count()} "
                 f"CUDA devices, expected cuda:0 .. cuda:{torch.cuda.device_count() - 1}"
             )
+        if device.startswith("cuda"):
+            first = int(device[5:]) if device.startswith("cuda:") else 0
+            if first + self.tensor_parallel_size > torch.cuda.device_count():
+                raise ConfigError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} on {device!r} needs CUDA "
+                    f"devices cuda:{first} .. cuda:{first + self.tensor_parallel_size - 1}, but "
+                    f"this machine has {torch.cuda.device_count()}"
+                )
         dtype = self.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -177,6 +195,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ("max_graph_bs", _at_least_1, _AT_LEAST_1),
     ("load_format", lambda v: v in LOAD_FORMATS, "'auto' or 'dummy'"),
+    ("tensor_parallel_size", _at_least_1, _AT_LEAST_1),
 )
 
 

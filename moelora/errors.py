@@ -34,3 +34,7 @@ class AdapterExistsError(MoeloraError, ValueError):
 
 class AdapterBusyError(MoeloraError, RuntimeError):
     """The adapter has requests in flight and cannot be unloaded now (HTTP 409)."""
+
+
+class EngineDeadError(MoeloraError, RuntimeError):
+    """A rank of a tensor-parallel engine died or stopped answering: the engine cannot go on."""

@@ -58,6 +58,10 @@ class LLM:
             raise
         return [finished[rid] for rid in ids]
 
+    def close(self) -> None:
+        """Stop the engine's other ranks (tensor_parallel_size > 1; a no-op on one rank)."""
+        self.engine.close()
+
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.engine.text_tokenizer("text prompts").encode(prompt)

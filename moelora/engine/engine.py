@@ -37,6 +37,7 @@ from moelora.engine.checks import check_request
 from moelora.engine.grammar import Grammars
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.prefix_cache import namespace, page_hashes
+from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.errors import (
     AdapterBusyError,
@@ -46,16 +47,17 @@ from moelora.errors import (
     InvalidRequestError,
     ModelConfigError,
 )
-from moelora.kernels.ops import Ops, make_ops
+from moelora.kernels.ops import Ops
 from moelora.lora.adapter import LoraAdapter, load_adapter
+from moelora.lora.shard import full_targets
 from moelora.lora.slots import LoraTarget, SlotPool, SlotTable
-from moelora.models.loader import fill_dummy, load_weights
-from moelora.models.model import MoeCausalLM
 from moelora.models.registry import read_model_config
+from moelora.models.shard import check_divides
 from moelora.runner.model_runner import LaunchedStep, ModelRunner
 from moelora.runner.sampler import TokenMask
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import HostBatch, pages_for
+from moelora.step.parallel import SINGLE
 from moelora.step.plan import StepPlan
 from moelora.step.request import Request, RequestOutput, Status
 from moelora.tokenizer import Tokenizer, eos_ids_from_folder
@@ -122,21 +124,32 @@ class Engine:
         self.config = cfg
         # the current CUDA device is per thread and graph capture, its memory pool and every
         # Triton launch follow it, not the tensors: on cuda:1 they must all run under it
+        self.workers = None
         with self.on_device():
-            self._build(cfg)
+            try:
+                self._build(cfg)
+            except BaseException:
+                if self.workers is not None:  # started before the failure: stop them now
+                    self.workers.close()
+                raise
 
     def _build(self, cfg: EngineConfig) -> None:
         self.model_config, hf = read_model_config(cfg.model)
         max_len = self._requested_max_len()
-        ops = make_ops(
-            cfg.torch_device,
-            force_reference=cfg.force_reference_kernels,
-            projections=cfg.projections,
-        )
+        self.shard, self.workers = SINGLE, None
+        ops = make_rank_ops(cfg, self.shard, cfg.torch_device)
         if self.model_config.experts_mxfp4 and not ops.keeps_mxfp4:
             # resolved before the model is built: these kernels get the experts dequantized
             self.model_config = replace(self.model_config, experts_mxfp4=False)
-        self.model = self._load_model(hf, max_len, ops)
+        if cfg.tensor_parallel_size > 1:
+            check_divides(
+                self.model_config,
+                cfg.tensor_parallel_size,
+                expert_parallel=cfg.enable_expert_parallel,
+            )
+            self.shard, self.workers = start_workers(cfg, self.model_config, hf, max_len)
+            ops = make_rank_ops(cfg, self.shard, cfg.torch_device)
+        self.model = load_model(cfg, self.model_config, hf, max_len, ops, cfg.torch_device)
         self.tokenizer, self.eos_token_ids = self._load_tokenizer()
         self.grammars = None  # structured outputs need the tokenizer's vocabulary
         if self.tokenizer is not None:
@@ -186,23 +199,6 @@ class Engine:
             )
         return cfg.max_model_len or mc.max_position_embeddings
 
-    def _load_model(self, hf_config, max_len: int, ops: Ops) -> MoeCausalLM:
-        cfg = self.config
-        model = MoeCausalLM(
-            self.model_config,
-            hf_config,
-            max_len,
-            ops,
-            dtype=cfg.torch_dtype,
-            device=cfg.torch_device,
-        )
-        with torch.no_grad():
-            if cfg.load_format == "dummy":
-                fill_dummy(model, cfg.seed)
-            else:
-                load_weights(model, cfg.model)
-        return model
-
     def _load_tokenizer(self) -> tuple[Tokenizer | None, frozenset[int]]:
         path = self.config.model
         eos = eos_ids_from_folder(path, list(self.model_config.eos_token_ids))
@@ -223,8 +219,10 @@ class Engine:
                 num_pages,
                 cfg.page_size,
             )
+        if self.workers is not None:
+            self.workers.send(num_pages)  # what each worker's KV cache holds too
         kv = allocate_kv_caches(
-            self.model_config,
+            kv_config(self.model_config, self.shard),
             num_pages,
             cfg.page_size,
             dtype=cfg.torch_dtype,
@@ -241,8 +239,23 @@ class Engine:
             self.pages,
             self.slot_table,
         )
-        self.runner = ModelRunner(self.model, kv, self.slot_pool, cfg.page_size, cfg.torch_device)
-        if cfg.torch_device.type == "cuda" and not cfg.enforce_eager and ops.name != "torch":
+        self.runner = ModelRunner(
+            self.model, kv, self.slot_pool, cfg.page_size, cfg.torch_device, self.workers
+        )
+        # graphs would have to capture the collectives on every rank: not yet, so eager
+        one_rank = self.workers is None
+        if not one_rank and cfg.torch_device.type == "cuda" and not cfg.enforce_eager:
+            log.warning(
+                "tensor_parallel_size=%d runs every step eagerly: CUDA graphs that capture the "
+                "collectives are not implemented yet",
+                cfg.tensor_parallel_size,
+            )
+        if (
+            one_rank
+            and cfg.torch_device.type == "cuda"
+            and not cfg.enforce_eager
+            and ops.name != "torch"
+        ):
             self.runner.capture_graphs(
                 max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
                 max_pages=pages_for(self.max_model_len, cfg.page_size),
@@ -260,7 +273,9 @@ class Engine:
 
     def _auto_num_pages(self, max_len: int) -> int:
         cfg = self.config
-        per_page = page_bytes(self.model_config, cfg.page_size, cfg.torch_dtype)
+        per_page = page_bytes(
+            kv_config(self.model_config, self.shard), cfg.page_size, cfg.torch_dtype
+        )
         per_seq = pages_for(max_len, cfg.page_size)
         if cfg.torch_device.type == "cuda":
             free, total = torch.cuda.mem_get_info(cfg.torch_device)
@@ -348,7 +363,7 @@ class Engine:
         every step in flight, in stream order)."""
         plan = self.scheduler.schedule(can_preempt=can_preempt)
         for slot, name in plan.lora_loads if plan is not None else ():
-            self.slot_pool.fill(slot, self.adapters[name])
+            self.runner.fill_slot(slot, self.adapters[name])
         return plan
 
     def _step(self) -> list[RequestOutput]:
@@ -517,7 +532,7 @@ class Engine:
     def lora_targets(self) -> dict[str, LoraTarget]:
         """The model's LoRA-capable projections (what an adapter may hold), by target key."""
         self._require_lora()
-        return self.slot_pool.targets
+        return full_targets(self.slot_pool.targets, self.shard, self.model_config)
 
     def _require_lora(self) -> None:
         if self.slot_pool is None:
@@ -565,7 +580,7 @@ class Engine:
             )
         slot = self.slot_table.evict(name)
         if slot is not None:
-            self.slot_pool.clear(slot)
+            self.runner.clear_slot(slot)
         del self.adapters[name]
         self.pages.drop_owner(self._adapter_loads.pop(name))  # its KV is never read again
 
@@ -574,6 +589,11 @@ class Engine:
         again); later requests compute their prompts anew. True: done."""
         self.pages.reset_cache()
         return True
+
+    def close(self) -> None:
+        """Stop and join the other ranks of a tensor-parallel engine (a no-op on one rank);
+        the engine cannot step after it."""
+        self.runner.close()
 
     def list_loras(self) -> list[str]:
         return list(self.adapters)

@@ -7,12 +7,13 @@ The Triton modules are imported only when a CUDA table is made: triton is option
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from moelora.config import PROJECTIONS
 from moelora.kernels import reference
+from moelora.step.parallel import SINGLE, Shard
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ class Ops:
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool
+    # the part of the model this process holds and the collectives between the parts (NCCL or
+    # gloo are kernels too): layers size themselves and reduce through it
+    shard: Shard = SINGLE
 
 
 REFERENCE_OPS = Ops(
@@ -48,15 +52,19 @@ REFERENCE_OPS = Ops(
 
 
 def make_ops(
-    device: torch.device, *, force_reference: bool = False, projections: str = "batch-invariant"
+    device: torch.device,
+    *,
+    force_reference: bool = False,
+    projections: str = "batch-invariant",
+    shard: Shard = SINGLE,
 ) -> Ops:
     """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
-    dense projections that `projections` names (see EngineConfig and kernels/linear.py)."""
+    dense projections that `projections` names (see EngineConfig and kernels/linear.py), for the
+    model's part `shard`."""
     if projections not in PROJECTIONS:
         raise ValueError(f"projections={projections!r} is invalid: expected one of {PROJECTIONS}")
-    if device.type != "cuda" or force_reference:
-        return REFERENCE_OPS
-    return triton_ops(projections)
+    ops = REFERENCE_OPS if device.type != "cuda" or force_reference else triton_ops(projections)
+    return ops if shard == SINGLE else replace(ops, shard=shard)
 
 
 def triton_ops(projections: str) -> Ops:

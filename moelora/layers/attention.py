@@ -1,9 +1,15 @@
 """Self-attention over the paged KV cache: fused qkv (+LoRA), q/k norm, rotary, GQA, o (+LoRA).
 
 Legend: T = tokens, Hq/Hkv = query/kv heads, D = head dim.
+
+With tensor parallelism (ops.shard) each rank holds its query heads and their KV heads (one
+replicated KV head when there are fewer than ranks): q/k/v are column-parallel, o is
+row-parallel, and o's partial outputs, its LoRA's partial expand included, are all-reduced once.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -22,6 +28,14 @@ class Attention(nn.Module):
         self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, *, sliding: bool = False, **kw
     ):
         super().__init__()
+        shard = ops.shard
+        self.kv_replicas = shard.kv_replicas(cfg.num_kv_heads)  # ranks holding each KV head
+        # this rank's heads: every size below (projections, views, cache) is the local one
+        cfg = dataclasses.replace(
+            cfg,
+            num_heads=shard.heads(cfg.num_heads),
+            num_kv_heads=shard.kv_heads(cfg.num_kv_heads),
+        )
         self.cfg = cfg
         self.rotary = rotary
         self.ops = ops
@@ -53,7 +67,7 @@ class Attention(nn.Module):
         out = self.ops.paged_attention(
             q, k_cache, v_cache, batch.attn, self.scale, window=self.window, sinks=self.sinks
         )
-        return self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora)
+        return self.ops.shard.all_reduce(self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora))
 
     def forward_folded(
         self,
@@ -95,7 +109,8 @@ class Attention(nn.Module):
         T = qkv.shape[0]
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         if cfg.qk_norm == "full":
-            q, k = self.q_norm(q)[0], self.k_norm(k)[0]
+            q = self._full_norm(self.q_norm, q, 1)
+            k = self._full_norm(self.k_norm, k, self.kv_replicas)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         per_head = cfg.qk_norm == "head"
@@ -116,3 +131,15 @@ class Attention(nn.Module):
             expand=expand,
         )
         return q
+
+    def _full_norm(self, norm: RMSNorm, x: torch.Tensor, replicas: int) -> torch.Tensor:
+        """The q (or k) RMSNorm over all heads when the heads are spread over the ranks: the
+        sum of squares is all-reduced, a head that `replicas` ranks hold counted once."""
+        shard = self.ops.shard
+        if shard.size == 1:
+            return norm(x)[0]
+        h = x.float()
+        total = shard.all_reduce(h.pow(2).sum(-1, keepdim=True)) / replicas
+        width = x.shape[-1] * shard.size // replicas
+        h = h * torch.rsqrt(total / width + norm.eps)
+        return norm.weight * h.to(x.dtype)

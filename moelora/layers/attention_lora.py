@@ -34,7 +34,8 @@ FOLD_LORA_MAX_TOKENS = 256
 def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     """Whether this step's attention LoRA is folded. Not with a full-width q/k norm or
     clip_qkv, which come between q|k|v and rotary, nor with a head dim that is not a power of
-    two (rotary's expand swaps the halves of a head)."""
+    two (rotary's expand swaps the halves of a head), nor with tensor parallelism, whose
+    all-reduce of o's output comes between o and the norm that would expand o's LoRA."""
     cfg = attn.cfg
     return (
         batch.lora is not None
@@ -44,6 +45,7 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
         and cfg.clip_qkv is None
         and cfg.head_dim & (cfg.head_dim - 1) == 0
         and num_tokens <= FOLD_LORA_MAX_TOKENS
+        and attn.ops.shard.size == 1
     )
 
 

@@ -1,6 +1,11 @@
 """The MLP of a decoder layer: sparse MoE (+ optional shared expert) or a dense SwiGLU MLP.
 
 Legend: T = tokens, H = hidden, I = expert intermediate, E = experts, K = top-k.
+
+With tensor parallelism (ops.shard) a dense MLP and a shared expert hold their slice of the
+intermediate dimension; the experts hold theirs too (TP) or E/N whole experts (EP). Either way
+each rank's output (its LoRA's partial expands included: down's A is split by input, B whole)
+is a partial sum, all-reduced once per MLP. Routers are replicated.
 """
 
 from __future__ import annotations
@@ -20,14 +25,19 @@ from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 class DenseMLP(nn.Module):
     """SwiGLU with fused gate|up; used for dense layers and for the shared expert."""
 
-    def __init__(self, hidden: int, intermediate: int, ops: Ops, **kw):
+    def __init__(self, hidden: int, intermediate: int, ops: Ops, *, reduce: bool = True, **kw):
+        """reduce=False: the output stays this rank's partial sum (a shared expert, which its
+        MoE reduces with the experts)."""
         super().__init__()
+        intermediate = ops.shard.intermediate(intermediate)
+        self.shard = ops.shard if reduce else None
         self.gate_up_proj = LoraLinear(hidden, (intermediate, intermediate), ops, **kw)
         self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         lora = batch.lora
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return out if self.shard is None else self.shard.all_reduce(out)
 
 
 class SparseMoE(nn.Module):
@@ -35,9 +45,12 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.ops = ops
-        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        shard = ops.shard
+        H, E_all = cfg.hidden_size, cfg.num_experts
+        E, I = shard.experts(E_all), shard.expert_intermediate(cfg.moe_intermediate_size)
         kw = dict(dtype=dtype, device=device)
-        self.gate = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)  # router
+        self.num_local_experts = E
+        self.gate = nn.Parameter(torch.empty(E_all, H, **kw), requires_grad=False)  # router
         self.w13: nn.Parameter | Mxfp4Weight
         self.w2: nn.Parameter | Mxfp4Weight
         if cfg.experts_mxfp4:
@@ -48,7 +61,7 @@ class SparseMoE(nn.Module):
             self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
         self.gate_bias = self.w13_bias = self.w2_bias = None
         if cfg.router_bias:
-            self.gate_bias = nn.Parameter(torch.empty(E, **kw), requires_grad=False)
+            self.gate_bias = nn.Parameter(torch.empty(E_all, **kw), requires_grad=False)
         if cfg.expert_bias:
             self.w13_bias = nn.Parameter(torch.empty(E, 2 * I, **kw), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
@@ -56,7 +69,9 @@ class SparseMoE(nn.Module):
         self.lora2: LoraWeights | None = None
         self.shared_expert = None
         if cfg.shared_expert_intermediate_size:
-            self.shared_expert = DenseMLP(H, cfg.shared_expert_intermediate_size, ops, **kw)
+            self.shared_expert = DenseMLP(
+                H, cfg.shared_expert_intermediate_size, ops, reduce=False, **kw
+            )
             self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
 
     def _packed(self, name: str, shape: tuple[int, int, int], device) -> Mxfp4Weight:
@@ -79,6 +94,8 @@ class SparseMoE(nn.Module):
         )
         if batch.routing_trace is not None:
             batch.routing_trace.append(ids.clone())
+        shard = self.ops.shard
+        weights, ids = shard.localize_experts(weights, ids, self.num_local_experts)
         out = self.ops.fused_moe(
             x,
             self.w13,
@@ -89,13 +106,14 @@ class SparseMoE(nn.Module):
             lora2=self.lora2 if lora is not None else None,
             info=lora,
             # the next norm adds the top-k rows; a shared expert is added to their sum here
-            sum_topk=self.shared_expert is not None,
+            # (and with several ranks, whose all-reduce would move K times the rows)
+            sum_topk=self.shared_expert is not None or shard.size > 1,
             **self._expert_options(),
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, batch)
             out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
-        return out
+        return shard.all_reduce(out)
 
     def _expert_options(self) -> dict:
         """fused_moe's options where this MoE differs from the plain SwiGLU without biases:

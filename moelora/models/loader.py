@@ -92,6 +92,19 @@ def load_weights(model: MoeCausalLM, model_path: str) -> None:
     MXFP4 experts are dequantized to the model's dtype on the way, unless the model keeps them
     packed (ModelConfig.experts_mxfp4)."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
+    for target, source in placed_tensors(model, model_path):
+        target.copy_(source)
+        base = target if target._base is None else target._base
+        filled[id(base)] = filled.get(id(base), 0) + target.numel()
+    check_filled(model, filled, model_path)
+
+
+def placed_tensors(
+    model: MoeCausalLM, model_path: str
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(view of a parameter of `model`, checkpoint tensor of its shape) for every checkpoint
+    tensor, in the checkpoint's order; unknown or misshapen tensors refused. `model` may be on
+    the meta device: its views then say where each tensor goes (models/shard.py)."""
     tensors = iter_tensors(safetensors_files(model_path))
     dtype, packed = model.embed_tokens.dtype, model.cfg.experts_mxfp4
     for key, tensor in dequantized(tensors, dtype, packed=packed):
@@ -104,9 +117,11 @@ def load_weights(model: MoeCausalLM, model_path: str) -> None:
                     f"{model_path}: weight {key!r} has shape {tuple(source.shape)}, expected "
                     f"{tuple(target.shape)}"
                 )
-            target.copy_(source)
-            base = target if target._base is None else target._base
-            filled[id(base)] = filled.get(id(base), 0) + target.numel()
+            yield target, source
+
+
+def check_filled(model: MoeCausalLM, filled: dict[int, int], model_path: str) -> None:
+    """A ModelConfigError naming the parameters the checkpoint did not fill whole."""
     missing = [n for n, p in model.named_parameters() if filled.get(id(p), 0) < p.numel()]
     if missing:
         raise ModelConfigError(f"{model_path}: checkpoint lacks weights for {missing[:5]}")

@@ -1,5 +1,9 @@
 """MoeCausalLM: the one model class every supported architecture builds (embedding, the shared
-decoder layers, final norm, lm_head). Architecture files in this package only read configs."""
+decoder layers, final norm, lm_head). Architecture files in this package only read configs.
+
+With tensor parallelism (ops.shard) the embedding and the lm_head are vocab-parallel: each rank
+holds ceil(V / N) rows (the last rank's tail zero), the lookup is all-reduced and the logits are
+gathered on rank 0."""
 
 from __future__ import annotations
 
@@ -29,9 +33,11 @@ class MoeCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
+        self.shard = ops.shard
+        rows = self.shard.vocab(cfg.vocab_size)
         rotary = RotaryEmbedding(hf_config, max_len, device=device)
         self.embed_tokens = nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
+            torch.empty(rows, cfg.hidden_size, **kw), requires_grad=False
         )
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, rotary, ops, sparse=sparse, sliding=sliding, **kw)
@@ -41,19 +47,19 @@ class MoeCausalLM(nn.Module):
         self.lm_head = (
             self.embed_tokens
             if cfg.tie_word_embeddings
-            else nn.Parameter(
-                torch.empty(cfg.vocab_size, cfg.hidden_size, **kw), requires_grad=False
-            )
+            else nn.Parameter(torch.empty(rows, cfg.hidden_size, **kw), requires_grad=False)
         )
 
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Returns the final hidden states [T, H] (normed)."""
-        x, residual = F.embedding(batch.input_ids, self.embed_tokens), None
+        x, residual = self.shard.embed(batch.input_ids, self.embed_tokens), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, batch, kv)
         return self.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, V] float32 logits of hidden [N, H]; on a rank other than 0, None (its part went
+        to rank 0)."""
+        return self.shard.gather_vocab(F.linear(hidden, self.lm_head).float(), self.cfg.vocab_size)

@@ -4,16 +4,21 @@ graph for decode batches that fit one, eager otherwise), and samples.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from moelora.errors import EngineDeadError
+from moelora.lora.adapter import LoraAdapter
+from moelora.lora.shard import shard_adapter
 from moelora.lora.slots import SlotPool
 from moelora.runner.graph_runner import GraphRunner
 from moelora.runner.sampler import Sampled, TokenMask, sample, token_logprobs
+from moelora.runner.tp import ClearSlot, FillSlot, Forward, Workers, on_host
 from moelora.step.batch import (
     ForwardBatch,
     HostBatch,
@@ -25,6 +30,16 @@ from moelora.step.plan import StepOutput, StepPlan
 from moelora.step.request import Request
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
+
+
+@dataclass(frozen=True)
+class _Window:
+    """Prompt positions of one chunk whose logits give prompt logprobs."""
+
+    chunk: int  # index in the plan
+    rows: torch.Tensor  # [n] int64, rows of the step's hidden states
+    targets: torch.Tensor  # [n] int64, the prompt tokens they predict
+    top: int  # the request's prompt_logprobs
 
 
 class LaunchedStep:
@@ -69,8 +84,12 @@ class ModelRunner:
         slot_pool: SlotPool | None,
         page_size: int,
         device: torch.device,
+        workers: Workers | None = None,
     ):
+        """workers: on rank 0 of a tensor-parallel engine, the other ranks (None elsewhere)."""
         self.model = model
+        self.shard = model.shard
+        self.workers = workers
         self.kv_caches = kv_caches
         self.slot_pool = slot_pool
         self.page_size = page_size
@@ -114,22 +133,72 @@ class ModelRunner:
         prev_tokens: the tokens the step before sampled, still on the device, which the
         placeholders of this plan's inputs stand for (-1 - j: its row j)."""
         host = self.host_batch(plan)
-        if self.graphs is not None and self.graphs.can_run(host):
-            hidden = self.graphs.run(host, prev_tokens=prev_tokens)
-            self.num_graph_replays += 1
-        else:
-            batch = self.device_batch(host)
-            if prev_tokens is not None:
-                fill_placeholders(batch.input_ids, prev_tokens)
-            hidden = self._forward(batch)
-            self.num_eager_steps += 1
-        prompt_logprobs = self._prompt_logprobs(plan, host, hidden)
+        windows = self._prompt_windows(plan, host)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        rows = [w.rows for w in windows]
+        if sampling:
+            rows.append(host.cu_seqlens_q[1:][sampling].long() - 1)
+        _, logits = self.forward_rows(host, prev_tokens, rows)
+        prompt_logprobs = self._prompt_logprobs(windows, logits[: len(windows)])
         if not sampling:
             return Forwarded(None, [], prompt_logprobs)
-        last_rows = (host.cu_seqlens_q[1:][sampling] - 1).to(self.device, non_blocking=True)
-        logits = self.model.compute_logits(hidden[last_rows])
-        return Forwarded(logits, [plan.chunks[i].request for i in sampling], prompt_logprobs)
+        return Forwarded(logits[-1], [plan.chunks[i].request for i in sampling], prompt_logprobs)
+
+    @torch.inference_mode()
+    def forward_rows(
+        self, host: HostBatch, prev_tokens: torch.Tensor | None, rows: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        """The forward of `host` (its hidden states), then the lm_head's logits [len(r), V] of
+        each row set r in `rows` (host int64 indices), in order. With workers, rank 0 sends them
+        the same first, and every rank runs this (a worker's logits are None: they went to
+        rank 0)."""
+        if self.workers is not None:
+            self.workers.send(Forward(host, rows))
+        with self._collectives():
+            if self.graphs is not None and self.graphs.can_run(host):
+                hidden = self.graphs.run(host, prev_tokens=prev_tokens)
+                self.num_graph_replays += 1
+            else:
+                # before the fill, which on the CPU writes host.input_ids too (the same tensor)
+                placeholders = self.shard.size > 1 and bool((host.input_ids < 0).any())
+                batch = self.device_batch(host)
+                if prev_tokens is not None:
+                    fill_placeholders(batch.input_ids, prev_tokens)
+                if placeholders:
+                    self.shard.broadcast(batch.input_ids)  # rank 0 alone holds prev_tokens
+                hidden = self._forward(batch)
+                self.num_eager_steps += 1
+            device_rows = [r.to(self.device, non_blocking=True) for r in rows]
+            return hidden, [self.model.compute_logits(hidden[r]) for r in device_rows]
+
+    @contextlib.contextmanager
+    def _collectives(self) -> Iterator[None]:
+        """A collective that fails on rank 0 (a worker died in it, or timed out) makes the
+        engine dead, with a clear error, rather than leaving the next step to hang."""
+        try:
+            yield
+        except RuntimeError as e:
+            if self.workers is None or isinstance(e, EngineDeadError):
+                raise
+            self.workers.fail(f"a collective failed ({e})")
+
+    @torch.inference_mode()
+    def fill_slot(self, slot: int, adapter: LoraAdapter) -> None:
+        """The adapter copied into `slot`, on every rank (each rank its part)."""
+        if self.workers is not None:
+            self.workers.send(FillSlot(slot, on_host(adapter)))
+        self.slot_pool.fill(slot, shard_adapter(adapter, self.shard, self.model.cfg))
+
+    @torch.inference_mode()
+    def clear_slot(self, slot: int) -> None:
+        if self.workers is not None:
+            self.workers.send(ClearSlot(slot))
+        self.slot_pool.clear(slot)
+
+    def close(self) -> None:
+        """Stop and join the workers (a no-op on one rank)."""
+        if self.workers is not None:
+            self.workers.close()
 
     @torch.inference_mode()
     def sample_step(self, forwarded: Forwarded, mask: TokenMask | None = None) -> LaunchedStep:
@@ -153,14 +222,12 @@ class ModelRunner:
         """The model's ForwardBatch of `host`, copied to the device (the eager path)."""
         return forward_batch(host.to(self.device), self.slot_pool)
 
-    def _prompt_logprobs(
-        self, plan: StepPlan, host: HostBatch, hidden: torch.Tensor
-    ) -> dict[int, list[dict[int, float]]]:
-        """{chunk index: entries} for the prompt tokens this step's rows predict (row p of a
-        sequence predicts token p + 1), for requests with prompt_logprobs set. Positions a
-        preempted request already reported are skipped; logits go PROMPT_LOGITS_ROWS rows at a
-        time, so a long prompt does not hold [tokens, vocab] floats at once."""
-        found = {}
+    def _prompt_windows(self, plan: StepPlan, host: HostBatch) -> list[_Window]:
+        """The rows whose logits give this step's prompt logprobs (row p of a sequence predicts
+        token p + 1), for requests with prompt_logprobs set, PROMPT_LOGITS_ROWS rows at a time,
+        so a long prompt does not hold [tokens, vocab] floats at once. Positions a preempted
+        request already reported are skipped."""
+        windows = []
         for i, c in enumerate(plan.chunks):
             req = c.request
             top = req.params.prompt_logprobs
@@ -168,16 +235,23 @@ class ModelRunner:
                 continue
             first = max(c.start, len(req.prompt_logprobs))  # position predicting token first+1
             last = min(c.start + c.num_tokens, len(req.prompt_token_ids) - 1)
-            if first >= last:
-                continue
             row0 = int(host.cu_seqlens_q[i]) + first - c.start
-            targets = torch.tensor(req.prompt_token_ids[first + 1 : last + 1], device=self.device)
-            entries = []
             for r in range(0, last - first, PROMPT_LOGITS_ROWS):
-                rows = slice(row0 + r, row0 + min(r + PROMPT_LOGITS_ROWS, last - first))
-                logprobs = self.model.compute_logits(hidden[rows]).log_softmax(dim=-1)
-                entries += token_logprobs(logprobs, targets[r : r + PROMPT_LOGITS_ROWS], top)
-            found[i] = entries
+                n = min(PROMPT_LOGITS_ROWS, last - first - r)
+                targets = req.prompt_token_ids[first + r + 1 : first + r + 1 + n]
+                rows = torch.arange(row0 + r, row0 + r + n)
+                windows.append(_Window(i, rows, torch.tensor(targets), top))
+        return windows
+
+    def _prompt_logprobs(
+        self, windows: list[_Window], logits: list[torch.Tensor]
+    ) -> dict[int, list[dict[int, float]]]:
+        """{chunk index: entries} of the windows' logits."""
+        found: dict[int, list[dict[int, float]]] = {}
+        for w, window_logits in zip(windows, logits):
+            logprobs = window_logits.log_softmax(dim=-1)
+            targets = w.targets.to(self.device)
+            found.setdefault(w.chunk, []).extend(token_logprobs(logprobs, targets, w.top))
         return found
 
     def host_batch(self, plan: StepPlan) -> HostBatch:
@@ -230,6 +304,8 @@ class ModelRunner:
         written once here (it returns the padded rows [bs, H]), or with eager=True (or no graph
         that fits) the eager forward of the same inputs ([T, H]). Samples nothing, changes no
         request."""
+        if self.workers is not None:  # eager on every rank, the inputs sent each call
+            return lambda: self.forward_rows(host, None, [])[0]
         if eager or self.graphs is None or not self.graphs.can_run(host):
             batch = self.device_batch(host)
             return lambda: self._forward(batch)
@@ -238,13 +314,21 @@ class ModelRunner:
     def logits_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
         """forward_fn, then the lm_head on the batch's T rows, as a step computes them."""
         T = host.num_tokens
+        if self.workers is not None:  # the lm_head's gather is a collective too
+            rows = [torch.arange(T)]
+            return lambda: self.forward_rows(host, None, rows)[1][0]
         forward = self.forward_fn(host, eager=eager)
         return lambda: self.model.compute_logits(forward()[:T])
 
     @torch.inference_mode()
     def routed_experts(self, host: HostBatch) -> list[torch.Tensor]:
         """Each MoE layer's top-k expert ids [T, K] for this batch, from one eager forward."""
+        self._one_rank("routed_experts")
         trace: list[torch.Tensor] = []
         batch = self.device_batch(host)
         self._forward(dataclasses.replace(batch, routing_trace=trace))
         return trace
+
+    def _one_rank(self, hook: str) -> None:
+        if self.workers is not None:
+            raise NotImplementedError(f"{hook} runs on one rank only: tensor_parallel_size=1")

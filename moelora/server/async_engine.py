@@ -286,6 +286,8 @@ class AsyncEngine:
             self._dead = e
             self._fail_all(e)
             self._fail_pending_commands(e)
+        finally:
+            self._engine.close()  # a tensor-parallel engine's workers stop with it
 
     def _serve_commands(self) -> bool:
         """Run queued commands; block for one only when the engine has nothing to do."""
