@@ -424,34 +424,9 @@ def test_rope_store_kv_prefill_programs_of_several_tokens(poison_empty):
     slots[[3, T - 1]] = -1
     caches = [torch.full((num_pages, page_size, Hkv, D), SENTINEL, dtype=dtype) for _ in "kv"]
     refs = [c.clone() for c in caches]
-    got = rope_store_kv(
-        q,
-        k,
-        positions,
-        cos,
-        sin,
-        q_norm,
-        k_norm,
-        EPS,
-        v=v,
-        k_cache=caches[0],
-        v_cache=caches[1],
-        slot_mapping=slots,
-    )
-    want = reference.rope_store_kv(
-        q,
-        k,
-        positions,
-        cos,
-        sin,
-        q_norm,
-        k_norm,
-        EPS,
-        v=v,
-        k_cache=refs[0],
-        v_cache=refs[1],
-        slot_mapping=slots,
-    )
+    args = (q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    got = rope_store_kv(*args, v=v, k_cache=caches[0], v_cache=caches[1], slot_mapping=slots)
+    want = reference.rope_store_kv(*args, v=v, k_cache=refs[0], v_cache=refs[1], slot_mapping=slots)
     for a, b in zip((*got, *caches), (*want, *refs)):
         torch.testing.assert_close(a, b, **TOL[dtype])
     assert (caches[1] != SENTINEL).all(-1).all(-1).flatten().sum() == T - 2
