@@ -417,7 +417,7 @@ def test_rope_store_kv_prefill_programs_of_several_tokens(poison_empty):
     program 5, and padded rows (-1) among them; the same values as the reference, every
     row stored where its slot says."""
     torch.manual_seed(1029)
-    T, Hq, Hkv, D, dtype = 1029, 2, 1, 16, torch.float32
+    T, Hq, Hkv, D, dtype = 1029, 1, 1, 16, torch.float32
     q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, True)
     num_pages, page_size = 300, 4
     slots = torch.randperm(num_pages * page_size)[:T]
