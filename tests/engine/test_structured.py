@@ -10,24 +10,13 @@ import re
 import pytest
 import torch
 import xgrammar as xgr
+from structured_cases import LORAS, PERSON, PROMPTS
 
 from moelora import LLM, SamplingParams
 from moelora.demo import ensure_demo
 from moelora.errors import InvalidRequestError
 from moelora.runner.sampler import apply_token_mask
 from moelora.sampling_params import StructuredOutputsParams as Structured
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "pet"],
-}
-PROMPTS = ["Tell me a story", "SELECT name", "What is the capital", "A mixture of experts"]
-LORAS = [None, "sql", "chat", "sql"]
 
 
 @pytest.fixture(scope="module")

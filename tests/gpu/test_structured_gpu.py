@@ -3,7 +3,7 @@ replays and the pinned, non-blocking bitmask copy, in a batch of mixed adapters,
 unconstrained requests beside them sample what they sample alone (fp32, where the GPU
 engine's bits do not depend on a step's make-up).
 
-Skipped without CUDA; run on the device by scripts/gpu-check tests-kernels (or tests).
+Skipped without CUDA; run on the device by scripts/gpu-check tests-structured (or tests).
 """
 
 from __future__ import annotations
@@ -13,24 +13,13 @@ import re
 
 import pytest
 import torch
+from structured_cases import LORAS, PERSON, PROMPTS
 
 from moelora import LLM, SamplingParams
 from moelora.demo import ensure_demo
 from moelora.sampling_params import StructuredOutputsParams as Structured
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 6},
-        "age": {"type": "integer", "minimum": 0, "maximum": 99},
-        "pet": {"enum": ["cat", "dog"]},
-    },
-    "required": ["name", "age", "pet"],
-}
-PROMPTS = ["Tell me a story", "SELECT name", "What is the capital", "A mixture of experts"]
-LORAS = [None, "sql", "chat", "sql"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
