@@ -19,9 +19,11 @@ random weights.
 Prefix caching is off: every prompt is computed whole.
 
     PYTHONPATH=.:bench python bench/prefill.py [--lengths N ...] [--layers N] [--profile]
-        [--smoke] [--out PATH]
+        [--pdl] [--smoke] [--out PATH]
 
 --profile: also the per-kernel GPU time of one 4096-token prefill, per layer (torch.profiler).
+  It turns programmatic dependent launch off for the whole run unless --pdl is given: with it
+  on, a kernel that starts early is charged its wait for the one before.
 --smoke: the tiny demo shape on the CPU: shows that the script runs; its figures mean nothing.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import statistics
 import time
 from collections import defaultdict
@@ -266,6 +269,12 @@ def print_row(row: Row) -> None:
     )
 
 
+def pdl_state() -> str:
+    if os.environ.get("MOELORA_PDL", "1") == "0":
+        return "off (MOELORA_PDL=0: --profile without --pdl), for TTFT and profile alike"
+    return "on (kernels/pdl.py)"
+
+
 def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: float):
     title = f"Prefill: TTFT and prefill throughput beside the compute floor, {setup.shape} shape"
     lines = result_header(f"{title} (random weights)", None, device=setup.device)
@@ -279,6 +288,7 @@ def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: f
         f"- TTFT: the median of {REPS} prompts of fresh random tokens, each added alone to an "
         "idle engine, until Engine.step() returns its token; throughput: "
         f"{setup.batch[0]} x {setup.batch[1]} tokens added at once, until the last token",
+        f"- programmatic dependent launch: {pdl_state()}",
         f"- whole run: {seconds:.0f} s",
         "",
         "| case | what | tokens | ms | floor ms | x floor | tok/s | / disabled |",
@@ -303,8 +313,17 @@ def main() -> None:
     parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
     parser.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths")
     parser.add_argument("--profile", action="store_true", help="per-kernel times (CUDA)")
+    parser.add_argument(
+        "--pdl",
+        action="store_true",
+        help="with --profile: keep programmatic dependent launch on (a kernel launched early "
+        "is charged its wait for the one before: a norm after a LoRA kernel showed +90%%)",
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
+    if args.profile and not args.pdl:
+        # read at the first launch (kernels/pdl.py): the whole run's figures are PDL-off ones
+        os.environ["MOELORA_PDL"] = "0"
     setup = SMOKE if args.smoke else FULL
     if args.layers:
         setup = dataclasses.replace(setup, layers=args.layers)

@@ -327,20 +327,23 @@ def block_shrink_kernel(
         a_e = a_ptr + expert.to(tl.int64) * stride_ae + half[None, :] * stride_ai
         a_e = a_e + r[None, :] * stride_ar + offs_k[:, None]  # [BK, 2 * BR]
         x_rows = x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-        acc = tl.zeros((BM, 2 * BR), dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = offs_k < H - k0
-            xt = tl.load(x_rows + k0, mask=rows_on[:, None] & k_ok[None, :], other=0.0)
-            for s in tl.static_range(S):
-                if ((present >> s) & 1) != 0:
-                    r_ok = r < tl.load(rank_ptr + s)
+        xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_c[None, :]
+        # slot by slot, each a pipelined loop over H of its own rows (a slot test inside the
+        # loop over H would keep its loads from being pipelined: each step then waited on
+        # one load's latency)
+        for s in tl.static_range(S):
+            if ((present >> s) & 1) != 0:
+                rows_s = slot_rows == s
+                r_ok = r < tl.load(rank_ptr + s)
+                acc = tl.zeros((BM, 2 * BR), dtype=tl.float32)
+                for k0 in range(0, H, BK):
+                    k_ok = offs_k < H - k0
+                    xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
                     a = tl.load(
                         a_e + s * stride_as + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0
                     )
-                    # each row has one slot: the others' rows are zero in this product
-                    acc = dot(tl.where((slot_rows == s)[:, None], xt, 0.0).to(a.dtype), a, acc)
-        xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_c[None, :]
-        tl.store(xa_ptrs, acc, mask=rows_on[:, None])
+                    acc = dot(xt, a, acc)
+                tl.store(xa_ptrs, acc, mask=rows_s[:, None])
 
 
 PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16

@@ -35,7 +35,8 @@ def test_add_lora_matches_reference(T, n, spread, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_lora_prefill_tiles(monkeypatch, spread, dtype):
     """Past PREFILL_ROWS rows (lowered to 8 here) the programs take 64 rows and up to 1024
-    columns, 64 deep: 70 rows give a partial row tile, slices wider than one column group."""
+    columns, 128 deep: 70 rows give a partial row tile, 160 inputs a partial input tile, and
+    a slice is wider than one column group."""
     from moelora.kernels import lora as module
 
     monkeypatch.setattr(module, "PREFILL_ROWS", 8)
