@@ -187,7 +187,7 @@ def test_mxfp4_experts_load_packed_and_dummy_ones_are_made_packed(bank: FixtureB
     made packed, no bf16 expert anywhere."""
     from moelora.kernels.ops import REFERENCE_OPS
     from moelora.kernels.reference import dense_experts
-    from moelora.models.loader import fill_dummy, load_weights
+    from moelora.models.loader import fill_dummy, load_weights, settle
     from moelora.models.model import MoeCausalLM
     from moelora.models.registry import read_model_config
     from moelora.step.mxfp4 import Mxfp4Weight
@@ -216,6 +216,14 @@ def test_mxfp4_experts_load_packed_and_dummy_ones_are_made_packed(bank: FixtureB
     assert experts and all(p.dtype == torch.uint8 for p in experts.values()), list(experts)
     scales = torch.cat([p.flatten() for n, p in experts.items() if n.endswith("_scales")])
     assert scales.min() == 119 and scales.max() == 121
+    # what the loaded bytes allow: bit placement up to scale byte 128, table lookups past it
+    settle(model)
+    mlp = model.layers[0].mlp
+    assert mlp.w13.small_scales and mlp.w2.small_scales
+    with torch.no_grad():
+        mlp.w2.scales[0, 0, 0] = 129
+    settle(model)
+    assert mlp.w13.small_scales and not mlp.w2.small_scales
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ from moelora.engine.kv_cache import allocate_kv_caches
 from moelora.errors import EngineDeadError
 from moelora.kernels.ops import Ops, make_ops
 from moelora.lora.slots import SlotPool
-from moelora.models.loader import fill_dummy, load_weights
+from moelora.models.loader import fill_dummy, load_weights, settle
 from moelora.models.model import MoeCausalLM
 from moelora.models.shard import load_shard
 from moelora.runner.model_runner import ModelRunner
@@ -92,6 +92,7 @@ def load_model(
                 mc, hf_config, max_len, make_ops(meta), dtype=cfg.torch_dtype, device=meta
             )
             load_shard(model, whole, cfg.model, ops.shard)
+        settle(model)
     return model
 
 

@@ -128,7 +128,7 @@ def _gate_up_kernel(
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
-    MXFP4_LUT: tl.constexpr,  # ... by table lookups (mxfp4.lut_tile_dot)
+    MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -175,7 +175,7 @@ def _gate_up_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
-            LUT=MXFP4_LUT,
+            EXPAND=MXFP4_EXPAND,
         )
     else:
         wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -310,7 +310,7 @@ def _down_kernel(
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
-    MXFP4_LUT: tl.constexpr,  # ... by table lookups (mxfp4.lut_tile_dot)
+    MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -350,7 +350,7 @@ def _down_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
-            LUT=MXFP4_LUT,
+            EXPAND=MXFP4_EXPAND,
         )
     else:
         w_ptrs = (
@@ -479,7 +479,9 @@ class _Experts:
     strides: tuple[int, int]  # expert, row (of w)
     scale_strides: tuple[int, int]  # expert, row (0, 0 for a tensor)
     mxfp4: bool
-    lut: bool  # MXFP4 tiles by table lookups (MoeConfig.mxfp4_lut, where they can run)
+    # MXFP4 tiles: 0 by arithmetic; where inline PTX runs (bf16 on the GPU) and
+    # MoeConfig.mxfp4_lut: 1 by table lookups, 2 by bit placement if the scales are small
+    expand: int
 
     def launch_args(self, name: str) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -492,7 +494,7 @@ class _Experts:
             "stride_se": self.scale_strides[0],
             "stride_sn": self.scale_strides[1],
             "MXFP4": self.mxfp4,
-            "MXFP4_LUT": self.lut,
+            "MXFP4_EXPAND": self.expand,
         }
 
 
@@ -501,15 +503,18 @@ def _experts(
 ) -> _Experts:
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
-        # the table lookups are inline PTX (no interpreter) and give bf16 (mxfp4.lut_tile_dot)
-        lut = (
+        # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
+        # (mxfp4.lut_tile_dot)
+        ptx = (
             cfg.mxfp4_lut
             and x.dtype == torch.bfloat16
             and x.device.type == "cuda"
             and os.environ.get("TRITON_INTERPRET") != "1"
         )
-        return _Experts(b, s, (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1)), True, lut)
-    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, False)
+        expand = (2 if w.small_scales else 1) if ptx else 0
+        strides = (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1))
+        return _Experts(b, s, *strides, True, expand)
+    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0)
 
 
 @dataclass(frozen=True)

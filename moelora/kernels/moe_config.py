@@ -24,8 +24,9 @@ class MoeConfig:
     block_k_down: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    # MXFP4 experts in bf16 on the GPU: expand each tile by byte-permute table lookups
-    # (mxfp4.lut_tile_dot), not by a dozen integer operations an element (mxfp4.mxfp4_tile)
+    # MXFP4 experts in bf16 on the GPU: expand each tile in inline PTX, by bit placement or
+    # table lookups as the scales allow (mxfp4.lut_tile_dot), not by a dozen integer
+    # operations an element (mxfp4.mxfp4_tile)
     mxfp4_lut: bool = True
 
 

@@ -1,12 +1,15 @@
 """MXFP4 weight tiles expanded in registers, and the fused MoE's main loops over packed experts
 (step/mxfp4.Mxfp4Weight; kernels/fused_moe.py takes them where its MXFP4 flag is set).
 
-Two expansions. On the GPU in bf16, byte-permute table lookups in inline PTX
-(e2m1_bf16_pairs, lut_tile_dot): about 5.5 SASS instructions an element in the whole main
-loop, against 12 to 13 for the arithmetic one below (counted in the sm_90 SASS), and 1.9x
-faster for gpt-oss-120b's MoE at 64 tokens (bench/tune_moe.py). tl.dot_scaled was tried too:
-Hopper has no MX tensor cores and Triton's lowering loads the codes a byte at a time
-(1.4x slower than the lookups). Everywhere else (the interpreter, fp16, fp32), arithmetic:
+Three expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement
+(e2m1_bf16_placed) where every scale byte is at most step/mxfp4.PLACED_SCALE_MAX, as in any
+real checkpoint, else byte-permute table lookups (e2m1_bf16_pairs). Counted in the sm_90 SASS
+of gpt-oss-120b's 64-token tiles, their main loops take 4.4 (gate_up) and 5.1 (down)
+instructions an element with the placement, 5.5 and 6.4 with the lookups, against 12 to 13 for
+the arithmetic one below; the lookups were 1.9x faster than the arithmetic for the MoE at 64
+tokens (bench/tune_moe.py). tl.dot_scaled was tried too: Hopper has no MX tensor cores and
+Triton's lowering loads the codes a byte at a time (1.4x slower than the lookups). Everywhere
+else (the interpreter, fp16, fp32), arithmetic:
 
 A [BK, BN] tile of a weight packed along K comes from a [BK/2, BN] tile of code bytes and a
 [BK/32, BN] tile of scale bytes. Each e2m1 code becomes its float32 bits directly (no table
@@ -82,6 +85,52 @@ def e2m1_bf16_pairs(codes):
 
 
 @triton.jit
+def e2m1_bf16_placed(codes):
+    """(even, odd) [BK/2, BN] bfloat16 as e2m1_bf16_pairs's, each value times 2^-126: its
+    sign, exponent and mantissa bits placed where a bfloat16 keeps them (GPU only).
+
+    An e2m1 code s e1 e0 m becomes the bfloat16 with sign s, exponent field e1 e0 and top
+    mantissa bit m: 2^(e - 127) (1 + m / 2) for e > 0, the subnormal 2^-127 for code 1, which is
+    the value times 2^-126 (the caller's multiply by the scale times 2^126 is exact). One prmt
+    puts bytes 0 and 1 of the thread's register r in the high bytes of two halves; the high
+    nibbles are then in place but for a shift of the three low bits, the low nibbles after a
+    shift left by 4: 16 instructions for 8 elements, no table constants (the lookups take 21
+    and 4 copies of their tables)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 t, u, a, b;
+        prmt.b32 t, $4, 0, 0x1404;
+        prmt.b32 u, $4, 0, 0x3424;
+        shl.b32 a, t, 4;
+        and.b32 a, a, 0x80008000;
+        shr.b32 b, t, 2;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $0, a, b;
+        shl.b32 a, u, 4;
+        and.b32 a, a, 0x80008000;
+        shr.b32 b, u, 2;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $1, a, b;
+        and.b32 a, t, 0x80008000;
+        shr.b32 b, t, 6;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $2, a, b;
+        and.b32 a, u, 0x80008000;
+        shr.b32 b, u, 6;
+        and.b32 b, b, 0x01C001C0;
+        or.b32 $3, a, b;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[codes],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def lut_tile_dot(
     xt,  # [BM, BK] bfloat16
     code_ptrs,  # [BK/2, BN], as mxfp4_tile's
@@ -91,15 +140,20 @@ def lut_tile_dot(
     acc,
     BK: tl.constexpr,
     BN: tl.constexpr,
+    PLACED: tl.constexpr,
 ):
-    """acc + xt @ the tile, its values from e2m1_bf16_pairs times the scale in bfloat16 (a
-    power of two: exact), as two dots: x's even columns times the low nibbles, its odd ones
-    times the high nibbles. bf16 on the GPU only."""
+    """acc + xt @ the tile, its values from e2m1_bf16_pairs (PLACED: e2m1_bf16_placed, for
+    scale bytes up to step/mxfp4.PLACED_SCALE_MAX) times the scale in bfloat16 (a power of two:
+    exact), as two dots: x's even columns times the low nibbles, its odd ones times the high
+    nibbles. bf16 on the GPU only."""
     codes = tl.load(code_ptrs, mask=code_mask, other=0)
-    even, odd = e2m1_bf16_pairs(codes)
-    scale = (tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.uint16) << 7).to(
-        tl.bfloat16, bitcast=True
-    )
+    scale_bytes = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.uint16)
+    if PLACED:
+        even, odd = e2m1_bf16_placed(codes)
+        scale_bytes += 126  # the factor 2^(s - 127) * 2^126: exponent field s + 126
+    else:
+        even, odd = e2m1_bf16_pairs(codes)
+    scale = (scale_bytes << 7).to(tl.bfloat16, bitcast=True)
     scale = tl.broadcast_to(scale[:, None, :], (BK // GROUP, GROUP // 2, BN))
     scale = tl.reshape(scale, (BK // 2, BN))
     BM: tl.constexpr = xt.shape[0]
@@ -146,11 +200,12 @@ def gate_up_mxfp4_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    LUT: tl.constexpr,
+    EXPAND: tl.constexpr,
 ):
     """fused_moe's gate_up main loop on packed experts: (acc_g, acc_u) [BM, BN] fp32, x's block
-    rows times gate's and up's columns offs_n. H is a multiple of 32. LUT (bf16 x on the GPU
-    only): the tiles expand by table lookups (lut_tile_dot), else by arithmetic (mxfp4_tile)."""
+    rows times gate's and up's columns offs_n. H is a multiple of 32. EXPAND (Experts.expand):
+    0 by arithmetic (mxfp4_tile); with bf16 x on the GPU only, 1 by table lookups, 2 by bit
+    placement (lut_tile_dot)."""
     offs_k = tl.arange(0, BK)
     offs_kc = tl.arange(0, BK // 2)
     offs_ks = tl.arange(0, BK // GROUP)
@@ -170,9 +225,9 @@ def gate_up_mxfp4_loop(
         )
         c_mask = (offs_kc < (H - k0) // 2)[:, None] & n_ok[None, :]
         s_mask = (offs_ks < (H - k0) // GROUP)[:, None] & n_ok[None, :]
-        if LUT:
-            acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN)
-            acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN)
+        if EXPAND != 0:
+            acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN, EXPAND == 2)
+            acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN, EXPAND == 2)
         else:
             wg = mxfp4_tile(cg_ptrs, sg_ptrs, c_mask, s_mask, BK, BN).to(xt.dtype)
             acc_g = dot(xt, wg, acc_g)
@@ -200,10 +255,10 @@ def down_mxfp4_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    LUT: tl.constexpr,
+    EXPAND: tl.constexpr,
 ):
     """fused_moe's down main loop on packed experts: acc [BM, BN] fp32, h's block rows times
-    down's columns offs_n. I is a multiple of 32. LUT as gate_up_mxfp4_loop's."""
+    down's columns offs_n. I is a multiple of 32. EXPAND as gate_up_mxfp4_loop's."""
     offs_k = tl.arange(0, BK)
     offs_kc = tl.arange(0, BK // 2)
     offs_ks = tl.arange(0, BK // GROUP)
@@ -220,8 +275,8 @@ def down_mxfp4_loop(
         )
         c_mask = (offs_kc < (I - k0) // 2)[:, None] & n_ok[None, :]
         s_mask = (offs_ks < (I - k0) // GROUP)[:, None] & n_ok[None, :]
-        if LUT:
-            acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN)
+        if EXPAND != 0:
+            acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN, EXPAND == 2)
         else:
             w = mxfp4_tile(c_ptrs, s_ptrs, c_mask, s_mask, BK, BN).to(ht.dtype)
             acc = dot(ht, w, acc)

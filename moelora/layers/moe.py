@@ -85,6 +85,13 @@ class SparseMoE(nn.Module):
         self.register_parameter(f"{name}_scales", scales)
         return Mxfp4Weight(blocks, scales)
 
+    def settle_packed(self) -> None:
+        """Once the MXFP4 bytes are loaded: record whether their scales are small enough for
+        the fused MoE's bit-placement expansion (Mxfp4Weight.small_scales)."""
+        if isinstance(self.w13, Mxfp4Weight):
+            self.w13 = self.w13.with_small_scales()
+            self.w2 = self.w2.with_small_scales()
+
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
         cfg, lora = self.cfg, batch.lora

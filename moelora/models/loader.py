@@ -275,6 +275,14 @@ def _slice(linear, kind: str, index: int) -> torch.Tensor:
     return full[offsets[index] : offsets[index + 1]]
 
 
+def settle(model: MoeCausalLM) -> None:
+    """What a model's layers derive from their weights once loaded, dummy or not (the MoE
+    layers' MXFP4 scale range)."""
+    for module in model.modules():
+        if isinstance(module, SparseMoE):
+            module.settle_packed()
+
+
 def fill_dummy(model: MoeCausalLM, seed: int) -> None:
     """load_format='dummy': random weights of a sensible scale, made on the model's device."""
     gen = torch.Generator(device=model.embed_tokens.device).manual_seed(seed)

@@ -4,11 +4,16 @@ dequantizes the whole tensor first: kernels/reference.dense_experts)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 MXFP4_GROUP = 32  # elements along K that share one scale byte
+# Scale bytes up to this let the fused MoE expand a tile by bit placement and one multiply by
+# 2^(s - 1) (kernels/mxfp4.e2m1_bf16_placed), a normal bfloat16 only up to s = 128: a group
+# whose largest weight is up to 12. Past it the tiles take table lookups.
+PLACED_SCALE_MAX = 128
 
 
 @dataclass(frozen=True)
@@ -20,10 +25,14 @@ class Mxfp4Weight:
         high nibble for odd k; a nibble is an e2m1 code (reference.FP4_VALUES);
       scales [E, N, K/32] uint8 (E8M0): elements 32 g .. 32 g + 31 are scaled by
         2 ** (scales[..., g] - 127).
+
+    small_scales: every scale byte is at most PLACED_SCALE_MAX, as with_small_scales found
+    once the bytes were loaded (False until then: the tiles take the lookups, exact for any).
     """
 
     blocks: torch.Tensor
     scales: torch.Tensor
+    small_scales: bool = False
 
     def __post_init__(self) -> None:
         E, N, half = self.blocks.shape
@@ -39,6 +48,12 @@ class Mxfp4Weight:
 
     def is_contiguous(self) -> bool:
         return self.blocks.is_contiguous() and self.scales.is_contiguous()
+
+    def with_small_scales(self) -> Mxfp4Weight:
+        """The same bytes, small_scales set from them (one reduction and a host sync: call
+        once, after loading)."""
+        small = bool(self.scales.max() <= PLACED_SCALE_MAX) if self.scales.numel() else True
+        return dataclasses.replace(self, small_scales=small)
 
 
 def mxfp4_bytes(n: int, k: int) -> int:

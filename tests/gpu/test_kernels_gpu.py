@@ -179,6 +179,36 @@ def test_fused_moe_mxfp4_bf16(mxfp4_experts, config, T, spread):
     assert rel_err(out, ref) <= 1e-2, (name, T, spread, config)
 
 
+@pytest.mark.parametrize("T", [7, 64])
+@pytest.mark.parametrize("scales", [(118, 122), (100, 128)])
+def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
+    """Scale bytes up to 128 let the tiles expand by bit placement (code 1 a bf16 subnormal
+    until its multiply), others take the table lookups: both exact, so the same tiles give
+    the same bits. Every code, scales up to the largest the placement takes, with the LoRA
+    epilogues, biases and the clamped SwiGLU."""
+    E, H, I, K = MXFP4_SHAPES["gpt-oss-20b"]
+    torch.manual_seed(T)
+    w13, w2 = mxfp4_weight(E, 2 * I, H, scales, DEV), mxfp4_weight(E, H, I, scales, DEV)
+    assert w13.small_scales and w2.small_scales
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    oss = dict(
+        lora13=lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV),
+        lora2=lora_weights(info.num_slots, (E,), 1, R, I, (H,), ranks, torch.bfloat16, DEV),
+        info=info,
+        b13=(0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16),
+        b2=(0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16),
+        activation="swiglu_oai",
+    )
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    placed = fused_moe(x, w13, w2, topk_weights, topk_ids, **oss)
+    lookups = [dataclasses.replace(w, small_scales=False) for w in (w13, w2)]
+    looked = fused_moe(x, *lookups, topk_weights, topk_ids, **oss)
+    assert torch.isfinite(placed).all() and placed.abs().max() > 0
+    assert torch.equal(placed, looked), (T, scales)
+
+
 def test_fused_moe_mxfp4_replays_in_a_cuda_graph(mxfp4_experts):
     """Captured with every slot disabled; replayed with slots on, it gives the eager bits."""
     name, (E, H, I, K), w13, w2, b13, b2, lora13, lora2 = mxfp4_experts

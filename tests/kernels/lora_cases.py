@@ -43,12 +43,12 @@ def mxfp4_weight(
     E: int, N: int, K: int, scales: tuple[int, int], device: str = "cpu"
 ) -> Mxfp4Weight:
     """Packed experts [E, N, K] of random codes (every byte value) and random scale bytes in
-    [scales[0], scales[1]]: 2^(s - 127) times codes of up to 6."""
+    [scales[0], scales[1]]: 2^(s - 127) times codes of up to 6; small_scales set from them."""
     g = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, (1,))))
     blocks = torch.randint(0, 256, (E, N, K // 2), generator=g, dtype=torch.uint8)
     low, high = scales
     scale_bytes = torch.randint(low, high + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
-    return Mxfp4Weight(blocks.to(device), scale_bytes.to(device))
+    return Mxfp4Weight(blocks.to(device), scale_bytes.to(device)).with_small_scales()
 
 
 def batch_info(T: int, spread: str, device: str = "cpu", num_slots: int = 8) -> LoraBatchInfo:

@@ -301,7 +301,8 @@ def main() -> None:
             names.add(kernel.fn.__name__)
             _compile(kernel, args, dict(kwargs))
             if kwargs.get("MXFP4"):  # what a CUDA bf16 launch takes (fused_moe._experts)
-                _compile(kernel, args, dict(kwargs, MXFP4_LUT=True))
+                for expand in (1, 2):  # table lookups, bit placement
+                    _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=expand))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
 
 
