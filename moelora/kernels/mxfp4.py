@@ -84,6 +84,35 @@ def e2m1_bf16_pairs(codes):
     )
 
 
+def _placed_asm() -> str:
+    """e2m1_bf16_placed's PTX: t and u are bytes 0, 1 and 2, 3 of the input in the high bytes
+    of two halves; each output takes its sign (shifted left) and its three low bits (shifted
+    right) from one of them, the low nibbles (even elements) 4 bits below the high ones."""
+    lines = [
+        "{",
+        ".reg .b32 t, u, a, b;",
+        "prmt.b32 t, $4, 0, 0x1404;",
+        "prmt.b32 u, $4, 0, 0x3424;",
+    ]
+    for out, src, sign, bits in (
+        ("$0", "t", 4, 2),
+        ("$1", "u", 4, 2),
+        ("$2", "t", 0, 6),
+        ("$3", "u", 0, 6),
+    ):
+        lines += [
+            f"shl.b32 a, {src}, {sign};",
+            "and.b32 a, a, 0x80008000;",
+            f"shr.b32 b, {src}, {bits};",
+            "and.b32 b, b, 0x01C001C0;",
+            f"or.b32 {out}, a, b;",
+        ]
+    return "\n".join([*lines, "}"])
+
+
+_PLACED_ASM: tl.constexpr = tl.constexpr(_placed_asm())
+
+
 @triton.jit
 def e2m1_bf16_placed(codes):
     """(even, odd) [BK/2, BN] bfloat16 as e2m1_bf16_pairs's, each value times 2^-126: its
@@ -97,31 +126,7 @@ def e2m1_bf16_placed(codes):
     shift left by 4: 16 instructions for 8 elements, no table constants (the lookups take 21
     and 4 copies of their tables)."""
     return tl.inline_asm_elementwise(
-        asm="""
-        {
-        .reg .b32 t, u, a, b;
-        prmt.b32 t, $4, 0, 0x1404;
-        prmt.b32 u, $4, 0, 0x3424;
-        shl.b32 a, t, 4;
-        and.b32 a, a, 0x80008000;
-        shr.b32 b, t, 2;
-        and.b32 b, b, 0x01C001C0;
-        or.b32 $0, a, b;
-        shl.b32 a, u, 4;
-        and.b32 a, a, 0x80008000;
-        shr.b32 b, u, 2;
-        and.b32 b, b, 0x01C001C0;
-        or.b32 $1, a, b;
-        and.b32 a, t, 0x80008000;
-        shr.b32 b, t, 6;
-        and.b32 b, b, 0x01C001C0;
-        or.b32 $2, a, b;
-        and.b32 a, u, 0x80008000;
-        shr.b32 b, u, 6;
-        and.b32 b, b, 0x01C001C0;
-        or.b32 $3, a, b;
-        }
-        """,
+        asm=_PLACED_ASM,
         constraints="=r,=r,=r,=r,r",
         args=[codes],
         dtype=(tl.bfloat16, tl.bfloat16),
