@@ -174,18 +174,26 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
         best[M] = choice
         print(f"{name} M={M} -> {choice}", flush=True)
         if mxfp4 and choice.mxfp4_lut:  # the same tile by table lookups (scales past 128)
-            placed = graph_ms(lambda c=choice, i=none: run(c, i), layers)
-            for ws in (w13, w2):
-                ws[:] = [dataclasses.replace(w, small_scales=False) for w in ws]
-            looked = graph_ms(lambda c=choice, i=none: run(c, i), layers)
-            for ws in (w13, w2):
-                ws[:] = [w.with_small_scales() for w in ws]
+            placed, looked = placement_and_lookups(lambda c=choice, i=none: run(c, i), w13, w2)
             print(
                 f"{name} M={M} its tile: bit placement {1e3 * placed:8.1f} us, table lookups "
                 f"{1e3 * looked:8.1f} us (x{looked / placed:4.2f}), floor {floor:6.1f} us",
                 flush=True,
             )
     return best
+
+
+def placement_and_lookups(step, w13: list, w2: list) -> tuple[float, float]:
+    """ms of step's graph with the MXFP4 experts as they are (small scales: bit placement),
+    then as if a scale byte were past 128 (table lookups); the lists are restored."""
+    layers = len(w13)
+    placed = graph_ms(step, layers)
+    for ws in (w13, w2):
+        ws[:] = [dataclasses.replace(w, small_scales=False) for w in ws]
+    looked = graph_ms(step, layers)
+    for ws in (w13, w2):
+        ws[:] = [w.with_small_scales() for w in ws]
+    return placed, looked
 
 
 def main() -> None:
