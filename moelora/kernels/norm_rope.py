@@ -651,16 +651,19 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
         assert expand.info.slot_of_token.shape[0] >= T, (expand.info.slot_of_token.shape, T)
 
 
+ROPE_GROUP_FROM = 1024  # tokens from which a rotary program takes 8 tokens of its head
+
+
 def _launch_rope(
     r: _Rope, expand: FoldedLora | None, q_out: torch.Tensor, k_out: torch.Tensor
 ) -> None:
     """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head of
     TOKENS tokens. A prefill's (token, head) programs would be a hundred thousand single warps,
-    each too short to cover its own launch: 8 tokens a program from 1024 tokens on."""
+    each too short to cover its own launch: 8 tokens a program from ROPE_GROUP_FROM on."""
     T, Hq, D = r.q.shape
     Hkv = r.k.shape[1]
     BLOCK_D = next_power_of_2(D)
-    tokens = 1 if T < 1024 else 8
+    tokens = 1 if T < ROPE_GROUP_FROM else 8
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
     num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
     R = 1 if expand is None else expand.weights.b.shape[2]
