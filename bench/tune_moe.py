@@ -186,13 +186,12 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
 def placement_and_lookups(step, w13: list, w2: list) -> tuple[float, float]:
     """ms of step's graph with the MXFP4 experts as they are (small scales: bit placement),
     then as if a scale byte were past 128 (table lookups); the lists are restored."""
-    layers = len(w13)
+    layers, originals = len(w13), (list(w13), list(w2))
     placed = graph_ms(step, layers)
     for ws in (w13, w2):
         ws[:] = [dataclasses.replace(w, small_scales=False) for w in ws]
     looked = graph_ms(step, layers)
-    for ws in (w13, w2):
-        ws[:] = [w.with_small_scales() for w in ws]
+    w13[:], w2[:] = originals
     return placed, looked
 
 
