@@ -719,6 +719,8 @@ def _down(
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
     sb = lora.down.b_strides
+    warps, stages = cfg.down_launch()
+    launch = launch | dict(num_warps=warps, num_stages=stages)
     _down_kernel[(pairs.NB, cdiv(H, cfg.block_n_down))](
         h_ptr=h,
         **_experts(w2, lora.unused, h, cfg).launch_args("w2"),

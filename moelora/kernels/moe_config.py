@@ -28,6 +28,14 @@ class MoeConfig:
     # table lookups as the scales allow (mxfp4.lut_tile_dot), not by a dozen integer
     # operations an element (mxfp4.mxfp4_tile)
     mxfp4_lut: bool = True
+    # the down GEMM's own warps and pipeline depth (0: gate_up's): its K is I, often a few
+    # tiles deep, so it may want two programs a multiprocessor where gate_up wants one
+    num_warps_down: int = 0
+    num_stages_down: int = 0
+
+    def down_launch(self) -> tuple[int, int]:
+        """(num_warps, num_stages) of the down GEMM."""
+        return self.num_warps_down or self.num_warps, self.num_stages_down or self.num_stages
 
 
 def config_file(device_name: str) -> Path:

@@ -101,8 +101,15 @@ def test_fused_moe_bf16(moe_weights, T, spread):
     assert rel_err(out, ref) <= 1e-2, (name, T, spread)
 
 
-@pytest.mark.parametrize("config", [MoeConfig(block_m=16)])
-@pytest.mark.parametrize("T", [1, 7])
+@pytest.mark.parametrize(
+    "config",
+    [
+        MoeConfig(block_m=16),
+        # a prefill tile whose down GEMM has warps and stages of its own
+        MoeConfig(64, 64, 128, 128, 128, 8, 3, num_warps_down=4, num_stages_down=2),
+    ],
+)
+@pytest.mark.parametrize("T", [1, 7, 300])
 def test_fused_moe_untuned_tiles_bf16(moe_weights, config, T):
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
