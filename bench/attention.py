@@ -28,6 +28,7 @@ from moelora.kernels.paged_attention import (
     AttentionConfig,
     decode_plan,
     launch_paged_attention,
+    paged_attention,
 )
 from moelora.step.batch import AttentionMetadata
 
@@ -141,13 +142,144 @@ def sweep_table(sweep_rows: list) -> list[str]:
 
 PREFILL_TILES = [
     PREFILL_CONFIG,
-    AttentionConfig(block_m=128, block_n=32, num_warps=4, num_stages=3),
-    AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
-    AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3),
-    AttentionConfig(block_m=256, block_n=32, num_warps=8, num_stages=3),
+    AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    AttentionConfig(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=2),
     AttentionConfig(block_m=256, block_n=128, num_warps=8, num_stages=2),
-    AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=2),
+    AttentionConfig(block_m=256, block_n=128, num_warps=16, num_stages=2),
+    AttentionConfig(block_m=256, block_n=64, num_warps=16, num_stages=3),
 ]
+
+
+def time_sdpa(tokens: int, backend) -> tuple[float, float, str]:
+    """Median ms and TFLOP/s of torch's scaled_dot_product_attention on one backend, causal,
+    the same shape with contiguous K/V (no pages); GQA by enable_gqa, else K/V repeated."""
+    from torch.nn.attention import sdpa_kernel
+
+    q = torch.randn(1, HQ, tokens, D, device="cuda", dtype=DTYPE)
+    k, v = (torch.randn(1, HKV, tokens, D, device="cuda", dtype=DTYPE) for _ in "kv")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flops = 2 * 2 * HQ * D * tokens * tokens / 2
+    with sdpa_kernel(backend):
+        try:
+            ms = do_bench(
+                lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), return_mode="median"
+            )
+            how = "enable_gqa"
+        except RuntimeError:
+            k, v = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k, v))
+            ms = do_bench(lambda: sdpa(q, k, v, is_causal=True), return_mode="median")
+            how = "K/V repeated"
+    return ms, flops / (ms * 1e-3) / 1e12, how
+
+
+def first_chunk(tokens: int):
+    """q, caches and the metadata of one sequence's first chunk of `tokens` tokens (its KV the
+    step's own, its rows' slots given, as the engine's prefill has them)."""
+    _, [(k_cache, v_cache)], attn = decode_step(1, tokens, 1)
+    pages = attn.page_table[0].long()
+    pos = torch.arange(tokens, device="cuda")
+    attn = replace(
+        attn,
+        cu_seqlens_q=torch.tensor([0, tokens], device="cuda", dtype=torch.int32),
+        max_query_len=tokens,
+        slot_mapping=pages[pos // PAGE] * PAGE + pos % PAGE,
+        chunks=((0, tokens),),
+    )
+    q = torch.randn(tokens, HQ, D, device="cuda", dtype=DTYPE)
+    return q, k_cache, v_cache, attn
+
+
+def host_rows(tokens: int) -> list[str]:
+    """Host µs a call (50 calls enqueued, no sync between) and device ms of one first chunk's
+    attention: the paged kernel, the engine's cuDNN path (dense_from), and cuDNN's aten op
+    called directly (GQA K/V as they are)."""
+    import time
+
+    q, k_cache, v_cache, attn = first_chunk(tokens)
+    slots = attn.slot_mapping
+    k, v = (c.view(-1, HKV, D)[slots].unsqueeze(0).transpose(1, 2) for c in (k_cache, v_cache))
+    qd = q.unsqueeze(0).transpose(1, 2)
+    aten = torch.ops.aten._scaled_dot_product_cudnn_attention
+    paths = {
+        "paged kernel": lambda: paged_attention(q, k_cache, v_cache, attn, D**-0.5),
+        "cuDNN (dense_from)": lambda: paged_attention(
+            q, k_cache, v_cache, attn, D**-0.5, dense_from=tokens
+        ),
+        "aten cuDNN op, GQA": lambda: aten(qd, k, v, None, False, 0.0, True, False, scale=D**-0.5)[
+            0
+        ].transpose(1, 2)[0],
+    }
+    rows = []
+    for name, fn in paths.items():
+        try:
+            fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(50):
+                fn()
+            host_us = (time.perf_counter() - start) / 50 * 1e6
+            torch.cuda.synchronize()
+            ms = do_bench(fn, return_mode="median")
+        except Exception as e:  # the aten op may refuse GQA
+            print(f"host {tokens} {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        rows.append(f"| {tokens} | {name} | {host_us:.0f} | {ms:.3f} |")
+        print(rows[-1], flush=True)
+    if len(rows) == 3:
+        same = torch.equal(paths["aten cuDNN op, GQA"](), paths["cuDNN (dense_from)"]())
+        print(f"aten op == engine path at {tokens}: {same}", flush=True)
+    return rows
+
+
+def first_call_ms(tokens: int, count: int) -> float:
+    """Wall ms of the engine path's first call at a shape not seen before (count first chunks
+    of `tokens` each, one run): what cuDNN spends building its plan for a new shape."""
+    import time
+
+    q, k_cache, v_cache, attn = first_chunk(tokens * count)
+    cu = torch.arange(count + 1, device="cuda", dtype=torch.int32) * tokens
+    attn = replace(attn, cu_seqlens_q=cu, max_query_len=tokens, chunks=((0, tokens),) * count)
+    attn = replace(attn, seq_lens=torch.full((count,), tokens, device="cuda", dtype=torch.int32))
+    attn = replace(attn, page_table=attn.page_table.view(count, -1))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    paged_attention(q, k_cache, v_cache, attn, D**-0.5, dense_from=tokens)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1e3
+
+
+def host_lines() -> list[str]:
+    lines = ["", "Host and device time a call of one first chunk (all rows dense):", ""]
+    lines += ["| tokens | path | host µs a call | device ms |", "|---:|---|---:|---:|"]
+    lines += host_rows(2048) + host_rows(4096)
+    lines += ["", "First call at a new shape (cuDNN builds a plan), wall ms:", ""]
+    lines += ["| tokens | sequences | first call ms | again ms |", "|---:|---:|---:|---:|"]
+    for tokens, count in ((4112, 1), (4128, 1), (3008, 1), (2048, 2), (2064, 2), (16400, 1)):
+        first, again = first_call_ms(tokens, count), first_call_ms(tokens, count)
+        lines.append(f"| {tokens} | {count} | {first:.1f} | {again:.1f} |")
+        print(lines[-1], flush=True)
+    return lines
+
+
+def sdpa_lines(peak: float) -> list[str]:
+    """torch's own attention backends at the prefill shapes: what a library kernel reaches."""
+    from torch.nn.attention import SDPBackend
+
+    lines = ["", "torch.nn.functional.scaled_dot_product_attention, contiguous K/V:", ""]
+    lines += ["| tokens | backend | GQA | ms | TFLOP/s | × floor |", "|---:" * 6 + "|"]
+    for tokens in (4096, 16384):
+        for name in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION"):
+            try:
+                ms, tflops, how = time_sdpa(tokens, getattr(SDPBackend, name))
+            except Exception as e:  # a backend this build or shape lacks
+                print(f"sdpa {tokens} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+                continue
+            lines.append(
+                f"| {tokens} | {name} | {how} | {ms:.3f} | {tflops:.0f} | {peak / tflops:.2f} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
 
 
 def prefill_lines(bandwidth: float) -> list[str]:
@@ -178,7 +310,7 @@ def prefill_lines(bandwidth: float) -> list[str]:
                 f"{peak / tflops:.2f} |"
             )
             print(lines[-1], flush=True)
-    return lines
+    return lines + sdpa_lines(peak) + host_lines()
 
 
 def main() -> None:

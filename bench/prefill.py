@@ -50,7 +50,7 @@ from common import (
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import ModelConfig
+from moelora.config import PREFILL_ATTENTION_BACKENDS, ModelConfig
 from moelora.engine.engine import Engine
 from moelora.step.batch import pages_for
 
@@ -69,6 +69,7 @@ class Setup:
     lengths: tuple[int, ...]
     batch: tuple[int, int]  # throughput: prompts, tokens each
     max_num_batched_tokens: int
+    prefill_attention_backend: str = "cudnn"  # EngineConfig's
 
     @property
     def max_model_len(self) -> int:
@@ -160,6 +161,7 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
         num_pages=setup.batch[0] * pages_for(setup.max_model_len, PAGE_SIZE) + 16,
         page_size=PAGE_SIZE,
         enable_prefix_caching=False,
+        prefill_attention_backend=setup.prefill_attention_backend,
     )
     names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
     for seed, name in enumerate(names):
@@ -294,7 +296,8 @@ def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: f
     lines += [
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; LLM("
         f"load_format='dummy', max_num_batched_tokens {setup.max_num_batched_tokens}, "
-        f"max_model_len {setup.max_model_len}, enable_prefix_caching=False); LoRA: max_loras "
+        f"max_model_len {setup.max_model_len}, enable_prefix_caching=False, "
+        f"prefill_attention_backend={setup.prefill_attention_backend!r}); LoRA: max_loras "
         f"{MAX_LORAS}, rank {RANK}, on attention and every expert",
         f"- matmul throughput (8192^3 bf16 torch.mm, do_bench median): "
         f"{flops_per_s / 1e12:.0f} TFLOP/s; floor = FLOPs / it (see bench/prefill.py)",
@@ -333,6 +336,12 @@ def main() -> None:
         help="with --profile: keep programmatic dependent launch on (a kernel launched early "
         "is charged its wait for the one before: a norm after a LoRA kernel showed +90%%)",
     )
+    parser.add_argument(
+        "--prefill-attention-backend",
+        choices=PREFILL_ATTENTION_BACKENDS,
+        default="cudnn",
+        help="EngineConfig.prefill_attention_backend (default: cudnn)",
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     if args.profile and not args.pdl:
@@ -343,6 +352,7 @@ def main() -> None:
         setup = dataclasses.replace(setup, layers=args.layers)
     if args.lengths:
         setup = dataclasses.replace(setup, lengths=tuple(args.lengths))
+    setup = dataclasses.replace(setup, prefill_attention_backend=args.prefill_attention_backend)
     start = time.perf_counter()
     flops_per_s = matmul_flops_per_s(setup.device)
     folder = model_folder(setup.layers, setup.shape)

@@ -16,6 +16,8 @@ from moelora.errors import ConfigError
 
 # EngineConfig.projections: how the dense projections are computed on CUDA (kernels/linear.py)
 PROJECTIONS = ("batch-invariant", "skinny", "cublas")
+# EngineConfig.prefill_attention_backend: who attends long first prefill chunks on CUDA
+PREFILL_ATTENTION_BACKENDS = ("cudnn", "triton")
 LOAD_FORMATS = ("auto", "dummy")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,6 +94,16 @@ class EngineConfig:
         "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
         "bf16 logits move slightly with the batch size), cublas",
         choices=PROJECTIONS,
+    )
+    # Long prompts' first chunks (no KV before them, at least paged_attention.DENSE_FROM
+    # tokens) on CUDA: "cudnn" (torch's cuDNN attention, about 1.35x the Triton kernel's speed)
+    # or "triton" (the paged kernel for every row: a prompt's rows then have the same bits
+    # whether it is prefilled whole or in chunks). SGLang's --prefill-attention-backend.
+    prefill_attention_backend: str = _flag(
+        "cudnn",
+        "attention of long first prefill chunks on CUDA: cudnn (fastest) or triton (a prompt's "
+        "rows get the same bits prefilled whole or in chunks)",
+        choices=PREFILL_ATTENTION_BACKENDS,
     )
     load_format: str = _flag(
         "auto",
@@ -180,6 +192,11 @@ _NONE_OR_AT_LEAST_1 = "None or an integer >= 1"
 _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("max_loras", _at_least_1, _AT_LEAST_1),
     ("projections", lambda v: v in PROJECTIONS, f"one of {', '.join(PROJECTIONS)}"),
+    (
+        "prefill_attention_backend",
+        lambda v: v in PREFILL_ATTENTION_BACKENDS,
+        f"one of {', '.join(PREFILL_ATTENTION_BACKENDS)}",
+    ),
     ("max_lora_rank", _at_least_1, _AT_LEAST_1),
     ("dtype", lambda v: v == "auto" or v in _DTYPES, f"'auto' or one of {sorted(_DTYPES)}"),
     (

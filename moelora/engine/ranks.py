@@ -71,6 +71,7 @@ def make_rank_ops(cfg: EngineConfig, shard: Shard, device: torch.device) -> Ops:
         device,
         force_reference=cfg.force_reference_kernels,
         projections=cfg.projections,
+        prefill_attention_backend=cfg.prefill_attention_backend,
         shard=shard,
     )
 

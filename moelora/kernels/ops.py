@@ -6,12 +6,13 @@ The Triton modules are imported only when a CUDA table is made: triton is option
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from moelora.config import PROJECTIONS
+from moelora.config import PREFILL_ATTENTION_BACKENDS, PROJECTIONS
 from moelora.kernels import reference
 from moelora.step.parallel import SINGLE, Shard
 
@@ -56,30 +57,45 @@ def make_ops(
     *,
     force_reference: bool = False,
     projections: str = "batch-invariant",
+    prefill_attention_backend: str = "cudnn",
     shard: Shard = SINGLE,
 ) -> Ops:
     """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
-    dense projections that `projections` names (see EngineConfig and kernels/linear.py), for the
+    dense projections that `projections` names (see EngineConfig and kernels/linear.py) and the
+    attention of long first prefill chunks that `prefill_attention_backend` names, for the
     model's part `shard`."""
-    if projections not in PROJECTIONS:
-        raise ValueError(f"projections={projections!r} is invalid: expected one of {PROJECTIONS}")
-    ops = REFERENCE_OPS if device.type != "cuda" or force_reference else triton_ops(projections)
+    for name, value, valid in (
+        ("projections", projections, PROJECTIONS),
+        ("prefill_attention_backend", prefill_attention_backend, PREFILL_ATTENTION_BACKENDS),
+    ):
+        if value not in valid:
+            raise ValueError(f"{name}={value!r} is invalid: expected one of {valid}")
+    if device.type != "cuda" or force_reference:
+        ops = REFERENCE_OPS
+    else:
+        ops = triton_ops(projections, prefill_attention_backend)
     return ops if shard == SINGLE else replace(ops, shard=shard)
 
 
-def triton_ops(projections: str) -> Ops:
-    """The Triton table with the dense projections EngineConfig.projections names. A new table
-    each call: a BatchInvariantLinear keeps what it measured on its engine."""
+def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Ops:
+    """The Triton table with the dense projections EngineConfig.projections names and the
+    prefill attention EngineConfig.prefill_attention_backend names. A new table each call: a
+    BatchInvariantLinear keeps what it measured on its engine."""
+    from moelora.kernels import paged_attention as attention
     from moelora.kernels.fused_moe import fused_moe
     from moelora.kernels.linear import BatchInvariantLinear
     from moelora.kernels.lora import add_lora_
     from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
-    from moelora.kernels.paged_attention import paged_attention, paged_attention_o_shrink
     from moelora.kernels.routing import route_topk
 
     linear = reference.linear  # cuBLAS
     if projections != "cublas":
         linear = BatchInvariantLinear(skinny=projections == "skinny")
+    dense_from = attention.DENSE_FROM if prefill_attention_backend == "cudnn" else 0
+    paged_attention = functools.partial(attention.paged_attention, dense_from=dense_from)
+    paged_attention_o_shrink = functools.partial(
+        attention.paged_attention_o_shrink, dense_from=dense_from
+    )
     return Ops(
         name=f"triton-{projections}",
         linear=linear,

@@ -25,6 +25,13 @@ captured in a CUDA graph and replayed with new lengths and page tables; splits p
 a short sequence exit at once. Decode programs also zero the padded rows past cu_seqlens_q[-1],
 so no memset is recorded. Prefill/extend runs eagerly: one program per BLOCK_Q tokens, no split.
 
+Long prefill chunks with no KV before them (a prompt's first chunk, at least dense_from tokens)
+can go to cuDNN's fused attention instead (torch's aten op; about 1.3x this kernel's speed at
+4k-16k tokens on the H200): their keys and values are the step's own, gathered from the cache
+by slot into contiguous tensors. Which kernel a sequence gets depends on its own chunk only
+(dense_runs), but a prompt prefilled whole then has other bits than the same rows computed as a
+later chunk: EngineConfig.prefill_attention_backend="triton" keeps them.
+
 With the attention's LoRA folded (layers/attention_lora.py), a split decode's combine also
 shrinks the o projection's LoRA from each head's output (paged_attention_o_shrink).
 
@@ -42,6 +49,7 @@ D = head dim, S = splits, G = Hq // Hkv.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -79,6 +87,9 @@ DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_s
 PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+# Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs): below
+# it the attention is a small part of a step that the host's launches already bound
+DENSE_FROM = 4096
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
 
@@ -207,6 +218,7 @@ def _paged_attention_kernel(
     num_splits,
     scale_log2,
     window,  # keys per query of a sliding window, only with HAS_WINDOW
+    dense_from,  # > 0: sequences whose chunk starts at 0 with >= this many tokens are skipped
     # Strides
     stride_qt,
     stride_qh,
@@ -274,6 +286,9 @@ def _paged_attention_kernel(
     seq_len = tl.load(seq_lens_ptr + pid_b)
     if pid_m * BLOCK_Q >= q_len:
         return
+    if dense_from > 0:
+        if (seq_len == q_len) & (q_len >= dense_from):
+            return  # the caller's dense attention writes these rows (dense_runs)
 
     # -- Rows: (token, query head of the group) ------------------------------------------------
     offs_r = tl.arange(0, BLOCK_M)
@@ -519,15 +534,19 @@ def paged_attention(
     *,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    dense_from: int = 0,
 ) -> torch.Tensor:
     """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA;
-    window > 0 and sinks [Hq] float32 as reference.paged_attention has them.
+    window > 0 and sinks [Hq] float32 as reference.paged_attention has them. dense_from > 0:
+    prefill chunks from position 0 of at least that many tokens go to cuDNN (dense_runs).
 
     q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
     (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
     """
-    return launch_paged_attention(q, k_cache, v_cache, attn, scale, window=window, sinks=sinks)[0]
+    return launch_paged_attention(
+        q, k_cache, v_cache, attn, scale, window=window, sinks=sinks, dense_from=dense_from
+    )[0]
 
 
 def paged_attention_o_shrink(
@@ -541,6 +560,7 @@ def paged_attention_o_shrink(
     *,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    dense_from: int = 0,
 ) -> tuple[torch.Tensor, FoldedLora]:
     """Semantics: see reference.paged_attention_o_shrink: (out, FoldedLora(lora_shrink_split(
     out as [T, Hq*D], lora, info), lora, info)), the o projection's LoRA shrunk from the
@@ -551,7 +571,16 @@ def paged_attention_o_shrink(
     Otherwise it is lora_shrink_split's launch.
     """
     out, shrunk = launch_paged_attention(
-        q, k_cache, v_cache, attn, scale, shrink=lora, info=info, window=window, sinks=sinks
+        q,
+        k_cache,
+        v_cache,
+        attn,
+        scale,
+        shrink=lora,
+        info=info,
+        window=window,
+        sinks=sinks,
+        dense_from=dense_from,
     )
     if shrunk is None:
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
@@ -572,6 +601,7 @@ def launch_paged_attention(
     info: LoraBatchInfo | None = None,
     window: int = 0,
     sinks: torch.Tensor | None = None,
+    dense_from: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """paged_attention with the tiles, the decode split count or the output given by the caller;
     returns (out, the shrink partials [T, Hq, 1, R] float32 of the o projection's LoRA `shrink`
@@ -585,6 +615,12 @@ def launch_paged_attention(
     if sinks is not None:
         assert sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32, sinks.shape
     plan = _plan(q, k_cache, attn, config, num_splits)
+    dense = 0 if plan.decode or window or sinks is not None else dense_from
+    runs = dense_runs(attn.chunks, dense) if dense and cudnn_attention_runs(q) else []
+    if runs and sum(L for _, L in runs) == q.shape[0]:  # every row dense: no Triton
+        if out is None and len(runs) > 1:
+            out = torch.empty_like(q)
+        return _dense_attention(q, k_cache, v_cache, attn, scale, runs, out), None
     if plan.decode:
         # Decode programs zero the padded rows themselves: nothing else is recorded.
         out = torch.empty_like(q) if out is None else out
@@ -599,11 +635,106 @@ def launch_paged_attention(
         part_out = part_lse = out  # unused
     if q.shape[0] == 0 or num_seqs == 0:
         return out.zero_(), None
-    launch = _Attention(q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks)
+    launch = _Attention(
+        q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks, dense * bool(runs)
+    )
     _launch_attention(launch, plan)
+    if runs:
+        _dense_attention(q, k_cache, v_cache, attn, scale, runs, out)
     if plan.num_splits == 1:
         return out, None
     return out, _launch_combine(launch, plan, shrink, info)
+
+
+# ----------------------------------------------------------------------------------------------
+# Long prefill chunks without KV before them: cuDNN's fused attention (contiguous K/V)
+# ----------------------------------------------------------------------------------------------
+
+
+def dense_runs(
+    chunks: tuple[tuple[int, int], ...] | None, dense_from: int
+) -> list[tuple[int, int]]:
+    """(first row, tokens) of each sequence whose chunk starts at position 0 (its whole KV is
+    the step's own) with at least dense_from tokens. The choice is each sequence's own, never
+    its batch-mates': the attention kernel skips the same sequences on the device
+    (seq_len == q_len >= dense_from)."""
+    runs, row = [], 0
+    for start, n in chunks or ():
+        if start == 0 and n >= dense_from:
+            runs.append((row, n))
+        row += n
+    return runs
+
+
+def dense_length(L: int) -> int:
+    """A dense sequence's length padded up: cuDNN builds a plan for every new shape (about
+    44 ms on the H200), so lengths come in 16 steps an octave (at most 1/16 of padding)."""
+    step = max(256, (1 << (L.bit_length() - 1)) // 16)
+    return cdiv(L, step) * step
+
+
+def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+    """Causal attention by cuDNN: q [B, Hq, L, D], k and v [B, Hkv, L, D] (GQA as they are;
+    strided views are fine) -> [B, Hq, L, D]. torch's aten op itself: through
+    scaled_dot_product_attention and sdpa_kernel the same kernel cost the host about 290 µs a
+    call, against 45 (bench/attention.py --prefill)."""
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, False, 0.0, True, False, scale=scale
+    )
+    return out[0]
+
+
+@functools.cache
+def _cudnn_attention_on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's cuDNN attention runs here (its build, the GPU, the dtype), tried once."""
+    q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype)
+    try:
+        _cudnn_attention(q, q[:, :1], q[:, :1], 0.125)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def cudnn_attention_runs(q: torch.Tensor) -> bool:
+    return (
+        q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and _cudnn_attention_on(q.device, q.dtype)
+    )
+
+
+def _dense_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    runs: list[tuple[int, int]],
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The rows of `runs` by cuDNN's causal attention (GQA), a sequence at a time, into out;
+    out None: one sequence holds every row, and its output is returned as it is.
+
+    A sequence's keys and values are gathered from the cache by its rows' slots (positions
+    0 .. L - 1 in order), L padded up to dense_length(L): the padded queries come last and only
+    they see the padded keys (the last row's, repeated), so the real rows' work is the
+    unpadded one."""
+    _, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys, values = (c.view(-1, num_kv_heads, head_dim) for c in (k_cache, v_cache))
+    for row, L in runs:
+        padded = dense_length(L)
+        slots = attn.slot_mapping[row : row + L]
+        qr = q[row : row + L]
+        if padded > L:
+            slots = torch.cat([slots, slots[-1:].expand(padded - L)])
+            qr = torch.cat([qr, qr[-1:].expand(padded - L, -1, -1)])
+        k, v = (c.index_select(0, slots)[None].transpose(1, 2) for c in (keys, values))
+        o = _cudnn_attention(qr[None].transpose(1, 2), k, v, scale).transpose(1, 2)[0, :L]
+        if out is None:
+            return o  # a view of the first L rows: cuDNN writes them token-major
+        out[row : row + L] = o
+    return out
 
 
 def _check_attention(
@@ -671,6 +802,7 @@ class _Attention(NamedTuple):
     part_lse: torch.Tensor
     window: int  # 0: no sliding window
     sinks: torch.Tensor | None
+    dense_from: int  # 0, or the rows of dense_runs(attn.chunks, dense_from) are not written
 
 
 def _launch_attention(a: _Attention, plan: _Plan) -> None:
@@ -694,6 +826,7 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         num_splits=plan.num_splits,
         scale_log2=a.scale * LOG2_E,
         window=a.window,
+        dense_from=a.dense_from,
         stride_qt=a.q.stride(0),
         stride_qh=a.q.stride(1),
         stride_qd=a.q.stride(2),

@@ -285,6 +285,7 @@ class ModelRunner:
             slot_of_token=torch.from_numpy(np.repeat(np.array(chunk_slots, np.int32), q_lens)),
             slot_enabled=self._slot_enabled(set(chunk_slots)),
             max_query_len=int(q_lens.max()),
+            chunks=tuple(zip(starts.tolist(), q_lens.tolist())) if q_lens.max() > 1 else None,
         )
 
     def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:

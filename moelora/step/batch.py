@@ -36,6 +36,10 @@ class AttentionMetadata:
     page_table: torch.Tensor  # [B, P] int32, page ids of each sequence
     slot_mapping: torch.Tensor  # [T] int64, page * page_size + offset where new KV goes
     max_query_len: int  # host-side: 1 means a pure decode step
+    # host-side, steps with a prefill only: (start, new tokens) of each sequence's chunk, so a
+    # launch can pick kernels per sequence without reading the device (a chunk from 0 has no
+    # KV before it: kernels/paged_attention.dense_runs)
+    chunks: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class HostBatch:
     slot_enabled: torch.Tensor | None  # [S] int32; None when LoRA is disabled
     max_query_len: int
     any_enabled: torch.Tensor | None = None  # [1] int32; None: computed from slot_enabled
+    chunks: tuple[tuple[int, int], ...] | None = None  # AttentionMetadata.chunks
 
     @property
     def num_tokens(self) -> int:
@@ -92,7 +97,7 @@ def forward_batch(inputs: HostBatch, slots: SlotParams | None) -> ForwardBatch:
     """The model's view of `inputs` (tensors on the model's device); slots None: LoRA disabled."""
     i = inputs
     attn = AttentionMetadata(
-        i.cu_seqlens_q, i.seq_lens, i.page_table, i.slot_mapping, i.max_query_len
+        i.cu_seqlens_q, i.seq_lens, i.page_table, i.slot_mapping, i.max_query_len, i.chunks
     )
     lora = None
     if slots is not None:

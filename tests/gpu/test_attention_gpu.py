@@ -7,6 +7,8 @@ Legend: B = sequences, T = tokens, P = pages per sequence, Hq / Hkv = heads, D =
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -281,3 +283,60 @@ def test_decode_gpt_oss_cuda_graph_replay():
         graph.replay()
         torch.cuda.synchronize()
         assert_close_to_reference(out, q, k_cache, v_cache, attn, **options)
+
+
+def chunked_metadata(starts: list[int], q_lens: list[int], page_table, page_size: int):
+    """metadata() of chunks (start, new tokens), with their KV slots and host-side chunks (the
+    dense attention gathers a run's keys by its rows' slots)."""
+    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    attn = metadata(q_lens, seq_lens, page_table)
+    slots = [
+        slots_of(page_table[b], seq_lens[b], page_size)[starts[b] :] for b in range(len(q_lens))
+    ]
+    return replace(
+        attn, slot_mapping=torch.cat(slots), chunks=tuple(zip(starts, q_lens, strict=True))
+    )
+
+
+@pytest.mark.parametrize(
+    "starts,q_lens",
+    [
+        ([0], [4096]),  # one sequence holds every row: cuDNN's output is returned as it is
+        ([0, 0], [1500, 2100]),  # both padded (dense_length)
+        ([0, 500, 0, 0, 0], [3000, 100, 2048, 50, 1100]),  # with the Triton kernel
+    ],
+    ids=["one-4096", "two-padded", "mixed"],
+)
+def test_long_first_chunks_by_cudnn(starts, q_lens):
+    from moelora.kernels.paged_attention import cudnn_attention_runs
+
+    if not cudnn_attention_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("torch's cuDNN attention does not run here")
+    seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
+    k_cache, v_cache, page_table, _ = make_cache(seq_lens, 16, seed=len(q_lens))
+    attn = chunked_metadata(starts, q_lens, page_table, 16)
+    q = torch.randn(sum(q_lens), HQ, D, device="cuda", dtype=torch.bfloat16)
+    out = paged_attention(q, k_cache, v_cache, attn, SCALE, dense_from=1024)
+    assert_close_to_reference(out, q, k_cache, v_cache, attn)
+    triton = paged_attention(q, k_cache, v_cache, attn, SCALE)  # the paged kernel throughout
+    assert not torch.equal(out, triton)  # cuDNN did attend (other bits)
+    assert rel_err(out, triton) <= 1e-2
+
+
+def test_a_dense_sequence_gets_the_same_bits_however_it_is_padded(monkeypatch):
+    """A long first chunk's length is padded up (dense_length: one cuDNN plan per padded
+    length): the padded queries come last, so the real rows are computed as without them."""
+    from moelora.kernels import paged_attention as pa
+
+    if not pa.cudnn_attention_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("torch's cuDNN attention does not run here")
+    L = 1500
+    k_cache, v_cache, page_table, _ = make_cache([L], 16, seed=7)
+    q = torch.randn(L, HQ, D, device="cuda", dtype=torch.bfloat16)
+    attn = chunked_metadata([0], [L], page_table, 16)
+    outs = []
+    assert pa.dense_length(L) == 1536 and pa.dense_length(4097) == 4352
+    for pad in (1, 256, 512, 2048):
+        monkeypatch.setattr(pa, "dense_length", lambda n, pad=pad: -(-n // pad) * pad)
+        outs.append(paged_attention(q, k_cache, v_cache, attn, SCALE, dense_from=1024))
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])

@@ -7,6 +7,7 @@ or a row left unwritten shows up. Legend: B = sequences, T = tokens, P = pages p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
@@ -381,3 +382,48 @@ def test_decode_o_lora_shrink_window_and_sinks(num_splits):
     assert on.any()
     got = part[on].sum(dim=1)[:, 0]
     assert rel_err(got, expect.shrunk[on].sum(dim=1)[:, 0]) <= 1e-5
+
+
+def test_long_first_chunks_are_left_to_the_dense_attention(monkeypatch):
+    """With dense_from, the kernel skips each sequence whose chunk starts at position 0 with at
+    least dense_from tokens (cuDNN attends to those on the GPU: tests/gpu) and writes every
+    other row. A stand-in for the
+    dense attention checks that its rows were left alone and fills them from the reference."""
+    from moelora.kernels import paged_attention as pa
+
+    q_lens, seq_lens = [40, 10, 33, 33, 5, 33], [40, 50, 33, 33, 5, 33]
+    shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
+    q, k_cache, v_cache, attn = make_step(q_lens, seq_lens, **shape, dtype=torch.float32, seed=3)
+    chunks = tuple((s - n, n) for n, s in zip(q_lens, seq_lens, strict=True))
+    attn = dataclasses.replace(attn, chunks=chunks)
+    scale = 16**-0.5
+    expected = reference.paged_attention(q, k_cache, v_cache, attn, scale)
+    runs = []
+
+    def dense(q, k_cache, v_cache, attn, scale, dense_runs, out):
+        for row, length in dense_runs:
+            rows = slice(row, row + length)
+            assert (out[rows] == 0).all(), "the kernel wrote a dense run's rows"
+            out[rows] = expected[rows]
+        runs.extend(dense_runs)
+        return out
+
+    monkeypatch.setattr(pa, "cudnn_attention_runs", lambda q: True)
+    monkeypatch.setattr(pa, "_dense_attention", dense)
+    out = pa.paged_attention(q, k_cache, v_cache, attn, scale, dense_from=33)
+    assert runs == [(0, 40), (50, 33), (83, 33), (121, 33)]
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+    assert pa.dense_runs(chunks, 41) == [] and pa.dense_runs(None, 33) == []
+
+
+def test_the_engine_sends_long_first_chunks_to_cudnn_unless_asked():
+    from moelora.kernels.ops import make_ops
+    from moelora.kernels.paged_attention import DENSE_FROM
+
+    cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
+    triton = make_ops(cuda, prefill_attention_backend="triton")
+    for ops, dense_from in ((make_ops(cuda), DENSE_FROM), (triton, 0)):
+        assert ops.paged_attention.keywords == {"dense_from": dense_from}
+        assert ops.paged_attention_o_shrink.keywords == {"dense_from": dense_from}
+    with pytest.raises(ValueError, match="prefill_attention_backend='flash' is invalid"):
+        make_ops(cuda, prefill_attention_backend="flash")
