@@ -87,9 +87,11 @@ DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_s
 PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-# Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs): below
-# it the attention is a small part of a step that the host's launches already bound
-DENSE_FROM = 4096
+# Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs). From
+# 4096, in one A/B on the H200 (bench/results/NOTES.md), LoRA disabled gained 6% of its 4096-token
+# TTFT, but the LoRA engine, bound there by the host's launches, lost 12% (not explained); from
+# 8192 every case gained (7-12% at 8192 and 16384 tokens)
+DENSE_FROM = 8192
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
 
