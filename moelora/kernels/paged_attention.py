@@ -687,9 +687,10 @@ def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 @functools.cache
-def _cudnn_attention_on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch's cuDNN attention runs here (its build, the GPU, the dtype), tried once."""
-    q = torch.randn(1, 2, 64, 64, device=device, dtype=dtype)
+def _cudnn_attention_on(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether torch's cuDNN attention runs here (its build, the GPU, the dtype, the head
+    size), tried once: where it does not, every row keeps the paged kernel."""
+    q = torch.randn(1, 2, 64, head_dim, device=device, dtype=dtype)
     try:
         _cudnn_attention(q, q[:, :1], q[:, :1], 0.125)
     except (RuntimeError, NotImplementedError):
@@ -701,7 +702,7 @@ def cudnn_attention_runs(q: torch.Tensor) -> bool:
     return (
         q.is_cuda
         and q.dtype in (torch.bfloat16, torch.float16)
-        and _cudnn_attention_on(q.device, q.dtype)
+        and _cudnn_attention_on(q.device, q.dtype, q.shape[-1])
     )
 
 

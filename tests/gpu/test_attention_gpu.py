@@ -310,7 +310,7 @@ def chunked_metadata(starts: list[int], q_lens: list[int], page_table, page_size
 def test_long_first_chunks_by_cudnn(starts, q_lens):
     from moelora.kernels.paged_attention import cudnn_attention_runs
 
-    if not cudnn_attention_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+    if not cudnn_attention_runs(torch.empty(1, HQ, D, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch's cuDNN attention does not run here")
     seq_lens = [s + n for s, n in zip(starts, q_lens, strict=True)]
     k_cache, v_cache, page_table, _ = make_cache(seq_lens, 16, seed=len(q_lens))
@@ -328,7 +328,7 @@ def test_a_dense_sequence_gets_the_same_bits_however_it_is_padded(monkeypatch):
     length): the padded queries come last, so the real rows are computed as without them."""
     from moelora.kernels import paged_attention as pa
 
-    if not pa.cudnn_attention_runs(torch.empty(1, device="cuda", dtype=torch.bfloat16)):
+    if not pa.cudnn_attention_runs(torch.empty(1, HQ, D, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch's cuDNN attention does not run here")
     L = 1500
     k_cache, v_cache, page_table, _ = make_cache([L], 16, seed=7)
