@@ -96,7 +96,7 @@ class EngineConfig:
         choices=PROJECTIONS,
     )
     # Long prompts' first chunks (no KV before them, at least paged_attention.DENSE_FROM
-    # tokens) on CUDA: "cudnn" (torch's cuDNN attention, about 1.35x the Triton kernel's speed)
+    # tokens) on CUDA: "cudnn" (torch's cuDNN attention, about 1.3x the Triton kernel's speed)
     # or "triton" (the paged kernel for every row: a prompt's rows then have the same bits
     # whether it is prefilled whole or in chunks). SGLang's --prefill-attention-backend.
     prefill_attention_backend: str = _flag(

@@ -90,7 +90,7 @@ INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_st
 # Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs). From
 # 4096, in one A/B on the H200 (bench/results/NOTES.md), LoRA disabled gained 6% of its 4096-token
 # TTFT, but the LoRA engine, bound there by the host's launches, lost 12% (not explained); from
-# 8192 every case gained (7-12% at 8192 and 16384 tokens)
+# 8192 every case gained (5-12% at 8192 and 16384 tokens)
 DENSE_FROM = 8192
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
@@ -637,8 +637,9 @@ def launch_paged_attention(
         part_out = part_lse = out  # unused
     if q.shape[0] == 0 or num_seqs == 0:
         return out.zero_(), None
+    dense = dense if runs else 0  # the kernel skips what _dense_attention writes
     launch = _Attention(
-        q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks, dense * bool(runs)
+        q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks, dense
     )
     _launch_attention(launch, plan)
     if runs:
@@ -669,8 +670,8 @@ def dense_runs(
 
 
 def dense_length(L: int) -> int:
-    """A dense sequence's length padded up: cuDNN builds a plan for every new shape (about
-    44 ms on the H200), so lengths come in 16 steps an octave (at most 1/16 of padding)."""
+    """A dense sequence's length padded up: cuDNN builds a plan for every new shape (44-68
+    ms on the H200), so lengths come in 16 steps an octave (at most 1/16 of padding)."""
     step = max(256, (1 << (L.bit_length() - 1)) // 16)
     return cdiv(L, step) * step
 
