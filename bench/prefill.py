@@ -70,6 +70,7 @@ class Setup:
     batch: tuple[int, int]  # throughput: prompts, tokens each
     max_num_batched_tokens: int
     prefill_attention_backend: str = "cudnn"  # EngineConfig's
+    max_prefill_graph_tokens: int = 2048  # EngineConfig's (0: every prefill step eager)
 
     @property
     def max_model_len(self) -> int:
@@ -162,6 +163,7 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
         page_size=PAGE_SIZE,
         enable_prefix_caching=False,
         prefill_attention_backend=setup.prefill_attention_backend,
+        max_prefill_graph_tokens=setup.max_prefill_graph_tokens,
     )
     names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
     for seed, name in enumerate(names):
@@ -297,7 +299,8 @@ def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: f
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; LLM("
         f"load_format='dummy', max_num_batched_tokens {setup.max_num_batched_tokens}, "
         f"max_model_len {setup.max_model_len}, enable_prefix_caching=False, "
-        f"prefill_attention_backend={setup.prefill_attention_backend!r}); LoRA: max_loras "
+        f"prefill_attention_backend={setup.prefill_attention_backend!r}, "
+        f"max_prefill_graph_tokens={setup.max_prefill_graph_tokens}); LoRA: max_loras "
         f"{MAX_LORAS}, rank {RANK}, on attention and every expert",
         f"- matmul throughput (8192^3 bf16 torch.mm, do_bench median): "
         f"{flops_per_s / 1e12:.0f} TFLOP/s; floor = FLOPs / it (see bench/prefill.py)",
@@ -342,6 +345,13 @@ def main() -> None:
         default="cudnn",
         help="EngineConfig.prefill_attention_backend (default: cudnn)",
     )
+    parser.add_argument(
+        "--max-prefill-graph-tokens",
+        type=int,
+        default=2048,
+        help="EngineConfig.max_prefill_graph_tokens: prefill steps of up to this many tokens "
+        "replay a CUDA graph (default 2048; 0: eager)",
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     if args.profile and not args.pdl:
@@ -352,7 +362,11 @@ def main() -> None:
         setup = dataclasses.replace(setup, layers=args.layers)
     if args.lengths:
         setup = dataclasses.replace(setup, lengths=tuple(args.lengths))
-    setup = dataclasses.replace(setup, prefill_attention_backend=args.prefill_attention_backend)
+    setup = dataclasses.replace(
+        setup,
+        prefill_attention_backend=args.prefill_attention_backend,
+        max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+    )
     start = time.perf_counter()
     flops_per_s = matmul_flops_per_s(setup.device)
     folder = model_folder(setup.layers, setup.shape)

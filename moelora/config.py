@@ -78,6 +78,15 @@ class EngineConfig:
     max_graph_bs: int = _flag(
         256, "largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)"
     )
+    # Steps with a prompt chunk (alone or with decodes) of up to this many tokens replay a
+    # graph captured for their padded token count (runner/graph_runner.py): an eager prefill
+    # step costs its 48-layer model 60-100 ms of host launches on the H200, where its kernels
+    # take 4 ms at 512 tokens. Capped by max_num_batched_tokens.
+    max_prefill_graph_tokens: int = _flag(
+        2048,
+        "largest prefill step, in tokens, captured in a CUDA graph (like SGLang's "
+        "--piecewise-cuda-graph-max-tokens; 0: prefill steps run eagerly)",
+    )
     force_reference_kernels: bool = _flag(
         False, "run the torch reference kernels on the GPU too (debugging; implies eager)"
     )
@@ -181,12 +190,17 @@ def _at_least_1(value: Any) -> bool:
     return value >= 1
 
 
+def _at_least_0(value: Any) -> bool:
+    return value >= 0
+
+
 def _none_or_at_least_1(value: Any) -> bool:
     return value is None or value >= 1
 
 
 _AT_LEAST_1 = "an integer >= 1"
 _NONE_OR_AT_LEAST_1 = "None or an integer >= 1"
+_AT_LEAST_0 = "an integer >= 0"
 # EngineConfig's checks, (field, valid, expected), in the order they run: the first field that
 # fails is the one the ConfigError names
 _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
@@ -211,6 +225,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("num_pages", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a number in (0, 1]"),
     ("max_graph_bs", _at_least_1, _AT_LEAST_1),
+    ("max_prefill_graph_tokens", _at_least_0, _AT_LEAST_0),
     ("load_format", lambda v: v in LOAD_FORMATS, "'auto' or 'dummy'"),
     ("tensor_parallel_size", _at_least_1, _AT_LEAST_1),
 )

@@ -256,10 +256,15 @@ class Engine:
             and not cfg.enforce_eager
             and ops.name != "torch"
         ):
+            from moelora.kernels.paged_attention import DENSE_FROM  # Triton: CUDA only
+
             self.runner.capture_graphs(
                 max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
                 max_pages=pages_for(self.max_model_len, cfg.page_size),
                 spare_page=num_pages,
+                max_prefill_tokens=min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens),
+                max_seqs=cfg.max_num_seqs,
+                dense_from=DENSE_FROM if cfg.prefill_attention_backend == "cudnn" else 0,
             )
 
     def on_device(self) -> contextlib.AbstractContextManager:

@@ -26,6 +26,7 @@ class Ops:
     add_lora_: Callable
     paged_attention: Callable
     paged_attention_o_shrink: Callable
+    plan_attention: Callable  # once a step, before the layers: the metadata they all read
     rms_norm: Callable
     rms_norm_lora: Callable
     rope_store_kv: Callable
@@ -45,6 +46,7 @@ REFERENCE_OPS = Ops(
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
     paged_attention_o_shrink=reference.paged_attention_o_shrink,
+    plan_attention=reference.plan_attention,
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
@@ -104,6 +106,7 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
         add_lora_=add_lora_,
         paged_attention=paged_attention,
         paged_attention_o_shrink=paged_attention_o_shrink,
+        plan_attention=attention.plan_attention,
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,

@@ -23,7 +23,11 @@ log-sum-exp, and a second small kernel combines the pieces. The split length is 
 the kernels from seq_len, so the grids depend on tensor shapes only and a decode step can be
 captured in a CUDA graph and replayed with new lengths and page tables; splits past the end of
 a short sequence exit at once. Decode programs also zero the padded rows past cu_seqlens_q[-1],
-so no memset is recorded. Prefill/extend runs eagerly: one program per BLOCK_Q tokens, no split.
+so no memset is recorded. Prefill/extend has one program per BLOCK_Q tokens and KV head, no
+split; a work table (attention_work, built once a step on the device from cu_seqlens_q) says
+which sequence and block each program takes, so its grid too depends on shapes only: the step's
+rows and sequences. A prefill step then can be captured as well, its grid sized for the largest
+step of its row count, the programs past the step's blocks exiting at once.
 
 Long prefill chunks with no KV before them (a prompt's first chunk, at least dense_from tokens)
 can go to cuDNN's fused attention instead (torch's aten op; about 1.3x this kernel's speed at
@@ -49,6 +53,7 @@ D = head dim, S = splits, G = Hq // Hkv.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -59,6 +64,7 @@ import triton.language as tl
 
 from moelora.kernels.lora import lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
@@ -67,6 +73,7 @@ if TYPE_CHECKING:
 
 LOG2_E = 1.4426950408889634
 _LOG2_E = tl.constexpr(LOG2_E)  # what a kernel may read of a module global
+_WORK_SEQ = tl.constexpr(WORK_SEQ)  # a work entry: sequence * WORK_SEQ + blocks from its last
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     page_table_ptr,
     sinks_ptr,  # [Hq] float32, only with HAS_SINKS
+    work_ptr,  # [NW] int32, only with WORK: each program's (sequence, block), attention_work
     # Sizes
     num_seqs,
     num_rows,
@@ -249,6 +257,7 @@ def _paged_attention_kernel(
     ZERO_TAIL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    WORK: tl.constexpr,  # prefill: the grid is (KV heads, work entries)
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -256,13 +265,26 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
 
     # -- Map the program to (sequence, KV head, query block, split) ---------------------------
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    # the last query blocks first: under the causal mask they have the most keys, so the
-    # longest programs start in the first wave, not in the tail
-    pid_m = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
-    pid_s = tl.program_id(2) % num_splits
-    num_q_heads = tl.num_programs(1) * GROUP
+    if WORK:
+        # the work table lists every (sequence, query block) in the order the blocks should
+        # start: the last blocks of every sequence first (under the causal mask they have the
+        # most keys), so the longest programs run in the first wave, not in the tail; entries
+        # past the step's blocks are -1 (a graph's grid is sized for its largest step)
+        pid_h = tl.program_id(0)
+        num_q_heads = tl.num_programs(0) * GROUP
+        entry = tl.load(work_ptr + tl.program_id(1))
+        if entry < 0:
+            return
+        pid_b = entry // _WORK_SEQ
+        from_last = entry % _WORK_SEQ
+        pid_m = 0  # set from the sequence's query length below
+        pid_s = 0
+    else:
+        pid_b = tl.program_id(0)
+        pid_h = tl.program_id(1)
+        pid_m = tl.num_programs(2) // num_splits - 1 - tl.program_id(2) // num_splits
+        pid_s = tl.program_id(2) % num_splits
+        num_q_heads = tl.num_programs(1) * GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < head_dim
 
@@ -286,6 +308,8 @@ def _paged_attention_kernel(
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + pid_b)
+    if WORK:
+        pid_m = tl.cdiv(q_len, BLOCK_Q) - 1 - from_last
     if pid_m * BLOCK_Q >= q_len:
         return
     if dense_from > 0:
@@ -503,6 +527,80 @@ def _combine_splits_kernel(
             shrunk = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1) * scaling
             dst = shrink_ptr + (q_start.to(tl.int64) * tl.num_programs(1) + pid_hq) * R + offs_r
             tl.store(dst, shrunk, mask=offs_r < R)  # zeros past the rank: whole rows
+
+
+@triton.jit
+def _attention_work_kernel(
+    # Pointers
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    work_ptr,  # [NW] int32, written whole
+    # Sizes
+    num_seqs,
+    num_entries,
+    # Meta-parameters
+    BLOCK_Q: tl.constexpr,
+    SEQS: tl.constexpr,  # a power of two >= num_seqs
+    PDL: tl.constexpr,
+):
+    """One program: round r lists the sequences with more than r query blocks, each entry
+    naming the block r from its last, after the rounds before it; the rest of the table is -1."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    offs = tl.arange(0, SEQS)
+    in_range = offs < num_seqs
+    first = tl.load(cu_seqlens_q_ptr + offs, mask=in_range, other=0)
+    end = tl.load(cu_seqlens_q_ptr + offs + 1, mask=in_range, other=0)
+    blocks = tl.where(in_range, (end - first + BLOCK_Q - 1) // BLOCK_Q, 0)
+    filled = 0
+    for r in range(0, tl.max(blocks, axis=0)):
+        take = (blocks > r).to(tl.int32)
+        at = filled + tl.cumsum(take, axis=0) - 1
+        tl.store(work_ptr + at, offs * _WORK_SEQ + r, mask=take > 0)
+        filled += tl.sum(take, axis=0)
+    for p in range(filled, num_entries, SEQS):
+        tl.store(work_ptr + p + offs, tl.full([SEQS], -1, tl.int32), mask=p + offs < num_entries)
+
+
+def prefill_block_q(num_q_heads: int, num_kv_heads: int, device: torch.device) -> int:
+    """Query tokens a prefill program takes at the default tiles (rows = tokens x the padded
+    group of query heads)."""
+    config = PREFILL_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+    return max(config.block_m // next_power_of_2(num_q_heads // num_kv_heads), 1)
+
+
+def attention_work(cu_seqlens_q: torch.Tensor, num_rows: int, block_q: int) -> torch.Tensor:
+    """Semantics: see reference.attention_work: every (sequence, query block of block_q tokens)
+    of a prefill step, the blocks r from their sequence's last in round r, sequences in order
+    within a round; -1 past them. [cdiv(num_rows, block_q) + B] int32, which bounds the blocks
+    of any step of num_rows rows (a graph's table fits every step of its size).
+
+    One launch a step: the table is the same for every layer (plan_attention)."""
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    assert num_seqs < WORK_SEQ // 2 and cdiv(num_rows, block_q) < WORK_SEQ, (num_seqs, num_rows)
+    size = cdiv(num_rows, block_q) + num_seqs
+    work = torch.empty(size, dtype=torch.int32, device=cu_seqlens_q.device)
+    _attention_work_kernel[(1,)](
+        cu_seqlens_q_ptr=cu_seqlens_q,
+        work_ptr=work,
+        num_seqs=num_seqs,
+        num_entries=work.shape[0],
+        BLOCK_Q=block_q,
+        SEQS=max(256, next_power_of_2(num_seqs)),
+        num_warps=4,
+        **pdl_kwargs(cu_seqlens_q.device),
+    )
+    return work
+
+
+def plan_attention(
+    attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+) -> AttentionMetadata:
+    """The step's attention metadata with its prefill work table (attention_work) at the
+    default tiles, built once for every layer; a decode step's as it is."""
+    if attn.max_query_len <= 1:
+        return attn
+    block_q = prefill_block_q(num_q_heads, num_kv_heads, attn.cu_seqlens_q.device)
+    work = attention_work(attn.cu_seqlens_q, num_rows, block_q)
+    return dataclasses.replace(attn, work=work, work_block_q=block_q)
 
 
 def decode_plan(
@@ -765,6 +863,7 @@ class _Plan(NamedTuple):
     group_pad: int
     block_q: int
     grid: tuple[int, int, int]
+    work: torch.Tensor | None = None  # prefill: the work table (attention_work) the grid walks
 
 
 def _plan(
@@ -789,8 +888,11 @@ def _plan(
         return _Plan(config or plan_config, num_splits, True, max(group_pad, 16), 1, grid)
     config = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
     block_q = max(config.block_m // group_pad, 1)
-    grid = (num_seqs, num_kv_heads, cdiv(attn.max_query_len, block_q))
-    return _Plan(config, 1, False, group_pad, block_q, grid)
+    work = attn.work
+    if work is None or attn.work_block_q != block_q:  # not planned, or other tiles asked for
+        work = attention_work(attn.cu_seqlens_q, num_rows, block_q)
+    grid = (num_kv_heads, work.shape[0], 1)
+    return _Plan(config, 1, False, group_pad, block_q, grid, work)
 
 
 class _Attention(NamedTuple):
@@ -824,6 +926,7 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         seq_lens_ptr=a.attn.seq_lens,
         page_table_ptr=a.attn.page_table,
         sinks_ptr=a.out if a.sinks is None else a.sinks,  # a.out: never read
+        work_ptr=a.out if plan.work is None else plan.work,
         num_seqs=a.attn.page_table.shape[0],
         num_rows=num_rows,
         head_dim=head_dim,
@@ -857,6 +960,7 @@ def _launch_attention(a: _Attention, plan: _Plan) -> None:
         ZERO_TAIL=plan.decode,
         HAS_WINDOW=a.window > 0,
         HAS_SINKS=a.sinks is not None,
+        WORK=plan.work is not None,
         DOT_PRECISION="ieee" if a.q.dtype == torch.float32 else None,
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,

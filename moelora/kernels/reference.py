@@ -50,6 +50,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# attention_work's entries: sequence * WORK_SEQ + query blocks from the sequence's last
+WORK_SEQ = 1 << 16
 SWIGLU_OAI_ALPHA = 1.702
 SWIGLU_OAI_LIMIT = 7.0
 
@@ -266,6 +268,36 @@ def store_kv(
     slots = slot_mapping[keep]
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def attention_work(cu_seqlens_q: torch.Tensor, num_rows: int, block_q: int) -> torch.Tensor:
+    """Semantics: the prefill attention's programs in the order they should start. Sequence b
+    has nb_b = ceil(q_len_b / block_q) query blocks; round r (r = 0, 1, ...) lists, in
+    sequence order, b * WORK_SEQ + r for every b with nb_b > r (its block r from the last:
+    under the causal mask the last blocks have the most keys). Entries past them are -1, up to
+    ceil(num_rows / block_q) + B entries, which bounds the blocks of any step of num_rows rows.
+    Returns [ceil(num_rows / block_q) + B] int32."""
+    num_seqs = cu_seqlens_q.shape[0] - 1
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+    blocks = [-(-n // block_q) for n in q_lens]
+    entries = [
+        b * WORK_SEQ + r
+        for r in range(max(blocks, default=0))
+        for b in range(num_seqs)
+        if blocks[b] > r
+    ]
+    size = -(-num_rows // block_q) + num_seqs
+    work = torch.full((size,), -1, dtype=torch.int32)
+    work[: len(entries)] = torch.tensor(entries, dtype=torch.int32)
+    return work.to(cu_seqlens_q.device)
+
+
+def plan_attention(
+    attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+) -> AttentionMetadata:
+    """Semantics: the step's attention metadata for every layer's attention: here attn as it
+    is (the reference attention walks the sequences itself)."""
+    return attn
 
 
 def paged_attention(

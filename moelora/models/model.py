@@ -7,6 +7,8 @@ gathered on rank 0."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,6 +36,7 @@ class MoeCausalLM(nn.Module):
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
         self.shard = ops.shard
+        self.ops = ops
         rows = self.shard.vocab(cfg.vocab_size)
         rotary = RotaryEmbedding(hf_config, max_len, device=device)
         self.embed_tokens = nn.Parameter(
@@ -54,6 +57,9 @@ class MoeCausalLM(nn.Module):
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
         """Returns the final hidden states [T, H] (normed)."""
+        heads = (self.shard.heads(self.cfg.num_heads), self.shard.kv_heads(self.cfg.num_kv_heads))
+        attn = self.ops.plan_attention(batch.attn, batch.input_ids.shape[0], *heads)
+        batch = dataclasses.replace(batch, attn=attn)
         x, residual = self.shard.embed(batch.input_ids, self.embed_tokens), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, batch, kv)

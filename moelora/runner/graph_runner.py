@@ -1,10 +1,18 @@
-"""CUDA graphs for decode: one graph per batch size, keyed by (batch_size, stream_idx).
+"""CUDA graphs: one graph per decode batch size, keyed by (batch_size, stream_idx), and one per
+prefill token count, keyed by (tokens, stream_idx) among the prefill graphs.
 
 The LoRA path is always recorded: at capture every slot is disabled, and the LoRA kernels read
 slot_enabled / slot_of_token from static buffers when they run, so one graph serves base-only,
 single-adapter and mixed batches alike. Before replay the step's tokens, positions, page table
 and LoRA batch info are written into the static buffers in place; padded rows map to the
 no-adapter sentinel, to KV slot -1 (nothing stored) and to the spare page.
+
+A prefill graph holds any step of at most its token count with a prompt chunk in it (mixed with
+decodes or not): its attention takes min(tokens, max_num_seqs) sequences, the padded ones with
+no tokens, and its programs find their sequence in the step's work table, which the graph
+builds from cu_seqlens_q (kernels/paged_attention.attention_work). Why: an eager prefill step
+of a 48-layer model launches about 700 kernels, 60-100 ms of host time on the H200's host,
+where its kernels take 4 ms at 512 tokens and 25 ms at 2048.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -33,6 +42,18 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
     return sorted(set(sizes), reverse=True)
 
 
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """[16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, ..., max_tokens], the largest first:
+    powers of two, and from 256 on the midpoints too (a step padded by at most a third)."""
+    sizes, size = {max_tokens} if max_tokens >= 2 else set(), 16
+    while size < max_tokens:
+        sizes.add(size)
+        if size >= 256 and size * 3 // 2 < max_tokens:
+            sizes.add(size * 3 // 2)
+        size *= 2
+    return sorted(sizes, reverse=True)
+
+
 def padded_batch_size(num_tokens: int, sizes: list[int]) -> int | None:
     """The smallest captured size that holds the batch (None: too large for any graph)."""
     fitting = [s for s in sizes if s >= num_tokens]
@@ -40,9 +61,9 @@ def padded_batch_size(num_tokens: int, sizes: list[int]) -> int | None:
 
 
 def warm_up_concurrently(
-    forward: Callable[[int], object], sizes: list[int], *, compile_threads: int
+    forward: Callable[[Any], object], sizes: list, *, compile_threads: int
 ) -> bool:
-    """Run forward(bs) for every size at once, one thread each, while Triton compiles the
+    """Run forward(size) for every size at once, one thread each, while Triton compiles the
     kernels they launch in a pool of compile_threads. Returns False (and runs nothing) where
     this Triton has no AsyncCompileMode.
 
@@ -68,7 +89,8 @@ def warm_up_concurrently(
 
 @dataclass
 class GraphBuffers:
-    """Static inputs of every captured graph, sized for the largest batch.
+    """Static inputs of every captured graph, sized for the largest step: max_tokens rows (the
+    largest decode batch or prefill step) and max_seqs sequences.
 
     The int64 and int32 inputs each live in one device buffer with a pinned host twin, so
     writing a step's batch costs two host-to-device copies, whatever its size. There are two
@@ -76,41 +98,54 @@ class GraphBuffers:
     of step N's may still be queued behind step N-1 on the GPU.
     """
 
-    i64: torch.Tensor  # device [3, max_bs]: input_ids, positions, slot_mapping
+    i64: torch.Tensor  # device [3, max_tokens]: input_ids, positions, slot_mapping
     # device: cu_seqlens_q | seq_lens | slot_of_token | slot_enabled | any_enabled | pages
     i32: torch.Tensor
     host_i64: torch.Tensor  # pinned twins of the above: [2, ...], one per turn
     host_i32: torch.Tensor
     copied: list  # per twin: the event after its last copy to the device (None: never used)
-    max_bs: int
+    max_tokens: int
+    max_seqs: int
     max_pages: int
     max_loras: int
     spare_page: int
     turn: int = 0  # the twin the last copy used
 
     @classmethod
-    def init(cls, max_bs: int, max_pages: int, max_loras: int, spare_page: int, device):
-        n32 = (max_bs + 1) + 2 * max_bs + max_loras + 1 + max_bs * max_pages
+    def init(
+        cls,
+        max_tokens: int,
+        max_pages: int,
+        max_loras: int,
+        spare_page: int,
+        device,
+        *,
+        max_seqs: int | None = None,
+    ):
+        """max_seqs: sequences a step may have (default max_tokens: decode steps only)."""
+        max_seqs = max_tokens if max_seqs is None else max_seqs
+        n32 = (max_seqs + 1) + max_seqs + max_tokens + max_loras + 1 + max_seqs * max_pages
         pin = torch.cuda.is_available()
         self = cls(
-            i64=torch.zeros(3, max_bs, dtype=torch.int64, device=device),
+            i64=torch.zeros(3, max_tokens, dtype=torch.int64, device=device),
             i32=torch.zeros(n32, dtype=torch.int32, device=device),
-            host_i64=torch.zeros(2, 3, max_bs, dtype=torch.int64, pin_memory=pin),
+            host_i64=torch.zeros(2, 3, max_tokens, dtype=torch.int64, pin_memory=pin),
             host_i32=torch.zeros(2, n32, dtype=torch.int32, pin_memory=pin),
             copied=[None, None],
-            max_bs=max_bs,
+            max_tokens=max_tokens,
+            max_seqs=max_seqs,
             max_pages=max_pages,
             max_loras=max_loras,
             spare_page=spare_page,
         )
-        self._pad(self.host_i64[0], self.host_i32[0], 0)
+        self._pad(self.host_i64[0], self.host_i32[0], 0, 0)
         self.i64.copy_(self.host_i64[0])
         self.i32.copy_(self.host_i32[0])
         return self
 
     def _views(self, i64: torch.Tensor, i32: torch.Tensor) -> dict[str, torch.Tensor]:
-        bs, pages, loras = self.max_bs, self.max_pages, self.max_loras
-        cu, seq, slot, enabled, any_on, table = i32.split([bs + 1, bs, bs, loras, 1, bs * pages])
+        T, B, pages, loras = self.max_tokens, self.max_seqs, self.max_pages, self.max_loras
+        cu, seq, slot, enabled, any_on, table = i32.split([B + 1, B, T, loras, 1, B * pages])
         return dict(
             input_ids=i64[0],
             positions=i64[1],
@@ -120,47 +155,57 @@ class GraphBuffers:
             slot_of_token=slot,
             slot_enabled=enabled,
             any_enabled=any_on,
-            page_table=table.view(bs, pages),
+            page_table=table.view(B, pages),
         )
 
-    def forward_batch(self, bs: int, pool: SlotPool | None) -> ForwardBatch:
-        """Views of the first bs rows: what a graph of batch size bs is captured with."""
+    def forward_batch(
+        self, tokens: int, pool: SlotPool | None, *, prefill: bool = False
+    ) -> ForwardBatch:
+        """Views of the first rows: what a graph is captured with. Decode: `tokens` sequences
+        of one token each; prefill: `tokens` rows over prefill_seqs(tokens) sequences."""
         v = self._views(self.i64, self.i32)
+        seqs = self.prefill_seqs(tokens) if prefill else tokens
         rows = HostBatch(
-            input_ids=v["input_ids"][:bs],
-            positions=v["positions"][:bs],
-            slot_mapping=v["slot_mapping"][:bs],
-            cu_seqlens_q=v["cu_seqlens_q"][: bs + 1],
-            seq_lens=v["seq_lens"][:bs],
-            page_table=v["page_table"][:bs],
-            slot_of_token=v["slot_of_token"][:bs],
+            input_ids=v["input_ids"][:tokens],
+            positions=v["positions"][:tokens],
+            slot_mapping=v["slot_mapping"][:tokens],
+            cu_seqlens_q=v["cu_seqlens_q"][: seqs + 1],
+            seq_lens=v["seq_lens"][:seqs],
+            page_table=v["page_table"][:seqs],
+            slot_of_token=v["slot_of_token"][:tokens],
             slot_enabled=v["slot_enabled"],
-            max_query_len=1,
+            max_query_len=tokens if prefill else 1,
             any_enabled=v["any_enabled"],
         )
         return forward_batch(rows, pool)
 
+    def prefill_seqs(self, tokens: int) -> int:
+        """The sequences a prefill graph of `tokens` rows takes: every step of that many rows
+        has at most that many."""
+        return min(self.max_seqs, tokens)
+
     def copy_from(self, batch: HostBatch, prev_tokens: torch.Tensor | None = None) -> None:
-        """Write a decode batch of T rows; every row past T becomes padding. prev_tokens: what
-        the batch's placeholder ids stand for (ModelRunner.fill_placeholders)."""
+        """Write a batch of T rows and B sequences; every row past T and sequence past B becomes
+        padding. prev_tokens: what the batch's placeholder ids stand for
+        (ModelRunner.fill_placeholders)."""
         self.turn = turn = 1 - self.turn
         if self.copied[turn] is not None:
             self.copied[turn].synchronize()  # done long ago, in practice: two steps back
         host_i64, host_i32 = self.host_i64[turn], self.host_i32[turn]
         v = self._views(host_i64, host_i32)
-        T = batch.num_tokens
-        self._pad(host_i64, host_i32, T)
+        T, B = batch.num_tokens, batch.seq_lens.shape[0]
+        self._pad(host_i64, host_i32, T, B)
         v["input_ids"][:T] = batch.input_ids
         v["positions"][:T] = batch.positions
         v["slot_mapping"][:T] = batch.slot_mapping
-        v["cu_seqlens_q"][: T + 1] = batch.cu_seqlens_q
-        v["seq_lens"][:T] = batch.seq_lens
+        v["cu_seqlens_q"][: B + 1] = batch.cu_seqlens_q
+        v["seq_lens"][:B] = batch.seq_lens
         v["slot_of_token"][:T] = batch.slot_of_token
         if batch.slot_enabled is not None:
             v["slot_enabled"][:] = batch.slot_enabled
             v["any_enabled"][0] = int(batch.slot_enabled.any())
         width = batch.page_table.shape[1]
-        v["page_table"][:T, :width] = batch.page_table
+        v["page_table"][:B, :width] = batch.page_table
         self.i64.copy_(host_i64, non_blocking=True)
         self.i32.copy_(host_i32, non_blocking=True)
         if prev_tokens is not None:
@@ -169,18 +214,19 @@ class GraphBuffers:
             self.copied[turn] = torch.cuda.Event()
             self.copied[turn].record()
 
-    def _pad(self, i64: torch.Tensor, i32: torch.Tensor, T: int) -> None:
-        """Rows from T on: no KV stored, no query rows, no adapter, the spare page."""
+    def _pad(self, i64: torch.Tensor, i32: torch.Tensor, T: int, B: int) -> None:
+        """Rows from T on: no KV stored, no adapter; sequences from B on: no query rows, no KV,
+        the spare page."""
         v = self._views(i64, i32)
         v["input_ids"][T:] = 0
         v["positions"][T:] = 0
         v["slot_mapping"][T:] = -1
-        v["cu_seqlens_q"][T:] = T
-        v["seq_lens"][T:] = 0
         v["slot_of_token"][T:] = NO_SLOT
+        v["cu_seqlens_q"][B:] = T
+        v["seq_lens"][B:] = 0
         v["slot_enabled"][:] = 0
         v["any_enabled"][:] = 0
-        v["page_table"][T:] = self.spare_page
+        v["page_table"][B:] = self.spare_page
 
 
 class GraphRunner:
@@ -195,16 +241,38 @@ class GraphRunner:
         max_pages: int,
         spare_page: int,
         device: torch.device,
+        max_prefill_tokens: int = 0,
+        max_seqs: int | None = None,
+        dense_from: int = 0,
     ):
+        """max_prefill_tokens: the largest prefill step captured (0: prefill steps run eager);
+        max_seqs: the most sequences a step has (default max_bs); dense_from > 0: prefill steps
+        with a first chunk of that many tokens stay eager (their attention is cuDNN's, which
+        reads the chunk lengths on the host: paged_attention.dense_runs)."""
         self.forward, self.pool, self.device = forward, pool, device
         self.sizes = graph_batch_sizes(max_bs)
+        self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
+        self.dense_from = dense_from
         self.buffers = GraphBuffers.init(
-            max_bs, max_pages, pool.max_loras if pool else 1, spare_page, device
+            max(max_bs, *self.prefill_sizes[:1]),
+            max_pages,
+            pool.max_loras if pool else 1,
+            spare_page,
+            device,
+            max_seqs=max(max_bs, max_seqs or max_bs),
         )
+        # keyed (size, STREAM_IDX): decode graphs by batch size, prefill graphs by tokens
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.prefill_outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.capture_seconds = 0.0
         self.warm_up_seconds = 0.0  # of capture_seconds: every size's first forward, at once
+
+    def _shapes(self) -> list[tuple[int, bool]]:
+        """(size, prefill) of every graph, the largest steps first (capture order: the ones
+        after reuse the pool's memory)."""
+        return [(T, True) for T in self.prefill_sizes] + [(bs, False) for bs in self.sizes]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -215,8 +283,8 @@ class GraphRunner:
         stream = torch.cuda.Stream()
         self._warm_up(stream)
         self.warm_up_seconds = time.perf_counter() - start
-        for bs in tqdm(self.sizes, desc="capturing CUDA graphs", unit="graph"):
-            batch = self.buffers.forward_batch(bs, self.pool)
+        for size, prefill in tqdm(self._shapes(), desc="capturing CUDA graphs", unit="graph"):
+            batch = self.buffers.forward_batch(size, self.pool, prefill=prefill)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.forward(batch)  # nothing left to compile: lazy inits only
@@ -224,34 +292,53 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.forward(batch)
-            self.graphs[(bs, STREAM_IDX)] = graph
-            self.outputs[(bs, STREAM_IDX)] = out
+            graphs, outputs = self._tables(prefill)
+            graphs[(size, STREAM_IDX)] = graph
+            outputs[(size, STREAM_IDX)] = out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info(
-            "captured %d CUDA graphs in %.1f s (%.1f s of it the warm-up, where kernels compile) "
-            "using %.0f MiB",
+            "captured %d CUDA graphs (%d decode, %d prefill) in %.1f s (%.1f s of it the "
+            "warm-up, where kernels compile) using %.0f MiB",
+            len(self.sizes) + len(self.prefill_sizes),
             len(self.sizes),
+            len(self.prefill_sizes),
             self.capture_seconds,
             self.warm_up_seconds,
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
 
+    def _tables(self, prefill: bool) -> tuple[dict, dict]:
+        if prefill:
+            return self.prefill_graphs, self.prefill_outputs
+        return self.graphs, self.outputs
+
     def _warm_up(self, stream: torch.cuda.Stream) -> None:
-        """Every size's first forward at once, so the kernels compile in parallel. Padded
+        """Every graph's first forward at once, so the kernels compile in parallel. Padded
         inputs: no KV is stored, every row is base, so the forwards can share the stream."""
 
-        def forward(bs: int) -> None:
+        def forward(shape: tuple[int, bool]) -> None:
+            size, prefill = shape
             # device, stream and inference mode are per thread in torch
             with torch.cuda.device(self.device), torch.cuda.stream(stream), torch.inference_mode():
-                self.forward(self.buffers.forward_batch(bs, self.pool))
+                self.forward(self.buffers.forward_batch(size, self.pool, prefill=prefill))
 
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4
-        warm_up_concurrently(forward, self.sizes, compile_threads=threads)
+        warm_up_concurrently(forward, self._shapes(), compile_threads=threads)
         torch.cuda.synchronize(self.device)
 
     def can_run(self, batch: HostBatch) -> bool:
-        return batch.max_query_len == 1 and batch.num_tokens <= self.sizes[0]
+        if batch.max_query_len == 1:
+            return batch.num_tokens <= self.sizes[0]
+        if not self.prefill_sizes or batch.num_tokens > self.prefill_sizes[0]:
+            return False
+        dense = self.dense_from
+        return not dense or all(s or n < dense for s, n in batch.chunks or ())
+
+    def _key(self, batch: HostBatch) -> tuple[tuple[int, int], bool]:
+        prefill = batch.max_query_len > 1
+        sizes = self.prefill_sizes if prefill else self.sizes
+        return (padded_batch_size(batch.num_tokens, sizes), STREAM_IDX), prefill
 
     def run(
         self,
@@ -260,23 +347,25 @@ class GraphRunner:
         eager: bool = False,
         prev_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Replay the graph of the padded batch size. eager=True runs the same padded inputs
-        without the graph: the reference the GPU tests hold replays to, bit for bit."""
+        """Replay the graph of the padded batch size (prefill: token count). eager=True runs the
+        same padded inputs without the graph: the reference the GPU tests hold replays to, bit
+        for bit."""
         T = batch.num_tokens
         if eager:
-            bs = padded_batch_size(T, self.sizes)
+            (size, _), prefill = self._key(batch)
             self.buffers.copy_from(batch, prev_tokens)
-            return self.forward(self.buffers.forward_batch(bs, self.pool))[:T]
+            return self.forward(self.buffers.forward_batch(size, self.pool, prefill=prefill))[:T]
         return self.replay_fn(batch, prev_tokens)()[:T]
 
     def replay_fn(
         self, batch: HostBatch, prev_tokens: torch.Tensor | None = None
     ) -> Callable[[], torch.Tensor]:
         """The batch written into the static inputs, and a function that replays its graph and
-        returns the padded output [bs, H] (each call replays again: what benchmarks time)."""
-        key = (padded_batch_size(batch.num_tokens, self.sizes), STREAM_IDX)
+        returns the padded output [size, H] (each call replays again: what benchmarks time)."""
+        key, prefill = self._key(batch)
         self.buffers.copy_from(batch, prev_tokens)
-        graph, out = self.graphs[key], self.outputs[key]
+        graphs, outputs = self._tables(prefill)
+        graph, out = graphs[key], outputs[key]
 
         def replay() -> torch.Tensor:
             graph.replay()

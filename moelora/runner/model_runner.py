@@ -98,10 +98,19 @@ class ModelRunner:
         self.num_graph_replays = 0
         self.num_eager_steps = 0
 
-    def capture_graphs(self, *, max_bs: int, max_pages: int, spare_page: int) -> None:
-        """Capture a decode graph per batch size up to max_bs: from now on, decode steps that
-        fit one replay it. max_pages: pages per sequence; spare_page: the page padded rows
-        point at."""
+    def capture_graphs(
+        self,
+        *,
+        max_bs: int,
+        max_pages: int,
+        spare_page: int,
+        max_prefill_tokens: int = 0,
+        max_seqs: int | None = None,
+        dense_from: int = 0,
+    ) -> None:
+        """Capture a decode graph per batch size up to max_bs, and a prefill graph per token
+        count up to max_prefill_tokens (GraphRunner): from now on, steps that fit one replay
+        it. max_pages: pages per sequence; spare_page: the page padded rows point at."""
         self.graphs = GraphRunner(
             self._forward,
             self.slot_pool,
@@ -109,6 +118,9 @@ class ModelRunner:
             max_pages=max_pages,
             spare_page=spare_page,
             device=self.device,
+            max_prefill_tokens=max_prefill_tokens,
+            max_seqs=max_seqs,
+            dense_from=dense_from,
         )
         self.graphs.capture()
 

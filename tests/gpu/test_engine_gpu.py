@@ -141,6 +141,95 @@ def test_gpt_oss_graph_replay_equals_eager_on_mixed_decode_batches(tmp_path, exp
     _graph_equals_eager(llm, [None, *adapters], batches=40, max_bs=32)
 
 
+def test_prefill_graph_replay_equals_eager_on_random_mixed_steps(assets):
+    """Steps with prompt chunks (new prompts, some after a cached prefix) beside decodes of base
+    and adapter requests, each run eagerly on the padded inputs of its prefill graph and
+    replayed: the same bits. The graphs' attention finds each program's block in the work
+    table the graph builds (kernels/paged_attention.attention_work)."""
+    model, adapters = assets
+    llm = LLM(
+        model,
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype="bfloat16",
+        max_graph_bs=32,
+        max_num_seqs=32,
+        max_num_batched_tokens=512,
+        max_prefill_graph_tokens=512,
+        async_scheduling=False,  # the test plans the next step itself, from known tokens
+        **ENGINE,
+    )
+    engine, names = llm.engine, [None, *adapters]
+    graphs = engine.runner.graphs
+    assert graphs.prefill_sizes[0] == 512 and len(graphs.prefill_graphs) == len(
+        graphs.prefill_sizes
+    )
+    rng = random.Random(4)
+    prefixes = [[rng.randrange(256) for _ in range(48)] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    llm.generate([p + [7] for p in prefixes], SamplingParams(max_tokens=1))  # cache the prefixes
+    worst, sizes, extends = 0.0, set(), 0
+    for it in range(40):
+        running = [f"{it}-d{j}" for j in range(rng.randint(0, 12))]
+        for rid in running:
+            prompt = [rng.randrange(256) for _ in range(rng.randint(1, 24))]
+            engine.add_request(rid, prompt, greedy, rng.choice(names))
+        if running:
+            engine.step()  # their prompts: the next step decodes them
+        fresh = [f"{it}-p{j}" for j in range(rng.randint(1, 4))]
+        for rid in fresh:
+            head = rng.choice(prefixes) if rng.random() < 0.5 else []
+            prompt = head + [rng.randrange(256) for _ in range(rng.randint(2, 120))]
+            engine.add_request(rid, prompt, greedy, rng.choice(names))
+        plan = engine.scheduler.schedule()
+        batch = engine.runner.host_batch(plan)
+        assert batch.max_query_len > 1 and graphs.can_run(batch)
+        sizes.add(graphs._key(batch)[0][0])
+        extends += sum(c.start > 0 and c.num_tokens > 1 for c in plan.chunks)
+        with torch.inference_mode():
+            eager = graphs.run(batch, eager=True).clone()
+            replay = graphs.run(batch).clone()
+        worst = max(worst, (eager.float() - replay.float()).abs().max().item())
+        for rid in running + fresh:
+            engine.abort_request(rid)
+    assert worst == 0.0, f"prefill graph replay differs from eager by {worst}"
+    assert len(sizes) >= 3 and extends >= 5, (sizes, extends)
+    assert engine.stats().kv_pages_used == 0
+
+
+def test_prefill_graphs_give_the_eager_engines_tokens(assets):
+    """float32: an engine whose prompts replay prefill graphs (padded to their token count)
+    gives the tokens and logprobs of one that runs them eagerly."""
+    model, adapters = assets
+    rng = random.Random(5)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(2, 300))] for _ in range(12)]
+    loras = [[None, *adapters][i % 4] for i in range(12)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    outs, stats = [], []
+    for prefill_graphs in (512, 0):
+        llm = LLM(
+            model,
+            lora_modules=adapters,
+            max_loras=NUM_ADAPTERS,
+            max_lora_rank=64,
+            dtype="float32",
+            max_graph_bs=16,
+            max_num_seqs=16,
+            max_num_batched_tokens=512,
+            max_prefill_graph_tokens=prefill_graphs,
+            **ENGINE,
+        )
+        outs.append(llm.generate(prompts, params, lora=loras))
+        stats.append(llm.engine.stats())
+        del llm
+    assert stats[0].eager_steps == 0 and stats[1].eager_steps > 0
+    for graph, eager in zip(*outs):
+        assert graph.token_ids == eager.token_ids
+        for i, token in enumerate(graph.token_ids):
+            assert abs(graph.logprobs[i][token] - eager.logprobs[i][token]) <= 1e-4
+
+
 def _alone_base_mixed(llm, prompts, target, params):
     alone = llm.generate([prompts[0]], params, lora=target)[0]
     base_batch = llm.generate(prompts, params, lora=[target] + [None] * (len(prompts) - 1))[0]

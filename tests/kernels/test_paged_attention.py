@@ -18,9 +18,11 @@ from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.paged_attention import (  # noqa: E402
+    attention_work,
     launch_paged_attention,
     paged_attention,
     paged_attention_o_shrink,
+    plan_attention,
 )
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraWeights  # noqa: E402
@@ -237,6 +239,52 @@ def test_prefill(dtype, heads, page_size):
         seed=page_size,
     )
     check_attention(q, k_cache, v_cache, attn)
+
+
+@pytest.mark.parametrize("block_q", [1, 2, 3, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_work_lists_every_block_once_last_blocks_first(block_q, seed):
+    """The work table against its reference, bit for bit, on random steps (empty sequences
+    and rows past the step's, as a graph's padding has), and the reference against its
+    meaning: every (sequence, block) once, all sequences' last blocks first, -1 after them."""
+    g = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(1, 40, (1,), generator=g))
+    q_lens = torch.randint(0, 30, (num_seqs,), generator=g)
+    q_lens[torch.rand(num_seqs, generator=g) < 0.3] = 1  # decodes beside the prompt chunks
+    cu = torch.zeros(num_seqs + 1, dtype=torch.int32)
+    cu[1:] = q_lens.cumsum(0)
+    num_rows = int(cu[-1]) + int(torch.randint(0, 50, (1,), generator=g))
+    got = attention_work(cu, num_rows, block_q)
+    expected = reference.attention_work(cu, num_rows, block_q)
+    assert torch.equal(got, expected)
+    blocks = [-(-int(n) // block_q) for n in q_lens]
+    listed = [(int(e) // reference.WORK_SEQ, int(e) % reference.WORK_SEQ) for e in got if e >= 0]
+    assert sorted(listed) == sorted((b, r) for b, n in enumerate(blocks) for r in range(n))
+    assert [r for _, r in listed] == sorted(r for _, r in listed)
+    assert (got[len(listed) :] == -1).all() and got.shape == (-(-num_rows // block_q) + num_seqs,)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS)
+def test_prefill_planned_for_a_larger_step(dtype, heads):
+    """As a prefill graph runs a smaller step: the work table planned once for more rows and
+    sequences than the step has (padded sequences with no tokens and no KV, padded rows), and
+    read by the attention; the rows are the reference's and the padded ones zero."""
+    q, k_cache, v_cache, attn = make_step(
+        [17, 1, 30, 5, 0, 0, 0],
+        [50, 66, 30, 21, 0, 0, 0],
+        num_q_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=16,
+        page_size=16,
+        dtype=dtype,
+        pad_rows=11,
+    )
+    planned = plan_attention(attn, q.shape[0], heads[0], heads[1])
+    assert planned.work is not None and planned.work_block_q > 0
+    check_attention(q, k_cache, v_cache, planned)
+    out = paged_attention(q, k_cache, v_cache, planned, q.shape[-1] ** -0.5)
+    assert (out[53:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -23,7 +23,9 @@ def host_batch(T: int, width: int) -> HostBatch:
 
 
 def test_copy_from_writes_rows_and_pads_the_rest():
-    buffers = GraphBuffers.init(max_bs=16, max_pages=8, max_loras=4, spare_page=99, device="cpu")
+    buffers = GraphBuffers.init(
+        max_tokens=16, max_pages=8, max_loras=4, spare_page=99, device="cpu"
+    )
     big, small = host_batch(11, 5), host_batch(3, 2)
     buffers.copy_from(big)
     buffers.copy_from(small)  # a smaller batch after a larger one leaves no stale rows
@@ -46,7 +48,9 @@ def test_any_enabled_follows_the_batch():
     """The step's "any slot enabled" flag, which the MoE GEMMs test before their LoRA epilogue:
     set by a batch with an enabled slot, cleared by a base-only batch written after it; the
     eager path's batch info carries the same flag."""
-    buffers = GraphBuffers.init(max_bs=16, max_pages=8, max_loras=4, spare_page=99, device="cpu")
+    buffers = GraphBuffers.init(
+        max_tokens=16, max_pages=8, max_loras=4, spare_page=99, device="cpu"
+    )
     lora, base = host_batch(5, 3), host_batch(6, 3)
     base.slot_of_token.fill_(NO_SLOT)
     base.slot_enabled.zero_()
