@@ -61,9 +61,11 @@ from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
-# pairs from which gate_up's shrink runs block by block (moe_lora.block_shrink_kernel): past the
-# align's PMAX, every prefill chunk of more than 512 tokens at top-8
-BLOCK_SHRINK_FROM = 4097
+# pairs from which gate_up's shrink runs block by block (moe_lora.block_shrink_kernel): past
+# every decode graph's pairs (256 rows at top-8), so prefill steps of more than 256 tokens at
+# top-8. From 4097 (past the align's PMAX), a 512-token prompt with one adapter took 1.66x its
+# base-only TTFT on the H200: each of its 4096 pairs read its expert's whole A13 (0.5 GB a layer)
+BLOCK_SHRINK_FROM = 2049
 BLOCK_SHRINK_K = 64  # its input chunk
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
 _ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)

@@ -254,7 +254,7 @@ class GraphRunner:
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
         self.dense_from = dense_from
         self.buffers = GraphBuffers.init(
-            max(max_bs, *self.prefill_sizes[:1]),
+            max([max_bs, *self.prefill_sizes[:1]]),
             max_pages,
             pool.max_loras if pool else 1,
             spare_page,

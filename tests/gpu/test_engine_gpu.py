@@ -194,7 +194,7 @@ def test_prefill_graph_replay_equals_eager_on_random_mixed_steps(assets):
         for rid in running + fresh:
             engine.abort_request(rid)
     assert worst == 0.0, f"prefill graph replay differs from eager by {worst}"
-    assert len(sizes) >= 3 and extends >= 5, (sizes, extends)
+    assert len(sizes) >= 3 and extends >= 3, (sizes, extends)
     assert engine.stats().kv_pages_used == 0
 
 
