@@ -71,6 +71,7 @@ class Setup:
     max_num_batched_tokens: int
     prefill_attention_backend: str = "cudnn"  # EngineConfig's
     max_prefill_graph_tokens: int = 2048  # EngineConfig's (0: every prefill step eager)
+    profile_tokens: int = 4096  # --profile: the prefill whose kernels are timed
 
     @property
     def max_model_len(self) -> int:
@@ -243,14 +244,14 @@ def ttft_rows(engine: Engine, setup: Setup, cases, names, gen, flops_per_s) -> l
 
 
 def kernel_table(engine: Engine, setup: Setup, case: str, names, gen) -> list[str]:
-    """Per-layer GPU time of each kernel in one 4096-token prefill (8 prompts of 512 for 8
-    distinct, so that the adapters are mixed)."""
+    """Per-layer GPU time of each kernel in one prefill of setup.profile_tokens (8 prompts of
+    an eighth of it for 8 distinct, so that the adapters are mixed)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
     count = 8 if case == "8 distinct" else 1
-    length = 4096 // count
+    length = setup.profile_tokens // count
     loras = adapters_of(case, names, count)
     vocab = engine.model_config.vocab_size
     prefill_seconds(engine, random_prompts(gen, vocab, count, length), loras, setup.device)
@@ -264,7 +265,7 @@ def kernel_table(engine: Engine, setup: Setup, case: str, names, gen) -> list[st
     layers = engine.model_config.num_layers
     lines = [
         "",
-        f"### Kernels of one 4096-token prefill, {case} ({count} x {length}): "
+        f"### Kernels of one {setup.profile_tokens}-token prefill, {case} ({count} x {length}): "
         f"{sum(total.values()) / layers / 1e3:.3f} ms kernel time per layer",
         "",
         "| kernel | calls per layer | ms per layer |",
@@ -352,6 +353,9 @@ def main() -> None:
         help="EngineConfig.max_prefill_graph_tokens: prefill steps of up to this many tokens "
         "replay a CUDA graph (default 2048; 0: eager)",
     )
+    parser.add_argument(
+        "--profile-tokens", type=int, default=4096, help="tokens of --profile's prefill"
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     if args.profile and not args.pdl:
@@ -366,6 +370,7 @@ def main() -> None:
         setup,
         prefill_attention_backend=args.prefill_attention_backend,
         max_prefill_graph_tokens=args.max_prefill_graph_tokens,
+        profile_tokens=args.profile_tokens,
     )
     start = time.perf_counter()
     flops_per_s = matmul_flops_per_s(setup.device)
