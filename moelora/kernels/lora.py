@@ -25,6 +25,8 @@ everything else.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -257,6 +259,10 @@ def _add_lora_kernel(
 
 
 PREFILL_ROWS = 256  # past this many rows (no decode graph is larger) add_lora_ takes prefill tiles
+# prefill tiles (BT rows, CW columns), largest first: the first that gives PREFILL_PROGRAMS
+# programs (about one a multiprocessor on the H200), else the last
+PREFILL_TILES = ((64, 1024), (64, 512), (64, 256), (32, 256), (16, 256))
+PREFILL_PROGRAMS = 128
 
 
 def rank_block(max_rank: int) -> int:
@@ -264,8 +270,8 @@ def rank_block(max_rank: int) -> int:
     return max(16, next_power_of_2(max_rank))
 
 
-def _add_lora_tiles(T: int, S: int, R: int, widest: int) -> dict[str, int]:
-    """_add_lora_kernel's meta-parameters for T rows, S slots of rank R, slices up to `widest`.
+def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int]) -> dict[str, int]:
+    """_add_lora_kernel's meta-parameters for T rows, S slots of rank R, output slices `sizes`.
 
     A program's chain is (in / BK) shrink steps then (CW / BN) expand steps, each waiting on a
     load's latency, so both stay short: the slots go SG at a time in a 64-column group with
@@ -273,26 +279,39 @@ def _add_lora_tiles(T: int, S: int, R: int, widest: int) -> dict[str, int]:
     programs, each shrinking again from L2)."""
     BN, BR = 64, rank_block(R)
     SG = max(1, min(next_power_of_2(S), 64 // BR))
+    widest = BN * cdiv(max(sizes), BN)
     if T > PREFILL_ROWS:
         # prefill: every program shrinks its rows again, so at 16 rows x 256 columns a
         # 4096-token q|k|v read x 20 times and A 5120 times (0.27 ms); 64 rows x 1024 columns
         # read each 16 times fewer. 128 deep: at 4096 tokens 7% faster for q|k|v and 15% for
         # o than 64 deep. Splitting the work into a shrink launch and an expand launch over
-        # small column groups measured within 6% of this, either way (bench/results/NOTES.md)
-        CW = min(1024, BN * cdiv(widest, BN))
-        return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, CW=CW, BN=BN, BK=128, BR=BR)
+        # small column groups measured within 6% of this, either way (bench/results/NOTES.md).
+        # The largest tiles that still give PREFILL_PROGRAMS programs: at 512 rows 64 x 1024
+        # gave q|k|v 48 programs and o 16, 38 us a call on the H200 (a 512-token prefill's
+        # kernels took 0.415 ms a layer with one adapter, 0.293 base-only)
+        for BT, CW in PREFILL_TILES:
+            CW = min(CW, widest)
+            if cdiv(T, BT) * sum(cdiv(n, CW) for n in sizes if n) >= PREFILL_PROGRAMS:
+                break
+        return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=BT, CW=CW, BN=BN, BK=128, BR=BR)
     BK = 256 if SG * BR <= 64 else 128
-    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, BN * cdiv(widest, BN))
+    CW = min(64 if T <= 16 else 128 if T <= 64 else 256, widest)
     return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
 
 
 def add_lora_(
-    y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+    *,
+    tiles: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
     y: [T, out], x: [T, in], same dtype, last dims contiguous; lora.a [S, n, R, in],
     lora.b [S, out, R] contiguous, n <= 3. In place (one launch for all slices); returns y.
+    tiles: BT, CW, BK in place of add_lora_tiles' (benchmarks sweep them).
     """
     T, K_in = x.shape
     S, n, R, _ = lora.a.shape
@@ -305,7 +324,7 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
-    meta = _add_lora_tiles(T, S, R, max(sizes))
+    meta = {**add_lora_tiles(T, S, R, sizes), **(tiles or {})}
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
         y_ptr=y,
