@@ -51,8 +51,22 @@ def info_of(T: int, spread: str) -> LoraBatchInfo:
     )
 
 
+def compile_all(T: int) -> None:
+    """Every candidate's kernel variant launched once, at each shape."""
+    for _, k_in, slices in SHAPES:
+        lora, info = weights(k_in, slices), info_of(T, "1 adapter")
+        x = torch.randn(T, k_in, device="cuda", dtype=DTYPE)
+        y = torch.randn(T, sum(slices), device="cuda", dtype=DTYPE)
+        for tiles in [None, *CANDIDATES]:
+            try:
+                add_lora_(y, x, lora, info, tiles=tiles)
+            except Exception as e:  # a tile that does not compile (shared memory, registers)
+                print(f"   {tiles}: {type(e).__name__}", flush=True)
+    torch.cuda.synchronize()
+
+
 def launch_ms(y, x, lora, info, tiles: dict[str, int] | None) -> float:
-    return do_bench(lambda: add_lora_(y, x, lora, info, tiles=tiles), warmup=5, rep=30)
+    return do_bench(lambda: add_lora_(y, x, lora, info, tiles=tiles), warmup=25, rep=100)
 
 
 def main() -> None:
@@ -60,6 +74,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 4096])
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
+    compile_all(args.rows[0])  # first, so no compile (and no clock drop) falls in a timing
     bandwidth = copy_bandwidth()
     lines = result_header("add_lora_ tiles at prefill rows, Qwen3-30B-A3B shape", bandwidth)
     lines += [
