@@ -70,17 +70,20 @@ def main() -> None:
         return
     from common import DECODE_BATCHES, MAX_LORAS, RANK, result_header, write_result
 
-    from moelora.runner.graph_runner import graph_batch_sizes
+    from moelora.config import EngineConfig
+    from moelora.runner.graph_runner import graph_batch_sizes, prefill_graph_sizes
 
     rows = run_children(args.layers)
     max_bs = max(DECODE_BATCHES)
+    prefill = prefill_graph_sizes(EngineConfig.max_prefill_graph_tokens)  # the default's
     lines = result_header("Graph capture, Qwen3-30B-A3B shape (random weights)", None)
     lines += [
         f"- layers: {args.layers} of 48; bf16; {len(graph_batch_sizes(max_bs))} batch "
-        f"sizes 1 .. {max_bs}, as bench/decode.py; {os.cpu_count()} CPU cores",
+        f"sizes 1 .. {max_bs}, as bench/decode.py, and {len(prefill)} prefill token counts "
+        f"{prefill[-1]} .. {prefill[0]}; {os.cpu_count()} CPU cores",
         "- each run is its own process with its own Triton cache; it builds the LoRA-disabled "
         f"engine, then the LoRA-enabled one (max_loras {MAX_LORAS}, rank {RANK})",
-        "- warm-up: every batch size's first forward, where the kernels compile; all sizes at "
+        "- warm-up: every graph's first forward, where the kernels compile; all sizes at "
         "once where Triton has AsyncCompileMode (runner/graph_runner.py)",
         "",
         "| run | disabled: capture s | of it warm-up s | LoRA: capture s | of it warm-up s | "

@@ -259,10 +259,6 @@ def _add_lora_kernel(
 
 
 PREFILL_ROWS = 256  # past this many rows (no decode graph is larger) add_lora_ takes prefill tiles
-# prefill tiles (BT rows, CW columns), largest first: the first that gives PREFILL_PROGRAMS
-# programs (about one a multiprocessor on the H200), else the last
-PREFILL_TILES = ((64, 1024), (64, 512), (64, 256), (32, 256), (16, 256))
-PREFILL_PROGRAMS = 128
 
 
 def rank_block(max_rank: int) -> int:
@@ -285,15 +281,9 @@ def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int]) -> dict[str, in
         # 4096-token q|k|v read x 20 times and A 5120 times (0.27 ms); 64 rows x 1024 columns
         # read each 16 times fewer. 128 deep: at 4096 tokens 7% faster for q|k|v and 15% for
         # o than 64 deep. Splitting the work into a shrink launch and an expand launch over
-        # small column groups measured within 6% of this, either way (bench/results/NOTES.md).
-        # The largest tiles that still give PREFILL_PROGRAMS programs: at 512 rows 64 x 1024
-        # gave q|k|v 48 programs and o 16, 38 us a call on the H200 (a 512-token prefill's
-        # kernels took 0.415 ms a layer with one adapter, 0.293 base-only)
-        for BT, CW in PREFILL_TILES:
-            CW = min(CW, widest)
-            if cdiv(T, BT) * sum(cdiv(n, CW) for n in sizes if n) >= PREFILL_PROGRAMS:
-                break
-        return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=BT, CW=CW, BN=BN, BK=128, BR=BR)
+        # small column groups measured within 6% of this, either way (bench/results/NOTES.md)
+        CW = min(1024, widest)
+        return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, CW=CW, BN=BN, BK=128, BR=BR)
     BK = 256 if SG * BR <= 64 else 128
     CW = min(64 if T <= 16 else 128 if T <= 64 else 256, widest)
     return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
