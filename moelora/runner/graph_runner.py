@@ -332,6 +332,9 @@ class GraphRunner:
             return batch.num_tokens <= self.sizes[0]
         if not self.prefill_sizes or batch.num_tokens > self.prefill_sizes[0]:
             return False
+        size = padded_batch_size(batch.num_tokens, self.prefill_sizes)
+        if batch.seq_lens.shape[0] > self.buffers.prefill_seqs(size):
+            return False  # more sequences than the engine said a step has (max_seqs)
         dense = self.dense_from
         return not dense or all(s or n < dense for s, n in batch.chunks or ())
 

@@ -99,6 +99,17 @@ def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
         max_seqs=8,
     )
     assert graphs.can_run(host)
+    few = GraphRunner(
+        runner._forward,
+        runner.slot_pool,
+        max_bs=2,
+        max_pages=pages_for(engine.max_model_len, engine.config.page_size),
+        spare_page=engine.pages.num_pages,
+        device=torch.device("cpu"),
+        max_prefill_tokens=64,
+        max_seqs=4,
+    )
+    assert not few.can_run(host)  # 5 sequences: more than its graphs hold
     with torch.inference_mode():
         eager = runner._forward(runner.device_batch(host))
         padded = graphs.run(host, eager=True)
