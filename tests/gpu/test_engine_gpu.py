@@ -141,24 +141,33 @@ def test_gpt_oss_graph_replay_equals_eager_on_mixed_decode_batches(tmp_path, exp
     _graph_equals_eager(llm, [None, *adapters], batches=40, max_bs=32)
 
 
+def _prefill_llm(model: str, adapters: dict, **options) -> LLM:
+    """The fixture's model with its adapters, 512-token steps."""
+    return LLM(
+        model,
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        max_num_batched_tokens=512,
+        **options,
+        **ENGINE,
+    )
+
+
 def test_prefill_graph_replay_equals_eager_on_random_mixed_steps(assets):
     """Steps with prompt chunks (new prompts, some after a cached prefix) beside decodes of base
     and adapter requests, each run eagerly on the padded inputs of its prefill graph and
     replayed: the same bits. The graphs' attention finds each program's block in the work
     table the graph builds (kernels/paged_attention.attention_work)."""
     model, adapters = assets
-    llm = LLM(
+    llm = _prefill_llm(
         model,
-        lora_modules=adapters,
-        max_loras=NUM_ADAPTERS,
-        max_lora_rank=64,
+        adapters,
         dtype="bfloat16",
         max_graph_bs=32,
         max_num_seqs=32,
-        max_num_batched_tokens=512,
         max_prefill_graph_tokens=512,
         async_scheduling=False,  # the test plans the next step itself, from known tokens
-        **ENGINE,
     )
     engine, names = llm.engine, [None, *adapters]
     graphs = engine.runner.graphs
@@ -208,17 +217,13 @@ def test_prefill_graphs_give_the_eager_engines_tokens(assets):
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
     outs, stats = [], []
     for prefill_graphs in (512, 0):
-        llm = LLM(
+        llm = _prefill_llm(
             model,
-            lora_modules=adapters,
-            max_loras=NUM_ADAPTERS,
-            max_lora_rank=64,
+            adapters,
             dtype="float32",
             max_graph_bs=16,
             max_num_seqs=16,
-            max_num_batched_tokens=512,
             max_prefill_graph_tokens=prefill_graphs,
-            **ENGINE,
         )
         outs.append(llm.generate(prompts, params, lora=loras))
         stats.append(llm.engine.stats())

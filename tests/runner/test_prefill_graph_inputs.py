@@ -73,6 +73,21 @@ def llm(tmp_path_factory):
     )
 
 
+def uncaptured_graphs(engine, *, max_bs: int, max_seqs: int) -> GraphRunner:
+    """The engine's runner's graphs with prefill sizes up to 64 tokens, never captured: what
+    run(eager=True) computes on their static inputs is what a replay would."""
+    return GraphRunner(
+        engine.runner._forward,
+        engine.runner.slot_pool,
+        max_bs=max_bs,
+        max_pages=pages_for(engine.max_model_len, engine.config.page_size),
+        spare_page=engine.pages.num_pages,
+        device=torch.device("cpu"),
+        max_prefill_tokens=64,
+        max_seqs=max_seqs,
+    )
+
+
 def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
     """Decodes of base and adapter requests (KV before their rows) beside prompt chunks, run
     eagerly and through the padded static inputs of a 64-row prefill graph."""
@@ -88,28 +103,9 @@ def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
     host = engine.runner.host_batch(plan)
     assert host.max_query_len > 1 and len(plan.chunks) == 5, [c.num_tokens for c in plan.chunks]
     runner = engine.runner
-    graphs = GraphRunner(
-        runner._forward,
-        runner.slot_pool,
-        max_bs=4,
-        max_pages=pages_for(engine.max_model_len, engine.config.page_size),
-        spare_page=engine.pages.num_pages,
-        device=torch.device("cpu"),
-        max_prefill_tokens=64,
-        max_seqs=8,
-    )
+    graphs = uncaptured_graphs(engine, max_bs=4, max_seqs=8)
     assert graphs.can_run(host)
-    few = GraphRunner(
-        runner._forward,
-        runner.slot_pool,
-        max_bs=2,
-        max_pages=pages_for(engine.max_model_len, engine.config.page_size),
-        spare_page=engine.pages.num_pages,
-        device=torch.device("cpu"),
-        max_prefill_tokens=64,
-        max_seqs=4,
-    )
-    assert not few.can_run(host)  # 5 sequences: more than its graphs hold
+    assert not uncaptured_graphs(engine, max_bs=2, max_seqs=4).can_run(host)  # 5 sequences
     with torch.inference_mode():
         eager = runner._forward(runner.device_batch(host))
         padded = graphs.run(host, eager=True)
