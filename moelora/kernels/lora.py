@@ -314,7 +314,9 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
-    meta = {**add_lora_tiles(T, S, R, sizes), **(tiles or {})}
+    meta = add_lora_tiles(T, S, R, sizes)
+    if tiles:
+        meta.update(tiles)
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
         y_ptr=y,

@@ -66,6 +66,7 @@ from moelora.kernels.lora import lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
+from moelora.step.batch import dense_runs
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
@@ -750,21 +751,6 @@ def launch_paged_attention(
 # ----------------------------------------------------------------------------------------------
 # Long prefill chunks without KV before them: cuDNN's fused attention (contiguous K/V)
 # ----------------------------------------------------------------------------------------------
-
-
-def dense_runs(
-    chunks: tuple[tuple[int, int], ...] | None, dense_from: int
-) -> list[tuple[int, int]]:
-    """(first row, tokens) of each sequence whose chunk starts at position 0 (its whole KV is
-    the step's own) with at least dense_from tokens. The choice is each sequence's own, never
-    its batch-mates': the attention kernel skips the same sequences on the device
-    (seq_len == q_len >= dense_from)."""
-    runs, row = [], 0
-    for start, n in chunks or ():
-        if start == 0 and n >= dense_from:
-            runs.append((row, n))
-        row += n
-    return runs
 
 
 def dense_length(L: int) -> int:

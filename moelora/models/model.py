@@ -59,7 +59,8 @@ class MoeCausalLM(nn.Module):
         """Returns the final hidden states [T, H] (normed)."""
         heads = (self.shard.heads(self.cfg.num_heads), self.shard.kv_heads(self.cfg.num_kv_heads))
         attn = self.ops.plan_attention(batch.attn, batch.input_ids.shape[0], *heads)
-        batch = dataclasses.replace(batch, attn=attn)
+        if attn is not batch.attn:  # a prefill step's work table
+            batch = dataclasses.replace(batch, attn=attn)
         x, residual = self.shard.embed(batch.input_ids, self.embed_tokens), None
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, batch, kv)

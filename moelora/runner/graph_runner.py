@@ -1,5 +1,5 @@
-"""CUDA graphs: one graph per decode batch size, keyed by (batch_size, stream_idx), and one per
-prefill token count, keyed by (tokens, stream_idx) among the prefill graphs.
+"""CUDA graphs: one graph per decode batch size, keyed by (batch_size, stream_idx, False), and
+one per prefill token count, keyed by (tokens, stream_idx, True).
 
 The LoRA path is always recorded: at capture every slot is disabled, and the LoRA kernels read
 slot_enabled / slot_of_token from static buffers when they run, so one graph serves base-only,
@@ -29,7 +29,13 @@ from typing import Any
 import torch
 
 from moelora.lora.slots import SlotPool
-from moelora.step.batch import ForwardBatch, HostBatch, fill_placeholders, forward_batch
+from moelora.step.batch import (
+    ForwardBatch,
+    HostBatch,
+    dense_runs,
+    fill_placeholders,
+    forward_batch,
+)
 from moelora.step.lora import NO_SLOT
 
 log = logging.getLogger(__name__)
@@ -248,7 +254,7 @@ class GraphRunner:
         """max_prefill_tokens: the largest prefill step captured (0: prefill steps run eager);
         max_seqs: the most sequences a step has (default max_bs); dense_from > 0: prefill steps
         with a first chunk of that many tokens stay eager (their attention is cuDNN's, which
-        reads the chunk lengths on the host: paged_attention.dense_runs)."""
+        reads the chunk lengths on the host: dense_runs)."""
         self.forward, self.pool, self.device = forward, pool, device
         self.sizes = graph_batch_sizes(max_bs)
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
@@ -261,11 +267,9 @@ class GraphRunner:
             device,
             max_seqs=max(max_bs, max_seqs or max_bs),
         )
-        # keyed (size, STREAM_IDX): decode graphs by batch size, prefill graphs by tokens
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
-        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.prefill_outputs: dict[tuple[int, int], torch.Tensor] = {}
+        # (size, STREAM_IDX, prefill) -> the graph and its output: decode graphs by batch
+        # size, prefill graphs by tokens
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.capture_seconds = 0.0
         self.warm_up_seconds = 0.0  # of capture_seconds: every size's first forward, at once
 
@@ -292,9 +296,7 @@ class GraphRunner:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out = self.forward(batch)
-            graphs, outputs = self._tables(prefill)
-            graphs[(size, STREAM_IDX)] = graph
-            outputs[(size, STREAM_IDX)] = out
+            self.graphs[(size, STREAM_IDX, prefill)] = graph, out
         torch.cuda.synchronize()
         self.capture_seconds = time.perf_counter() - start
         log.info(
@@ -307,11 +309,6 @@ class GraphRunner:
             self.warm_up_seconds,
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
-
-    def _tables(self, prefill: bool) -> tuple[dict, dict]:
-        if prefill:
-            return self.prefill_graphs, self.prefill_outputs
-        return self.graphs, self.outputs
 
     def _warm_up(self, stream: torch.cuda.Stream) -> None:
         """Every graph's first forward at once, so the kernels compile in parallel. Padded
@@ -332,16 +329,16 @@ class GraphRunner:
             return batch.num_tokens <= self.sizes[0]
         if not self.prefill_sizes or batch.num_tokens > self.prefill_sizes[0]:
             return False
-        size = padded_batch_size(batch.num_tokens, self.prefill_sizes)
+        size, _, _ = self._key(batch)
         if batch.seq_lens.shape[0] > self.buffers.prefill_seqs(size):
             return False  # more sequences than the engine said a step has (max_seqs)
-        dense = self.dense_from
-        return not dense or all(s or n < dense for s, n in batch.chunks or ())
+        return not (self.dense_from and dense_runs(batch.chunks, self.dense_from))
 
-    def _key(self, batch: HostBatch) -> tuple[tuple[int, int], bool]:
+    def _key(self, batch: HostBatch) -> tuple[int, int, bool]:
+        """(padded size, STREAM_IDX, prefill): the key of the batch's graph."""
         prefill = batch.max_query_len > 1
         sizes = self.prefill_sizes if prefill else self.sizes
-        return (padded_batch_size(batch.num_tokens, sizes), STREAM_IDX), prefill
+        return padded_batch_size(batch.num_tokens, sizes), STREAM_IDX, prefill
 
     def run(
         self,
@@ -355,7 +352,7 @@ class GraphRunner:
         for bit."""
         T = batch.num_tokens
         if eager:
-            (size, _), prefill = self._key(batch)
+            size, _, prefill = self._key(batch)
             self.buffers.copy_from(batch, prev_tokens)
             return self.forward(self.buffers.forward_batch(size, self.pool, prefill=prefill))[:T]
         return self.replay_fn(batch, prev_tokens)()[:T]
@@ -365,10 +362,8 @@ class GraphRunner:
     ) -> Callable[[], torch.Tensor]:
         """The batch written into the static inputs, and a function that replays its graph and
         returns the padded output [size, H] (each call replays again: what benchmarks time)."""
-        key, prefill = self._key(batch)
+        graph, out = self.graphs[self._key(batch)]
         self.buffers.copy_from(batch, prev_tokens)
-        graphs, outputs = self._tables(prefill)
-        graph, out = graphs[key], outputs[key]
 
         def replay() -> torch.Tensor:
             graph.replay()

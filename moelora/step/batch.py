@@ -25,6 +25,21 @@ def fill_placeholders(input_ids: torch.Tensor, prev_tokens: torch.Tensor) -> Non
     input_ids.copy_(torch.where(input_ids < 0, prev_tokens[index], input_ids))
 
 
+def dense_runs(
+    chunks: tuple[tuple[int, int], ...] | None, dense_from: int
+) -> list[tuple[int, int]]:
+    """(first row, tokens) of each sequence whose chunk starts at position 0 (its whole KV is
+    the step's own) with at least dense_from tokens. The choice is each sequence's own, never
+    its batch-mates': the paged attention kernel skips the same sequences on the device
+    (seq_len == q_len >= dense_from), and a step with any stays out of the prefill graphs."""
+    runs, row = [], 0
+    for start, n in chunks or ():
+        if start == 0 and n >= dense_from:
+            runs.append((row, n))
+        row += n
+    return runs
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Token j of sequence b (j < q_len_b) sits at position seq_len_b - q_len_b + j and attends to
@@ -38,7 +53,7 @@ class AttentionMetadata:
     max_query_len: int  # host-side: 1 means a pure decode step
     # host-side, steps with a prefill only: (start, new tokens) of each sequence's chunk, so a
     # launch can pick kernels per sequence without reading the device (a chunk from 0 has no
-    # KV before it: kernels/paged_attention.dense_runs)
+    # KV before it: dense_runs)
     chunks: tuple[tuple[int, int], ...] | None = None
     # prefill steps: which sequence and query block each attention program takes, built once a
     # step for every layer (kernels/paged_attention.attention_work), for query blocks of

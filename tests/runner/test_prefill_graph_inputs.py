@@ -113,3 +113,27 @@ def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
     for rid in ("d0", "d1", "d2", "p0", "p1"):
         engine.abort_request(rid)
+
+
+def test_replay_picks_the_graph_of_the_step_kind_and_padded_size(llm):
+    """Decode and prefill graphs of one size are told apart: a replay takes the graph keyed by
+    (padded size, stream, prefill). The graphs are stand-ins here (capture needs CUDA)."""
+    engine = llm.engine
+    graphs = uncaptured_graphs(engine, max_bs=32, max_seqs=32)
+    replayed = []
+
+    class Graph:
+        def __init__(self, name):
+            self.name = name
+
+        def replay(self):
+            replayed.append(self.name)
+
+    for size, stream, prefill in [(32, 0, False), (32, 0, True), (16, 0, True)]:
+        graphs.graphs[(size, stream, prefill)] = Graph((size, prefill)), torch.zeros(size, 4)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("r", list(range(30, 50)), greedy)  # 20 tokens: the 32-token prefill graph
+    prefill = engine.runner.host_batch(engine.scheduler.schedule())
+    out = graphs.replay_fn(prefill)()
+    assert replayed == [(32, True)] and out.shape == (32, 4)
+    engine.abort_request("r")
