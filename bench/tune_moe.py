@@ -5,12 +5,13 @@ the runner-up by more than 5% (else takes the runner-up).
 
     PYTHONPATH=. python bench/tune_moe.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 32 64 256]
 
-The GPT-OSS shapes' experts are MXFP4 (random codes, packed as the engine keeps them; their
-tiles are keyed apart): each tile is tried with the inline-PTX expansion (bit placement: the
-scales are small) and one with the arithmetic one (MoeConfig.mxfp4_lut); the winner is timed
-again with the table lookups that scales past 128 take. Every line shows the time beside the
-floor: the bytes of the experts the tokens touch over the copy bandwidth measured in the same
-run.
+The GPT-OSS shapes' experts are MXFP4 (random codes with small scales, in the GPU layout the
+engine rewrites them into for bf16: Mxfp4Weight.swizzle_; their tiles are keyed apart). The
+winner is timed again on the same codes in the release's layout, by bit placement and by the
+table lookups that scales past 128 take, and the table's tile from before the run on the
+release layout (what the engine ran before the GPU layout): the A/B, in one run. Every line
+shows the time beside the floor: the bytes of the experts the tokens touch over the copy
+bandwidth measured in the same run.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lo
 
 from moelora.kernels import reference
 from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.moe_config import MoeConfig, save_configs
+from moelora.kernels.moe_config import MoeConfig, default_config, save_configs
 from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
 
 MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, 4), "gpt-oss-120b": (128, 2880, 2880, 4, 4)}
@@ -84,11 +85,11 @@ CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}
 
 
 def random_mxfp4(E: int, N: int, K: int) -> Mxfp4Weight:
-    """Random codes, scale bytes 118..122 (weights of about 1/sqrt(2880)): small scales, so
-    the tiles expand by bit placement, as the engine's do after loading such weights."""
+    """Random codes, scale bytes 118..122 (weights of about 1/sqrt(2880)): small scales, in
+    the GPU layout, as the engine's are after loading such weights in bf16."""
     blocks = torch.randint(0, 256, (E, N, K // 2), dtype=torch.uint8, device=DEV)
     scales = torch.randint(118, 123, (E, N, K // MXFP4_GROUP), dtype=torch.uint8, device=DEV)
-    return Mxfp4Weight(blocks, scales).with_small_scales()
+    return Mxfp4Weight(blocks, scales).with_small_scales().swizzle_()
 
 
 def experts(E: int, H: int, I: int, layers: int, mxfp4: bool) -> tuple[list, list]:
@@ -122,12 +123,11 @@ def gpt_oss_options(E: int, H: int, I: int) -> dict:
 
 
 def candidates(M: int, mxfp4: bool) -> list[MoeConfig]:
-    """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880, by table lookups, and
-    the first tile by arithmetic too (for the ratio: it has not won a bucket)."""
+    """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 (the GPU layout is read
+    by its bit placement whatever MoeConfig.mxfp4_lut says: the arithmetic is not tried)."""
     if not mxfp4:
         return CANDIDATES[M]
-    tiles = [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
-    return tiles + [dataclasses.replace(CANDIDATES[M][0], mxfp4_lut=False)]
+    return [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
 
 
 def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
@@ -161,6 +161,7 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
                 )
 
         none, one = batch_info(M, "none", 16), batch_info(M, "one", 16)
+        previous = default_config(M, E, H, I, K, torch.device(DEV), mxfp4=mxfp4)
         timed = []
         for cfg in candidates(M, mxfp4):
             try:
@@ -180,13 +181,15 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
             choice = tune_down(lambda c, i=none: run(c, i), choice, layers, floor, f"{name} M={M}")
         best[M] = choice
         print(f"{name} M={M} -> {choice}", flush=True)
-        if mxfp4 and choice.mxfp4_lut:  # the same tile by table lookups (scales past 128)
-            placed, looked = placement_and_lookups(lambda c=choice, i=none: run(c, i), w13, w2)
-            print(
-                f"{name} M={M} its tile: bit placement {1e3 * placed:8.1f} us, table lookups "
-                f"{1e3 * looked:8.1f} us (x{looked / placed:4.2f}), floor {floor:6.1f} us",
-                flush=True,
-            )
+        if mxfp4:  # the A/B: the layouts and expansions, the tile from before
+            times = layouts(lambda c, i=none: run(c, i), choice, previous, w13, w2)
+            gpu = times["its tile, GPU layout"]
+            for what, ms in times.items():
+                print(
+                    f"{name} M={M} {what}: {1e3 * ms:8.1f} us  x{ms / gpu:5.2f} of the GPU "
+                    f"layout's, x{1e3 * ms / floor:5.2f} of the floor ({floor:6.1f} us)",
+                    flush=True,
+                )
     return best
 
 
@@ -214,16 +217,22 @@ def tune_down(run, choice: MoeConfig, layers: int, floor: float, label: str) -> 
     return best
 
 
-def placement_and_lookups(step, w13: list, w2: list) -> tuple[float, float]:
-    """ms of step's graph with the MXFP4 experts as they are (small scales: bit placement),
-    then as if a scale byte were past 128 (table lookups); the lists are restored."""
+def layouts(run, choice: MoeConfig, previous: MoeConfig, w13: list, w2: list) -> dict:
+    """ms of run(config)'s graph: the chosen tile on the GPU layout (the experts as they are);
+    on the same codes in the release layout by bit placement and by table lookups (as if a
+    scale byte were past 128); the table's tile from before on the release layout. The lists
+    are restored."""
     layers, originals = len(w13), (list(w13), list(w2))
-    placed = graph_ms(step, layers)
+    times = {"its tile, GPU layout": graph_ms(lambda: run(choice), layers)}
+    for ws in (w13, w2):
+        ws[:] = [dataclasses.replace(w, blocks=w.release_blocks(), swizzled=False) for w in ws]
+    times["its tile, release layout"] = graph_ms(lambda: run(choice), layers)
+    times["the tile before, release layout"] = graph_ms(lambda: run(previous), layers)
     for ws in (w13, w2):
         ws[:] = [dataclasses.replace(w, small_scales=False) for w in ws]
-    looked = graph_ms(step, layers)
+    times["its tile, release layout, table lookups"] = graph_ms(lambda: run(choice), layers)
     w13[:], w2[:] = originals
-    return placed, looked
+    return times
 
 
 def main() -> None:

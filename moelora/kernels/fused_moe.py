@@ -482,7 +482,8 @@ class _Experts:
     scale_strides: tuple[int, int]  # expert, row (0, 0 for a tensor)
     mxfp4: bool
     # MXFP4 tiles: 0 by arithmetic; where inline PTX runs (bf16 on the GPU) and
-    # MoeConfig.mxfp4_lut: 1 by table lookups, 2 by bit placement if the scales are small
+    # MoeConfig.mxfp4_lut: 1 by table lookups, 2 by bit placement if the scales are small;
+    # 3 by bit placement from the GPU layout (Mxfp4Weight.swizzled), whatever the config
     expand: int
 
     def launch_args(self, name: str) -> dict:
@@ -514,6 +515,13 @@ def _experts(
             and os.environ.get("TRITON_INTERPRET") != "1"
         )
         expand = (2 if w.small_scales else 1) if ptx else 0
+        if w.swizzled:  # the GPU layout is read by its own bit placement only
+            if not (x.dtype == torch.bfloat16 and x.device.type == "cuda"):
+                raise ValueError(
+                    f"MXFP4 experts in the GPU layout (Mxfp4Weight.swizzled) take bfloat16 "
+                    f"activations on CUDA, not {x.dtype} on {x.device.type}"
+                )
+            expand = 3
         strides = (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1))
         return _Experts(b, s, *strides, True, expand)
     return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
+from moelora.step.mxfp4 import SWIZZLE_ROTATIONS
 
 GROUP: tl.constexpr = tl.constexpr(32)  # elements along K that share one scale byte
 
@@ -135,6 +136,45 @@ def e2m1_bf16_placed(codes):
     )
 
 
+def _swizzled_asm() -> str:
+    """e2m1_bf16_swizzled's PTX: the word rotated left by each of SWIZZLE_ROTATIONS's nonzero
+    amounts (one funnel shift each), then each output the magnitude bits of one rotation and
+    the sign bits of another (one mask, or two that ptxas merges into a three-input LOP3)."""
+    rotations = sorted({r for pair in SWIZZLE_ROTATIONS for r in pair if r})
+    lines = ["{", ".reg .b32 m, " + ", ".join(f"r{r}" for r in rotations) + ";"]
+    lines += [f"shf.l.wrap.b32 r{r}, $4, $4, {r};" for r in rotations]
+    for i, (r, s) in enumerate(SWIZZLE_ROTATIONS):
+        mag, sign = (f"r{x}" if x else "$4" for x in (r, s))
+        if r == s:
+            lines.append(f"and.b32 ${i}, {mag}, 0x81C081C0;")
+        else:
+            lines += [
+                f"and.b32 m, {mag}, 0x01C001C0;",
+                f"and.b32 ${i}, {sign}, 0x80008000;",
+                f"or.b32 ${i}, ${i}, m;",
+            ]
+    return "\n".join([*lines, "}"])
+
+
+_SWIZZLED_ASM: tl.constexpr = tl.constexpr(_swizzled_asm())
+
+
+@triton.jit
+def e2m1_bf16_swizzled(codes):
+    """(even, odd) [BK/2, BN] bfloat16 as e2m1_bf16_placed's, each value times 2^-126, from
+    code bytes in the GPU layout (step/mxfp4.SWIZZLE_ROTATIONS) (GPU only). A thread's 4
+    consecutive code bytes along K are one word of the layout (the dot operand's K runs of 4
+    start at multiples of 4): 11 instructions for its 8 values, no byte moves."""
+    return tl.inline_asm_elementwise(
+        asm=_SWIZZLED_ASM,
+        constraints="=r,=r,=r,=r,r",
+        args=[codes],
+        dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True,
+        pack=4,
+    )
+
+
 @triton.jit
 def lut_tile_dot(
     xt,  # [BM, BK] bfloat16
@@ -145,19 +185,23 @@ def lut_tile_dot(
     acc,
     BK: tl.constexpr,
     BN: tl.constexpr,
-    PLACED: tl.constexpr,
+    EXPAND: tl.constexpr,
 ):
-    """acc + xt @ the tile, its values from e2m1_bf16_pairs (PLACED: e2m1_bf16_placed, for
-    scale bytes up to step/mxfp4.PLACED_SCALE_MAX) times the scale in bfloat16 (a power of two:
-    exact), as two dots: x's even columns times the low nibbles, its odd ones times the high
-    nibbles. bf16 on the GPU only."""
+    """acc + xt @ the tile, its values (EXPAND as gate_up_mxfp4_loop's) from e2m1_bf16_pairs
+    (1), e2m1_bf16_placed (2) or e2m1_bf16_swizzled (3), the last two for scale bytes up to
+    step/mxfp4.PLACED_SCALE_MAX, times the scale in bfloat16 (a power of two: exact), as two
+    dots: x's even columns times the even elements, its odd ones times the odd. bf16 on the GPU
+    only."""
     codes = tl.load(code_ptrs, mask=code_mask, other=0)
     scale_bytes = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.uint16)
-    if PLACED:
-        even, odd = e2m1_bf16_placed(codes)
-        scale_bytes += 126  # the factor 2^(s - 127) * 2^126: exponent field s + 126
-    else:
+    if EXPAND == 1:
         even, odd = e2m1_bf16_pairs(codes)
+    else:
+        if EXPAND == 3:
+            even, odd = e2m1_bf16_swizzled(codes)
+        else:
+            even, odd = e2m1_bf16_placed(codes)
+        scale_bytes += 126  # the factor 2^(s - 127) * 2^126: exponent field s + 126
     scale = (scale_bytes << 7).to(tl.bfloat16, bitcast=True)
     scale = tl.broadcast_to(scale[:, None, :], (BK // GROUP, GROUP // 2, BN))
     scale = tl.reshape(scale, (BK // 2, BN))
@@ -210,7 +254,7 @@ def gate_up_mxfp4_loop(
     """fused_moe's gate_up main loop on packed experts: (acc_g, acc_u) [BM, BN] fp32, x's block
     rows times gate's and up's columns offs_n. H is a multiple of 32. EXPAND (Experts.expand):
     0 by arithmetic (mxfp4_tile); with bf16 x on the GPU only, 1 by table lookups, 2 by bit
-    placement (lut_tile_dot)."""
+    placement, 3 by bit placement from the GPU layout (lut_tile_dot)."""
     offs_k = tl.arange(0, BK)
     offs_kc = tl.arange(0, BK // 2)
     offs_ks = tl.arange(0, BK // GROUP)
@@ -231,8 +275,8 @@ def gate_up_mxfp4_loop(
         c_mask = (offs_kc < (H - k0) // 2)[:, None] & n_ok[None, :]
         s_mask = (offs_ks < (H - k0) // GROUP)[:, None] & n_ok[None, :]
         if EXPAND != 0:
-            acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN, EXPAND == 2)
-            acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN, EXPAND == 2)
+            acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN, EXPAND)
+            acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN, EXPAND)
         else:
             wg = mxfp4_tile(cg_ptrs, sg_ptrs, c_mask, s_mask, BK, BN).to(xt.dtype)
             acc_g = dot(xt, wg, acc_g)
@@ -281,7 +325,7 @@ def down_mxfp4_loop(
         c_mask = (offs_kc < (I - k0) // 2)[:, None] & n_ok[None, :]
         s_mask = (offs_ks < (I - k0) // GROUP)[:, None] & n_ok[None, :]
         if EXPAND != 0:
-            acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN, EXPAND == 2)
+            acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN, EXPAND)
         else:
             w = mxfp4_tile(c_ptrs, s_ptrs, c_mask, s_mask, BK, BN).to(ht.dtype)
             acc = dot(ht, w, acc)

@@ -109,11 +109,11 @@ def dequantize_mxfp4(
 
 def dense_experts(w: torch.Tensor | Mxfp4Weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: w [E, N, K] as a tensor: packed experts dequantized (dequantize_mxfp4) to
-    dtype, a tensor as it is."""
+    dtype, in the GPU layout too (Mxfp4Weight.release_blocks), a tensor as it is."""
     if not isinstance(w, Mxfp4Weight):
         return w
     E, N, K = w.shape
-    blocks = w.blocks.view(E, N, K // MXFP4_GROUP, MXFP4_GROUP // 2)
+    blocks = w.release_blocks().view(E, N, K // MXFP4_GROUP, MXFP4_GROUP // 2)
     return dequantize_mxfp4(blocks, w.scales, dtype)
 
 

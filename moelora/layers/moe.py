@@ -87,10 +87,19 @@ class SparseMoE(nn.Module):
 
     def settle_packed(self) -> None:
         """Once the MXFP4 bytes are loaded: record whether their scales are small enough for
-        the fused MoE's bit-placement expansion (Mxfp4Weight.small_scales)."""
-        if isinstance(self.w13, Mxfp4Weight):
-            self.w13 = self.w13.with_small_scales()
-            self.w2 = self.w2.with_small_scales()
+        the fused MoE's bit-placement expansion (Mxfp4Weight.small_scales), and where its
+        bfloat16 kernels will read them, rewrite the codes in place into their GPU layout
+        (Mxfp4Weight.swizzle_: 11 instructions for 8 values where the release's take 16)."""
+        if not isinstance(self.w13, Mxfp4Weight):
+            return
+        self.w13 = self.w13.with_small_scales()
+        self.w2 = self.w2.with_small_scales()
+        gpu = self.ops.keeps_mxfp4 and self.w13.blocks.is_cuda
+        if gpu and self.gate.dtype == torch.bfloat16:
+            if self.w13.small_scales:
+                self.w13 = self.w13.swizzle_()
+            if self.w2.small_scales:
+                self.w2 = self.w2.swizzle_()
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""

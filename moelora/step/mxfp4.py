@@ -15,6 +15,22 @@ MXFP4_GROUP = 32  # elements along K that share one scale byte
 # whose largest weight is up to 12. Past it the tiles take table lookups.
 PLACED_SCALE_MAX = 128
 
+# The fused MoE's own layout of the codes on the GPU (Mxfp4Weight.swizzle_): the same bytes of
+# each row, but each 32-element group's 16 bytes are 4 little-endian words whose bits are
+# placed for kernels/mxfp4.e2m1_bf16_swizzled, which makes a word's 8 values in 11 integer
+# instructions (from the release layout they take 16 and two byte moves). Word q holds the
+# group's elements 8q .. 8q + 7 as 4 pairs, each one register of two bfloat16 for the mma
+# (whose dots take the even elements apart from the odd: kernels/mxfp4.lut_tile_dot):
+#   pair i = elements 8q + 4 (i % 2) + (i // 2) + (0, 2),
+# the first element in the low half (h = 0), the second in the high half (h = 1). Code bit t < 3
+# of element (i, h) is at bit (6 + t - r + 16 h) mod 32 and its sign at (15 - s + 16 h) mod 32,
+# (r, s) = SWIZZLE_ROTATIONS[i]: rotating the word left by r puts the pair's magnitude bits
+# where a bfloat16 keeps its low exponent and top mantissa bits (6, 7, 8 of each half), by s its
+# signs at bits 15 and 31. No 4 rotations can place all four pairs whole (translates of
+# {0, 1, 2, 9} do not tile Z/16), so two pairs take their sign from another rotation: five
+# rotations and six masks a word, the fewest in a search of all placements.
+SWIZZLE_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))
+
 
 @dataclass(frozen=True)
 class Mxfp4Weight:
@@ -28,11 +44,14 @@ class Mxfp4Weight:
 
     small_scales: every scale byte is at most PLACED_SCALE_MAX, as with_small_scales found
     once the bytes were loaded (False until then: the tiles take the lookups, exact for any).
+    swizzled: blocks are in the fused MoE's GPU layout (SWIZZLE_ROTATIONS; swizzle_), which
+    only its bfloat16 kernels on CUDA read; release_blocks() gives them back as released.
     """
 
     blocks: torch.Tensor
     scales: torch.Tensor
     small_scales: bool = False
+    swizzled: bool = False
 
     def __post_init__(self) -> None:
         E, N, half = self.blocks.shape
@@ -55,7 +74,60 @@ class Mxfp4Weight:
         small = bool(self.scales.max() <= PLACED_SCALE_MAX) if self.scales.numel() else True
         return dataclasses.replace(self, small_scales=small)
 
+    def swizzle_(self) -> Mxfp4Weight:
+        """The same weight with its blocks rewritten in place into the fused MoE's GPU layout
+        (a row chunk at a time, so the copy costs a few MB). Only for small scales: the layout
+        is read by the bit placement alone."""
+        if not self.small_scales:
+            raise ValueError(
+                f"MXFP4 scale bytes up to {int(self.scales.max())}: the GPU layout needs every "
+                f"one at most {PLACED_SCALE_MAX} (call with_small_scales first)"
+            )
+        if self.swizzled:
+            return self
+        _permute_rows_(self.blocks, _SWIZZLE_SOURCE)
+        return dataclasses.replace(self, swizzled=True)
+
+    def release_blocks(self) -> torch.Tensor:
+        """blocks in the release's layout: themselves, or a copy put back from the GPU's."""
+        if not self.swizzled:
+            return self.blocks
+        out = self.blocks.clone()
+        _permute_rows_(out, _UNSWIZZLE_SOURCE)
+        return out
+
 
 def mxfp4_bytes(n: int, k: int) -> int:
     """Bytes of an [n, k] weight in MXFP4: half a byte an element, one scale byte per 32."""
     return n * k // 2 + n * k // MXFP4_GROUP
+
+
+def _swizzle_source() -> torch.Tensor:
+    """[128]: for each bit of a group's 16 bytes in the GPU layout (8 * byte + bit), the bit of
+    the release's group it comes from (element k's code bit t is release bit 4 k + t)."""
+    source = [-1] * 128
+    for q in range(4):
+        for i, (r, s) in enumerate(SWIZZLE_ROTATIONS):
+            for h in range(2):
+                k = 8 * q + 4 * (i % 2) + i // 2 + 2 * h
+                for t, at in enumerate((6 - r, 7 - r, 8 - r, 15 - s)):
+                    source[32 * q + (at + 16 * h) % 32] = 4 * k + t
+    assert sorted(source) == list(range(128)), source
+    return torch.tensor(source)
+
+
+_SWIZZLE_SOURCE = _swizzle_source()
+_UNSWIZZLE_SOURCE = torch.argsort(_SWIZZLE_SOURCE)
+_PERMUTE_CHUNK = 1 << 20  # groups a step of _permute_rows_ holds as bits (128 MB)
+
+
+def _permute_rows_(blocks: torch.Tensor, source: torch.Tensor) -> None:
+    """Each 16-byte group of blocks [..., K/2] gets bit j := its old bit source[j], in place."""
+    groups = blocks.view(-1, MXFP4_GROUP // 2)
+    source = source.to(blocks.device)
+    shifts = torch.arange(8, device=blocks.device, dtype=torch.uint8)
+    for start in range(0, groups.shape[0], _PERMUTE_CHUNK):
+        chunk = groups[start : start + _PERMUTE_CHUNK]
+        bits = ((chunk[:, :, None] >> shifts) & 1).flatten(1)  # [n, 128], bit 8 b + j
+        bits = bits[:, source].view(-1, 16, 8)
+        chunk.copy_((bits << shifts).sum(-1, dtype=torch.int32).to(torch.uint8))

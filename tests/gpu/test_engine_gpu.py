@@ -107,8 +107,9 @@ def _graph_equals_eager(llm, names: list, *, batches: int, max_bs: int) -> None:
 @pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
 def test_gpt_oss_graph_replay_equals_eager_on_mixed_decode_batches(tmp_path, experts):
     """GPT-OSS (sliding windows shorter than the contexts, sinks, biases) with its experts
-    bf16 or kept MXFP4 (the table-lookup expansion), adapters on attention and on the experts'
-    target_parameters of two ranks, mixed with base requests: replays equal eager steps."""
+    bf16 or kept MXFP4 (small scales: rewritten into the GPU layout at load), adapters on
+    attention and on the experts' target_parameters of two ranks, mixed with base requests:
+    replays equal eager steps."""
     model = hf.make_model("gpt_oss", tmp_path / "model", seed=7, intermediate_size=64)
     if experts == "mxfp4":
         model = hf.write_mxfp4_checkpoint(model, tmp_path / "mxfp4", seed=8)
@@ -138,6 +139,8 @@ def test_gpt_oss_graph_replay_equals_eager_on_mixed_decode_batches(tmp_path, exp
     )
     mlp = llm.engine.model.layers[0].mlp
     assert (type(mlp.w13).__name__ == "Mxfp4Weight") == (experts == "mxfp4")
+    if experts == "mxfp4":
+        assert mlp.w13.swizzled and mlp.w2.swizzled
     _graph_equals_eager(llm, [None, *adapters], batches=40, max_bs=32)
 
 

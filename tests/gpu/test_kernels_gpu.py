@@ -216,6 +216,50 @@ def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
     assert torch.equal(placed, looked), (T, scales)
 
 
+@pytest.mark.parametrize(
+    "config",
+    [
+        None,
+        MoeConfig(block_n=128, block_k=64, block_n_down=128, block_k_down=64),
+        MoeConfig(block_k=128, block_k_down=128),  # a 64-deep tail of 2880: groups masked
+        MoeConfig(block_n=32, block_k=256, block_n_down=32, block_k_down=256, num_stages=2),
+        MoeConfig(block_m=64, block_k=128, block_k_down=128),
+    ],
+)
+@pytest.mark.parametrize("T", [1, 7, 64, 256])
+def test_mxfp4_gpu_layout_gives_the_bits_of_the_release_layout(T, config):
+    """The codes rewritten into the GPU layout (Mxfp4Weight.swizzle_, the engine's for bf16)
+    expand by their own rotations to the values the release layout's bit placement makes, at
+    every tile depth (a thread's 4 code bytes must be one word of the layout): the same bits
+    out, with LoRA on experts of mixed slots, biases and the clamped SwiGLU, scale bytes up to
+    128 and every code."""
+    E, H, I, K = MXFP4_SHAPES["gpt-oss-20b"]
+    torch.manual_seed(T)
+    release = [mxfp4_weight(E, 2 * I, H, (100, 128), DEV), mxfp4_weight(E, H, I, (100, 128), DEV)]
+    swizzled = [dataclasses.replace(w, blocks=w.blocks.clone()).swizzle_() for w in release]
+    assert all(w.swizzled for w in swizzled)
+    assert all(not torch.equal(a.blocks, b.blocks) for a, b in zip(release, swizzled))
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    oss = dict(
+        lora13=lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV),
+        lora2=lora_weights(info.num_slots, (E,), 1, R, I, (H,), ranks, torch.bfloat16, DEV),
+        info=info,
+        b13=(0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16),
+        b2=(0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16),
+        activation="swiglu_oai",
+        config=config,
+    )
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    want = fused_moe(x, *release, topk_weights, topk_ids, **oss)
+    got = fused_moe(x, *swizzled, topk_weights, topk_ids, **oss)
+    assert torch.isfinite(got).all() and got.abs().max() > 0
+    assert torch.equal(got, want), (T, config)
+    with pytest.raises(ValueError, match="GPU layout"):
+        fused_moe(x.float(), *swizzled, topk_weights, topk_ids, **oss)
+
+
 def test_fused_moe_mxfp4_replays_in_a_cuda_graph(mxfp4_experts):
     """Captured with every slot disabled; replayed with slots on, it gives the eager bits."""
     name, (E, H, I, K), w13, w2, b13, b2, lora13, lora2 = mxfp4_experts

@@ -265,7 +265,8 @@ def _launch_moe() -> None:
 def _launch_mxfp4_moe() -> None:
     """GPT-OSS's packed experts at its tuned tiles, LoRA on, biases and the clamped SwiGLU.
     On CPU tensors the launch takes the arithmetic expansion; main() compiles the bit
-    placement's variant of each MXFP4 launch as well, and the table lookups' of one."""
+    placement's variants (either layout) of each MXFP4 launch as well, and the table lookups'
+    of one."""
     from lora_cases import batch_info, lora_weights, mxfp4_weight
 
     from moelora.kernels.fused_moe import fused_moe
@@ -301,9 +302,10 @@ def main() -> None:
             names.add(kernel.fn.__name__)
             _compile(kernel, args, dict(kwargs))
             if kwargs.get("MXFP4"):  # what a CUDA bf16 launch takes (fused_moe._experts)
-                # bit placement at every tile; the table lookups (scales past 128) at one: the
-                # expansion changes registers, not the tiles' shared memory
+                # bit placement from either layout at every tile; the table lookups (scales
+                # past 128) at one: the expansion changes registers, not the tiles' shared memory
                 _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=2))
+                _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=3))
                 if kernel.fn.__name__ not in looked_up:
                     looked_up.add(kernel.fn.__name__)
                     _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
