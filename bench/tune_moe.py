@@ -30,9 +30,10 @@ from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
 MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, 4), "gpt-oss-120b": (128, 2880, 2880, 4, 4)}
 
 
-def C(bm, bn, bk, bnd, bkd, warps=4, stages=3) -> MoeConfig:
-    """A candidate: block_m, block_n, block_k; block_n_down, block_k_down; warps, stages."""
-    return MoeConfig(bm, bn, bk, bnd, bkd, warps, stages)
+def C(bm, bn, bk, bnd, bkd, warps=4, stages=3, regs=0) -> MoeConfig:
+    """A candidate: block_m, block_n, block_k; block_n_down, block_k_down; warps, stages;
+    registers a thread (0: the compiler's choice)."""
+    return MoeConfig(bm, bn, bk, bnd, bkd, warps, stages, max_registers=regs)
 
 
 SMALL = [
@@ -79,6 +80,12 @@ MXFP4_EXTRA = [
     C(16, 64, 128, 64, 128, stages=5),
     C(16, 32, 128, 32, 128, warps=2, stages=4),
     C(16, 128, 128, 128, 128, warps=8, stages=4),
+    # registers capped: 4 programs a multiprocessor at 128 (the expansion's latency to hide)
+    C(16, 128, 64, 128, 64, regs=128),
+    C(16, 64, 128, 64, 128, regs=128),
+    C(16, 64, 64, 64, 64, stages=4, regs=128),
+    C(16, 64, 256, 64, 256, stages=2, regs=168),
+    C(16, 64, 256, 64, 256, stages=2, regs=128),
 ]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}

@@ -522,6 +522,14 @@ def _experts(
                     f"activations on CUDA, not {x.dtype} on {x.device.type}"
                 )
             expand = 3
+            # a tile reads its scales unmasked: its last must end within the padded row
+            G, row = w.scales.shape[2], w.scales.stride(1)
+            for bk in (cfg.block_k, cfg.block_k_down):
+                if -(-G // (bk // MXFP4_GROUP)) * (bk // MXFP4_GROUP) > row:
+                    raise ValueError(
+                        f"MoeConfig tiles {bk} deep: the GPU layout's MXFP4 scale rows of {G} "
+                        f"groups are padded to {row}, too few for them"
+                    )
         strides = (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1))
         return _Experts(b, s, *strides, True, expand)
     return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0)
@@ -826,6 +834,8 @@ def fused_moe(
     # branch, compiled even where it never runs, loads slots and flags through its pointers
     lora = _lora(lora13, lora2, info, unused=ids)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
+    if cfg.max_registers:
+        launch["maxnreg"] = cfg.max_registers
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
     pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)

@@ -32,6 +32,10 @@ class MoeConfig:
     # tiles deep, so it may want two programs a multiprocessor where gate_up wants one
     num_warps_down: int = 0
     num_stages_down: int = 0
+    # registers a thread of both GEMMs may take (ptxas's maxnreg; 0: its own choice): at 4
+    # warps, 128 lets 4 programs share a multiprocessor where 130-odd would leave 3 (the
+    # MXFP4 loops' expansion is latency-bound: more warps to switch between)
+    max_registers: int = 0
 
     def down_launch(self) -> tuple[int, int]:
         """(num_warps, num_stages) of the down GEMM."""

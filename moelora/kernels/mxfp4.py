@@ -273,7 +273,10 @@ def gate_up_mxfp4_loop(
             other=0.0,
         )
         c_mask = (offs_kc < (H - k0) // 2)[:, None] & n_ok[None, :]
-        s_mask = (offs_ks < (H - k0) // GROUP)[:, None] & n_ok[None, :]
+        if EXPAND == 3:  # padded scale rows (step/mxfp4.SCALE_ROW_GROUPS): no mask along K
+            s_mask = n_ok[None, :]
+        else:
+            s_mask = (offs_ks < (H - k0) // GROUP)[:, None] & n_ok[None, :]
         if EXPAND != 0:
             acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN, EXPAND)
             acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN, EXPAND)
@@ -323,7 +326,10 @@ def down_mxfp4_loop(
             other=0.0,
         )
         c_mask = (offs_kc < (I - k0) // 2)[:, None] & n_ok[None, :]
-        s_mask = (offs_ks < (I - k0) // GROUP)[:, None] & n_ok[None, :]
+        if EXPAND == 3:  # padded scale rows (step/mxfp4.SCALE_ROW_GROUPS): no mask along K
+            s_mask = n_ok[None, :]
+        else:
+            s_mask = (offs_ks < (I - k0) // GROUP)[:, None] & n_ok[None, :]
         if EXPAND != 0:
             acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN, EXPAND)
         else:

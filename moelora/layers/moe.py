@@ -96,10 +96,12 @@ class SparseMoE(nn.Module):
         self.w2 = self.w2.with_small_scales()
         gpu = self.ops.keeps_mxfp4 and self.w13.blocks.is_cuda
         if gpu and self.gate.dtype == torch.bfloat16:
-            if self.w13.small_scales:
-                self.w13 = self.w13.swizzle_()
-            if self.w2.small_scales:
-                self.w2 = self.w2.swizzle_()
+            for name in ("w13", "w2"):
+                w = getattr(self, name)
+                if w.small_scales and not w.swizzled:
+                    w = w.swizzle_()
+                    setattr(self, name, w)
+                    getattr(self, f"{name}_scales").data = w.scales  # the padded rows' view
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""

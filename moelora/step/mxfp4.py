@@ -30,6 +30,12 @@ PLACED_SCALE_MAX = 128
 # {0, 1, 2, 9} do not tile Z/16), so two pairs take their sign from another rotation: five
 # rotations and six masks a word, the fewest in a search of all placements.
 SWIZZLE_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))
+# In the GPU layout each expert row's scale bytes are padded with zeros to a multiple of this
+# many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
+# its row, so the kernels load a tile's scales without a mask along K, 4 to 8 bytes a thread,
+# through the pipeline's asynchronous copies (at 90 bytes a row, as released, they loaded a
+# byte at a time and waited each tile: kernels/mxfp4.lut_tile_dot).
+SCALE_ROW_GROUPS = 16
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,8 @@ class Mxfp4Weight:
     small_scales: every scale byte is at most PLACED_SCALE_MAX, as with_small_scales found
     once the bytes were loaded (False until then: the tiles take the lookups, exact for any).
     swizzled: blocks are in the fused MoE's GPU layout (SWIZZLE_ROTATIONS; swizzle_), which
-    only its bfloat16 kernels on CUDA read; release_blocks() gives them back as released.
+    only its bfloat16 kernels on CUDA read; release_blocks() gives them back as released. The
+    scales are then a view [E, N, K/32] of rows padded to SCALE_ROW_GROUPS.
     """
 
     blocks: torch.Tensor
@@ -66,7 +73,10 @@ class Mxfp4Weight:
         return E, N, 2 * half
 
     def is_contiguous(self) -> bool:
-        return self.blocks.is_contiguous() and self.scales.is_contiguous()
+        """Blocks contiguous, scale rows contiguous and evenly spaced (padded or not)."""
+        s = self.scales
+        rows = s.stride(2) == 1 and s.stride(0) == s.shape[1] * s.stride(1)
+        return self.blocks.is_contiguous() and rows and s.stride(1) >= s.shape[2]
 
     def with_small_scales(self) -> Mxfp4Weight:
         """The same bytes, small_scales set from them (one reduction and a host sync: call
@@ -76,8 +86,9 @@ class Mxfp4Weight:
 
     def swizzle_(self) -> Mxfp4Weight:
         """The same weight with its blocks rewritten in place into the fused MoE's GPU layout
-        (a row chunk at a time, so the copy costs a few MB). Only for small scales: the layout
-        is read by the bit placement alone."""
+        (a row chunk at a time, so the copy costs a few MB), its scales copied into padded
+        rows (the caller drops the old ones). Only for small scales: the layout is read by the
+        bit placement alone."""
         if not self.small_scales:
             raise ValueError(
                 f"MXFP4 scale bytes up to {int(self.scales.max())}: the GPU layout needs every "
@@ -86,7 +97,10 @@ class Mxfp4Weight:
         if self.swizzled:
             return self
         _permute_rows_(self.blocks, _SWIZZLE_SOURCE)
-        return dataclasses.replace(self, swizzled=True)
+        E, N, G = self.scales.shape
+        padded = self.scales.new_zeros(E, N, -(-G // SCALE_ROW_GROUPS) * SCALE_ROW_GROUPS)
+        padded[..., :G] = self.scales
+        return dataclasses.replace(self, scales=padded[..., :G], swizzled=True)
 
     def release_blocks(self) -> torch.Tensor:
         """blocks in the release's layout: themselves, or a copy put back from the GPU's."""

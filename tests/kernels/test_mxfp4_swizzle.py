@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moelora.kernels.reference import dense_experts, dequantize_mxfp4
-from moelora.step.mxfp4 import SWIZZLE_ROTATIONS, Mxfp4Weight
+from moelora.step.mxfp4 import SCALE_ROW_GROUPS, SWIZZLE_ROTATIONS, Mxfp4Weight
 
 MAGNITUDE, SIGN = 0x01C001C0, 0x80008000  # bits 6-8 and 15 of each bfloat16 half
 
@@ -33,7 +33,7 @@ def _decode(words: torch.Tensor) -> torch.Tensor:
     return torch.stack(pairs, dim=-2)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 64), (1, 5, 2880)])
+@pytest.mark.parametrize("shape", [(2, 3, 64), (1, 5, 2880), (2, 2, 512)])
 def test_swizzle_undoes_exactly(shape):
     w = _weight(*shape)
     release = w.blocks.clone()
@@ -41,6 +41,13 @@ def test_swizzle_undoes_exactly(shape):
     assert swizzled.swizzled and swizzled.blocks is w.blocks  # rewritten in place
     assert not torch.equal(swizzled.blocks, release)
     assert torch.equal(swizzled.release_blocks(), release)
+    # the scales: the same bytes, in rows padded with zeros to a multiple of 16 groups
+    G = shape[2] // 32
+    row = -(-G // SCALE_ROW_GROUPS) * SCALE_ROW_GROUPS
+    assert swizzled.scales.stride() == (shape[1] * row, row, 1) and swizzled.is_contiguous()
+    assert torch.equal(swizzled.scales, w.scales)
+    padded = swizzled.scales.as_strided((shape[0], shape[1], row), (shape[1] * row, row, 1))
+    assert not padded[..., G:].any()
     as_released = Mxfp4Weight(release, w.scales)
     want = dense_experts(as_released, torch.float32)
     assert torch.equal(dense_experts(swizzled, torch.float32), want)

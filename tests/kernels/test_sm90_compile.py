@@ -43,7 +43,7 @@ DTYPES = {
     torch.bool: "i1",
     torch.uint8: "u8",
 }
-OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "maxnreg")
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
 
 
