@@ -190,14 +190,18 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
         print(f"{name} M={M} -> {choice}", flush=True)
         if mxfp4:  # the A/B: the layouts and expansions, the tile from before
             times = layouts(lambda c, i=none: run(c, i), choice, previous, w13, w2)
-            gpu = times["its tile, GPU layout"]
-            for what, ms in times.items():
-                print(
-                    f"{name} M={M} {what}: {1e3 * ms:8.1f} us  x{ms / gpu:5.2f} of the GPU "
-                    f"layout's, x{1e3 * ms / floor:5.2f} of the floor ({floor:6.1f} us)",
-                    flush=True,
-                )
+            print_layouts(f"{name} M={M}", times, floor)
     return best
+
+
+def print_layouts(label: str, times: dict, floor: float) -> None:
+    gpu = times["its tile, GPU layout"]
+    for what, ms in times.items():
+        print(
+            f"{label} {what}: {1e3 * ms:8.1f} us  x{ms / gpu:5.2f} of the GPU layout's, "
+            f"x{1e3 * ms / floor:5.2f} of the floor ({floor:6.1f} us)",
+            flush=True,
+        )
 
 
 def tune_down(run, choice: MoeConfig, layers: int, floor: float, label: str) -> MoeConfig:

@@ -833,9 +833,8 @@ def fused_moe(
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
     # branch, compiled even where it never runs, loads slots and flags through its pointers
     lora = _lora(lora13, lora2, info, unused=ids)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(x.device))
-    if cfg.max_registers:
-        launch["maxnreg"] = cfg.max_registers
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.register_limit())
+    launch |= pdl_kwargs(x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
     pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)

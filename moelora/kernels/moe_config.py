@@ -37,6 +37,10 @@ class MoeConfig:
     # MXFP4 loops' expansion is latency-bound: more warps to switch between)
     max_registers: int = 0
 
+    def register_limit(self) -> dict:
+        """The launch option that caps a thread's registers, if the config sets one."""
+        return {"maxnreg": self.max_registers} if self.max_registers else {}
+
     def down_launch(self) -> tuple[int, int]:
         """(num_warps, num_stages) of the down GEMM."""
         return self.num_warps_down or self.num_warps, self.num_stages_down or self.num_stages
