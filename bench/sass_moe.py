@@ -1,0 +1,156 @@
+"""The fused MoE's GEMM loops in sm_90 machine code, without a GPU: registers, spills and the main
+loop's instructions of `_gate_up_kernel` and `_down_kernel` at a shape's tuned tiles, as Triton
+and its bundled ptxas compile them for the H100 / H200 (cuobjdump disassembles). A diagnostic
+for the MXFP4 expansion, whose loops are bound by their instructions and registers more than
+by memory (bench/results/NOTES.md): try a change here in seconds, then time it on the device.
+
+    python bench/sass_moe.py [--shape gpt-oss-120b] [--ms 1 8 64] [--expand 2 3]
+
+--expand: the MXFP4 expansions to compile (fused_moe._Experts.expand): 2 bit placement from
+the release layout, 3 from the GPU layout (Mxfp4Weight.swizzle_), 1 table lookups. The launches
+are recorded from fused_moe on CPU tensors (E narrowed to 4; H, I and the strides real, so
+the compiler sees the alignment the device's launches have) and compiled with the expansion
+set, PDL on, as the H200 runs them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import subprocess
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import KernelInterface
+
+from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.moe_config import MoeConfig, config_file, shape_key
+from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
+
+SHAPES = {"gpt-oss-20b": (2880, 2880, 4), "gpt-oss-120b": (2880, 2880, 4)}  # H, I, top-k
+E = 4  # experts: the loops do not depend on their number
+TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8"}
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def tuned(shape: str, m: int) -> MoeConfig:
+    """The H200 table's tile for m tokens (the smallest bucket at least m)."""
+    H, I, K = SHAPES[shape]
+    key = shape_key(128 if shape.endswith("120b") else 32, H, I, K, mxfp4=True)
+    table = json.loads(config_file("NVIDIA H200").read_text())[key]
+    bucket = min((b for b in map(int, table) if b >= m), default=max(map(int, table)))
+    return MoeConfig(**table[str(bucket)])
+
+
+def record(H: int, I: int, K: int, m: int, cfg: MoeConfig, padded: bool) -> list:
+    """The GEMM launches of one fused_moe call on CPU tensors: (kernel, kwargs). padded: scale
+    rows as the GPU layout pads them (their stride is what the compiler sees)."""
+    launches = []
+    original = KernelInterface.__getitem__
+    KernelInterface.__getitem__ = lambda kernel, grid: (
+        lambda *args, **kwargs: launches.append((kernel, kwargs))
+    )
+    try:
+        ws = []
+        for n, k in ((2 * I, H), (H, I)):  # w13 [E, 2I, H], w2 [E, H, I]
+            blocks = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8)
+            w = Mxfp4Weight(blocks, torch.full((E, n, k // MXFP4_GROUP), 120, dtype=torch.uint8))
+            if padded:  # the GPU layout's scale rows, kept in the release's bits (CPU launch)
+                w = dataclasses.replace(w.with_small_scales().swizzle_(), swizzled=False)
+            ws.append(w)
+        x = torch.randn(m, H, dtype=torch.bfloat16)
+        ids = torch.randint(0, E, (m, K), dtype=torch.int32)
+        bias = dict(b13=torch.zeros(E, 2 * I, dtype=torch.bfloat16))
+        bias |= dict(b2=torch.zeros(E, H, dtype=torch.bfloat16), activation="swiglu_oai")
+        fused_moe(x, *ws, torch.rand(m, K), ids, config=cfg, **bias)
+    finally:
+        KernelInterface.__getitem__ = original
+    return [(k, kw) for k, kw in launches if k.fn.__name__ in ("_gate_up_kernel", "_down_kernel")]
+
+
+def compile_sm90(kernel, kwargs: dict, expand: int):
+    """The launch compiled for sm_90 with MXFP4_EXPAND = expand, as the JIT would specialize it."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    kwargs.pop("launch_pdl", None)  # off on a CPU; the H200 launches with it
+    kwargs |= {"PDL": True, "MXFP4_EXPAND": expand}
+    options["launch_pdl"] = True
+    params = list(inspect.signature(kernel.fn).parameters)
+    constexprs = {p.name for p in kernel.params if p.is_constexpr}
+
+    def arg_type(v) -> str:
+        return "*" + TYPES[v.dtype] if isinstance(v, torch.Tensor) else "i32"
+
+    signature = {p: "constexpr" if p in constexprs else arg_type(kwargs[p]) for p in params}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, p in enumerate(params)
+        if p not in constexprs
+        and (
+            (isinstance(kwargs[p], torch.Tensor) and kwargs[p].data_ptr() % 16 == 0)
+            or (type(kwargs[p]) is int and kwargs[p] % 16 == 0)
+        )
+    }
+    source = ASTSource(
+        fn=kernel,
+        signature=signature,
+        constexprs={(params.index(p),): kwargs[p] for p in constexprs},
+        attrs=aligned,
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def loop_mix(cubin: bytes) -> tuple[str, int, Counter]:
+    """(resource line, instructions, opcode counts) of the kernel's first loop: from the target
+    of its first backward branch to that branch."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.check_output([BIN / "cuobjdump", "-sass", f.name], text=True)
+        usage = subprocess.check_output([BIN / "cuobjdump", "-res-usage", f.name], text=True)
+    resources = re.search(r"REG:\d+ STACK:\d+", usage).group(0)
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]+)\*/\s*(@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*)", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(3), m.group(4)))
+    for at, op, rest in code:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < at:
+            lo = int(target.group(1), 16)
+            ops = Counter(o for a, o, _ in code if lo <= a <= at)
+            return resources, sum(ops.values()), ops
+    return resources, 0, Counter()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="gpt-oss-120b", choices=SHAPES)
+    parser.add_argument("--ms", nargs="+", type=int, default=[1, 8, 64])
+    parser.add_argument("--expand", nargs="+", type=int, default=[2, 3], choices=[1, 2, 3])
+    args = parser.parse_args()
+    H, I, K = SHAPES[args.shape]
+    print("| M | kernel | expansion | tile | registers | loop instructions | most frequent |")
+    print("|---:|---|---:|---|---|---:|---|")
+    for m in args.ms:
+        cfg = tuned(args.shape, m)
+        tile = f"BN {cfg.block_n} BK {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
+        tile += f" r{cfg.max_registers}" if cfg.max_registers else ""
+        for expand in args.expand:
+            for kernel, kwargs in record(H, I, K, m, cfg, padded=expand == 3):
+                compiled = compile_sm90(kernel, dict(kwargs), expand)
+                resources, n, ops = loop_mix(compiled.asm["cubin"])
+                top = ", ".join(f"{op} {c}" for op, c in ops.most_common(6))
+                name = kernel.fn.__name__.strip("_").removesuffix("_kernel")
+                print(f"| {m} | {name} | {expand} | {tile} | {resources} | {n} | {top} |")
+
+
+if __name__ == "__main__":
+    main()
