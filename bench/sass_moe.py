@@ -4,13 +4,15 @@ and its bundled ptxas compile them for the H100 / H200 (cuobjdump disassembles).
 for the MXFP4 expansion, whose loops are bound by their instructions and registers more than
 by memory (bench/results/NOTES.md): try a change here in seconds, then time it on the device.
 
-    python bench/sass_moe.py [--shape gpt-oss-120b] [--ms 1 8 64] [--expand 2 3]
+    python bench/sass_moe.py [--shape gpt-oss-120b | qwen3-30b-a3b | mixtral] [--ms 1 8 64]
+        [--expand 2 3]
 
 --expand: the MXFP4 expansions to compile (fused_moe._Experts.expand): 2 bit placement from
-the release layout, 3 from the GPU layout (Mxfp4Weight.swizzle_), 1 table lookups. The launches
-are recorded from fused_moe on CPU tensors (E narrowed to 4; H, I and the strides real, so
-the compiler sees the alignment the device's launches have) and compiled with the expansion
-set, PDL on, as the H200 runs them.
+the release layout, 3 from the GPU layout (Mxfp4Weight.swizzle_), 1 table lookups (bf16
+shapes have none). The launches are recorded from fused_moe on CPU tensors (E narrowed to 2;
+H, I and the strides real, so the compiler sees the alignment the device's launches have),
+with the LoRA pools recorded as the engine's graphs have them, and compiled with the
+expansion set, PDL on, as the H200 runs them.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import torch
 import triton
+from common import batch_info, lora_pool
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
@@ -35,24 +38,31 @@ from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.moe_config import MoeConfig, config_file, shape_key
 from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
-SHAPES = {"gpt-oss-20b": (2880, 2880, 4), "gpt-oss-120b": (2880, 2880, 4)}  # H, I, top-k
-E = 4  # experts: the loops do not depend on their number
+# name: experts of the tile table's key, H, I, top-k, MXFP4
+SHAPES = {
+    "gpt-oss-20b": (32, 2880, 2880, 4, True),
+    "gpt-oss-120b": (128, 2880, 2880, 4, True),
+    "qwen3-30b-a3b": (128, 2048, 768, 8, False),
+    "mixtral": (8, 4096, 14336, 2, False),
+}
+E = 2  # experts recorded: the loops do not depend on their number
 TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8"}
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def tuned(shape: str, m: int) -> MoeConfig:
     """The H200 table's tile for m tokens (the smallest bucket at least m)."""
-    H, I, K = SHAPES[shape]
-    key = shape_key(128 if shape.endswith("120b") else 32, H, I, K, mxfp4=True)
+    experts, H, I, K, mxfp4 = SHAPES[shape]
+    key = shape_key(experts, H, I, K, mxfp4=mxfp4)
     table = json.loads(config_file("NVIDIA H200").read_text())[key]
     bucket = min((b for b in map(int, table) if b >= m), default=max(map(int, table)))
     return MoeConfig(**table[str(bucket)])
 
 
-def record(H: int, I: int, K: int, m: int, cfg: MoeConfig, padded: bool) -> list:
+def record(shape: str, m: int, cfg: MoeConfig, padded: bool) -> list:
     """The GEMM launches of one fused_moe call on CPU tensors: (kernel, kwargs). padded: scale
     rows as the GPU layout pads them (their stride is what the compiler sees)."""
+    _, H, I, K, mxfp4 = SHAPES[shape]
     launches = []
     original = KernelInterface.__getitem__
     KernelInterface.__getitem__ = lambda kernel, grid: (
@@ -61,6 +71,9 @@ def record(H: int, I: int, K: int, m: int, cfg: MoeConfig, padded: bool) -> list
     try:
         ws = []
         for n, k in ((2 * I, H), (H, I)):  # w13 [E, 2I, H], w2 [E, H, I]
+            if not mxfp4:
+                ws.append(torch.zeros(E, n, k, dtype=torch.bfloat16))
+                continue
             blocks = torch.randint(0, 256, (E, n, k // 2), dtype=torch.uint8)
             w = Mxfp4Weight(blocks, torch.full((E, n, k // MXFP4_GROUP), 120, dtype=torch.uint8))
             if padded:  # the GPU layout's scale rows, kept in the release's bits (CPU launch)
@@ -68,9 +81,14 @@ def record(H: int, I: int, K: int, m: int, cfg: MoeConfig, padded: bool) -> list
             ws.append(w)
         x = torch.randn(m, H, dtype=torch.bfloat16)
         ids = torch.randint(0, E, (m, K), dtype=torch.int32)
-        bias = dict(b13=torch.zeros(E, 2 * I, dtype=torch.bfloat16))
-        bias |= dict(b2=torch.zeros(E, H, dtype=torch.bfloat16), activation="swiglu_oai")
-        fused_moe(x, *ws, torch.rand(m, K), ids, config=cfg, **bias)
+        options = {}
+        if mxfp4:  # GPT-OSS's biases and clamped SwiGLU
+            options = dict(b13=torch.zeros(E, 2 * I, dtype=torch.bfloat16), activation="swiglu_oai")
+            options["b2"] = torch.zeros(E, H, dtype=torch.bfloat16)
+        lora13, lora2 = lora_pool(E, H, I, 16, 16, device="cpu")
+        info = batch_info(m, "none", 16, device="cpu")
+        options |= dict(lora13=lora13, lora2=lora2, info=info)
+        fused_moe(x, *ws, torch.rand(m, K), ids, config=cfg, **options)
     finally:
         KernelInterface.__getitem__ = original
     return [(k, kw) for k, kw in launches if k.fn.__name__ in ("_gate_up_kernel", "_down_kernel")]
@@ -80,7 +98,7 @@ def compile_sm90(kernel, kwargs: dict, expand: int):
     """The launch compiled for sm_90 with MXFP4_EXPAND = expand, as the JIT would specialize it."""
     options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
     kwargs.pop("launch_pdl", None)  # off on a CPU; the H200 launches with it
-    kwargs |= {"PDL": True, "MXFP4_EXPAND": expand}
+    kwargs |= {"PDL": True, "MXFP4_EXPAND": expand} if expand else {"PDL": True}
     options["launch_pdl"] = True
     params = list(inspect.signature(kernel.fn).parameters)
     constexprs = {p.name for p in kernel.params if p.is_constexpr}
@@ -136,19 +154,25 @@ def main() -> None:
     parser.add_argument("--ms", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--expand", nargs="+", type=int, default=[2, 3], choices=[1, 2, 3])
     args = parser.parse_args()
-    H, I, K = SHAPES[args.shape]
+    if not SHAPES[args.shape][4]:
+        args.expand = [0]  # bf16 experts: no expansion
     print("| M | kernel | expansion | tile | registers | loop instructions | most frequent |")
     print("|---:|---|---:|---|---|---:|---|")
     for m in args.ms:
         cfg = tuned(args.shape, m)
-        tile = f"BN {cfg.block_n} BK {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}"
-        tile += f" r{cfg.max_registers}" if cfg.max_registers else ""
+        warps, stages = cfg.down_launch()
+        regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
+        tiles = {
+            "gate_up": f"BN {cfg.block_n} BK {cfg.block_k} w{cfg.num_warps} s{cfg.num_stages}",
+            "down": f"BN {cfg.block_n_down} BK {cfg.block_k_down} w{warps} s{stages}",
+        }
         for expand in args.expand:
-            for kernel, kwargs in record(H, I, K, m, cfg, padded=expand == 3):
+            for kernel, kwargs in record(args.shape, m, cfg, padded=expand == 3):
                 compiled = compile_sm90(kernel, dict(kwargs), expand)
                 resources, n, ops = loop_mix(compiled.asm["cubin"])
                 top = ", ".join(f"{op} {c}" for op, c in ops.most_common(6))
                 name = kernel.fn.__name__.strip("_").removesuffix("_kernel")
+                tile = tiles[name] + regs
                 print(f"| {m} | {name} | {expand} | {tile} | {resources} | {n} | {top} |")
 
 
