@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import re
 import subprocess
+import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -30,13 +30,16 @@ from pathlib import Path
 import torch
 import triton
 from common import batch_info, lora_pool
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from triton.runtime.jit import KernelInterface
 
 from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.moe_config import MoeConfig, config_file, shape_key
 from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
+
+# the CPU suite's sm_90 compile (tests/kernels/test_sm90_compile.py): one way to specialize a
+# recorded launch as the H200's JIT would
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "kernels"))
+from test_sm90_compile import compile_sm90  # noqa: E402
 
 # name: experts of the tile table's key, H, I, top-k, MXFP4
 SHAPES = {
@@ -46,7 +49,6 @@ SHAPES = {
     "mixtral": (8, 4096, 14336, 2, False),
 }
 E = 2  # experts recorded: the loops do not depend on their number
-TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32", torch.uint8: "u8"}
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
@@ -94,37 +96,6 @@ def record(shape: str, m: int, cfg: MoeConfig, padded: bool) -> list:
     return [(k, kw) for k, kw in launches if k.fn.__name__ in ("_gate_up_kernel", "_down_kernel")]
 
 
-def compile_sm90(kernel, kwargs: dict, expand: int):
-    """The launch compiled for sm_90 with MXFP4_EXPAND = expand, as the JIT would specialize it."""
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
-    kwargs.pop("launch_pdl", None)  # off on a CPU; the H200 launches with it
-    kwargs |= {"PDL": True, "MXFP4_EXPAND": expand} if expand else {"PDL": True}
-    options["launch_pdl"] = True
-    params = list(inspect.signature(kernel.fn).parameters)
-    constexprs = {p.name for p in kernel.params if p.is_constexpr}
-
-    def arg_type(v) -> str:
-        return "*" + TYPES[v.dtype] if isinstance(v, torch.Tensor) else "i32"
-
-    signature = {p: "constexpr" if p in constexprs else arg_type(kwargs[p]) for p in params}
-    aligned = {
-        (i,): [["tt.divisibility", 16]]
-        for i, p in enumerate(params)
-        if p not in constexprs
-        and (
-            (isinstance(kwargs[p], torch.Tensor) and kwargs[p].data_ptr() % 16 == 0)
-            or (type(kwargs[p]) is int and kwargs[p] % 16 == 0)
-        )
-    }
-    source = ASTSource(
-        fn=kernel,
-        signature=signature,
-        constexprs={(params.index(p),): kwargs[p] for p in constexprs},
-        attrs=aligned,
-    )
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 def loop_mix(cubin: bytes) -> tuple[str, int, Counter]:
     """(resource line, instructions, opcode counts) of the kernel's first loop: from the target
     of its first backward branch to that branch."""
@@ -168,7 +139,8 @@ def main() -> None:
         }
         for expand in args.expand:
             for kernel, kwargs in record(args.shape, m, cfg, padded=expand == 3):
-                compiled = compile_sm90(kernel, dict(kwargs), expand)
+                expansion = {"MXFP4_EXPAND": expand} if expand else {}
+                compiled = compile_sm90(kernel, (), dict(kwargs, **expansion))
                 resources, n, ops = loop_mix(compiled.asm["cubin"])
                 top = ", ".join(f"{op} {c}" for op, c in ops.most_common(6))
                 name = kernel.fn.__name__.strip("_").removesuffix("_kernel")

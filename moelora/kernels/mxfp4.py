@@ -1,15 +1,17 @@
 """MXFP4 weight tiles expanded in registers, and the fused MoE's main loops over packed experts
 (step/mxfp4.Mxfp4Weight; kernels/fused_moe.py takes them where its MXFP4 flag is set).
 
-Three expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement
-(e2m1_bf16_placed) where every scale byte is at most step/mxfp4.PLACED_SCALE_MAX, as in any
-real checkpoint, else byte-permute table lookups (e2m1_bf16_pairs). Counted in the sm_90 SASS
-of gpt-oss-120b's 64-token tiles, their main loops take 4.4 (gate_up) and 5.1 (down)
-instructions an element with the placement, 5.5 and 6.4 with the lookups, against 12 to 13 for
-the arithmetic one below; the lookups were 1.9x faster than the arithmetic for the MoE at 64
-tokens (bench/tune_moe.py). tl.dot_scaled was tried too: Hopper has no MX tensor cores and
-Triton's lowering loads the codes a byte at a time (1.4x slower than the lookups). Everywhere
-else (the interpreter, fp16, fp32), arithmetic:
+Four expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement from the codes
+in the GPU layout the engine rewrites them into at load (e2m1_bf16_swizzled,
+step/mxfp4.SWIZZLE_ROTATIONS: 11 instructions a word of 8 values), or from the release layout
+(e2m1_bf16_placed: 16), both where every scale byte is at most step/mxfp4.PLACED_SCALE_MAX, as
+in any real checkpoint; else byte-permute table lookups (e2m1_bf16_pairs). Counted in the
+sm_90 SASS of gpt-oss-120b's 64-token tiles (bench/sass_moe.py), the main loops took 4.4
+(gate_up) and 5.1 (down) instructions an element with the release layout's placement, 5.5 and
+6.4 with the lookups, against 12 to 13 for the arithmetic one below; the lookups were 1.9x
+faster than the arithmetic for the MoE at 64 tokens (bench/tune_moe.py). tl.dot_scaled was
+tried too: Hopper has no MX tensor cores and Triton's lowering loads the codes a byte at a time
+(1.4x slower than the lookups). Everywhere else (the interpreter, fp16, fp32), arithmetic:
 
 A [BK, BN] tile of a weight packed along K comes from a [BK/2, BN] tile of code bytes and a
 [BK/32, BN] tile of scale bytes. Each e2m1 code becomes its float32 bits directly (no table

@@ -32,9 +32,9 @@ PLACED_SCALE_MAX = 128
 SWIZZLE_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))
 # In the GPU layout each expert row's scale bytes are padded with zeros to a multiple of this
 # many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
-# its row, so the kernels load a tile's scales without a mask along K, 4 to 8 bytes a thread,
-# through the pipeline's asynchronous copies (at 90 bytes a row, as released, they loaded a
-# byte at a time and waited each tile: kernels/mxfp4.lut_tile_dot).
+# its row, so the kernels load a tile's scales without a mask along K: from 128-deep tiles on,
+# 4 to 8 bytes a thread through the pipeline's asynchronous copies (at 90 bytes a row, as
+# released, they loaded a byte at a time and waited each tile: kernels/mxfp4.lut_tile_dot).
 SCALE_ROW_GROUPS = 16
 
 
@@ -86,8 +86,8 @@ class Mxfp4Weight:
 
     def swizzle_(self) -> Mxfp4Weight:
         """The same weight with its blocks rewritten in place into the fused MoE's GPU layout
-        (a row chunk at a time, so the copy costs a few MB), its scales copied into padded
-        rows (the caller drops the old ones). Only for small scales: the layout is read by the
+        (16 MB of them at a time, about 0.5 GB of scratch), its scales copied into padded rows
+        (the caller drops the old ones). Only for small scales: the layout is read by the
         bit placement alone."""
         if not self.small_scales:
             raise ValueError(

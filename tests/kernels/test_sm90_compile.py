@@ -71,7 +71,9 @@ def _arg_type(value) -> str:
     raise TypeError(f"unexpected kernel argument {value!r}")
 
 
-def _compile(kernel, args, kwargs):
+def compile_sm90(kernel, args, kwargs):
+    """The launch compiled for sm_90 as the JIT on an H200 would specialize it (also
+    bench/sass_moe.py's)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -107,6 +109,7 @@ def _compile(kernel, args, kwargs):
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     # the launch would fail with OutOfResources past an H100/H200 block's 227 KiB
     assert compiled.metadata.shared <= SM90_SHARED, (kernel.fn.__name__, options, signature)
+    return compiled
 
 
 def _moe_configs():
@@ -300,15 +303,15 @@ def main() -> None:
         if key not in seen:
             seen.add(key)
             names.add(kernel.fn.__name__)
-            _compile(kernel, args, dict(kwargs))
+            compile_sm90(kernel, args, dict(kwargs))
             if kwargs.get("MXFP4"):  # what a CUDA bf16 launch takes (fused_moe._experts)
                 # bit placement from either layout at every tile; the table lookups (scales
                 # past 128) at one: the expansion changes registers, not the tiles' shared memory
-                _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=2))
-                _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=3))
+                compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=2))
+                compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=3))
                 if kernel.fn.__name__ not in looked_up:
                     looked_up.add(kernel.fn.__name__)
-                    _compile(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
+                    compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
 
 
