@@ -131,6 +131,7 @@ def _gate_up_kernel(
     ACTIVATION: tl.constexpr,  # 0: silu(gate) * up; 1: GPT-OSS's clamped SwiGLU
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
+    MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -178,6 +179,7 @@ def _gate_up_kernel(
             BN=BN,
             BK=BK,
             EXPAND=MXFP4_EXPAND,
+            SUB_K=MXFP4_SUB_K,
         )
     else:
         wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
@@ -313,6 +315,7 @@ def _down_kernel(
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
+    MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -353,6 +356,7 @@ def _down_kernel(
             BN=BN,
             BK=BK,
             EXPAND=MXFP4_EXPAND,
+            SUB_K=MXFP4_SUB_K,
         )
     else:
         w_ptrs = (
@@ -485,6 +489,7 @@ class _Experts:
     # MoeConfig.mxfp4_lut: 1 by table lookups, 2 by bit placement if the scales are small;
     # 3 by bit placement from the GPU layout (Mxfp4Weight.swizzled), whatever the config
     expand: int
+    sub_k: int = 0  # the PTX expansions' sub-tile depth (MoeConfig.mxfp4_sub_k)
 
     def launch_args(self, name: str) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -498,6 +503,7 @@ class _Experts:
             "stride_sn": self.scale_strides[1],
             "MXFP4": self.mxfp4,
             "MXFP4_EXPAND": self.expand,
+            "MXFP4_SUB_K": self.sub_k,
         }
 
 
@@ -531,7 +537,7 @@ def _experts(
                         f"groups are padded to {row}, too few for them"
                     )
         strides = (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1))
-        return _Experts(b, s, *strides, True, expand)
+        return _Experts(b, s, *strides, True, expand, cfg.mxfp4_sub_k)
     return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0)
 
 

@@ -36,6 +36,10 @@ class MoeConfig:
     # warps, 128 lets 4 programs share a multiprocessor where 130-odd would leave 3 (the
     # MXFP4 loops' expansion is latency-bound: more warps to switch between)
     max_registers: int = 0
+    # MXFP4's PTX expansions on sub-tiles this deep (0: the whole BK tile): a tile expanded
+    # whole keeps all its bf16 values live before the dots (194 registers at BK 256, BN 64;
+    # 87 in 64-deep sub-tiles, whose scales then load 2 bytes a thread, synchronously)
+    mxfp4_sub_k: int = 0
 
     def register_limit(self) -> dict:
         """The launch option that caps a thread's registers, if the config sets one."""

@@ -236,6 +236,16 @@ def mxfp4_tile(
 
 
 @triton.jit
+def _scale_mask(offs_ks, k_left, n_ok, EXPAND: tl.constexpr):
+    """A scale tile's mask: in the GPU layout (3) the padded rows need none along K
+    (step/mxfp4.SCALE_ROW_GROUPS), else the groups before k_left columns are left."""
+    if EXPAND == 3:
+        return n_ok[None, :]
+    else:
+        return (offs_ks < k_left // GROUP)[:, None] & n_ok[None, :]
+
+
+@triton.jit
 def gate_up_mxfp4_loop(
     x_ptr,
     x_rows,  # [BM] int64 offsets of the block's token rows in x
@@ -252,45 +262,46 @@ def gate_up_mxfp4_loop(
     BN: tl.constexpr,
     BK: tl.constexpr,
     EXPAND: tl.constexpr,
+    SUB_K: tl.constexpr,
 ):
     """fused_moe's gate_up main loop on packed experts: (acc_g, acc_u) [BM, BN] fp32, x's block
     rows times gate's and up's columns offs_n. H is a multiple of 32. EXPAND (Experts.expand):
     0 by arithmetic (mxfp4_tile); with bf16 x on the GPU only, 1 by table lookups, 2 by bit
     placement, 3 by bit placement from the GPU layout (lut_tile_dot)."""
-    offs_k = tl.arange(0, BK)
-    offs_kc = tl.arange(0, BK // 2)
-    offs_ks = tl.arange(0, BK // GROUP)
+    # SUB_K (MoeConfig.mxfp4_sub_k): the PTX expansions run on sub-tiles that deep, not on
+    # the whole BK-deep tile, whose bf16 values would all be live in registers before its
+    # dots (194 a thread at BK 256, BN 64; 87 in 64-deep sub-tiles); 0, and the arithmetic
+    # expansion: the whole tile
+    SUB: tl.constexpr = min(BK, SUB_K) if EXPAND != 0 and SUB_K != 0 else BK
+    offs_k = tl.arange(0, SUB)
+    offs_kc = tl.arange(0, SUB // 2)
+    offs_ks = tl.arange(0, SUB // GROUP)
     rows = offs_n[None, :].to(tl.int64)
-    cg_ptrs = w_e + rows * stride_wn + offs_kc[:, None]  # [BK/2, BN]
-    cu_ptrs = cg_ptrs + I * stride_wn
-    sg_ptrs = s_e + rows * stride_sn + offs_ks[:, None]  # [BK/32, BN]
-    su_ptrs = sg_ptrs + I * stride_sn
+    cg0 = w_e + rows * stride_wn + offs_kc[:, None]  # [SUB/2, BN]
+    cu0 = cg0 + I * stride_wn
+    sg0 = s_e + rows * stride_sn + offs_ks[:, None]  # [SUB/32, BN]
+    su0 = sg0 + I * stride_sn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, H, BK):
-        k_ok = offs_k < H - k0
-        xt = tl.load(
-            x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        c_mask = (offs_kc < (H - k0) // 2)[:, None] & n_ok[None, :]
-        if EXPAND == 3:  # padded scale rows (step/mxfp4.SCALE_ROW_GROUPS): no mask along K
-            s_mask = n_ok[None, :]
-        else:
-            s_mask = (offs_ks < (H - k0) // GROUP)[:, None] & n_ok[None, :]
-        if EXPAND != 0:
-            acc_g = lut_tile_dot(xt, cg_ptrs, sg_ptrs, c_mask, s_mask, acc_g, BK, BN, EXPAND)
-            acc_u = lut_tile_dot(xt, cu_ptrs, su_ptrs, c_mask, s_mask, acc_u, BK, BN, EXPAND)
-        else:
-            wg = mxfp4_tile(cg_ptrs, sg_ptrs, c_mask, s_mask, BK, BN).to(xt.dtype)
-            acc_g = dot(xt, wg, acc_g)
-            wu = mxfp4_tile(cu_ptrs, su_ptrs, c_mask, s_mask, BK, BN).to(xt.dtype)
-            acc_u = dot(xt, wu, acc_u)
-        cg_ptrs += BK // 2
-        cu_ptrs += BK // 2
-        sg_ptrs += BK // GROUP
-        su_ptrs += BK // GROUP
+        for s in tl.static_range(BK // SUB):
+            ks = k0 + s * SUB
+            xt = tl.load(
+                x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
+                mask=row_ok[:, None] & (offs_k < H - ks)[None, :],
+                other=0.0,
+            )
+            c_mask = (offs_kc < (H - ks) // 2)[:, None] & n_ok[None, :]
+            s_mask = _scale_mask(offs_ks, H - ks, n_ok, EXPAND)
+            cg, cu, sg, su = cg0 + ks // 2, cu0 + ks // 2, sg0 + ks // GROUP, su0 + ks // GROUP
+            if EXPAND != 0:
+                acc_g = lut_tile_dot(xt, cg, sg, c_mask, s_mask, acc_g, SUB, BN, EXPAND)
+                acc_u = lut_tile_dot(xt, cu, su, c_mask, s_mask, acc_u, SUB, BN, EXPAND)
+            else:
+                wg = mxfp4_tile(cg, sg, c_mask, s_mask, SUB, BN).to(xt.dtype)
+                acc_g = dot(xt, wg, acc_g)
+                wu = mxfp4_tile(cu, su, c_mask, s_mask, SUB, BN).to(xt.dtype)
+                acc_u = dot(xt, wu, acc_u)
     return acc_g, acc_u
 
 
@@ -310,33 +321,32 @@ def down_mxfp4_loop(
     BN: tl.constexpr,
     BK: tl.constexpr,
     EXPAND: tl.constexpr,
+    SUB_K: tl.constexpr,
 ):
     """fused_moe's down main loop on packed experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n. I is a multiple of 32. EXPAND as gate_up_mxfp4_loop's."""
-    offs_k = tl.arange(0, BK)
-    offs_kc = tl.arange(0, BK // 2)
-    offs_ks = tl.arange(0, BK // GROUP)
+    SUB: tl.constexpr = min(BK, SUB_K) if EXPAND != 0 and SUB_K != 0 else BK  # as gate_up's
+    offs_k = tl.arange(0, SUB)
+    offs_kc = tl.arange(0, SUB // 2)
+    offs_ks = tl.arange(0, SUB // GROUP)
     rows = offs_n[None, :].to(tl.int64)
-    c_ptrs = w_e + rows * stride_wn + offs_kc[:, None]  # [BK/2, BN]
-    s_ptrs = s_e + rows * stride_sn + offs_ks[:, None]  # [BK/32, BN]
+    c0 = w_e + rows * stride_wn + offs_kc[:, None]  # [SUB/2, BN]
+    s0 = s_e + rows * stride_sn + offs_ks[:, None]  # [SUB/32, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, I, BK):
-        k_ok = offs_k < I - k0
-        ht = tl.load(
-            h_ptr + h_offs[:, None] + (k0 + offs_k)[None, :],
-            mask=row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        c_mask = (offs_kc < (I - k0) // 2)[:, None] & n_ok[None, :]
-        if EXPAND == 3:  # padded scale rows (step/mxfp4.SCALE_ROW_GROUPS): no mask along K
-            s_mask = n_ok[None, :]
-        else:
-            s_mask = (offs_ks < (I - k0) // GROUP)[:, None] & n_ok[None, :]
-        if EXPAND != 0:
-            acc = lut_tile_dot(ht, c_ptrs, s_ptrs, c_mask, s_mask, acc, BK, BN, EXPAND)
-        else:
-            w = mxfp4_tile(c_ptrs, s_ptrs, c_mask, s_mask, BK, BN).to(ht.dtype)
-            acc = dot(ht, w, acc)
-        c_ptrs += BK // 2
-        s_ptrs += BK // GROUP
+        for s in tl.static_range(BK // SUB):
+            ks = k0 + s * SUB
+            ht = tl.load(
+                h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
+                mask=row_ok[:, None] & (offs_k < I - ks)[None, :],
+                other=0.0,
+            )
+            c_mask = (offs_kc < (I - ks) // 2)[:, None] & n_ok[None, :]
+            s_mask = _scale_mask(offs_ks, I - ks, n_ok, EXPAND)
+            c, sc = c0 + ks // 2, s0 + ks // GROUP
+            if EXPAND != 0:
+                acc = lut_tile_dot(ht, c, sc, c_mask, s_mask, acc, SUB, BN, EXPAND)
+            else:
+                w = mxfp4_tile(c, sc, c_mask, s_mask, SUB, BN).to(ht.dtype)
+                acc = dot(ht, w, acc)
     return acc
