@@ -86,12 +86,15 @@ MXFP4_EXTRA = [
     C(16, 64, 64, 64, 64, stages=4, regs=128),
     C(16, 64, 256, 64, 256, stages=2, regs=168),
     C(16, 64, 256, 64, 256, stages=2, regs=128),
-    # the expansion on sub-tiles (fewer registers, more programs a multiprocessor)
+    # the expansion on sub-tiles (fewer registers, more programs a multiprocessor: 103 a
+    # thread for gate_up at BN 64, BK 256 in 64-deep ones, where the whole tile takes 194)
     dataclasses.replace(C(16, 64, 256, 64, 256, stages=2), mxfp4_sub_k=64),
+    dataclasses.replace(C(16, 64, 256, 64, 256, stages=3), mxfp4_sub_k=64),
     dataclasses.replace(C(16, 64, 256, 64, 256, stages=2), mxfp4_sub_k=128),
     dataclasses.replace(C(16, 128, 256, 128, 256, stages=2), mxfp4_sub_k=64),
-    dataclasses.replace(C(16, 64, 256, 64, 256, stages=3), mxfp4_sub_k=64),
+    dataclasses.replace(C(16, 128, 128, 128, 128, stages=3), mxfp4_sub_k=64),
     dataclasses.replace(C(16, 32, 256, 32, 256, stages=3), mxfp4_sub_k=64),
+    dataclasses.replace(C(16, 64, 512, 64, 512, stages=2), mxfp4_sub_k=64),
 ]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}

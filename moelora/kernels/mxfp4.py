@@ -195,7 +195,14 @@ def lut_tile_dot(
     dots: x's even columns times the even elements, its odd ones times the odd. bf16 on the GPU
     only."""
     codes = tl.load(code_ptrs, mask=code_mask, other=0)
-    scale_bytes = tl.load(scale_ptrs, mask=scale_mask, other=0).to(tl.uint16)
+    scale_bytes = tl.load(scale_ptrs, mask=scale_mask, other=0)
+    return _lut_dot(xt, codes, scale_bytes, acc, BK, BN, EXPAND)
+
+
+@triton.jit
+def _lut_dot(xt, codes, scale_bytes, acc, BK: tl.constexpr, BN: tl.constexpr, EXPAND: tl.constexpr):
+    """lut_tile_dot on loaded codes [BK/2, BN] and scale bytes [BK/32, BN]."""
+    scale_bytes = scale_bytes.to(tl.uint16)
     if EXPAND == 1:
         even, odd = e2m1_bf16_pairs(codes)
     else:
@@ -236,6 +243,27 @@ def mxfp4_tile(
 
 
 @triton.jit
+def _scale_part(scales, s: tl.constexpr, NSUB: tl.constexpr):
+    """Rows s * G .. s * G + G - 1 of scales [NSUB * G, BN] (NSUB 1, 2 or 4): a sub-tile's
+    scale bytes out of its tile's, which load as one (a sub-tile's alone are too few bytes a
+    thread for the pipeline's asynchronous copies)."""
+    if NSUB == 1:
+        return scales
+    else:
+        G: tl.constexpr = scales.shape[0] // NSUB
+        BN: tl.constexpr = scales.shape[1]
+        t = tl.permute(tl.reshape(scales, (NSUB, G, BN)), (1, 2, 0))  # [G, BN, NSUB]
+        if NSUB == 2:
+            first, second = tl.split(t)
+            return first if s == 0 else second
+        else:
+            low, high = tl.split(tl.reshape(t, (G, BN, 2, 2)))  # s % 2 = 0, 1
+            part = low if s % 2 == 0 else high
+            first, second = tl.split(part)  # s // 2 = 0, 1
+            return first if s // 2 == 0 else second
+
+
+@triton.jit
 def _scale_mask(offs_ks, k_left, n_ok, EXPAND: tl.constexpr):
     """A scale tile's mask: in the GPU layout (3) the padded rows need none along K
     (step/mxfp4.SCALE_ROW_GROUPS), else the groups before k_left columns are left."""
@@ -268,11 +296,10 @@ def gate_up_mxfp4_loop(
     rows times gate's and up's columns offs_n. H is a multiple of 32. EXPAND (Experts.expand):
     0 by arithmetic (mxfp4_tile); with bf16 x on the GPU only, 1 by table lookups, 2 by bit
     placement, 3 by bit placement from the GPU layout (lut_tile_dot)."""
-    # SUB_K (MoeConfig.mxfp4_sub_k): the PTX expansions run on sub-tiles that deep, not on
-    # the whole BK-deep tile, whose bf16 values would all be live in registers before its
-    # dots (194 a thread at BK 256, BN 64; 87 in 64-deep sub-tiles); 0, and the arithmetic
-    # expansion: the whole tile
-    SUB: tl.constexpr = min(BK, SUB_K) if EXPAND != 0 and SUB_K != 0 else BK
+    # SUB_K (MoeConfig.mxfp4_sub_k): the expansion runs on sub-tiles that deep, not on the
+    # whole BK-deep tile, whose bf16 values would all be live in registers before its dots
+    # (194 a thread at BK 256, BN 64; 103 in 64-deep sub-tiles); 0: the whole tile
+    SUB: tl.constexpr = min(BK, SUB_K) if SUB_K != 0 else BK
     offs_k = tl.arange(0, SUB)
     offs_kc = tl.arange(0, SUB // 2)
     offs_ks = tl.arange(0, SUB // GROUP)
@@ -283,8 +310,21 @@ def gate_up_mxfp4_loop(
     su0 = sg0 + I * stride_sn
     acc_g = tl.zeros((BM, BN), dtype=tl.float32)
     acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    NSUB: tl.constexpr = BK // SUB
+    offs_kt = tl.arange(0, BK // GROUP)
     for k0 in range(0, H, BK):
-        for s in tl.static_range(BK // SUB):
+        if EXPAND == 3 and NSUB > 1:  # the tile's scales at once (padded rows: no K mask)
+            tile_g = tl.load(
+                s_e + rows * stride_sn + (k0 // GROUP + offs_kt)[:, None],
+                mask=n_ok[None, :],
+                other=0,
+            )
+            tile_u = tl.load(
+                s_e + (rows + I) * stride_sn + (k0 // GROUP + offs_kt)[:, None],
+                mask=n_ok[None, :],
+                other=0,
+            )
+        for s in tl.static_range(NSUB):
             ks = k0 + s * SUB
             xt = tl.load(
                 x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
@@ -294,7 +334,14 @@ def gate_up_mxfp4_loop(
             c_mask = (offs_kc < (H - ks) // 2)[:, None] & n_ok[None, :]
             s_mask = _scale_mask(offs_ks, H - ks, n_ok, EXPAND)
             cg, cu, sg, su = cg0 + ks // 2, cu0 + ks // 2, sg0 + ks // GROUP, su0 + ks // GROUP
-            if EXPAND != 0:
+            if EXPAND == 3 and NSUB > 1:
+                codes_g = tl.load(cg, mask=c_mask, other=0)
+                codes_u = tl.load(cu, mask=c_mask, other=0)
+                part_g = _scale_part(tile_g, s, NSUB)
+                part_u = _scale_part(tile_u, s, NSUB)
+                acc_g = _lut_dot(xt, codes_g, part_g, acc_g, SUB, BN, EXPAND)
+                acc_u = _lut_dot(xt, codes_u, part_u, acc_u, SUB, BN, EXPAND)
+            elif EXPAND != 0:
                 acc_g = lut_tile_dot(xt, cg, sg, c_mask, s_mask, acc_g, SUB, BN, EXPAND)
                 acc_u = lut_tile_dot(xt, cu, su, c_mask, s_mask, acc_u, SUB, BN, EXPAND)
             else:
@@ -325,7 +372,7 @@ def down_mxfp4_loop(
 ):
     """fused_moe's down main loop on packed experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n. I is a multiple of 32. EXPAND as gate_up_mxfp4_loop's."""
-    SUB: tl.constexpr = min(BK, SUB_K) if EXPAND != 0 and SUB_K != 0 else BK  # as gate_up's
+    SUB: tl.constexpr = min(BK, SUB_K) if SUB_K != 0 else BK  # as gate_up_mxfp4_loop's
     offs_k = tl.arange(0, SUB)
     offs_kc = tl.arange(0, SUB // 2)
     offs_ks = tl.arange(0, SUB // GROUP)
@@ -333,8 +380,16 @@ def down_mxfp4_loop(
     c0 = w_e + rows * stride_wn + offs_kc[:, None]  # [SUB/2, BN]
     s0 = s_e + rows * stride_sn + offs_ks[:, None]  # [SUB/32, BN]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    NSUB: tl.constexpr = BK // SUB
+    offs_kt = tl.arange(0, BK // GROUP)
     for k0 in range(0, I, BK):
-        for s in tl.static_range(BK // SUB):
+        if EXPAND == 3 and NSUB > 1:  # as gate_up_mxfp4_loop's
+            tile_s = tl.load(
+                s_e + rows * stride_sn + (k0 // GROUP + offs_kt)[:, None],
+                mask=n_ok[None, :],
+                other=0,
+            )
+        for s in tl.static_range(NSUB):
             ks = k0 + s * SUB
             ht = tl.load(
                 h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
@@ -344,7 +399,10 @@ def down_mxfp4_loop(
             c_mask = (offs_kc < (I - ks) // 2)[:, None] & n_ok[None, :]
             s_mask = _scale_mask(offs_ks, I - ks, n_ok, EXPAND)
             c, sc = c0 + ks // 2, s0 + ks // GROUP
-            if EXPAND != 0:
+            if EXPAND == 3 and NSUB > 1:
+                codes = tl.load(c, mask=c_mask, other=0)
+                acc = _lut_dot(ht, codes, _scale_part(tile_s, s, NSUB), acc, SUB, BN, EXPAND)
+            elif EXPAND != 0:
                 acc = lut_tile_dot(ht, c, sc, c_mask, s_mask, acc, SUB, BN, EXPAND)
             else:
                 w = mxfp4_tile(c, sc, c_mask, s_mask, SUB, BN).to(ht.dtype)

@@ -303,3 +303,16 @@ def test_fused_moe_mxfp4_gives_the_bits_of_its_dequantized_weights(poison_empty)
     out = fused_moe(*args, **lora, config=tiles)
     assert torch.equal(out, fused_moe(*dense, weights, ids, **lora, config=tiles))
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("sub_k", [0, 32])
+def test_fused_moe_mxfp4_sub_tiles(poison_empty, sub_k):
+    """The expansion on sub-tiles (MoeConfig.mxfp4_sub_k) of 64-deep tiles, in gate_up (H 64:
+    two sub-tiles) and in down (I 32: the second sub-tile wholly masked), against the
+    reference, LoRA on."""
+    args, lora, oss = mxfp4_case(7, "mixed", torch.float32)
+    cfg = MoeConfig(
+        block_m=16, block_n=16, block_k=64, block_n_down=32, block_k_down=64, mxfp4_sub_k=sub_k
+    )
+    out = fused_moe(*args, **lora, config=cfg, **oss)
+    assert rel_err(out, reference.fused_moe(*args, **lora, **oss)) <= TOL[torch.float32]

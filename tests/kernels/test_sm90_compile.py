@@ -309,6 +309,7 @@ def main() -> None:
                 # past 128) at one: the expansion changes registers, not the tiles' shared memory
                 compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=2))
                 compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=3))
+                compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=3, MXFP4_SUB_K=64))
                 if kernel.fn.__name__ not in looked_up:
                     looked_up.add(kernel.fn.__name__)
                     compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
