@@ -224,6 +224,9 @@ def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
         MoeConfig(block_k=128, block_k_down=128),  # a 64-deep tail of 2880: groups masked
         MoeConfig(block_n=32, block_k=256, block_n_down=32, block_k_down=256, num_stages=2),
         MoeConfig(block_m=64, block_k=128, block_k_down=128),
+        # sub-tiles (wip): 4 a tile, and 2 with the tail's second masked
+        MoeConfig(block_k=256, block_k_down=256, num_stages=2, mxfp4_sub_k=64),
+        MoeConfig(block_k=128, block_k_down=128, mxfp4_sub_k=64),
     ],
 )
 @pytest.mark.parametrize("T", [1, 7, 64, 256])
