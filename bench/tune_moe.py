@@ -94,7 +94,6 @@ MXFP4_EXTRA = [
     dataclasses.replace(C(16, 128, 256, 128, 256, stages=2), mxfp4_sub_k=64),
     dataclasses.replace(C(16, 128, 128, 128, 128, stages=3), mxfp4_sub_k=64),
     dataclasses.replace(C(16, 32, 256, 32, 256, stages=3), mxfp4_sub_k=64),
-    dataclasses.replace(C(16, 64, 512, 64, 512, stages=2), mxfp4_sub_k=64),
 ]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}

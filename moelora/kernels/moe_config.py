@@ -41,6 +41,16 @@ class MoeConfig:
     # 87 in 64-deep sub-tiles, whose scales then load 2 bytes a thread, synchronously)
     mxfp4_sub_k: int = 0
 
+    def __post_init__(self) -> None:
+        for bk in (self.block_k, self.block_k_down):
+            # a sub-tile's scale bytes are split out of its tile's in two halvings at most
+            # (mxfp4._scale_part)
+            if self.mxfp4_sub_k and bk not in (self.mxfp4_sub_k * n for n in (1, 2, 4)):
+                raise ValueError(
+                    f"MoeConfig.mxfp4_sub_k {self.mxfp4_sub_k} with tiles {bk} deep: expected "
+                    f"1, 2 or 4 sub-tiles a tile"
+                )
+
     def register_limit(self) -> dict:
         """The launch option that caps a thread's registers, if the config sets one."""
         return {"maxnreg": self.max_registers} if self.max_registers else {}

@@ -316,3 +316,10 @@ def test_fused_moe_mxfp4_sub_tiles(poison_empty, sub_k):
     )
     out = fused_moe(*args, **lora, config=cfg, **oss)
     assert rel_err(out, reference.fused_moe(*args, **lora, **oss)) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("block_k", [32, 96, 512])
+def test_mxfp4_sub_tiles_out_of_range_are_refused(block_k):
+    """A tile of other than 1, 2 or 4 sub-tiles is refused where the config is made."""
+    with pytest.raises(ValueError, match=f"mxfp4_sub_k 64 with tiles {block_k} deep"):
+        MoeConfig(block_k=block_k, block_k_down=128, mxfp4_sub_k=64)
