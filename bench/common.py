@@ -50,6 +50,23 @@ def copy_bandwidth(gib: int = 2) -> float:
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def matmul_flops_per_s(device: str) -> float:
+    """bf16 FLOP/s of an 8192^3 torch.mm (on the CPU: fp32 of a 1024^3 one)."""
+    if not device.startswith("cuda"):
+        a = torch.randn(1024, 1024)
+        start = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        return 3 * 2 * 1024**3 / (time.perf_counter() - start)
+    from triton.testing import do_bench
+
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, return_mode="median")
+    return 2 * n**3 / (ms * 1e-3)
+
+
 def graph_replay_ms(fn: Callable[[], object], *, warmup: int, rep: int) -> float:
     """Median ms of one replay of a CUDA graph of fn, the L2 flushed before each (do_bench).
     fn runs once on a side stream first, so its kernels compile outside the capture."""

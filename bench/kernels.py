@@ -7,9 +7,12 @@ divided by LAYERS. Cases: LoRA disabled (no LoRA arguments), enabled with no slo
 adapter for every token, M distinct adapters (up to max_loras = 8), at pool ranks 8/16/64, and a
 rank-8 adapter in a rank-64 pool. The floor is the bytes a layer must read (the touched experts'
 weights; for LoRA the touched (slot, expert) A and B rows of the real rank) divided by the copy
-bandwidth measured in the same run.
+bandwidth measured in the same run; from PREFILL_M tokens the layer is bound by its FLOPs
+(6 M K H I), so the compute floor (FLOPs over the bf16 throughput of an 8192^3 torch.mm, also
+measured in the run) stands beside it and the larger of the two is the floor.
 
-    PYTHONPATH=. python bench/kernels.py [--shapes qwen3-30b-a3b mixtral] [--out PATH]
+    PYTHONPATH=. python bench/kernels.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 4096]
+        [--ranks 8 16 64] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from common import (
     copy_bandwidth,
     graph_ms,
     lora_pool,
+    matmul_flops_per_s,
     result_header,
     write_result,
 )
@@ -35,6 +39,9 @@ from moelora.step.lora import LoraBatchInfo
 
 MS = (1, 8, 32, 64, 256)
 RANKS = (8, 16, 64)
+PREFILL_M = 512  # from here the table shows the compute floor too (issue 19's prefill sizes)
+# issue 19's one-layer targets at 4096 tokens (no adapter; 8 distinct rank-16 adapters)
+PREFILL_TARGET_US = {"disabled": 600, "distinct": 700}
 
 
 def lora_bytes(info: LoraBatchInfo, topk_ids: torch.Tensor, rank: int, H: int, I: int) -> int:
@@ -45,23 +52,25 @@ def lora_bytes(info: LoraBatchInfo, topk_ids: torch.Tensor, rank: int, H: int, I
     return combos * rank * (3 * H + 3 * I) * 2
 
 
-def shape_inputs(name: str) -> tuple[list, list, dict]:
+def shape_inputs(name: str, ms: list[int]) -> tuple[list, list, dict]:
     """Each layer's expert weights, and per M its input rows and routing (seeded)."""
     E, H, I, K, layers = MOE_SHAPES[name]
     torch.manual_seed(0)
     w13 = [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)]
     w2 = [torch.randn(E, H, I, dtype=DT, device=DEV) * I**-0.5 for _ in range(layers)]
     routing = {}
-    for M in MS:
+    for M in ms:
         x = torch.randn(M, H, dtype=DT, device=DEV)
         tw, ti = reference.route_topk(torch.randn(M, E, device=DEV), K, renormalize=True)
         routing[M] = (x, tw, ti)
     return w13, w2, routing
 
 
-def bench_shape(name: str, bw: float, rows: list[dict]) -> None:
+def bench_shape(
+    name: str, bw: float, flops: float, rows: list[dict], ms: list[int], ranks: list[int]
+) -> None:
     E, H, I, K, layers = MOE_SHAPES[name]
-    w13, w2, routing = shape_inputs(name)
+    w13, w2, routing = shape_inputs(name, ms)
     expert_bytes = (3 * I * H) * 2
 
     def run(M, pools=None, info=None):  # all layers, one after the other
@@ -77,18 +86,20 @@ def bench_shape(name: str, bw: float, rows: list[dict]) -> None:
         base_bytes = torch.unique(ti).numel() * expert_bytes + 2 * x.numel() * 2
         row = dict(shape=name, M=M, case=case, rank=rank, ms=ms, bytes=base_bytes)
         row.update(floor=1e3 * base_bytes / bw, base=base_ms[M])
+        row.update(compute_floor=1e3 * 6 * M * K * H * I / flops)
         if lora_bytes is not None:
             row.update(bytes=base_bytes + lora_bytes, lora_floor=1e3 * lora_bytes / bw)
         rows.append(row)
         print(row, flush=True)
 
     base_ms = {}
-    for M in MS:
+    for M in ms:
         base_ms[M] = graph_ms(lambda M=M: run(M), layers)
         add(M, "disabled", "-", base_ms[M])
-    for R, rank in [(r, r) for r in RANKS] + [(64, 8)]:
+    in_64 = [(64, 8)] if 8 in ranks and 64 in ranks else []
+    for R, rank in [(r, r) for r in ranks] + in_64:
         pools = [lora_pool(E, H, I, R, rank) for _ in range(layers)]
-        for M in MS:
+        for M in ms:
             cases = ("one",) if R != rank else ("none", "one", "distinct")
             for case in cases:
                 info = batch_info(M, case, rank)
@@ -101,19 +112,22 @@ def bench_shape(name: str, bw: float, rows: list[dict]) -> None:
 
 def fmt_table(rows: list[dict]) -> list[str]:
     out = [
-        "| shape | M | case | rank/pool | µs | TB/s | floor µs | % of floor | vs disabled "
-        "| LoRA added µs | LoRA floor µs | added / LoRA floor |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | M | case | rank/pool | µs | TB/s | floor µs | compute floor µs | % of floor "
+        "| vs disabled | LoRA added µs | LoRA floor µs | added / LoRA floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         us, floor = r["ms"] * 1e3, r["floor"] * 1e3  # times in ms, shown in µs
+        compute = f"{r['compute_floor'] * 1e3:.1f}" if r["M"] >= PREFILL_M else "-"
+        floor_of = max(floor, r["compute_floor"] * 1e3) if r["M"] >= PREFILL_M else floor
         added = us - r["base"] * 1e3
         lf = r.get("lora_floor", 0) * 1e3
         ratio = f"{added / lf:.2f}" if lf else "-"
         out.append(
             f"| {r['shape']} | {r['M']} | {r['case']} | {r['rank']} | {us:.1f} | "
-            f"{r['bytes'] / (r['ms'] * 1e-3) / 1e12:.2f} | {floor:.1f} | {100 * floor / us:.0f}% | "
-            f"{100 * (r['ms'] / r['base'] - 1):+.1f}% | {added:.1f} | {lf:.2f} | {ratio} |"
+            f"{r['bytes'] / (r['ms'] * 1e-3) / 1e12:.2f} | {floor:.1f} | {compute} | "
+            f"{100 * floor_of / us:.0f}% | {100 * (r['ms'] / r['base'] - 1):+.1f}% | "
+            f"{added:.1f} | {lf:.2f} | {ratio} |"
         )
     return out
 
@@ -163,6 +177,14 @@ def targets(rows: list[dict]) -> list[str]:
             over = 100 * (r["ms"] / r["base"] - 1)
             ok = "ok" if over <= 3 else "MISSED"
             out.append(f"- none-active {key} pool {r['rank']}: {over:+.1f}% vs disabled ({ok})")
+        if r["case"] in ("disabled", "distinct") and r["M"] >= PREFILL_M:
+            us, target = r["ms"] * 1e3, PREFILL_TARGET_US[r["case"]]
+            times = r["ms"] / r["compute_floor"]
+            ok = "ok" if us <= target * r["M"] / 4096 else "MISSED"
+            out.append(
+                f"- prefill {r['case']} {key} {r['rank']}: {us:.0f} µs, {times:.2f}x its compute "
+                f"floor (issue 19 at 4096 tokens: {target} µs; {ok} scaled to M)"
+            )
         if r["case"] == "disabled" and r["M"] <= 64:
             pct = 100 * r["floor"] / r["ms"]
             out.append(f"- base {key}: {pct:.0f}% of floor ({'ok' if pct >= 70 else 'MISSED'})")
@@ -181,13 +203,16 @@ def targets(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(MOE_SHAPES))
+    parser.add_argument("--ms", nargs="+", type=int, default=list(MS), help="token counts")
+    parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS), help="pool ranks")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
-    bw = copy_bandwidth()
+    bw, flops = copy_bandwidth(), matmul_flops_per_s(DEV)
     rows: list[dict] = []
     for name in args.shapes:
-        bench_shape(name, bw, rows)
+        bench_shape(name, bw, flops, rows, args.ms, args.ranks)
     lines = result_header("Fused MoE + MoE-LoRA, one layer", bw)
+    lines += [f"- bf16 matmul throughput (8192^3 torch.mm): {flops / 1e12:.0f} TFLOP/s"]
     lines += ["", "## Summary", "", *summary(rows), "", "## All cases", "", *fmt_table(rows)]
     lines += ["", "## Targets", "", *targets(rows)]
     write_result("kernels", lines, args.out)

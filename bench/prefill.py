@@ -43,6 +43,7 @@ from common import (
     MAX_LORAS,
     RANK,
     adapters_of,
+    matmul_flops_per_s,
     model_folder,
     result_header,
     sync,
@@ -105,23 +106,6 @@ class Row:
     tokens: int
     seconds: float
     floor_seconds: float
-
-
-def matmul_flops_per_s(device: str) -> float:
-    """bf16 FLOP/s of an 8192^3 torch.mm (on the CPU: fp32 of a 1024^3 one)."""
-    if not device.startswith("cuda"):
-        a = torch.randn(1024, 1024)
-        start = time.perf_counter()
-        for _ in range(3):
-            a @ a
-        return 3 * 2 * 1024**3 / (time.perf_counter() - start)
-    from triton.testing import do_bench
-
-    n = 8192
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    ms = do_bench(lambda: a @ b, return_mode="median")
-    return 2 * n**3 / (ms * 1e-3)
 
 
 def active_params(cfg: ModelConfig) -> int:

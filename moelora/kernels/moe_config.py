@@ -38,7 +38,7 @@ class MoeConfig:
     max_registers: int = 0
     # MXFP4's PTX expansions on sub-tiles this deep (0: the whole BK tile): a tile expanded
     # whole keeps all its bf16 values live before the dots (194 registers at BK 256, BN 64;
-    # 87 in 64-deep sub-tiles, whose scales then load 2 bytes a thread, synchronously)
+    # 103 in 64-deep sub-tiles, which take their scale bytes out of the tile's)
     mxfp4_sub_k: int = 0
 
     def __post_init__(self) -> None:
