@@ -103,9 +103,9 @@ def bench_shape(
             cases = ("one",) if R != rank else ("none", "one", "distinct")
             for case in cases:
                 info = batch_info(M, case, rank)
-                ms = graph_ms(lambda M=M, pools=pools, info=info: run(M, pools, info), layers)
+                t = graph_ms(lambda M=M, pools=pools, info=info: run(M, pools, info), layers)
                 lb = lora_bytes(info, routing[M][2], rank, H, I) if case != "none" else 0
-                add(M, case, f"{rank}/{R}", ms, lb)
+                add(M, case, f"{rank}/{R}", t, lb)
         pools = None  # freed before the next pool is allocated
         torch.cuda.empty_cache()
 
