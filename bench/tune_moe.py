@@ -70,6 +70,8 @@ PREFILL = [
 DOWN_SWEEP_FROM = 512
 DOWN_TILES = [(64, w, s) for w in (4, 8) for s in (2, 3, 4)]  # 48 KB a stage at BK 128
 DOWN_TILES += [(128, w, s) for w in (4, 8) for s in (2, 3)] + [(256, 8, 2)]
+# program orders tried on each prefill bucket's winner (tune_order): groups of this many blocks
+ORDERS = (1, 4, 8, 16)
 MXFP4_EXTRA = [
     C(16, 64, 64, 64, 64),
     C(16, 128, 128, 128, 128, warps=8),
@@ -194,6 +196,7 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
                 choice = with_lora[1][1]
         if M >= DOWN_SWEEP_FROM and not mxfp4:
             choice = tune_down(lambda c, i=none: run(c, i), choice, layers, floor, f"{name} M={M}")
+            choice = tune_order(lambda c, i=none: run(c, i), choice, layers, floor, f"{name} M={M}")
         best[M] = choice
         print(f"{name} M={M} -> {choice}", flush=True)
         if mxfp4:  # the A/B: the layouts and expansions, the tile from before
@@ -231,6 +234,20 @@ def tune_down(run, choice: MoeConfig, layers: int, floor: float, label: str) -> 
             f"(winner {1e3 * best_ms:8.1f}, floor {floor:6.1f} us)",
             flush=True,
         )
+        if ms < 0.98 * best_ms:
+            best_ms, best = ms, cfg
+    return best
+
+
+def tune_order(run, choice: MoeConfig, layers: int, floor: float, label: str) -> MoeConfig:
+    """The winner in each program order (MoeConfig.group_m, ORDERS): blocks fastest, or groups
+    of blocks sweeping every column block. Kept only where 2% faster."""
+    best_ms, best = graph_ms(lambda: run(choice), layers), choice
+    print(f"{label} order {choice.group_m}: {1e3 * best_ms:8.1f} us", flush=True)
+    for group in ORDERS:
+        cfg = dataclasses.replace(choice, group_m=group)
+        ms = graph_ms(lambda cfg=cfg: run(cfg), layers)
+        print(f"{label} order {group}: {1e3 * ms:8.1f} us (floor {floor:6.1f} us)", flush=True)
         if ms < 0.98 * best_ms:
             best_ms, best = ms, cfg
     return best

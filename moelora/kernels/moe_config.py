@@ -40,6 +40,9 @@ class MoeConfig:
     # whole keeps all its bf16 values live before the dots (194 registers at BK 256, BN 64;
     # 103 in 64-deep sub-tiles, which take their scale bytes out of the tile's)
     mxfp4_sub_k: int = 0
+    # the GEMMs' program order (fused_moe._tile): 0, blocks fastest; G, groups of G blocks each
+    # sweeping every column block (prefill: a block's rows and its expert's columns stay in L2)
+    group_m: int = 0
 
     def __post_init__(self) -> None:
         for bk in (self.block_k, self.block_k_down):

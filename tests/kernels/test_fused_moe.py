@@ -323,3 +323,15 @@ def test_mxfp4_sub_tiles_out_of_range_are_refused(block_k):
     """A tile of other than 1, 2 or 4 sub-tiles is refused where the config is made."""
     with pytest.raises(ValueError, match=f"mxfp4_sub_k 64 with tiles {block_k} deep"):
         MoeConfig(block_k=block_k, block_k_down=128, mxfp4_sub_k=64)
+
+
+@pytest.mark.parametrize("group_m", [1, 3])
+def test_program_order_gives_the_same_bits(poison_empty, group_m):
+    """Groups of blocks sweeping every column block (MoeConfig.group_m; 3 leaves a short last
+    group) run the same tiles as the 2D grid: the same bits, LoRA on mixed slots (down's shrink
+    sums two column blocks' partials by atomic adds, which commute)."""
+    args, lora = moe_case(7, 8, 2, "mixed", torch.float32)
+    grouped = dataclasses.replace(GROUPED, group_m=group_m)
+    out = fused_moe(*args, **lora, config=grouped)
+    assert torch.equal(out, fused_moe(*args, **lora, config=GROUPED))
+    assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
