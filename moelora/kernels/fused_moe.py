@@ -576,6 +576,7 @@ class _Pairs:
     expert_of_block: torch.Tensor  # [NB] int32
     xa13: torch.Tensor  # [P, 2, BR] fp32 x @ A13.T (unused without LoRA)
     xa2: torch.Tensor  # [P, BR] fp32 h @ A2.T (unused without LoRA)
+    by_block: bool = False  # the shrinks run block by block (_block_shrink), not by pair
 
 
 def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Tensor) -> _Half:
@@ -654,42 +655,45 @@ def _align(
         num_warps=SHRINK_WARPS,
     )
     launch_align(ids, sorted_pair, expert_of_block, E=E, BM=BM, shrink=shrink)
-    pairs = _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2)
+    pairs = _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2, by_block)
     if by_block:
-        _block_shrink(x, pairs, lora)
+        _block_shrink(x, pairs, lora, lora.gate_up, pairs.xa13, h=False)
     return pairs
 
 
-def _block_shrink(x: torch.Tensor, pairs: _Pairs, lora: _Lora) -> None:
-    """gate_up's shrink (and xa2's zeroing) block by block after the align: at prefill sizes,
-    instead of the align's pair shrink programs (moe_lora.block_shrink_kernel)."""
-    sa = lora.gate_up.a_strides
+def _block_shrink(
+    rows: torch.Tensor, pairs: _Pairs, lora: _Lora, half: _Half, xa: torch.Tensor, *, h: bool
+) -> None:
+    """A shrink block by block at prefill sizes (moe_lora.block_shrink_kernel): gate_up's from
+    x after the align (instead of the align's pair shrink programs), down's from h's block rows
+    after gate_up (instead of gate_up's atomic adds)."""
+    sa = half.a_strides
+    halves = half.a.shape[2]
     block_shrink_kernel[(pairs.NB,)](
-        x_ptr=x,
+        x_ptr=rows,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
         enabled_ptr=lora.enabled,
         rank_ptr=lora.rank,
         any_ptr=lora.any_on,
-        a_ptr=lora.gate_up.a,
-        xa13_ptr=pairs.xa13,
-        xa2_ptr=pairs.xa2,
-        H=x.shape[1],
-        stride_xt=x.stride(0),
+        a_ptr=half.a,
+        xa_ptr=xa,
+        H=rows.shape[1],
+        stride_xt=rows.stride(0),
         stride_as=sa[0],
         stride_ae=sa[1],
         stride_ai=sa[2],
         stride_ar=sa[3],
         K=pairs.K,
         S=lora.S,
-        HAS13=True,
-        HAS2=lora.down.on,
+        HALVES=halves,
+        BLOCK_ROWS=h,
         BM=pairs.BM,
         BK=BLOCK_SHRINK_K,
         BR=lora.BR,
         num_warps=4 if pairs.BM <= 64 else 8,
-        **pdl_kwargs(x.device),
+        **pdl_kwargs(rows.device),
     )
 
 
@@ -745,7 +749,7 @@ def _gate_up(
         K=pairs.K,
         S=lora.S,
         HAS_LORA=lora.gate_up.on,
-        HAS_LORA2=lora.down.on,
+        HAS_LORA2=lora.down.on and not pairs.by_block,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
         PACK=lora.PACK,
@@ -875,6 +879,8 @@ def fused_moe(
     launch |= pdl_kwargs(x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
+    if pairs.by_block and lora.down.on:
+        _block_shrink(h, pairs, lora, lora.down, pairs.xa2, h=True)
     pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)
     if not sum_topk:
         return pair_out.view(T, K, H)

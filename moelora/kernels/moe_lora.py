@@ -17,7 +17,10 @@ whole row. Here it is split by who has the data anyway:
     (`block_shrink_kernel`): a block's rows share one expert, and each slot present in it
     reads that expert's A13 once, as one tensor-core product.
   - h @ A2.T: each gate_up program holds BN columns of h; it multiplies them by the matching
-    BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32).
+    BN columns of A2 and atomically adds the partial product into xa2 [P, R] (fp32). Where
+    gate_up's shrink runs block by block, so does this one, in a launch between gate_up and
+    down reading h's block rows (no atomics: at 4096 tokens of one adapter the adds cost
+    gate_up more than the launch takes, and their order varied from run to run).
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
     (gate and up: two), the next slot's loaded while this one's dots run.
 No scratch is read for a pair without an enabled slot, so none needs clearing.
@@ -266,17 +269,16 @@ def expand_rows(
 
 @triton.jit
 def block_shrink_kernel(
-    # Pointers: the input, the align's blocks, LoRA batch info and A13, the scratch.
-    x_ptr,  # [T, H]
+    # Pointers: the input, the align's blocks, LoRA batch info and A, the scratch.
+    x_ptr,  # [T, H] tokens' rows, or with BLOCK_ROWS [NB*BM, H] the blocks' own rows (h)
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
     slot_ptr,
     enabled_ptr,
     rank_ptr,
     any_ptr,
-    a_ptr,  # A13 [S, E, 2, R, H]
-    xa13_ptr,  # [P, 2, BR] fp32 out
-    xa2_ptr,  # [P, BR] fp32 out: zeroed for gate_up's atomic adds
+    a_ptr,  # [S, E, HALVES, R, H]: A13 (HALVES 2) or A2 (1, H its I)
+    xa_ptr,  # [P, HALVES, BR] fp32 out
     # Sizes and strides (last dims contiguous).
     H,
     stride_xt,
@@ -287,16 +289,17 @@ def block_shrink_kernel(
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
-    HAS13: tl.constexpr,
-    HAS2: tl.constexpr,
+    HALVES: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
     BM: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """pair_shrink's outputs for one block of the align: xa13[pair, i] = x[token] @
-    A13[s, e, i].T for the rows with an enabled slot s (e: the block's expert), xa2[pair] = 0.
-    Column c of the [BM, 2 * BR] product is gate's rank row c for c < BR, up's c - BR after."""
+    """A shrink for one block of the align: xa[pair, i] = row @ A[s, e, i].T for the rows with
+    an enabled slot s (e: the block's expert); the row is x[token] (gate_up's: xa13) or, with
+    BLOCK_ROWS, the block's own row of h (down's: xa2, after gate_up). Column c of the
+    [BM, HALVES * BR] product is half c // BR's rank row c % BR."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid)
@@ -313,37 +316,31 @@ def block_shrink_kernel(
     on = tl.load(enabled_ptr + safe, mask=slot_rows >= 0, other=0) != 0
     slot_rows = tl.where(on, slot_rows, -1)
     rows_on = slot_rows >= 0
-    if HAS2:
-        offs_r = tl.arange(0, BR)
-        zeros = tl.zeros((BM, BR), dtype=tl.float32)
-        tl.store(xa2_ptr + pair[:, None] * BR + offs_r[None, :], zeros, mask=rows_on[:, None])
-    if HAS13:
-        # which slots the block holds, one bit each (S <= 63: the wrapper checks)
-        bits = tl.where(rows_on, tl.full((BM,), 1, tl.int64) << safe.to(tl.int64), 0)
-        present = tl.reduce(bits, 0, _or)
-        offs_c = tl.arange(0, 2 * BR)
-        half, r = offs_c // BR, offs_c % BR
-        offs_k = tl.arange(0, BK)
-        a_e = a_ptr + expert.to(tl.int64) * stride_ae + half[None, :] * stride_ai
-        a_e = a_e + r[None, :] * stride_ar + offs_k[:, None]  # [BK, 2 * BR]
-        x_rows = x_ptr + token[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
-        xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_c[None, :]
-        # slot by slot, each a pipelined loop over H of its own rows (a slot test inside the
-        # loop over H would keep its loads from being pipelined: each step then waited on
-        # one load's latency)
-        for s in tl.static_range(S):
-            if ((present >> s) & 1) != 0:
-                rows_s = slot_rows == s
-                r_ok = r < tl.load(rank_ptr + s)
-                acc = tl.zeros((BM, 2 * BR), dtype=tl.float32)
-                for k0 in range(0, H, BK):
-                    k_ok = offs_k < H - k0
-                    xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
-                    a = tl.load(
-                        a_e + s * stride_as + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0
-                    )
-                    acc = dot(xt, a, acc)
-                tl.store(xa_ptrs, acc, mask=rows_s[:, None])
+    # which slots the block holds, one bit each (S <= 63: the wrapper checks)
+    bits = tl.where(rows_on, tl.full((BM,), 1, tl.int64) << safe.to(tl.int64), 0)
+    present = tl.reduce(bits, 0, _or)
+    offs_c = tl.arange(0, HALVES * BR)
+    half, r = offs_c // BR, offs_c % BR
+    offs_k = tl.arange(0, BK)
+    a_e = a_ptr + expert.to(tl.int64) * stride_ae + half[None, :] * stride_ai
+    a_e = a_e + r[None, :] * stride_ar + offs_k[:, None]  # [BK, HALVES * BR]
+    rows = pid * BM + offs_m if BLOCK_ROWS else token
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
+    xa_ptrs = xa_ptr + pair[:, None] * HALVES * BR + offs_c[None, :]
+    # slot by slot, each a pipelined loop over H of its own rows (a slot test inside the loop
+    # over H would keep its loads from being pipelined: each step then waited on one load's
+    # latency)
+    for s in tl.static_range(S):
+        if ((present >> s) & 1) != 0:
+            rows_s = slot_rows == s
+            r_ok = r < tl.load(rank_ptr + s)
+            acc = tl.zeros((BM, HALVES * BR), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                k_ok = offs_k < H - k0
+                xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_e + s * stride_as + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+                acc = dot(xt, a, acc)
+            tl.store(xa_ptrs, acc, mask=rows_s[:, None])
 
 
 PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16

@@ -86,9 +86,10 @@ def _routing(T: int, E: int, K: int):
     return reference.route_topk(logits, K, renormalize=True)
 
 
-# 2048 tokens: past PMAX pairs at K = 8, the align's chunked path and the block shrink
-# (fused_moe.BLOCK_SHRINK_FROM); 4096: the same at K = 2 too, and the prefill tiles
-@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048, 4096])
+# 2048 tokens: past PMAX pairs at K = 8, the align's chunked path and the block shrinks
+# (fused_moe.BLOCK_SHRINK_FROM); 4096: the same at K = 2 too, and the prefill tiles; 16384:
+# the largest prefill bucket's tiles and program order
+@pytest.mark.parametrize("T", [1, 7, 64, 256, 2048, 4096, 16384])
 @pytest.mark.parametrize("spread", SPREADS)
 def test_fused_moe_bf16(moe_weights, T, spread):
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
@@ -99,6 +100,27 @@ def test_fused_moe_bf16(moe_weights, T, spread):
     ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2, (name, T, spread)
+
+
+@pytest.mark.parametrize("group_m", [1, 5])
+def test_prefill_moe_bits_do_not_depend_on_program_order(moe_weights, group_m):
+    """At prefill sizes both LoRA shrinks run block by block (no atomic adds), so the fused MoE
+    is deterministic with LoRA on, and groups of blocks sweeping the column blocks
+    (MoeConfig.group_m; 5 leaves a short last group) give the 2D grid's bits."""
+    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
+    T = 4096
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, "mixed", DEV)
+    lora = dict(lora13=lora13, lora2=lora2, info=info)
+    grid = MoeConfig(128, 64, 128, 128, 128, 8, 3)
+    first = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=grid)
+    assert torch.equal(first, fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=grid))
+    grouped = dataclasses.replace(grid, group_m=group_m)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=grouped)
+    assert torch.equal(out, first), (name, group_m)
+    ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
+    assert rel_err(out, ref) <= 1e-2, (name, group_m)
 
 
 @pytest.mark.parametrize(
