@@ -55,15 +55,20 @@ LARGE = [
 ]
 # Prefill token counts: tensor-core tiles, 64 or 128 rows of one expert. BK stays 128, the K
 # blocking of the decode buckets, so that a row's reduction order does not change with the
-# number of tokens in its step (BM and BN do not touch it).
+# number of tokens in its step (BM and BN do not touch it). Each in groups of one block sweeping
+# the column blocks (group_m 1): every prefill winner at 6c9e530 ran 0.83-0.96x the blocks-first
+# order, so the tiles are compared in the order they will run (tune_order tries the others).
 PREFILL = [
-    C(32, 64, 128, 64, 128),
-    C(64, 64, 128, 64, 128),
-    C(64, 64, 128, 128, 128, warps=8),
-    C(64, 128, 128, 128, 128, warps=8, stages=2),
-    C(128, 64, 128, 64, 128),
-    C(128, 64, 128, 128, 128, warps=8),
-    C(128, 128, 128, 128, 128, warps=8, stages=2),
+    dataclasses.replace(c, group_m=1)
+    for c in [
+        C(32, 64, 128, 64, 128),
+        C(64, 64, 128, 64, 128),
+        C(64, 64, 128, 128, 128, warps=8),
+        C(64, 128, 128, 128, 128, warps=8, stages=2),
+        C(128, 64, 128, 64, 128),
+        C(128, 64, 128, 128, 128, warps=8),
+        C(128, 128, 128, 128, 128, warps=8, stages=2),
+    ]
 ]
 # the down GEMM's own (block_n_down, num_warps_down, num_stages_down), tried on each prefill
 # bucket's winner (tune_down)
@@ -71,7 +76,7 @@ DOWN_SWEEP_FROM = 512
 DOWN_TILES = [(64, w, s) for w in (4, 8) for s in (2, 3, 4)]  # 48 KB a stage at BK 128
 DOWN_TILES += [(128, w, s) for w in (4, 8) for s in (2, 3)] + [(256, 8, 2)]
 # program orders tried on each prefill bucket's winner (tune_order): groups of this many blocks
-ORDERS = (1, 4, 8, 16)
+ORDERS = (0, 1, 4, 8, 16)
 MXFP4_EXTRA = [
     C(16, 64, 64, 64, 64),
     C(16, 128, 128, 128, 128, warps=8),
@@ -244,7 +249,7 @@ def tune_order(run, choice: MoeConfig, layers: int, floor: float, label: str) ->
     of blocks sweeping every column block. Kept only where 2% faster."""
     best_ms, best = graph_ms(lambda: run(choice), layers), choice
     print(f"{label} order {choice.group_m}: {1e3 * best_ms:8.1f} us", flush=True)
-    for group in ORDERS:
+    for group in (g for g in ORDERS if g != choice.group_m):
         cfg = dataclasses.replace(choice, group_m=group)
         ms = graph_ms(lambda cfg=cfg: run(cfg), layers)
         print(f"{label} order {group}: {1e3 * ms:8.1f} us (floor {floor:6.1f} us)", flush=True)
