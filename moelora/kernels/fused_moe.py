@@ -773,7 +773,10 @@ def _down(
     *,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair."""
+    """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair; where the shrinks run block by
+    block, down's (h @ A2.T) first."""
+    if pairs.by_block and lora.down.on:
+        _block_shrink(h, pairs, lora, lora.down, pairs.xa2, h=True)
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
     sb = lora.down.b_strides
@@ -879,8 +882,6 @@ def fused_moe(
     launch |= pdl_kwargs(x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
-    if pairs.by_block and lora.down.on:
-        _block_shrink(h, pairs, lora, lora.down, pairs.xa2, h=True)
     pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)
     if not sum_topk:
         return pair_out.view(T, K, H)
