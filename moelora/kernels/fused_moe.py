@@ -657,12 +657,18 @@ def _align(
     launch_align(ids, sorted_pair, expert_of_block, E=E, BM=BM, shrink=shrink)
     pairs = _Pairs(K, weights, BM, NB, sorted_pair, expert_of_block, xa13, xa2, by_block)
     if by_block:
-        _block_shrink(x, pairs, lora, lora.gate_up, pairs.xa13, h=False)
+        _block_shrink(x, pairs, lora, lora.gate_up, pairs.xa13, block_rows=False)
     return pairs
 
 
 def _block_shrink(
-    rows: torch.Tensor, pairs: _Pairs, lora: _Lora, half: _Half, xa: torch.Tensor, *, h: bool
+    rows: torch.Tensor,
+    pairs: _Pairs,
+    lora: _Lora,
+    half: _Half,
+    xa: torch.Tensor,
+    *,
+    block_rows: bool,
 ) -> None:
     """A shrink block by block at prefill sizes (moe_lora.block_shrink_kernel): gate_up's from
     x after the align (instead of the align's pair shrink programs), down's from h's block rows
@@ -688,7 +694,7 @@ def _block_shrink(
         K=pairs.K,
         S=lora.S,
         HALVES=halves,
-        BLOCK_ROWS=h,
+        BLOCK_ROWS=block_rows,
         BM=pairs.BM,
         BK=BLOCK_SHRINK_K,
         BR=lora.BR,
@@ -776,7 +782,7 @@ def _down(
     """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair; where the shrinks run block by
     block, down's (h @ A2.T) first."""
     if pairs.by_block and lora.down.on:
-        _block_shrink(h, pairs, lora, lora.down, pairs.xa2, h=True)
+        _block_shrink(h, pairs, lora, lora.down, pairs.xa2, block_rows=True)
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
     sb = lora.down.b_strides

@@ -208,6 +208,21 @@ def test_fused_moe_mxfp4_bf16(mxfp4_experts, config, T, spread):
     assert rel_err(out, ref) <= 1e-2, (name, T, spread, config)
 
 
+def _gpt_oss_options(T: int, E: int, H: int, I: int) -> dict:
+    """fused_moe's GPT-OSS options for T tokens on mixed slots: gate_up's LoRA (not down's:
+    its shrink sums column blocks' partials by atomic adds, whose order, so their fp32 bits,
+    changes from run to run), random biases and the clamped SwiGLU."""
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    return dict(
+        lora13=lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV),
+        info=info,
+        b13=(0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16),
+        b2=(0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16),
+        activation="swiglu_oai",
+    )
+
+
 @pytest.mark.parametrize("T", [7, 64])
 @pytest.mark.parametrize("scales", [(118, 122), (100, 128)])
 def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
@@ -220,15 +235,7 @@ def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
     torch.manual_seed(T)
     w13, w2 = mxfp4_weight(E, 2 * I, H, scales, DEV), mxfp4_weight(E, H, I, scales, DEV)
     assert w13.small_scales and w2.small_scales
-    info = batch_info(T, "mixed", DEV)
-    ranks = info.rank_of_slot.cpu()
-    oss = dict(
-        lora13=lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV),
-        info=info,
-        b13=(0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16),
-        b2=(0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16),
-        activation="swiglu_oai",
-    )
+    oss = _gpt_oss_options(T, E, H, I)
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(T, E, K)
     placed = fused_moe(x, w13, w2, topk_weights, topk_ids, **oss)
@@ -246,7 +253,7 @@ def test_mxfp4_bit_placement_gives_the_bits_of_the_table_lookups(T, scales):
         MoeConfig(block_k=128, block_k_down=128),  # a 64-deep tail of 2880: groups masked
         MoeConfig(block_n=32, block_k=256, block_n_down=32, block_k_down=256, num_stages=2),
         MoeConfig(block_m=64, block_k=128, block_k_down=128),
-        # sub-tiles (wip): 4 a tile, and 2 with the tail's second masked
+        # sub-tiles (MoeConfig.mxfp4_sub_k): 4 a tile, and 2 with the tail's second masked
         MoeConfig(block_k=256, block_k_down=256, num_stages=2, mxfp4_sub_k=64),
         MoeConfig(block_k=128, block_k_down=128, mxfp4_sub_k=64),
     ],
@@ -265,16 +272,7 @@ def test_mxfp4_gpu_layout_gives_the_bits_of_the_release_layout(T, config):
     swizzled = [dataclasses.replace(w, blocks=w.blocks.clone()).swizzle_() for w in release]
     assert all(w.swizzled for w in swizzled)
     assert all(not torch.equal(a.blocks, b.blocks) for a, b in zip(release, swizzled))
-    info = batch_info(T, "mixed", DEV)
-    ranks = info.rank_of_slot.cpu()
-    oss = dict(
-        lora13=lora_weights(info.num_slots, (E,), 2, R, H, (I, I), ranks, torch.bfloat16, DEV),
-        info=info,
-        b13=(0.1 * torch.randn(E, 2 * I, device=DEV)).to(torch.bfloat16),
-        b2=(0.1 * torch.randn(E, H, device=DEV)).to(torch.bfloat16),
-        activation="swiglu_oai",
-        config=config,
-    )
+    oss = _gpt_oss_options(T, E, H, I) | dict(config=config)
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
     topk_weights, topk_ids = _routing(T, E, K)
     want = fused_moe(x, *release, topk_weights, topk_ids, **oss)
