@@ -350,7 +350,9 @@ def lora_pool(
 
 
 def batch_info(M: int, case: str, rank: int, *, device: str = DEV) -> LoraBatchInfo:
-    """M tokens: "none" on no slot, "one" all on slot 0, else ("distinct") token t on t % 8."""
+    """M tokens: "none" on no slot, "one" all on slot 0, else ("distinct") token t on t % 8.
+    Its rank tile is the adapters' rank, as an eager step's is (LoraBatchInfo.rank_tile; the
+    engine's graphs keep the pool's)."""
     if case == "none":
         slots = torch.full((M,), NO_SLOT)
     elif case == "one":
@@ -364,4 +366,5 @@ def batch_info(M: int, case: str, rank: int, *, device: str = DEV) -> LoraBatchI
         torch.full((MAX_LORAS,), rank, dtype=torch.int32, device=device),
         torch.full((MAX_LORAS,), 0.5, device=device),
         enabled.to(device),
+        rank_tile=rank if case != "none" else 0,
     )

@@ -5,11 +5,14 @@ pools, so nothing is reused from L2 between layers) are captured in one CUDA gra
 with the L2 cache flushed before each replay (triton's do_bench); the figure is the replay median
 divided by LAYERS. Cases: LoRA disabled (no LoRA arguments), enabled with no slot active, one
 adapter for every token, M distinct adapters (up to max_loras = 8), at pool ranks 8/16/64, and a
-rank-8 adapter in a rank-64 pool. The floor is the bytes a layer must read (the touched experts'
-weights; for LoRA the touched (slot, expert) A and B rows of the real rank) divided by the copy
-bandwidth measured in the same run; from PREFILL_M tokens the layer is bound by its FLOPs
-(6 M K H I), so the compute floor (FLOPs over the bf16 throughput of an 8192^3 torch.mm, also
-measured in the run) stands beside it and the larger of the two is the floor.
+rank-8 adapter in a rank-64 pool, whose step carries the adapters' rank tile as an eager step
+does (LoraBatchInfo.rank_tile: from BLOCK_SHRINK_FROM pairs the MoE takes it; steps in the
+engine's prefill graphs keep the pool's). The floor is the bytes a layer must read (the
+touched experts' weights; for LoRA the touched (slot, expert) A and B rows of the real rank)
+divided by the copy bandwidth measured in the same run; from PREFILL_M tokens the layer is
+bound by its FLOPs (6 M K H I), so the compute floor (FLOPs over the bf16 throughput of an
+8192^3 torch.mm, also measured in the run) stands beside it and the larger of the two is the
+floor.
 
     PYTHONPATH=. python bench/kernels.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 4096]
         [--ranks 8 16 64] [--out PATH]

@@ -587,25 +587,37 @@ def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Te
     return _Half(True, a, b, (a.stride(0), a.stride(1), a.stride(2), a.stride(3)), b.stride()[:3])
 
 
+def _by_block(gate_up_on: bool, P: int, S: int) -> bool:
+    """Whether the shrinks run block by block (_block_shrink) rather than by pair."""
+    return gate_up_on and P >= BLOCK_SHRINK_FROM and S <= 63
+
+
 def _lora(
     lora13: LoraWeights | None,
     lora2: LoraWeights | None,
     info: LoraBatchInfo | None,
     unused: torch.Tensor,
+    P: int,
 ) -> _Lora:
-    """Both halves share the batch info; S and the rank tile come from whichever is present."""
+    """Both halves share the batch info; S and the rank tile come from whichever is present:
+    the pool's, or where the shrinks run block by block the step's (LoraBatchInfo.rank_tile:
+    there the tile changes no sum, only how many zero rank rows they carry)."""
     gate_up, down = _half(lora13, info, unused), _half(lora2, info, unused)
     if gate_up.on and down.on:
         assert lora13.max_rank == lora2.max_rank, (lora13.a.shape, lora2.a.shape)
     either = lora13 if gate_up.on else (lora2 if down.on else None)
     on = either is not None
     S = either.a.shape[0] if on else 1
+    rank = either.max_rank if on else 16
+    if on and info.rank_tile and _by_block(gate_up.on, P, S):
+        assert info.rank_tile <= rank, (info.rank_tile, rank)
+        rank = info.rank_tile
     return _Lora(
         gate_up=gate_up,
         down=down,
         S=S,
-        BR=rank_block(either.max_rank) if on else 16,
-        PACK=on and packed_walk(S, either.max_rank),
+        BR=rank_block(rank),
+        PACK=on and packed_walk(S, rank),
         slot=info.slot_of_token if on else unused,
         enabled=info.slot_enabled if on else unused,
         rank=info.rank_of_slot if on else unused,
@@ -634,7 +646,7 @@ def _align(
     K = P // x.shape[0]
     splits = PAIR_SPLITS if P < HALF_SPLITS_FROM else PAIR_SPLITS // 2
     # from BLOCK_SHRINK_FROM pairs the shrink runs block by block after the align instead
-    by_block = lora.gate_up.on and P >= BLOCK_SHRINK_FROM and lora.S <= 63
+    by_block = _by_block(lora.gate_up.on, P, lora.S)
     shrink = PairShrink(
         x=x,
         slot=lora.slot,
@@ -883,7 +895,7 @@ def fused_moe(
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
     # branch, compiled even where it never runs, loads slots and flags through its pointers
-    lora = _lora(lora13, lora2, info, unused=ids)
+    lora = _lora(lora13, lora2, info, unused=ids, P=ids.numel())
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.register_limit())
     launch |= pdl_kwargs(x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
@@ -910,6 +922,6 @@ def fused_moe_align(
     programs ride along): sorted_pair [NB*BM] and expert_of_block [NB] (moe_align.py). Arguments
     as fused_moe's; for benchmarks of the align launch."""
     ids = topk_ids.contiguous().view(-1)
-    lora = _lora(lora13, lora2, info, unused=ids)
+    lora = _lora(lora13, lora2, info, unused=ids, P=ids.numel())
     pairs = _align(x, ids, topk_weights.contiguous().view(-1), E, BM, lora)
     return pairs.sorted_pair, pairs.expert_of_block

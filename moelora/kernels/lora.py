@@ -314,7 +314,11 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
-    meta = add_lora_tiles(T, S, R, sizes)
+    # prefill tiles may take the step's rank (LoraBatchInfo.rank_tile): their K blocking does
+    # not follow it, and the rank rows it drops are zeros
+    tile_rank = info.rank_tile if info.rank_tile and T > PREFILL_ROWS else R
+    assert tile_rank <= R, (info.rank_tile, R)
+    meta = add_lora_tiles(T, S, tile_rank, sizes)
     if tiles:
         meta.update(tiles)
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))

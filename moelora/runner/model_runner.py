@@ -298,6 +298,7 @@ class ModelRunner:
             slot_enabled=self._slot_enabled(set(chunk_slots)),
             max_query_len=int(q_lens.max()),
             chunks=tuple(zip(starts.tolist(), q_lens.tolist())) if q_lens.max() > 1 else None,
+            rank_tile=self._rank_tile(set(chunk_slots)),
         )
 
     def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:
@@ -308,6 +309,13 @@ class ModelRunner:
         for s in slots - {NO_SLOT}:
             enabled[s] = int(pool.host_rank[s] > 0)  # an empty slot does no work
         return enabled
+
+    def _rank_tile(self, slots: set[int]) -> int:
+        """The largest real rank of the step's slots (LoraBatchInfo.rank_tile), 0 without any."""
+        pool = self.slot_pool
+        if pool is None:
+            return 0
+        return max((pool.host_rank[s] for s in slots - {NO_SLOT}), default=0)
 
     # ---- hooks for benchmarks and profilers --------------------------------------------
 

@@ -89,6 +89,7 @@ class HostBatch:
     max_query_len: int
     any_enabled: torch.Tensor | None = None  # [1] int32; None: computed from slot_enabled
     chunks: tuple[tuple[int, int], ...] | None = None  # AttentionMetadata.chunks
+    rank_tile: int = 0  # LoraBatchInfo.rank_tile (0: the pool's, as graphs are captured)
 
     @property
     def num_tokens(self) -> int:
@@ -122,5 +123,7 @@ def forward_batch(inputs: HostBatch, slots: SlotParams | None) -> ForwardBatch:
     lora = None
     if slots is not None:
         rank, scaling = slots.rank_of_slot, slots.scaling_of_slot
-        lora = LoraBatchInfo(i.slot_of_token, rank, scaling, i.slot_enabled, i.any_enabled)
+        lora = LoraBatchInfo(
+            i.slot_of_token, rank, scaling, i.slot_enabled, i.any_enabled, i.rank_tile
+        )
     return ForwardBatch(i.input_ids, i.positions, attn, lora)

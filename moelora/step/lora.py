@@ -27,6 +27,12 @@ class LoraBatchInfo:
     # writes with the step; when omitted it is computed from slot_enabled (one small op), once:
     # whoever rewrites slot_enabled in place (a graph's inputs) must rewrite this too.
     any_enabled: torch.Tensor | None = None
+    # The largest real rank among the enabled slots, where the host knows it (0: the pool's
+    # max_lora_rank). Prefill-sized kernels whose rank tile changes no reduction order (the
+    # block-wise MoE shrinks, add_lora_'s prefill tiles) then work at this rank's tile, not
+    # the pool's: a rank-8 adapter in a rank-64 pool costs what it does in a rank-8 pool.
+    # Graphs are captured with 0 (the pool's tile): their kernels do not change per step.
+    rank_tile: int = 0
 
     def __post_init__(self):
         if self.any_enabled is None:

@@ -353,6 +353,40 @@ def test_add_lora_bf16(T, spread, in_dim, slices):
         assert rel_err(out - y, ref - y.float()) <= 1e-2
 
 
+def test_prefill_lora_rank_tile_gives_the_pool_tiles_bits():
+    """A 4096-token step whose slots have ranks of at most 16 in a rank-64 pool, run at the
+    step's rank tile (LoraBatchInfo.rank_tile 16: the MoE's block shrinks and epilogues,
+    add_lora_'s prefill tiles) and at the pool's: the rank rows it drops are zeros, so the
+    bits are the same, and both match the fp32 reference."""
+    E, H, I, K = SHAPES["qwen3-30b-a3b"]
+    T = 4096
+    info = batch_info(T, "mixed", DEV)
+    tiled = dataclasses.replace(info, rank_tile=16)
+    ranks = info.rank_of_slot.cpu()
+    assert int(ranks.max()) <= 16
+    bf16 = torch.bfloat16
+    lora13 = lora_weights(info.num_slots, (E,), 2, 64, H, (I, I), ranks, bf16, DEV)
+    lora2 = lora_weights(info.num_slots, (E,), 1, 64, I, (H,), ranks, bf16, DEV)
+    w13 = (torch.randn(E, 2 * I, H, device=DEV) / H**0.5).to(bf16)
+    w2 = (torch.randn(E, H, I, device=DEV) / I**0.5).to(bf16)
+    x = torch.randn(T, H, device=DEV).to(bf16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    moe = dict(lora13=lora13, lora2=lora2)
+    pool = fused_moe(x, w13, w2, topk_weights, topk_ids, **moe, info=info)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, **moe, info=tiled)
+    assert torch.equal(out, pool)
+    ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
+    assert rel_err(out, ref) <= 1e-2
+    qkv = lora_weights(info.num_slots, (), 3, 64, H, (4096, 512, 512), ranks, bf16, DEV)
+    y = torch.randn(T, 5120, device=DEV).to(bf16)
+    pool = add_lora_(y.clone(), x, qkv, info)
+    assert torch.equal(add_lora_(y.clone(), x, qkv, tiled), pool)
+    assert (
+        rel_err(pool - y, reference.add_lora_(y.float(), x.float(), _f32(qkv), info) - y.float())
+        <= 1e-2
+    )
+
+
 def test_cuda_graph_replay_with_new_batch_info():
     """Captured with every slot disabled; replays see slots switched on and off in place."""
     E, H, I, K = SHAPES["qwen3-30b-a3b"]

@@ -146,9 +146,10 @@ def test_fused_moe_grouped_path_reads_the_step_flag(poison_empty):
     assert rel_err(out, base) > 1e-2
 
 
-def real_rank_case(T: int):
-    """A MoE over slots of ranks 0..64 in a rank-64 pool, two of them disabled, with NaN past
-    each slot's real rank in A and B: (args, LoRA, the reference output from before the NaN)."""
+def real_rank_case(T: int, enabled: tuple[int, ...] = (0, 1, 1, 1, 0, 1, 1, 0)):
+    """A MoE over slots of ranks 0..64 in a rank-64 pool, those not `enabled` off (by default
+    two of them), with NaN past each slot's real rank in A and B: (args, LoRA, the reference
+    output from before the NaN)."""
     E, K, R = 4, 2, 64
     args, _ = moe_case(T, E, K, "none", torch.float32)
     info = batch_info(T, "distinct")
@@ -156,7 +157,7 @@ def real_rank_case(T: int):
         info.slot_of_token,
         torch.tensor([0, 1, 8, 16, 0, 24, 40, 64], dtype=torch.int32),
         info.scaling_of_slot,
-        torch.tensor([0, 1, 1, 1, 0, 1, 1, 0], dtype=torch.int32),
+        torch.tensor(enabled, dtype=torch.int32),
     )
     lora = dict(
         lora13=lora_weights(8, (E,), 2, R, H, (I, I), info.rank_of_slot, torch.float32),
@@ -237,6 +238,32 @@ def test_block_shrink_at_prefill_sizes(poison_empty, monkeypatch, spread, dtype)
     args, lora = moe_case(24, 8, 2, spread, dtype)
     out = fused_moe(*args, **lora, config=GROUPED)
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
+
+
+def test_block_shrinks_take_the_steps_rank_tile(poison_empty, monkeypatch):
+    """Where the shrinks run block by block, a step whose enabled slots have ranks 1, 8 and 16
+    in a rank-64 pool (LoraBatchInfo.rank_tile 16) runs 16-wide rank tiles, reads nothing past
+    16 (NaN there) and gives the pool tile's output; the pair path keeps the pool's tile."""
+    from moelora.kernels import fused_moe as module
+
+    tiles, real = [], module._lora
+
+    def spy(*args, **kwargs):
+        lora = real(*args, **kwargs)
+        tiles.append(lora.BR)
+        return lora
+
+    monkeypatch.setattr(module, "_lora", spy)
+    args, lora, expect = real_rank_case(24, enabled=(0, 1, 1, 1, 0, 0, 0, 0))
+    tiled = dict(lora, info=dataclasses.replace(lora["info"], rank_tile=16))
+    by_pair = fused_moe(*args, **tiled, config=GROUPED)
+    monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
+    pool = fused_moe(*args, **lora, config=GROUPED)
+    out = fused_moe(*args, **tiled, config=GROUPED)
+    assert tiles == [64, 64, 16]
+    assert rel_err(out, expect) <= 1e-5
+    assert torch.allclose(out, pool, rtol=1e-6, atol=1e-7)
+    assert rel_err(by_pair, expect) <= 1e-5
 
 
 def test_block_shrink_follows_real_rank_in_a_larger_pool(poison_empty, monkeypatch):

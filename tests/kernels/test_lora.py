@@ -50,6 +50,39 @@ def test_add_lora_prefill_tiles(monkeypatch, spread, dtype):
     assert rel_err(out - y, ref - y) <= TOL[dtype]
 
 
+def test_add_lora_prefill_tiles_take_the_steps_rank_tile(monkeypatch):
+    """Prefill tiles (PREFILL_ROWS lowered to 8) take the step's rank tile
+    (LoraBatchInfo.rank_tile 16 in a rank-64 pool): the pool tile's output, nothing read past
+    rank 16 (NaN there); below PREFILL_ROWS rows the pool's tile stays."""
+    import dataclasses
+
+    from moelora.kernels import lora as module
+
+    T, H, R, slices = 40, 96, 64, (64, 16, 16)
+    info = batch_info(T, "mixed")  # slot ranks at most 16
+    assert int(info.rank_of_slot.max()) <= 16
+    lora = lora_weights(info.num_slots, (), 3, R, H, slices, info.rank_of_slot, torch.float32)
+    x, y = torch.randn(T, H), torch.randn(T, sum(slices))
+    expect = reference.add_lora_(y.clone(), x, lora, info)
+    tiles, real = [], module.add_lora_tiles
+
+    def spy(T, S, R, sizes):
+        tiles.append(R)
+        return real(T, S, R, sizes)
+
+    monkeypatch.setattr(module, "add_lora_tiles", spy)
+    tiled = dataclasses.replace(info, rank_tile=16)
+    assert rel_err(add_lora_(y.clone(), x, lora, tiled), expect) <= 1e-5
+    monkeypatch.setattr(module, "PREFILL_ROWS", 8)
+    pool = add_lora_(y.clone(), x, lora, info)
+    lora.a[:, :, 16:] = float("nan")
+    lora.b[:, :, 16:] = float("nan")
+    out = add_lora_(y.clone(), x, lora, tiled)
+    assert tiles == [64, 64, 16]
+    assert rel_err(out, expect) <= 1e-5
+    assert torch.allclose(out, pool, rtol=1e-6, atol=1e-6)
+
+
 def test_add_lora_rank_beyond_real_rank_is_ignored():
     """Garbage past a slot's real rank must not be read: the kernel follows rank_of_slot."""
     T, H = 8, 32

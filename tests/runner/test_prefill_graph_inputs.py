@@ -137,3 +137,23 @@ def test_replay_picks_the_graph_of_the_step_kind_and_padded_size(llm):
     out = graphs.replay_fn(prefill)()
     assert replayed == [(32, True)] and out.shape == (32, 4)
     engine.abort_request("r")
+
+
+def test_an_eager_step_carries_its_adapters_largest_rank(llm):
+    """The step's LoraBatchInfo.rank_tile is the largest real rank among its slots (adapter "a"
+    is rank 4 in a rank-8 pool), 0 for a base-only step; a graph's inputs keep 0 (the pool's
+    tile, captured once)."""
+    engine = llm.engine
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("base", list(range(30, 40)), greedy)
+    host = engine.runner.host_batch(engine.scheduler.schedule())
+    assert host.rank_tile == 0
+    engine.add_request("adapted", list(range(60, 75)), greedy, "a")
+    host = engine.runner.host_batch(engine.scheduler.schedule())
+    assert host.rank_tile == 4
+    assert engine.runner.device_batch(host).lora.rank_tile == 4
+    graphs = uncaptured_graphs(engine, max_bs=32, max_seqs=32)
+    graphs.buffers.copy_from(host)
+    assert graphs.buffers.forward_batch(32, graphs.pool, prefill=True).lora.rank_tile == 0
+    for rid in ("base", "adapted"):
+        engine.abort_request(rid)
