@@ -231,8 +231,15 @@ class ModelRunner:
         return LaunchedStep(sampled, forwarded.prompt_logprobs)
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
-        """The model's ForwardBatch of `host`, copied to the device (the eager path)."""
-        return forward_batch(host.to(self.device), self.slot_pool)
+        """The model's ForwardBatch of `host`, copied to the device (the eager path). A step in
+        which no slot is enabled runs without its LoRA launches (lora None), as an engine
+        without LoRA does: its host knows they have nothing to do, where a graph's kernels
+        find it out on the device. (A 4096-token base-only prefill spent 20 ms of its 99 with
+        the GPU idle, waiting for the LoRA engine's slower launches: bench/results/NOTES.md.)"""
+        slots = self.slot_pool
+        if slots is not None and host.slot_enabled is not None and not host.slot_enabled.any():
+            slots = None
+        return forward_batch(host.to(self.device), slots)
 
     def _prompt_windows(self, plan: StepPlan, host: HostBatch) -> list[_Window]:
         """The rows whose logits give this step's prompt logprobs (row p of a sequence predicts

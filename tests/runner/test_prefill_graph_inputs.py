@@ -8,7 +8,7 @@ import torch
 
 from moelora import LLM, SamplingParams
 from moelora.runner.graph_runner import GraphBuffers, GraphRunner, prefill_graph_sizes
-from moelora.step.batch import HostBatch, pages_for
+from moelora.step.batch import HostBatch, forward_batch, pages_for
 from moelora.step.lora import NO_SLOT
 
 
@@ -155,5 +155,25 @@ def test_an_eager_step_carries_its_adapters_largest_rank(llm):
     graphs = uncaptured_graphs(engine, max_bs=32, max_seqs=32)
     graphs.buffers.copy_from(host)
     assert graphs.buffers.forward_batch(32, graphs.pool, prefill=True).lora.rank_tile == 0
+    for rid in ("base", "adapted"):
+        engine.abort_request(rid)
+
+
+def test_an_eager_step_without_an_enabled_slot_runs_without_lora(llm):
+    """The host knows a base-only step has no adapter to apply: its eager batch carries no
+    LoraBatchInfo (no LoRA launches), and the model's output is the one with the info (every
+    slot off) to the bit. A step with an adapter keeps its info."""
+    engine, runner = llm.engine, llm.engine.runner
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine.add_request("base", list(range(30, 40)), greedy)
+    host = runner.host_batch(engine.scheduler.schedule())
+    batch = runner.device_batch(host)
+    with_info = forward_batch(host.to(runner.device), runner.slot_pool)
+    assert batch.lora is None and with_info.lora is not None
+    with torch.inference_mode():
+        assert torch.equal(runner._forward(batch), runner._forward(with_info))
+    engine.add_request("adapted", list(range(60, 75)), greedy, "a")
+    host = runner.host_batch(engine.scheduler.schedule())
+    assert runner.device_batch(host).lora is not None
     for rid in ("base", "adapted"):
         engine.abort_request(rid)
