@@ -51,7 +51,7 @@ from common import (
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import PREFILL_ATTENTION_BACKENDS, ModelConfig
+from moelora.config import PREFILL_ATTENTION_BACKENDS, EngineConfig, ModelConfig
 from moelora.engine.engine import Engine
 from moelora.step.batch import pages_for
 
@@ -71,7 +71,7 @@ class Setup:
     batch: tuple[int, int]  # throughput: prompts, tokens each
     max_num_batched_tokens: int
     prefill_attention_backend: str = "cudnn"  # EngineConfig's
-    max_prefill_graph_tokens: int = 2048  # EngineConfig's (0: every prefill step eager)
+    max_prefill_graph_tokens: int = EngineConfig.max_prefill_graph_tokens  # 0: all eager
     profile_tokens: int = 4096  # --profile: the prefill whose kernels are timed
 
     @property
@@ -333,9 +333,9 @@ def main() -> None:
     parser.add_argument(
         "--max-prefill-graph-tokens",
         type=int,
-        default=2048,
+        default=EngineConfig.max_prefill_graph_tokens,
         help="EngineConfig.max_prefill_graph_tokens: prefill steps of up to this many tokens "
-        "replay a CUDA graph (default 2048; 0: eager)",
+        f"replay a CUDA graph (default {EngineConfig.max_prefill_graph_tokens}; 0: eager)",
     )
     parser.add_argument(
         "--profile-tokens", type=int, default=4096, help="tokens of --profile's prefill"

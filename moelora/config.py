@@ -81,9 +81,10 @@ class EngineConfig:
     # Steps with a prompt chunk (alone or with decodes) of up to this many tokens replay a
     # graph captured for their padded token count (runner/graph_runner.py): an eager prefill
     # step costs its 48-layer model 60-100 ms of host launches on the H200, where its kernels
-    # take 4 ms at 512 tokens. Capped by max_num_batched_tokens.
+    # take 4 ms at 512 tokens; at 4096 tokens the GPU still waited on them (TTFT 71 ms in a
+    # graph, 74-91 eager: bench/results/NOTES.md). Capped by max_num_batched_tokens.
     max_prefill_graph_tokens: int = _flag(
-        2048,
+        4096,
         "largest prefill step, in tokens, captured in a CUDA graph (like SGLang's "
         "--piecewise-cuda-graph-max-tokens; 0: prefill steps run eagerly)",
     )
