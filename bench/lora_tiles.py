@@ -1,6 +1,6 @@
 """add_lora_ (the row-tiled multi-LoRA of q|k|v and o) at prefill row counts: the tiles the
 kernel picks (add_lora_tiles) against other row tiles (BT), column groups (CW) and shrink
-depths (BK), rank-16 adapters of the Qwen3-30B-A3B shape, one adapter and 8 distinct ones (rows
+depths (BK), and the prefill tile with capped registers and fewer stages, rank-16 adapters of the Qwen3-30B-A3B shape, one adapter and 8 distinct ones (rows
 of one adapter side by side, as the scheduler sorts them). Each figure is do_bench's median of
 the launch alone, beside its bytes floor (x, y read and y written once, at the copy bandwidth
 measured in the same run). On the H200 its figures below 4096 rows did not repeat (one tile read
@@ -29,6 +29,13 @@ CANDIDATES = [
     dict(BT=bt, CW=cw, BK=bk)
     for bt, cw, bk in itertools.product((16, 32, 64), (128, 256, 512, 1024), (128, 256))
     if bk == 128 or (bt == 16 and cw <= 256)  # the decode tiles' depth on their own shapes
+]
+# the prefill tile compiles to 235 registers a thread (sm_90 SASS on the CPU: the per-row slot
+# masks in several layouts), 2 programs of 4 warps a multiprocessor, for a chain of dependent
+# loads: capped registers (ptxas spills) and fewer stages for more programs a multiprocessor
+CANDIDATES += [
+    dict(BT=64, CW=cw, BK=128, maxnreg=regs, num_stages=stages)
+    for cw, regs, stages in itertools.product((512, 1024), (128, 168), (2, 3))
 ]
 
 
@@ -66,6 +73,12 @@ def compile_all(T: int) -> None:
     torch.cuda.synchronize()
 
 
+def key(tiles: dict[str, int]) -> tuple:
+    """(BT, CW, BK) and any launch options (maxnreg, num_stages) a candidate sets."""
+    extra = tuple(f"{k} {v}" for k, v in tiles.items() if k not in ("BT", "CW", "BK"))
+    return (tiles["BT"], tiles["CW"], tiles["BK"], *extra)
+
+
 def launch_ms(y, x, lora, info, tiles: dict[str, int] | None) -> float:
     return do_bench(lambda: add_lora_(y, x, lora, info, tiles=tiles), warmup=25, rep=100)
 
@@ -82,8 +95,8 @@ def main() -> None:
         f"- rank {RANK}, {SLOTS} slots, bf16; rows > PREFILL_ROWS={PREFILL_ROWS} take prefill "
         "tiles today",
         "",
-        "| rows | proj | spread | today (BT, CW, BK) | today us | best (BT, CW, BK) | best us | "
-        "today / best | floor us |",
+        "| rows | proj | spread | today (BT, CW, BK) | today us | best (BT, CW, BK, options) | "
+        "best us | today / best | floor us |",
         "|---:|---|---|---|---:|---|---:|---:|---:|",
     ]
     for T, (name, k_in, slices), spread in itertools.product(args.rows, SHAPES, SPREADS):
@@ -96,7 +109,7 @@ def main() -> None:
         times = {}
         for tiles in CANDIDATES:
             try:
-                times[(tiles["BT"], tiles["CW"], tiles["BK"])] = launch_ms(y, x, lora, info, tiles)
+                times[key(tiles)] = launch_ms(y, x, lora, info, tiles)
             except Exception as e:  # a tile that does not compile (shared memory, registers)
                 print(f"   {tiles}: {type(e).__name__}", flush=True)
         best = min(times, key=times.get)
