@@ -1,7 +1,8 @@
 """add_lora_ (the row-tiled multi-LoRA of q|k|v and o) at prefill row counts: the tiles the
 kernel picks (add_lora_tiles) against other row tiles (BT), column groups (CW) and shrink
-depths (BK), and the prefill tile with capped registers and fewer stages, rank-16 adapters of the Qwen3-30B-A3B shape, one adapter and 8 distinct ones (rows
-of one adapter side by side, as the scheduler sorts them). Each figure is do_bench's median of
+depths (BK), and the prefill tile with capped registers and fewer stages; rank-16 adapters of
+the Qwen3-30B-A3B shape, one adapter and 8 distinct ones (rows of one adapter side by side, as
+the scheduler sorts them). Each figure is do_bench's median of
 the launch alone, beside its bytes floor (x, y read and y written once, at the copy bandwidth
 measured in the same run). On the H200 its figures below 4096 rows did not repeat (one tile read
 26-68 us within a run, with MOELORA_PDL=0 too: bench/results/NOTES.md); read them with that.
