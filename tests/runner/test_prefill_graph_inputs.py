@@ -15,6 +15,7 @@ from moelora.step.lora import NO_SLOT
 def test_prefill_graph_sizes():
     assert prefill_graph_sizes(0) == [] and prefill_graph_sizes(1) == []
     assert prefill_graph_sizes(2048) == [2048, 1536, 1024, 768, 512, 384, 256, 128, 64, 32, 16]
+    assert prefill_graph_sizes(4096)[:3] == [4096, 3072, 2048]  # EngineConfig's default cap
     assert prefill_graph_sizes(600) == [600, 512, 384, 256, 128, 64, 32, 16]
     assert prefill_graph_sizes(10) == [10]
 
