@@ -292,6 +292,7 @@ class ModelRunner:
         cu = np.zeros(B + 1, np.int64)
         np.cumsum(q_lens, out=cu[1:])
         row = np.repeat(np.arange(B), q_lens)  # the chunk of each token
+        step_slots = set(chunk_slots)
         positions = np.arange(int(cu[-1])) - cu[row] + starts[row]
         slot_mapping = table[row, positions // ps].astype(np.int64) * ps + positions % ps
         return HostBatch(
@@ -302,10 +303,10 @@ class ModelRunner:
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
             page_table=torch.from_numpy(table),
             slot_of_token=torch.from_numpy(np.repeat(np.array(chunk_slots, np.int32), q_lens)),
-            slot_enabled=self._slot_enabled(set(chunk_slots)),
+            slot_enabled=self._slot_enabled(step_slots),
             max_query_len=int(q_lens.max()),
             chunks=tuple(zip(starts.tolist(), q_lens.tolist())) if q_lens.max() > 1 else None,
-            rank_tile=self._rank_tile(set(chunk_slots)),
+            rank_tile=self._rank_tile(step_slots),
         )
 
     def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:
