@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora.kernels.dot import dot
 from moelora.kernels.lora import rank_block
@@ -111,6 +112,7 @@ def _gate_up_kernel(
     x_ptr,  # [T, H]
     w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8
     w13_scale_ptr,  # [E, 2I, H/32] uint8, only with MXFP4
+    w13_desc,  # TMA descriptor of w13 as [E*2I, H], tiles [BN, BK]; only with TMA
     h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
@@ -151,6 +153,7 @@ def _gate_up_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
+    TMA: tl.constexpr,  # bf16 weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -201,6 +204,21 @@ def _gate_up_kernel(
             EXPAND=MXFP4_EXPAND,
             SUB_K=MXFP4_SUB_K,
         )
+    elif TMA:
+        # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
+        # the TMA zero-fills past H, and rows past I (a last column block of gate) belong to
+        # columns the store masks
+        w_row = expert * (2 * I) + pid_n * BN
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            xt = tl.load(
+                x_ptr + x_rows[:, None] + (k0 + offs_k)[None, :],
+                mask=row_ok[:, None] & (offs_k < H - k0)[None, :],
+                other=0.0,
+            )
+            acc_g = dot(xt, w13_desc.load([w_row, k0]).T, acc_g)
+            acc_u = dot(xt, w13_desc.load([w_row + I, k0]).T, acc_u)
     else:
         wg_ptrs = w_e + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]  # [BK, BN]
         wu_ptrs = wg_ptrs + I * stride_wn
@@ -303,6 +321,8 @@ def _down_kernel(
     h_ptr,  # [NB*BM, I], block rows
     w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8
     w2_scale_ptr,  # [E, H, I/32] uint8, only with MXFP4
+    h_desc,  # TMA descriptors, only with TMA: h [NB*BM, I] in tiles [BM, BK],
+    w2_desc,  # ... and w2 as [E*H, I] in tiles [BN, BK]
     out_ptr,  # [P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair
     topk_weights_ptr,  # [P] float32
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
@@ -337,6 +357,7 @@ def _down_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
+    TMA: tl.constexpr,  # bf16 tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -380,6 +401,14 @@ def _down_kernel(
             EXPAND=MXFP4_EXPAND,
             SUB_K=MXFP4_SUB_K,
         )
+    elif TMA:
+        # the block's rows of h are contiguous: its padding rows are read unmasked (their
+        # products land in rows the store masks); W2's rows past H, as for gate_up's TMA
+        w_row = expert * H + pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            ht = h_desc.load([pid_m * BM, k0])
+            acc = dot(ht, w2_desc.load([w_row, k0]).T, acc)
     else:
         w_ptrs = (
             w2_ptr
@@ -715,6 +744,23 @@ def _block_shrink(
     )
 
 
+def _tma(cfg: MoeConfig, w: torch.Tensor | Mxfp4Weight) -> bool:
+    """Whether the GEMMs take their tiles through TMA descriptors: MoeConfig.tma, for weights
+    in x's dtype at 16-byte addresses whose rows are whole 16-byte units (the descriptors'
+    alignment rules)."""
+    return (
+        cfg.tma
+        and isinstance(w, torch.Tensor)
+        and w.data_ptr() % 16 == 0
+        and all(n * w.element_size() % 16 == 0 for n in w.shape[1:])
+    )
+
+
+def _desc(t: torch.Tensor, rows: int, block: tuple[int, int]) -> TensorDescriptor:
+    """A TMA descriptor of contiguous t as a [rows, last dim] matrix, in tiles of block."""
+    return TensorDescriptor(t, [rows, t.shape[-1]], [t.shape[-1], 1], list(block))
+
+
 def _order(NB: int, num_n: int, cfg: MoeConfig) -> tuple[tuple[int, ...], dict]:
     """The grid and program-order arguments of a GEMM of NB blocks x num_n column blocks."""
     grid = (NB * num_n,) if cfg.group_m else (NB, num_n)
@@ -739,9 +785,11 @@ def _gate_up(
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
+    tma = _tma(cfg, w13)
     _gate_up_kernel[grid](
         x_ptr=x,
         **_experts(w13, lora.unused, x, cfg).launch_args("w13"),
+        w13_desc=_desc(w13, w13.shape[0] * I2, (cfg.block_n, cfg.block_k)) if tma else None,
         h_ptr=h,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -770,6 +818,7 @@ def _gate_up(
         HAS_LORA2=lora.down.on and not pairs.by_block,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
+        TMA=tma,
         PACK=lora.PACK,
         BM=pairs.BM,
         BN=cfg.block_n,
@@ -801,9 +850,12 @@ def _down(
     warps, stages = cfg.down_launch()
     launch = launch | dict(num_warps=warps, num_stages=stages)
     grid, order = _order(pairs.NB, cdiv(H, cfg.block_n_down), cfg)
+    tma = _tma(cfg, w2)
     _down_kernel[grid](
         h_ptr=h,
         **_experts(w2, lora.unused, h, cfg).launch_args("w2"),
+        h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if tma else None,
+        w2_desc=_desc(w2, w2.shape[0] * H, (cfg.block_n_down, cfg.block_k_down)) if tma else None,
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
@@ -826,6 +878,7 @@ def _down(
         PACK=lora.PACK,
         HAS_LORA=lora.down.on,
         HAS_BIAS=bias is not None,
+        TMA=tma,
         BM=pairs.BM,
         BN=cfg.block_n_down,
         BK=cfg.block_k_down,

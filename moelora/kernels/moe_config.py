@@ -43,6 +43,10 @@ class MoeConfig:
     # the GEMMs' program order (fused_moe._tile): 0, blocks fastest; G, groups of G blocks each
     # sweeping every column block (prefill: a block's rows and its expert's columns stay in L2)
     group_m: int = 0
+    # experts in x's dtype: the GEMMs' weight tiles, and down's block rows of h (contiguous),
+    # through TMA descriptors (Hopper and later), where the pointer loads stage each tile
+    # through registers and sync the block for it; the gathered x rows stay pointer loads
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for bk in (self.block_k, self.block_k_down):

@@ -123,10 +123,30 @@ def test_prefill_moe_bits_do_not_depend_on_program_order(moe_weights, group_m):
     assert rel_err(out, ref) <= 1e-2, (name, group_m)
 
 
+@pytest.mark.parametrize("T", [4096, 16384])
+def test_prefill_moe_tma_gives_the_pointer_loads_bits(moe_weights, T):
+    """The weight tiles and down's block rows through TMA descriptors (MoeConfig.tma) feed the
+    same products in the same K order as the pointer loads: the same bits, LoRA on."""
+    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    lora = dict(lora13=lora13, lora2=lora2, info=batch_info(T, "mixed", DEV))
+    tiles = MoeConfig(128, 64, 128, 128, 128, 8, 3, group_m=1)
+    loads = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=tiles)
+    for tma in (
+        dataclasses.replace(tiles, tma=True),
+        dataclasses.replace(tiles, tma=True, block_n=128, num_stages=2, block_n_down=256),
+    ):
+        out = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=tma)
+        assert torch.equal(out, loads), (name, T, tma)
+
+
 @pytest.mark.parametrize(
     "config",
     [
         MoeConfig(block_m=16),
+        # few rows in 64-row blocks through TMA: padding rows read whole
+        MoeConfig(64, 64, 128, 128, 128, 8, 3, tma=True),
         # a prefill tile whose down GEMM has warps and stages of its own
         MoeConfig(64, 64, 128, 128, 128, 8, 3, num_warps_down=4, num_stages_down=2),
     ],

@@ -49,7 +49,12 @@ def test_fused_moe_matches_reference(poison_empty, T, E, K, spread, dtype):
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[dtype]
 
 
-@pytest.mark.parametrize("config", [GROUPED, None], ids=["grouped", "default"])
+# TMA: the weight tiles and down's block rows of h through descriptors (MoeConfig.tma); with
+# poison_empty, h's padding rows read whole are NaN, and must stay out of every pair's row
+TMA = dataclasses.replace(GROUPED, tma=True)
+
+
+@pytest.mark.parametrize("config", [GROUPED, None, TMA], ids=["grouped", "default", "tma"])
 @pytest.mark.parametrize("T", [1, 7])
 @pytest.mark.parametrize("spread", ["none", "mixed"])
 def test_fused_moe_paths_agree(poison_empty, config, T, spread):

@@ -60,6 +60,10 @@ def _record_launches() -> list:
 
 
 def _arg_type(value) -> str:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(value, TensorDescriptor):
+        return f"tensordesc<{DTYPES[value.base.dtype]}{list(value.block_shape)}>"
     if isinstance(value, torch.Tensor):
         return "*" + DTYPES[value.dtype]
     if isinstance(value, bool):
@@ -86,6 +90,7 @@ def compile_sm90(kernel, args, kwargs):
     bound = dict(zip(params, args)) | kwargs
     assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
     constexprs = {p.name for p in kernel.params if p.is_constexpr}  # launches pass all by keyword
+    constexprs |= {p for p in params if bound.get(p, 0) is None}  # the JIT's for None
     signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
     # the alignment the JIT would see: 16-byte-aligned pointers, integers divisible by 16
     # (unless do_not_specialize); without it loads are not vectorized or pipelined
