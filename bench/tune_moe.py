@@ -86,6 +86,10 @@ TMA_TILES = [
     dict(block_n_down=128, num_warps_down=4, num_stages_down=3),  # 64 KB
     dict(block_n_down=128, num_warps_down=8, num_stages_down=3),
     dict(block_n_down=256, num_warps_down=8, num_stages_down=2),  # 96 KB
+    # 64-row blocks (less padding), two programs a multiprocessor where they fit
+    dict(block_m=64, num_stages=2),
+    dict(block_m=64, num_warps=4, num_stages=2),
+    dict(block_m=64, num_warps=4, num_warps_down=4, num_stages_down=3),
 ]
 MXFP4_EXTRA = [
     C(16, 64, 64, 64, 64),
