@@ -19,7 +19,7 @@ import torch
 from common import copy_bandwidth, result_header, write_result
 from triton.testing import do_bench
 
-from moelora.kernels.lora import PREFILL_ROWS, add_lora_, add_lora_tiles
+from moelora.kernels.lora import PREFILL_ROWS, add_lora_, add_lora_tiles, multiprocessors
 from moelora.step.lora import LoraBatchInfo, LoraWeights
 
 DTYPE, RANK, SLOTS = torch.bfloat16, 16, 8
@@ -80,6 +80,11 @@ def key(tiles: dict[str, int]) -> tuple:
     return (tiles["BT"], tiles["CW"], tiles["BK"], *extra)
 
 
+def today_options(meta: dict) -> dict:
+    """add_lora_tiles' choice as a candidate: its tile and launch options."""
+    return {k: meta[k] for k in ("BT", "CW", "BK", "maxnreg", "num_stages") if k in meta}
+
+
 def launch_ms(y, x, lora, info, tiles: dict[str, int] | None) -> float:
     return do_bench(lambda: add_lora_(y, x, lora, info, tiles=tiles), warmup=25, rep=100)
 
@@ -96,8 +101,8 @@ def main() -> None:
         f"- rank {RANK}, {SLOTS} slots, bf16; rows > PREFILL_ROWS={PREFILL_ROWS} take prefill "
         "tiles today",
         "",
-        "| rows | proj | spread | today (BT, CW, BK) | today us | best (BT, CW, BK, options) | "
-        "best us | today / best | floor us |",
+        "| rows | proj | spread | today (BT, CW, BK, options) | today us "
+        "| best (BT, CW, BK, options) | best us | today / best | floor us |",
         "|---:|---|---|---|---:|---|---:|---:|---:|",
     ]
     for T, (name, k_in, slices), spread in itertools.product(args.rows, SHAPES, SPREADS):
@@ -105,7 +110,7 @@ def main() -> None:
         x = torch.randn(T, k_in, device="cuda", dtype=DTYPE)
         y = torch.randn(T, sum(slices), device="cuda", dtype=DTYPE)
         info = info_of(T, spread)
-        today = add_lora_tiles(T, SLOTS, RANK, slices)
+        today = add_lora_tiles(T, SLOTS, RANK, slices, multiprocessors(x.device))
         now = launch_ms(y, x, lora, info, None)
         times = {}
         for tiles in CANDIDATES:
@@ -116,7 +121,7 @@ def main() -> None:
         best = min(times, key=times.get)
         floor = (x.numel() + 2 * y.numel()) * 2 / bandwidth * 1e6
         row = (
-            f"| {T} | {name} | {spread} | {today['BT']}, {today['CW']}, {today['BK']} | "
+            f"| {T} | {name} | {spread} | {', '.join(map(str, key(today_options(today))))} | "
             f"{1e3 * now:.1f} | {', '.join(map(str, best))} | {1e3 * times[best]:.1f} | "
             f"{now / times[best]:.2f} | {floor:.1f} |"
         )

@@ -25,6 +25,7 @@ everything else.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -266,8 +267,17 @@ def rank_block(max_rank: int) -> int:
     return max(16, next_power_of_2(max_rank))
 
 
-def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int]) -> dict[str, int]:
-    """_add_lora_kernel's meta-parameters for T rows, S slots of rank R, output slices `sizes`.
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessors (0 off CUDA): add_lora_tiles sizes its grid by them."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int], sms: int = 0) -> dict[str, int]:
+    """_add_lora_kernel's meta-parameters for T rows, S slots of rank R, output slices `sizes`,
+    on a device of sms multiprocessors (0: unknown).
 
     A program's chain is (in / BK) shrink steps then (CW / BN) expand steps, each waiting on a
     load's latency, so both stay short: the slots go SG at a time in a 64-column group with
@@ -282,8 +292,17 @@ def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int]) -> dict[str, in
         # read each 16 times fewer. 128 deep: at 4096 tokens 7% faster for q|k|v and 15% for
         # o than 64 deep. Splitting the work into a shrink launch and an expand launch over
         # small column groups measured within 6% of this, either way (bench/results/NOTES.md)
-        CW = min(1024, widest)
-        return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, CW=CW, BN=BN, BK=128, BR=BR)
+        prefill = dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, BN=BN, BK=128, BR=BR)
+        wide = min(1024, widest)
+        if sms and cdiv(T, 64) * sum(cdiv(n, wide) for n in sizes) >= 2 * sms:
+            # enough programs for two a multiprocessor at 1024 columns: their 235 registers
+            # capped at 168 (ptxas spills a few) let three share one, two stages deep. On the
+            # H200 at 4096 rows q|k|v took 73.9 us, against 89.8 uncapped and 95.4 at 512
+            # columns (bench/lora_tiles.py, 384 programs)
+            return prefill | dict(CW=wide, maxnreg=168, num_stages=2)
+        # fewer programs (o at 4096 rows: 128 at 1024 columns, under one a multiprocessor):
+        # 512 columns, twice the programs; o took 46.3 us against 56.3 at 1024
+        return prefill | dict(CW=min(512, widest))
     BK = 256 if SG * BR <= 64 else 128
     CW = min(64 if T <= 16 else 128 if T <= 64 else 256, widest)
     return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
@@ -318,7 +337,7 @@ def add_lora_(
     # not follow it, and the rank rows it drops are zeros
     tile_rank = info.rank_tile if info.rank_tile and T > PREFILL_ROWS else R
     assert tile_rank <= R, (info.rank_tile, R)
-    meta = add_lora_tiles(T, S, tile_rank, sizes)
+    meta = add_lora_tiles(T, S, tile_rank, sizes, multiprocessors(x.device))
     if tiles:
         meta.update(tiles)
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))

@@ -352,6 +352,23 @@ def test_lora_shrink_split_bf16(T, spread, rank):
     assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-2
 
 
+@pytest.mark.parametrize("in_dim,slices", [(2048, (4096, 512, 512)), (4096, (2048,))])
+def test_add_lora_prefill_tiles_give_the_same_bits(in_dim, slices):
+    """add_lora_tiles' prefill choices (512 columns, or 1024 with registers capped and two
+    stages where the grid is large) split the columns differently and change no sum."""
+    T = 4096
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    lora = lora_weights(
+        info.num_slots, (), len(slices), 16, in_dim, slices, ranks, torch.bfloat16, DEV
+    )
+    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
+    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    out = add_lora_(y.clone(), x, lora, info)
+    for cw in (512, 1024):
+        assert torch.equal(add_lora_(y.clone(), x, lora, info, tiles=dict(CW=cw)), out), cw
+
+
 @pytest.mark.parametrize("T", [1, 7, 64, 256, 300, 4096])  # past 256: the prefill tiles
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize(

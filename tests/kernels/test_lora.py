@@ -34,9 +34,9 @@ def test_add_lora_matches_reference(T, n, spread, dtype):
 @pytest.mark.parametrize("spread", ["mixed", "distinct"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_add_lora_prefill_tiles(monkeypatch, spread, dtype):
-    """Past PREFILL_ROWS rows (lowered to 8 here) the programs take 64 rows and up to 1024
-    columns, 128 deep: 70 rows give a partial row tile, 160 inputs a partial input tile, and
-    a slice is wider than one column group."""
+    """Past PREFILL_ROWS rows (lowered to 8 here) the programs take 64 rows and 512 columns
+    (1024 where the grid is large: tested on the GPU), 128 deep: 70 rows give a partial row
+    tile, 160 inputs a partial input tile, and a slice is wider than one column group."""
     from moelora.kernels import lora as module
 
     monkeypatch.setattr(module, "PREFILL_ROWS", 8)
@@ -66,9 +66,9 @@ def test_add_lora_prefill_tiles_take_the_steps_rank_tile(monkeypatch):
     expect = reference.add_lora_(y.clone(), x, lora, info)
     tiles, real = [], module.add_lora_tiles
 
-    def spy(T, S, R, sizes):
+    def spy(T, S, R, sizes, sms=0):
         tiles.append(R)
-        return real(T, S, R, sizes)
+        return real(T, S, R, sizes, sms)
 
     monkeypatch.setattr(module, "add_lora_tiles", spy)
     tiled = dataclasses.replace(info, rank_tile=16)
