@@ -235,67 +235,75 @@ def print_layouts(label: str, times: dict, floor: float) -> None:
         )
 
 
-def tune_down(run, choice: MoeConfig, layers: int, floor: float, label: str) -> MoeConfig:
-    """The winner with the down GEMM's own columns, warps and stages (block_k_down kept: the
-    K blocking): its K is I, 6 tiles at Qwen3-30B-A3B's, so it may want two programs a
-    multiprocessor where gate_up wants one. Kept only where 2% faster than the winner."""
-    best_ms, best = graph_ms(lambda: run(choice), layers), choice
-    for bn, warps, stages in DOWN_TILES:
-        cfg = dataclasses.replace(
-            choice, block_n_down=bn, num_warps_down=warps, num_stages_down=stages
-        )
+def keep_faster(time, choice: MoeConfig, variants: list, label: str) -> MoeConfig:
+    """choice, or the variant [(name, MoeConfig)] that beats the best before it by 2%: time(cfg)
+    gives (ms, a note for the log) and may raise where a tile does not fit (skipped)."""
+    best_ms, note = time(choice)
+    best = choice
+    print(f"{label} {choice}: {1e3 * best_ms:8.1f} us{note}", flush=True)
+    for name, cfg in variants:
         try:
-            ms = graph_ms(lambda cfg=cfg: run(cfg), layers)
+            ms, note = time(cfg)
         except Exception as e:  # past the shared memory: skip it
-            print(f"{label} down {bn} {warps} {stages}: {type(e).__name__}", flush=True)
+            print(f"{label} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        print(
-            f"{label} down BN {bn} warps {warps} stages {stages}: {1e3 * ms:8.1f} us "
-            f"(winner {1e3 * best_ms:8.1f}, floor {floor:6.1f} us)",
-            flush=True,
-        )
+        print(f"{label} {name}: {1e3 * ms:8.1f} us{note} (x{ms / best_ms:5.3f})", flush=True)
         if ms < 0.98 * best_ms:
             best_ms, best = ms, cfg
     return best
+
+
+def tune_down(run, choice: MoeConfig, layers: int, floor: float, label: str) -> MoeConfig:
+    """The winner with the down GEMM's own columns, warps and stages (block_k_down kept: the
+    K blocking): its K is I, 6 tiles at Qwen3-30B-A3B's, so it may want two programs a
+    multiprocessor where gate_up wants one."""
+    variants = [
+        (
+            f"down BN {bn} warps {warps} stages {stages}",
+            dataclasses.replace(
+                choice, block_n_down=bn, num_warps_down=warps, num_stages_down=stages
+            ),
+        )
+        for bn, warps, stages in DOWN_TILES
+    ]
+    return keep_faster(
+        lambda c: (graph_ms(lambda: run(c), layers), f" (floor {floor:6.1f} us)"),
+        choice,
+        variants,
+        label,
+    )
 
 
 def tune_order(run, choice: MoeConfig, layers: int, floor: float, label: str) -> MoeConfig:
     """The winner in each program order (MoeConfig.group_m, ORDERS): blocks fastest, or groups
-    of blocks sweeping every column block. Kept only where 2% faster."""
-    best_ms, best = graph_ms(lambda: run(choice), layers), choice
-    print(f"{label} order {choice.group_m}: {1e3 * best_ms:8.1f} us", flush=True)
-    for group in (g for g in ORDERS if g != choice.group_m):
-        cfg = dataclasses.replace(choice, group_m=group)
-        ms = graph_ms(lambda cfg=cfg: run(cfg), layers)
-        print(f"{label} order {group}: {1e3 * ms:8.1f} us (floor {floor:6.1f} us)", flush=True)
-        if ms < 0.98 * best_ms:
-            best_ms, best = ms, cfg
-    return best
+    of blocks sweeping every column block."""
+    variants = [
+        (f"order {group}", dataclasses.replace(choice, group_m=group))
+        for group in ORDERS
+        if group != choice.group_m
+    ]
+    return keep_faster(
+        lambda c: (graph_ms(lambda: run(c), layers), f" (floor {floor:6.1f} us)"),
+        choice,
+        variants,
+        label,
+    )
 
 
 def tune_tma(run, choice: MoeConfig, infos: tuple, layers: int, floor: float, label: str):
-    """The winner against its tiles through TMA descriptors (TMA_TILES), base-only and with one
-    adapter on every token (infos); kept only where 2% faster base-only."""
+    """The winner against its tiles through TMA descriptors (TMA_TILES), timed base-only (which
+    decides) and with one adapter on every token (infos, for the log)."""
     none, one = infos
-    best_ms, best = graph_ms(lambda: run(choice, none), layers), choice
-    lora_ms = graph_ms(lambda: run(choice, one), layers)
-    print(f"{label} pointer loads: {1e3 * best_ms:8.1f} us, 1 adapter {1e3 * lora_ms:8.1f} us")
-    for change in TMA_TILES:
-        cfg = dataclasses.replace(choice, tma=True, **change)
-        try:
-            ms = graph_ms(lambda cfg=cfg: run(cfg, none), layers)
-            ms1 = graph_ms(lambda cfg=cfg: run(cfg, one), layers)
-        except Exception as e:  # past the shared memory: skip it
-            print(f"{label} TMA {change}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-            continue
-        print(
-            f"{label} TMA {change}: {1e3 * ms:8.1f} us, 1 adapter {1e3 * ms1:8.1f} us "
-            f"(x{ms / best_ms:5.3f} of the best so far; floor {floor:6.1f} us)",
-            flush=True,
-        )
-        if ms < 0.98 * best_ms:
-            best_ms, best = ms, cfg
-    return best
+
+    def time(c: MoeConfig) -> tuple[float, str]:
+        ms1 = graph_ms(lambda: run(c, one), layers)
+        note = f", 1 adapter {1e3 * ms1:8.1f} us (floor {floor:6.1f} us)"
+        return graph_ms(lambda: run(c, none), layers), note
+
+    variants = [
+        (f"TMA {change}", dataclasses.replace(choice, tma=True, **change)) for change in TMA_TILES
+    ]
+    return keep_faster(time, choice, variants, label)
 
 
 def layouts(run, choice: MoeConfig, previous: MoeConfig, w13: list, w2: list) -> dict:

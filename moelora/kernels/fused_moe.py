@@ -541,11 +541,15 @@ class _Experts:
     # 3 by bit placement from the GPU layout (Mxfp4Weight.swizzled), whatever the config
     expand: int
     sub_k: int = 0  # the PTX expansions' sub-tile depth (MoeConfig.mxfp4_sub_k)
+    tma: bool = False  # tiles through TMA descriptors (_tma)
 
-    def launch_args(self, name: str) -> dict:
+    def launch_args(self, name: str, block: tuple[int, int]) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
-        strides and the MXFP4 flag."""
+        strides, the MXFP4 flags, and with TMA NAME_desc, w's [E*N, K] view in block tiles."""
+        E, N, _ = self.w.shape
         return {
+            f"{name}_desc": _desc(self.w, E * N, block) if self.tma else None,
+            "TMA": self.tma,
             f"{name}_ptr": self.w,
             f"{name}_scale_ptr": self.scales,
             "stride_we": self.strides[0],
@@ -589,7 +593,7 @@ def _experts(
                     )
         strides = (b.stride(0), b.stride(1)), (s.stride(0), s.stride(1))
         return _Experts(b, s, *strides, True, expand, cfg.mxfp4_sub_k)
-    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0)
+    return _Experts(w, unused, (w.stride(0), w.stride(1)), (0, 0), False, 0, tma=_tma(cfg, w))
 
 
 @dataclass(frozen=True)
@@ -785,11 +789,9 @@ def _gate_up(
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
     sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
-    tma = _tma(cfg, w13)
     _gate_up_kernel[grid](
         x_ptr=x,
-        **_experts(w13, lora.unused, x, cfg).launch_args("w13"),
-        w13_desc=_desc(w13, w13.shape[0] * I2, (cfg.block_n, cfg.block_k)) if tma else None,
+        **_experts(w13, lora.unused, x, cfg).launch_args("w13", (cfg.block_n, cfg.block_k)),
         h_ptr=h,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -818,7 +820,6 @@ def _gate_up(
         HAS_LORA2=lora.down.on and not pairs.by_block,
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
-        TMA=tma,
         PACK=lora.PACK,
         BM=pairs.BM,
         BN=cfg.block_n,
@@ -850,12 +851,11 @@ def _down(
     warps, stages = cfg.down_launch()
     launch = launch | dict(num_warps=warps, num_stages=stages)
     grid, order = _order(pairs.NB, cdiv(H, cfg.block_n_down), cfg)
-    tma = _tma(cfg, w2)
+    experts = _experts(w2, lora.unused, h, cfg)
     _down_kernel[grid](
         h_ptr=h,
-        **_experts(w2, lora.unused, h, cfg).launch_args("w2"),
-        h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if tma else None,
-        w2_desc=_desc(w2, w2.shape[0] * H, (cfg.block_n_down, cfg.block_k_down)) if tma else None,
+        **experts.launch_args("w2", (cfg.block_n_down, cfg.block_k_down)),
+        h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if experts.tma else None,
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
@@ -878,7 +878,6 @@ def _down(
         PACK=lora.PACK,
         HAS_LORA=lora.down.on,
         HAS_BIAS=bias is not None,
-        TMA=tma,
         BM=pairs.BM,
         BN=cfg.block_n_down,
         BK=cfg.block_k_down,
