@@ -153,7 +153,7 @@ def _gate_up_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
-    TMA: tl.constexpr,  # bf16 weight tiles through w13_desc (MoeConfig.tma)
+    TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -357,7 +357,7 @@ def _down_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
-    TMA: tl.constexpr,  # bf16 tiles through h_desc and w2_desc (MoeConfig.tma)
+    TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,

@@ -320,7 +320,8 @@ def add_lora_(
 
     y: [T, out], x: [T, in], same dtype, last dims contiguous; lora.a [S, n, R, in],
     lora.b [S, out, R] contiguous, n <= 3. In place (one launch for all slices); returns y.
-    tiles: BT, CW, BK in place of add_lora_tiles' (benchmarks sweep them).
+    tiles: BT, CW, BK and any launch options (maxnreg, num_stages) in place of
+    add_lora_tiles' (benchmarks sweep them; the default's launch options are dropped).
     """
     T, K_in = x.shape
     S, n, R, _ = lora.a.shape
@@ -338,8 +339,8 @@ def add_lora_(
     tile_rank = info.rank_tile if info.rank_tile and T > PREFILL_ROWS else R
     assert tile_rank <= R, (info.rank_tile, R)
     meta = add_lora_tiles(T, S, tile_rank, sizes, multiprocessors(x.device))
-    if tiles:
-        meta.update(tiles)
+    if tiles:  # a candidate runs with its own launch options only
+        meta = {k: v for k, v in meta.items() if k not in ("maxnreg", "num_stages")} | tiles
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
         y_ptr=y,

@@ -50,6 +50,32 @@ def test_add_lora_prefill_tiles(monkeypatch, spread, dtype):
     assert rel_err(out - y, ref - y) <= TOL[dtype]
 
 
+def test_add_lora_tiles_replace_the_defaults_launch_options(monkeypatch):
+    """On a device whose grid fills its multiprocessors the prefill tile caps registers and
+    stages; a benchmark's candidate tile runs with its own launch options, not those."""
+    from moelora.kernels import lora as module
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kwargs: launches.append(kwargs)
+
+    monkeypatch.setattr(module, "_add_lora_kernel", Recorder())
+    monkeypatch.setattr(module, "multiprocessors", lambda device: 1)
+    monkeypatch.setattr(module, "PREFILL_ROWS", 8)
+    T, H, slices = 70, 64, (64, 16, 16)
+    info = batch_info(T, "mixed")
+    lora = lora_weights(info.num_slots, (), 3, 16, H, slices, info.rank_of_slot, torch.float32)
+    x, y = torch.randn(T, H), torch.randn(T, sum(slices))
+    add_lora_(y, x, lora, info)
+    add_lora_(y, x, lora, info, tiles=dict(BT=64, CW=512, BK=128))
+    add_lora_(y, x, lora, info, tiles=dict(BT=64, CW=1024, BK=128, num_stages=3))
+    assert (launches[0]["maxnreg"], launches[0]["num_stages"]) == (168, 2)
+    assert "maxnreg" not in launches[1] and "num_stages" not in launches[1]
+    assert "maxnreg" not in launches[2] and launches[2]["num_stages"] == 3
+
+
 def test_add_lora_prefill_tiles_take_the_steps_rank_tile(monkeypatch):
     """Prefill tiles (PREFILL_ROWS lowered to 8) take the step's rank tile
     (LoraBatchInfo.rank_tile 16 in a rank-64 pool): the pool tile's output, nothing read past
