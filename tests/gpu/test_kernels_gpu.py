@@ -164,6 +164,15 @@ def test_fused_moe_untuned_tiles_bf16(moe_weights, config, T):
     assert rel_err(out, ref) <= 1e-2, (name, T, config)
 
 
+def _write_step(info: LoraBatchInfo, new: LoraBatchInfo) -> None:
+    """new's buffers copied into info's, as the graph runner writes a captured step's inputs
+    (any_enabled included); the host-side rank_tile stays the capture's (0: the pool's tile)."""
+    for field in dataclasses.fields(info):
+        buffer = getattr(info, field.name)
+        if isinstance(buffer, torch.Tensor):
+            buffer.copy_(getattr(new, field.name))
+
+
 MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4), "gpt-oss-120b": (128, 2880, 2880, 4)}
 
 
@@ -312,9 +321,7 @@ def test_fused_moe_mxfp4_replays_in_a_cuda_graph(mxfp4_experts):
     info = batch_info(T, "none", DEV)
     oss = dict(b13=b13, b2=b2, activation="swiglu_oai", lora13=lora13, lora2=lora2, info=info)
     graph, out = capture(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids, **oss))
-    new = batch_info(T, "mixed", DEV)
-    for field in dataclasses.fields(info):
-        getattr(info, field.name).copy_(getattr(new, field.name))
+    _write_step(info, batch_info(T, "mixed", DEV))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fused_moe(x, w13, w2, topk_weights, topk_ids, **oss)), name
@@ -452,9 +459,7 @@ def test_cuda_graph_replay_with_new_batch_info():
     graph, moe_out = capture(step)
 
     for spread in ("mixed", "none", "distinct", "one"):
-        new = batch_info(T, spread, DEV, S)
-        for field in dataclasses.fields(info):  # every buffer, any_enabled included
-            getattr(info, field.name).copy_(getattr(new, field.name))
+        _write_step(info, batch_info(T, spread, DEV, S))
         x.copy_(torch.randn(T, H, device=DEV))
         logits.copy_(torch.randn(T, E, device=DEV))
         y_in.copy_(torch.randn(T, 5120, device=DEV))
