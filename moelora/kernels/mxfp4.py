@@ -3,15 +3,16 @@
 
 Four expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement from the codes
 in the GPU layout the engine rewrites them into at load (e2m1_bf16_swizzled,
-step/mxfp4.SWIZZLE_ROTATIONS: 11 instructions a word of 8 values), or from the release layout
-(e2m1_bf16_placed: 16), both where every scale byte is at most step/mxfp4.PLACED_SCALE_MAX, as
-in any real checkpoint; else byte-permute table lookups (e2m1_bf16_pairs). Counted in the
-sm_90 SASS of gpt-oss-120b's 64-token tiles (bench/sass_moe.py), the main loops took 4.4
-(gate_up) and 5.1 (down) instructions an element with the release layout's placement, 5.5 and
-6.4 with the lookups, against 12 to 13 for the arithmetic one below; the lookups were 1.9x
-faster than the arithmetic for the MoE at 64 tokens (bench/tune_moe.py). tl.dot_scaled was
-tried too: Hopper has no MX tensor cores and Triton's lowering loads the codes a byte at a time
-(1.4x slower than the lookups). Everywhere else (the interpreter, fp16, fp32), arithmetic:
+step/mxfp4.SWIZZLE_SHIFTS: 6 masks and 5 shifts, done as multiplies, a word of 8 values), or
+from the release layout (e2m1_bf16_placed: 16 integer instructions), both where every scale
+byte is at most step/mxfp4.PLACED_SCALE_MAX, as in any real checkpoint; else byte-permute
+table lookups (e2m1_bf16_pairs). Counted in the sm_90 SASS of gpt-oss-120b's 64-token tiles
+(bench/sass_moe.py), the main loops took 4.4 (gate_up) and 5.1 (down) instructions an element
+with the release layout's placement, 5.5 and 6.4 with the lookups, against 12 to 13 for the
+arithmetic one below; the lookups were 1.9x faster than the arithmetic for the MoE at 64
+tokens (bench/tune_moe.py). tl.dot_scaled was tried too: Hopper has no MX tensor cores and
+Triton's lowering loads the codes a byte at a time (1.4x slower than the lookups). Everywhere
+else (the interpreter, fp16, fp32), arithmetic:
 
 A [BK, BN] tile of a weight packed along K comes from a [BK/2, BN] tile of code bytes and a
 [BK/32, BN] tile of scale bytes. Each e2m1 code becomes its float32 bits directly (no table
@@ -26,7 +27,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
-from moelora.step.mxfp4 import SWIZZLE_ROTATIONS
+from moelora.step.mxfp4 import SWIZZLE_SHIFTS
 
 GROUP: tl.constexpr = tl.constexpr(32)  # elements along K that share one scale byte
 
@@ -139,20 +140,27 @@ def e2m1_bf16_placed(codes):
 
 
 def _swizzled_asm() -> str:
-    """e2m1_bf16_swizzled's PTX: the word rotated left by each of SWIZZLE_ROTATIONS's nonzero
-    amounts (one funnel shift each), then each output the magnitude bits of one rotation and
-    the sign bits of another (one mask, or two that ptxas merges into a three-input LOP3)."""
-    rotations = sorted({r for pair in SWIZZLE_ROTATIONS for r in pair if r})
-    lines = ["{", ".reg .b32 m, " + ", ".join(f"r{r}" for r in rotations) + ";"]
-    lines += [f"shf.l.wrap.b32 r{r}, $4, $4, {r};" for r in rotations]
-    for i, (r, s) in enumerate(SWIZZLE_ROTATIONS):
-        mag, sign = (f"r{x}" if x else "$4" for x in (r, s))
-        if r == s:
-            lines.append(f"and.b32 ${i}, {mag}, 0x81C081C0;")
+    """e2m1_bf16_swizzled's PTX: the word shifted by each of SWIZZLE_SHIFTS's nonzero amounts
+    (left shifts as multiplies, which ptxas issues to the FMA pipe: IMAD.SHL), then each output
+    the magnitude bits of one shift and the sign bits of another (one mask, or two that ptxas
+    merges into a three-input LOP3)."""
+    shifts = sorted({d for pair in SWIZZLE_SHIFTS for d in pair if d})
+    name = {d: f"l{d}" if d > 0 else f"r{-d}" for d in shifts} | {0: "$4"}
+    lines = ["{", ".reg .b32 m, " + ", ".join(name[d] for d in shifts) + ";"]
+    for d in shifts:
+        op = (
+            f"mul.lo.u32 {name[d]}, $4, {1 << d}"
+            if d > 0
+            else f"mul.hi.u32 {name[d]}, $4, {1 << (32 + d)}"
+        )
+        lines.append(op + ";")
+    for i, (m, s) in enumerate(SWIZZLE_SHIFTS):
+        if m == s:
+            lines.append(f"and.b32 ${i}, {name[m]}, 0x81C081C0;")
         else:
             lines += [
-                f"and.b32 m, {mag}, 0x01C001C0;",
-                f"and.b32 ${i}, {sign}, 0x80008000;",
+                f"and.b32 m, {name[m]}, 0x01C001C0;",
+                f"and.b32 ${i}, {name[s]}, 0x80008000;",
                 f"or.b32 ${i}, ${i}, m;",
             ]
     return "\n".join([*lines, "}"])
@@ -164,9 +172,10 @@ _SWIZZLED_ASM: tl.constexpr = tl.constexpr(_swizzled_asm())
 @triton.jit
 def e2m1_bf16_swizzled(codes):
     """(even, odd) [BK/2, BN] bfloat16 as e2m1_bf16_placed's, each value times 2^-126, from
-    code bytes in the GPU layout (step/mxfp4.SWIZZLE_ROTATIONS) (GPU only). A thread's 4
+    code bytes in the GPU layout (step/mxfp4.SWIZZLE_SHIFTS) (GPU only). A thread's 4
     consecutive code bytes along K are one word of the layout (the dot operand's K runs of 4
-    start at multiples of 4): 11 instructions for its 8 values, no byte moves."""
+    start at multiples of 4): 6 masks and 5 shifts by multiplies for its 8 values, no byte
+    moves."""
     return tl.inline_asm_elementwise(
         asm=_SWIZZLED_ASM,
         constraints="=r,=r,=r,=r,r",

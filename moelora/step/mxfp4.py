@@ -17,19 +17,23 @@ PLACED_SCALE_MAX = 128
 
 # The fused MoE's own layout of the codes on the GPU (Mxfp4Weight.swizzle_): the same bytes of
 # each row, but each 32-element group's 16 bytes are 4 little-endian words whose bits are
-# placed for kernels/mxfp4.e2m1_bf16_swizzled, which makes a word's 8 values in 11 integer
-# instructions (from the release layout they take 16 and two byte moves). Word q holds the
-# group's elements 8q .. 8q + 7 as 4 pairs, each one register of two bfloat16 for the mma
-# (whose dots take the even elements apart from the odd: kernels/mxfp4.lut_tile_dot):
+# placed for kernels/mxfp4.e2m1_bf16_swizzled. Word q holds the group's elements 8q .. 8q + 7 as
+# 4 pairs, each one register of two bfloat16 for the mma (whose dots take the even elements
+# apart from the odd: kernels/mxfp4.lut_tile_dot):
 #   pair i = elements 8q + 4 (i % 2) + (i // 2) + (0, 2),
 # the first element in the low half (h = 0), the second in the high half (h = 1). Code bit t < 3
-# of element (i, h) is at bit (6 + t - r + 16 h) mod 32 and its sign at (15 - s + 16 h) mod 32,
-# (r, s) = SWIZZLE_ROTATIONS[i]: rotating the word left by r puts the pair's magnitude bits
+# of element (i, h) is at bit 6 + t - m + 16 h and its sign at 15 - s + 16 h, (m, s) =
+# SWIZZLE_SHIFTS[i]: shifting the word left by m (right by -m) puts the pair's magnitude bits
 # where a bfloat16 keeps its low exponent and top mantissa bits (6, 7, 8 of each half), by s its
-# signs at bits 15 and 31. No 4 rotations can place all four pairs whole (translates of
-# {0, 1, 2, 9} do not tile Z/16), so two pairs take their sign from another rotation: five
-# rotations and six masks a word, the fewest in a search of all placements.
-SWIZZLE_ROTATIONS = ((0, 0), (3, 4), (6, 6), (10, 5))
+# signs at bits 15 and 31. A left shift runs as a multiply on the FMA pipe (IMAD.SHL), a right
+# one as a multiply's high word (IMAD.HI): a word's 8 values take 6 masks on the integer pipe and
+# 5 multiplies, where rotations (no multiply rotates) took 11 integer instructions. A search of
+# all placements by plain shifts found no fewer masks: 4 translates of one pair's bits cannot
+# tile the word, so two pairs take their signs from another shift. The gate_up loop of the
+# 64-token tile: 536 -> 376 integer-pipe instructions of 806 (sm_90 SASS, bench/sass_moe.py);
+# one MoE layer 684 -> 659 us (bench/moe_layer.py, bench/results/NOTES.md): the loops are bound
+# by latency more than by any one pipe.
+SWIZZLE_SHIFTS = ((6, 6), (3, 3), (0, 4), (-7, 5))
 # In the GPU layout each expert row's scale bytes are padded with zeros to a multiple of this
 # many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
 # its row, so the kernels load a tile's scales without a mask along K: from 128-deep tiles on,
@@ -50,7 +54,7 @@ class Mxfp4Weight:
 
     small_scales: every scale byte is at most PLACED_SCALE_MAX, as with_small_scales found
     once the bytes were loaded (False until then: the tiles take the lookups, exact for any).
-    swizzled: blocks are in the fused MoE's GPU layout (SWIZZLE_ROTATIONS; swizzle_), which
+    swizzled: blocks are in the fused MoE's GPU layout (SWIZZLE_SHIFTS; swizzle_), which
     only its bfloat16 kernels on CUDA read; release_blocks() gives them back as released. The
     scales are then a view [E, N, K/32] of rows padded to SCALE_ROW_GROUPS.
     """
@@ -121,11 +125,11 @@ def _swizzle_source() -> torch.Tensor:
     the release's group it comes from (element k's code bit t is release bit 4 k + t)."""
     source = [-1] * 128
     for q in range(4):
-        for i, (r, s) in enumerate(SWIZZLE_ROTATIONS):
+        for i, (m, s) in enumerate(SWIZZLE_SHIFTS):
             for h in range(2):
                 k = 8 * q + 4 * (i % 2) + i // 2 + 2 * h
-                for t, at in enumerate((6 - r, 7 - r, 8 - r, 15 - s)):
-                    source[32 * q + (at + 16 * h) % 32] = 4 * k + t
+                for t, at in enumerate((6 - m, 7 - m, 8 - m, 15 - s)):
+                    source[32 * q + at + 16 * h] = 4 * k + t
     assert sorted(source) == list(range(128)), source
     return torch.tensor(source)
 

@@ -350,6 +350,28 @@ def test_fused_moe_mxfp4_sub_tiles(poison_empty, sub_k):
     assert rel_err(out, reference.fused_moe(*args, **lora, **oss)) <= TOL[torch.float32]
 
 
+@pytest.mark.parametrize("sub_k", [0, 32])
+def test_fused_moe_mxfp4_tiles_past_k_and_n(poison_empty, sub_k):
+    """Whole K tiles, then a last one past H (I), and column blocks past N: H 160 and I 96 in
+    64-deep tiles (two whole tiles and 32 columns in gate_up, one and 32 in down), 64 columns a
+    block (the last gate, up and down blocks half past N), against the reference with GPT-OSS's
+    options."""
+    E, K, T, H2, I2 = 8, 2, 7, 160, 96
+    x = torch.randn(T, H2)
+    w13 = mxfp4_weight(E, 2 * I2, H2, MXFP4_SCALES)
+    w2 = mxfp4_weight(E, H2, I2, MXFP4_SCALES)
+    weights, ids = reference.route_topk(torch.randn(T, E), K, renormalize=True)
+    oss = dict(
+        b13=0.3 * torch.randn(E, 2 * I2), b2=0.3 * torch.randn(E, H2), activation="swiglu_oai"
+    )
+    cfg = MoeConfig(
+        block_m=16, block_n=64, block_k=64, block_n_down=64, block_k_down=64, mxfp4_sub_k=sub_k
+    )
+    out = fused_moe(x, w13, w2, weights, ids, config=cfg, **oss)
+    expect = reference.fused_moe(x, w13, w2, weights, ids, **oss)
+    assert rel_err(out, expect) <= TOL[torch.float32]
+
+
 @pytest.mark.parametrize("block_k", [32, 96, 512])
 def test_mxfp4_sub_tiles_out_of_range_are_refused(block_k):
     """A tile of other than 1, 2 or 4 sub-tiles is refused where the config is made."""

@@ -1,5 +1,5 @@
-"""The fused MoE's GPU layout of MXFP4 codes (step/mxfp4.SWIZZLE_ROTATIONS): a bit permutation
-within each group that undoes exactly, and from which the kernel's rotations and masks
+"""The fused MoE's GPU layout of MXFP4 codes (step/mxfp4.SWIZZLE_SHIFTS): a bit permutation
+within each group that undoes exactly, and from which the kernel's shifts and masks
 (kernels/mxfp4.e2m1_bf16_swizzled, PTX that runs on the GPU only) give every element's value.
 The PTX's operations are modelled here in integer arithmetic, on every code."""
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moelora.kernels.reference import dense_experts, dequantize_mxfp4
-from moelora.step.mxfp4 import SCALE_ROW_GROUPS, SWIZZLE_ROTATIONS, Mxfp4Weight
+from moelora.step.mxfp4 import SCALE_ROW_GROUPS, SWIZZLE_SHIFTS, Mxfp4Weight
 
 MAGNITUDE, SIGN = 0x01C001C0, 0x80008000  # bits 6-8 and 15 of each bfloat16 half
 
@@ -18,16 +18,17 @@ def _weight(E: int, N: int, K: int, low: int = 100, high: int = 129) -> Mxfp4Wei
     return Mxfp4Weight(blocks, scales).with_small_scales()
 
 
-def _rotl(w: torch.Tensor, r: int) -> torch.Tensor:
-    return ((w << r) | (w >> (32 - r))) & 0xFFFFFFFF if r else w
+def _shift(w: torch.Tensor, d: int) -> torch.Tensor:
+    """A 32-bit word shifted left by d, right by -d (zeros shifted in)."""
+    return (w << d) & 0xFFFFFFFF if d >= 0 else w >> -d
 
 
 def _decode(words: torch.Tensor) -> torch.Tensor:
     """[..., 4] words (int64 holding uint32) -> [..., 4 pairs, 2] float32 values times
-    2^-126, as the PTX makes them: rotate, mask, read each half as a bfloat16."""
+    2^-126, as the PTX makes them: shift, mask, read each half as a bfloat16."""
     pairs = []
-    for r, s in SWIZZLE_ROTATIONS:
-        out = (_rotl(words, r) & MAGNITUDE) | (_rotl(words, s) & SIGN)
+    for m, s in SWIZZLE_SHIFTS:
+        out = (_shift(words, m) & MAGNITUDE) | (_shift(words, s) & SIGN)
         halves = torch.stack((out & 0xFFFF, out >> 16), dim=-1)  # bfloat16 bits
         pairs.append((halves << 16).to(torch.int32).view(torch.float32))
     return torch.stack(pairs, dim=-2)
@@ -53,7 +54,7 @@ def test_swizzle_undoes_exactly(shape):
     assert torch.equal(dense_experts(swizzled, torch.float32), want)
 
 
-def test_the_rotations_give_every_elements_value():
+def test_the_shifts_give_every_elements_value():
     """All 16 codes in every element position: the decoded pairs times 2^(s - 1) are
     dequantize_mxfp4's values, element (i, h) of word q being the group's element
     8q + 4 (i % 2) + i // 2 + 2h."""
