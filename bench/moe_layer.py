@@ -19,10 +19,9 @@ import dataclasses
 
 import torch
 from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lora_pool
-from tune_moe import MXFP4_SHAPES, experts, floor_us, gpt_oss_options
+from tune_moe import MXFP4_SHAPES, experts, floor_us, gpt_oss_options, run_layers
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import fused_moe
 from moelora.kernels.moe_config import MoeConfig, default_config
 
 
@@ -60,20 +59,7 @@ def main() -> None:
         info = batch_info(M, "none", 16)
 
         def run(x=x, tw=tw, ti=ti, cfg=cfg, info=info):
-            for i in range(args.layers):
-                lora13, lora2 = pools[i]
-                fused_moe(
-                    x,
-                    w13[i],
-                    w2[i],
-                    tw,
-                    ti,
-                    lora13=lora13,
-                    lora2=lora2,
-                    info=info,
-                    config=cfg,
-                    **oss[i],
-                )
+            run_layers(w13, w2, pools, oss, x, tw, ti, cfg, info)
 
         us = 1e3 * graph_ms(run, args.layers)
         floor = floor_us(ti, H, I, mxfp4, bandwidth)

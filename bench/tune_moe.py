@@ -158,6 +158,14 @@ def gpt_oss_options(E: int, H: int, I: int) -> dict:
     )
 
 
+def run_layers(w13: list, w2: list, pools: list, oss: list, x, tw, ti, cfg, info) -> None:
+    """fused_moe on each layer's experts, LoRA pools and GPT-OSS options in turn."""
+    for i, (lora13, lora2) in enumerate(pools):
+        fused_moe(
+            x, w13[i], w2[i], tw, ti, lora13=lora13, lora2=lora2, info=info, config=cfg, **oss[i]
+        )
+
+
 def candidates(M: int, mxfp4: bool) -> list[MoeConfig]:
     """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 (the GPU layout is read
     by its bit placement whatever MoeConfig.mxfp4_lut says: the arithmetic is not tried)."""
@@ -181,20 +189,7 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
         floor = floor_us(ti, H, I, mxfp4, bandwidth)
 
         def run(cfg, info, x=x, tw=tw, ti=ti):
-            for i in range(layers):
-                lora13, lora2 = pools[i]
-                fused_moe(
-                    x,
-                    w13[i],
-                    w2[i],
-                    tw,
-                    ti,
-                    lora13=lora13,
-                    lora2=lora2,
-                    info=info,
-                    config=cfg,
-                    **oss[i],
-                )
+            run_layers(w13, w2, pools, oss, x, tw, ti, cfg, info)
 
         none, one = batch_info(M, "none", 16), batch_info(M, "one", 16)
         previous = default_config(M, E, H, I, K, torch.device(DEV), mxfp4=mxfp4)
