@@ -6,7 +6,7 @@ picks the tiles; this times the ones the engine would take, and nothing else).
         [--set max_registers=168 ...] [--label A]
 
 Run it once per tree (PYTHONPATH=TREE:bench, the other tree's moelora first on the path) and
-once per --set, alternating, and compare the lines' ratios. As tune_moe: LAYERS layers of
+once per --set, alternating, and compare the lines' ratios. As tune_moe: --layers layers of
 random experts (MXFP4 shapes: small scales, in the GPU layout), LoRA pools recorded with no slot
 active as the engine's graphs run a base-only step, CUDA-graph replays with L2 flushed; the
 floor is the touched experts' bytes over the copy bandwidth measured in the same run.

@@ -29,10 +29,8 @@ PLACED_SCALE_MAX = 128
 # one as a multiply's high word (IMAD.HI): a word's 8 values take 6 masks on the integer pipe and
 # 5 multiplies, where rotations (no multiply rotates) took 11 integer instructions. A search of
 # all placements by plain shifts found no fewer masks: 4 translates of one pair's bits cannot
-# tile the word, so two pairs take their signs from another shift. The gate_up loop of the
-# 64-token tile: 536 -> 376 integer-pipe instructions of 806 (sm_90 SASS, bench/sass_moe.py);
-# one MoE layer 684 -> 659 us (bench/moe_layer.py, bench/results/NOTES.md): the loops are bound
-# by latency more than by any one pipe.
+# tile the word, so two pairs take their signs from another shift. (What the move off the
+# integer pipe bought, and why it was little: bench/results/NOTES.md, GPT-OSS.)
 SWIZZLE_SHIFTS = ((6, 6), (3, 3), (0, 4), (-7, 5))
 # In the GPU layout each expert row's scale bytes are padded with zeros to a multiple of this
 # many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
