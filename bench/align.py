@@ -1,4 +1,4 @@
-"""The MoE align (kernels/moe_align.py) against its bytes floor, at decode and prefill sizes.
+"""The MoE align (kernels/moe/align.py) against its bytes floor, at decode and prefill sizes.
 
 Qwen3-30B-A3B routing (E = 128, top-8): P = T x 8 pairs for T = 64, 512, 4096, 8192, 16384 (P =
 512 .. 128K: the one-launch path up to PMAX pairs, the chunked one past it), BM the MoE's tuned
@@ -29,9 +29,9 @@ import torch
 from common import DEV, batch_info, copy_bandwidth, graph_ms, lora_pool, result_header, write_result
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import fused_moe_align
-from moelora.kernels.moe_align import align_plan, align_reference, moe_align, num_blocks
-from moelora.kernels.moe_config import default_config
+from moelora.kernels.moe.align import align_plan, align_reference, moe_align, num_blocks
+from moelora.kernels.moe.config import default_config
+from moelora.kernels.moe.fused import fused_moe_align
 from moelora.step.lora import LoraBatchInfo
 
 E, H, I, K = 128, 2048, 768, 8

@@ -23,7 +23,7 @@ import torch
 from common import copy_bandwidth, graph_replay_ms, result_header, write_result
 from triton.testing import do_bench
 
-from moelora.kernels.paged_attention import (
+from moelora.kernels.attention.paged import (
     PREFILL_CONFIG,
     AttentionConfig,
     decode_plan,

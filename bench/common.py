@@ -27,11 +27,11 @@ import torch
 
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine, PlannedStep
+from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
 from moelora.lora.adapter import random_adapter
 from moelora.models.shapes import MXFP4_QUANTIZATION, shape_config, write_config_folder
 from moelora.sampling_params import SamplingParams
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
-from moelora.step.mxfp4 import mxfp4_bytes
 
 DEV = "cuda"
 DT = torch.bfloat16

@@ -37,7 +37,7 @@ from common import (
 )
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.moe.fused import fused_moe
 from moelora.step.lora import LoraBatchInfo
 
 MS = (1, 8, 32, 64, 256)

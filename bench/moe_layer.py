@@ -22,7 +22,7 @@ from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lo
 from tune_moe import MXFP4_SHAPES, experts, floor_us, gpt_oss_options, run_layers
 
 from moelora.kernels import reference
-from moelora.kernels.moe_config import MoeConfig, default_config
+from moelora.kernels.moe.config import MoeConfig, default_config
 
 
 def field(text: str) -> tuple[str, int]:

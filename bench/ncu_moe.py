@@ -19,7 +19,7 @@ from common import DEV, DT, MOE_SHAPES, batch_info, lora_pool
 from tune_moe import MXFP4_SHAPES, experts, gpt_oss_options
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import fused_moe
+from moelora.kernels.moe.fused import fused_moe
 
 
 def main() -> None:

@@ -32,9 +32,9 @@ import triton
 from common import batch_info, lora_pool
 from triton.runtime.jit import KernelInterface
 
-from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.moe_config import MoeConfig, config_file, shape_key
-from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
+from moelora.kernels.moe.config import MoeConfig, config_file, shape_key
+from moelora.kernels.moe.fused import fused_moe
+from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 
 # the CPU suite's sm_90 compile (tests/kernels/test_sm90_compile.py): one way to specialize a
 # recorded launch as the H200's JIT would

@@ -1,7 +1,7 @@
-"""Pick the fused MoE tiles per token-count bucket and write them to kernels/configs/ (JSON keyed
-by shape and device). Times base-MoE CUDA-graph replays (L2 flushed), LoRA recorded with no slot
-active, as the engine runs it; then checks the winner with one active adapter is not worse than
-the runner-up by more than 5% (else takes the runner-up).
+"""Pick the fused MoE tiles per token-count bucket and write them to kernels/moe/configs/ (JSON
+keyed by shape and device). Times base-MoE CUDA-graph replays (L2 flushed), LoRA recorded with no
+slot active, as the engine runs it; then checks the winner with one active adapter is not worse
+than the runner-up by more than 5% (else takes the runner-up).
 
     PYTHONPATH=. python bench/tune_moe.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 32 64 256]
 
@@ -23,9 +23,9 @@ import torch
 from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lora_pool
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import fused_moe
-from moelora.kernels.moe_config import MoeConfig, default_config, save_configs
-from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
+from moelora.kernels.moe.config import MoeConfig, default_config, save_configs
+from moelora.kernels.moe.fused import fused_moe
+from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
 
 MXFP4_SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4, 4), "gpt-oss-120b": (128, 2880, 2880, 4, 4)}
 

@@ -274,7 +274,7 @@ class ModelConfig:
     # up rows; down_proj [E, H, I]) or "interleaved_in_out" (GPT-OSS: gate_up_proj [E, H, 2I]
     # with gate and up in alternate columns; down_proj [E, I, H])
     experts_layout: str
-    # the experts are held packed in MXFP4 (step/mxfp4.Mxfp4Weight): the checkpoint's
+    # the experts are held packed in MXFP4 (kernels/moe/mxfp4_layout.Mxfp4Weight): the checkpoint's
     # quantization_config says mxfp4 and the engine's kernels take them packed (the engine
     # resolves it to False on the reference kernels, which get them dequantized at load)
     experts_mxfp4: bool

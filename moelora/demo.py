@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from moelora.models.shapes import DEMO_SHAPE, ModelShape, model_config
+
 DEMO_VERSION = "2"  # 2: the chat template renders tools
 MARKER = "COMPLETE"
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -68,35 +70,11 @@ INSERT INTO users (name, age) VALUES ('alice', 31); UPDATE users SET age = 32 WH
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    hidden: int
-    layers: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    experts: int
-    top_k: int
-    expert_intermediate: int
-    intermediate: int  # of a dense MLP layer
-
-
-@dataclass(frozen=True)
 class DemoAssets:
     model: Path
     adapters: dict[str, Path]
 
 
-DEMO_SHAPE = ModelShape(
-    hidden=64,
-    layers=2,
-    q_heads=4,
-    kv_heads=2,
-    head_dim=16,
-    experts=8,
-    top_k=2,
-    expert_intermediate=32,
-    intermediate=128,
-)
 ATTENTION_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -248,43 +226,6 @@ def _randn(gen: torch.Generator, *shape: int, std: float) -> torch.Tensor:
 
 def _norm_weight(gen: torch.Generator, n: int) -> torch.Tensor:
     return 1.0 + _randn(gen, n, std=0.1)
-
-
-def model_config(shape: ModelShape, *, vocab_size: int, eos_ids: list[int]) -> dict:
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": vocab_size,
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "moe_intermediate_size": shape.expert_intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.q_heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "num_experts": shape.experts,
-        "num_experts_per_tok": shape.top_k,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "hidden_act": "silu",
-        "rope_theta": 10000.0,
-        "rope_scaling": None,
-        "rms_norm_eps": 1e-6,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
-        "max_position_embeddings": 2048,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "router_aux_loss_coef": 0.001,
-        "output_router_logits": False,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "torch_dtype": "float32",
-        "bos_token_id": None,
-        "eos_token_id": eos_ids[0],
-    }
 
 
 def model_weights(shape: ModelShape, tok: TokenizerInfo, *, seed: int) -> dict[str, torch.Tensor]:

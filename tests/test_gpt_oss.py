@@ -161,8 +161,8 @@ def test_mxfp4_checkpoint_loads_to_the_bit_and_equals_transformers(bank: Fixture
     """The engine's experts from the MXFP4 folder are transformers' dequantized ones, converted
     (de-interleaved, transposed) to the bit (on CUDA they stay packed: dequantized here); greedy
     outputs equal transformers' on them (on CUDA, from the packed fused MoE)."""
+    from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
     from moelora.kernels.reference import dense_experts
-    from moelora.step.mxfp4 import Mxfp4Weight
 
     packed, plain = mxfp4_models(bank)
     llm = make_llm(bank, packed)
@@ -185,12 +185,12 @@ def test_mxfp4_experts_load_packed_and_dummy_ones_are_made_packed(bank: FixtureB
     the release's, gate_up's rows de-interleaved; dequantized, they are the engine's experts to
     the bit (the CPU engine's dequantized at load: it resolves the flag off). Dummy weights are
     made packed, no bf16 expert anywhere."""
+    from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
     from moelora.kernels.ops import REFERENCE_OPS
     from moelora.kernels.reference import dense_experts
     from moelora.models.loader import fill_dummy, load_weights, settle
     from moelora.models.model import MoeCausalLM
     from moelora.models.registry import read_model_config
-    from moelora.step.mxfp4 import Mxfp4Weight
 
     packed, _ = mxfp4_models(bank)
     mc, hf_config = read_model_config(str(packed))

@@ -18,7 +18,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
         "errors",
-        "config sampling_params tokenizer demo",
+        "config sampling_params tokenizer parallel",
         "step",
         "kernels",
         "layers",
@@ -26,7 +26,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "lora",
         "runner",
         "engine",
-        "llm server",
+        "llm server demo",
         "__init__",
         "cli",
     )
@@ -63,7 +63,7 @@ def _is_module(name: str, root: Path) -> bool:
 
 
 def unit_of(module: str) -> str:
-    """moelora.kernels.fused_moe -> kernels; moelora.config -> config; moelora -> __init__."""
+    """moelora.kernels.moe.fused -> kernels; moelora.config -> config; moelora -> __init__."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 

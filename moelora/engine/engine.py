@@ -53,11 +53,11 @@ from moelora.lora.shard import full_targets
 from moelora.lora.slots import LoraTarget, SlotPool, SlotTable
 from moelora.models.registry import read_model_config
 from moelora.models.shard import check_divides
+from moelora.parallel import SINGLE
 from moelora.runner.model_runner import LaunchedStep, ModelRunner
 from moelora.runner.sampler import TokenMask
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import HostBatch, pages_for
-from moelora.step.parallel import SINGLE
 from moelora.step.plan import StepPlan
 from moelora.step.request import Request, RequestOutput, Status
 from moelora.tokenizer import Tokenizer, eos_ids_from_folder
@@ -256,7 +256,7 @@ class Engine:
             and not cfg.enforce_eager
             and ops.name != "torch"
         ):
-            from moelora.kernels.paged_attention import DENSE_FROM  # Triton: CUDA only
+            from moelora.kernels.attention.paged import DENSE_FROM  # Triton: CUDA only
 
             self.runner.capture_graphs(
                 max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),

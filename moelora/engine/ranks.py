@@ -34,9 +34,9 @@ from moelora.lora.slots import SlotPool
 from moelora.models.loader import fill_dummy, load_weights, settle
 from moelora.models.model import MoeCausalLM
 from moelora.models.shard import load_shard
+from moelora.parallel import Shard
 from moelora.runner.model_runner import ModelRunner
 from moelora.runner.tp import Workers, serve
-from moelora.step.parallel import Shard
 
 # every collective and the ranks' rendezvous: a rank that stops answering fails the engine
 # after this long instead of hanging it (a dead process is caught at once, before a collective)

@@ -14,7 +14,7 @@ import torch
 
 from moelora.config import PREFILL_ATTENTION_BACKENDS, PROJECTIONS
 from moelora.kernels import reference
-from moelora.step.parallel import SINGLE, Shard
+from moelora.parallel import SINGLE, Shard
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,12 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
     """The Triton table with the dense projections EngineConfig.projections names and the
     prefill attention EngineConfig.prefill_attention_backend names. A new table each call: a
     BatchInvariantLinear keeps what it measured on its engine."""
-    from moelora.kernels import paged_attention as attention
-    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.attention import paged as attention
+    from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.linear import BatchInvariantLinear
     from moelora.kernels.lora import add_lora_
-    from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
-    from moelora.kernels.routing import route_topk
+    from moelora.kernels.moe.fused import fused_moe
+    from moelora.kernels.moe.routing import route_topk
 
     linear = reference.linear  # cuBLAS
     if projections != "cublas":

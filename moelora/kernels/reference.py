@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
-from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from moelora.config import ModelConfig
+from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
 from moelora.kernels.reference import silu_and_mul
 from moelora.layers.linear import LoraLinear
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
-from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 
 class DenseMLP(nn.Module):

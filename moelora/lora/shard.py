@@ -18,7 +18,7 @@ from moelora.config import ModelConfig
 from moelora.lora.adapter import LoraAdapter, ModuleLora
 from moelora.lora.slots import LoraTarget
 from moelora.models.shard import cols, experts, gate_up_rows, heads
-from moelora.step.parallel import Shard
+from moelora.parallel import Shard
 
 
 def shard_adapter(adapter: LoraAdapter, shard: Shard, cfg: ModelConfig) -> LoraAdapter:

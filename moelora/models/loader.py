@@ -14,10 +14,10 @@ from pathlib import Path
 import torch
 
 from moelora.errors import ModelConfigError
+from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
 from moelora.kernels.reference import dequantize_mxfp4
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
-from moelora.step.mxfp4 import Mxfp4Weight
 
 _ALIASES = [
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),

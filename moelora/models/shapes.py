@@ -9,7 +9,7 @@ engines from these, so a figure can be reproduced without downloading a model.
   experts, top-4, hidden and expert intermediate 2880, 64 query and 8 KV heads of 64, a
   128-token window on every other layer), without its quantization_config: dummy weights are
   bf16 experts. With MXFP4_QUANTIZATION added as its quantization_config (bench/decode.py
-  --mxfp4), a CUDA engine makes them packed MXFP4 instead (step/mxfp4.py), never bf16.
+  --mxfp4), a CUDA engine makes them packed MXFP4 instead (kernels/moe/mxfp4_layout.py), never bf16.
 """
 
 from __future__ import annotations
@@ -17,11 +17,76 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from moelora.demo import DEMO_SHAPE, model_config
 from moelora.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden: int
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    expert_intermediate: int
+    intermediate: int  # of a dense MLP layer
+
+
+DEMO_SHAPE = ModelShape(
+    hidden=64,
+    layers=2,
+    q_heads=4,
+    kv_heads=2,
+    head_dim=16,
+    experts=8,
+    top_k=2,
+    expert_intermediate=32,
+    intermediate=128,
+)
+
+
+def model_config(shape: ModelShape, *, vocab_size: int, eos_ids: list[int]) -> dict:
+    """A Qwen3-MoE config.json of `shape` (the demo writes its model with it)."""
+    return {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "vocab_size": vocab_size,
+        "hidden_size": shape.hidden,
+        "intermediate_size": shape.intermediate,
+        "moe_intermediate_size": shape.expert_intermediate,
+        "num_hidden_layers": shape.layers,
+        "num_attention_heads": shape.q_heads,
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "num_experts": shape.experts,
+        "num_experts_per_tok": shape.top_k,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 2048,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "router_aux_loss_coef": 0.001,
+        "output_router_logits": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_ids[0],
+    }
+
 
 QWEN3_30B_A3B: Mapping[str, object] = MappingProxyType(
     dict(

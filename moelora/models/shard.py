@@ -17,7 +17,7 @@ from moelora.config import ModelConfig
 from moelora.errors import ConfigError
 from moelora.models.loader import check_filled, placed_tensors
 from moelora.models.model import MoeCausalLM
-from moelora.step.parallel import Shard
+from moelora.parallel import Shard
 
 
 def check_divides(cfg: ModelConfig, size: int, *, expert_parallel: bool) -> None:

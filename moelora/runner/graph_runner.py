@@ -10,7 +10,7 @@ no-adapter sentinel, to KV slot -1 (nothing stored) and to the spare page.
 A prefill graph holds any step of at most its token count with a prompt chunk in it (mixed with
 decodes or not): its attention takes min(tokens, max_num_seqs) sequences, the padded ones with
 no tokens, and its programs find their sequence in the step's work table, which the graph
-builds from cu_seqlens_q (kernels/paged_attention.attention_work). Why: an eager prefill step
+builds from cu_seqlens_q (kernels/attention/paged.attention_work). Why: an eager prefill step
 of a 48-layer model launches about 700 kernels, 60-100 ms of host time on the H200's host,
 where its kernels take 4 ms at 512 tokens and 25 ms at 2048.
 """

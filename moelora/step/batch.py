@@ -56,7 +56,7 @@ class AttentionMetadata:
     # KV before it: dense_runs)
     chunks: tuple[tuple[int, int], ...] | None = None
     # prefill steps: which sequence and query block each attention program takes, built once a
-    # step for every layer (kernels/paged_attention.attention_work), for query blocks of
+    # step for every layer (kernels/attention/paged.attention_work), for query blocks of
     # work_block_q tokens; None: each launch builds its own (or a decode step needs none)
     work: torch.Tensor | None = None
     work_block_q: int = 0

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
     pytest.skip("needs a CUDA device", allow_module_level=True)
 pytest.importorskip("triton")
 
-from moelora.kernels.moe_align import (  # noqa: E402
+from moelora.kernels.moe.align import (  # noqa: E402
     PMAX,
     align_plan,
     align_reference,

@@ -23,7 +23,7 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.paged_attention import (  # noqa: E402
+from moelora.kernels.attention.paged import (  # noqa: E402
     paged_attention,
     paged_attention_o_shrink,
 )
@@ -308,7 +308,7 @@ def chunked_metadata(starts: list[int], q_lens: list[int], page_table, page_size
     ids=["one-4096", "two-padded", "mixed"],
 )
 def test_long_first_chunks_by_cudnn(starts, q_lens):
-    from moelora.kernels.paged_attention import cudnn_attention_runs
+    from moelora.kernels.attention.paged import cudnn_attention_runs
 
     if not cudnn_attention_runs(torch.empty(1, HQ, D, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch's cuDNN attention does not run here")
@@ -326,7 +326,7 @@ def test_long_first_chunks_by_cudnn(starts, q_lens):
 def test_a_dense_sequence_gets_the_same_bits_however_it_is_padded(monkeypatch):
     """A long first chunk's length is padded up (dense_length: one cuDNN plan per padded
     length): the padded queries come last, so the real rows are computed as without them."""
-    from moelora.kernels import paged_attention as pa
+    from moelora.kernels.attention import paged as pa
 
     if not pa.cudnn_attention_runs(torch.empty(1, HQ, D, device="cuda", dtype=torch.bfloat16)):
         pytest.skip("torch's cuDNN attention does not run here")

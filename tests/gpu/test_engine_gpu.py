@@ -161,7 +161,7 @@ def test_prefill_graph_replay_equals_eager_on_random_mixed_steps(assets):
     """Steps with prompt chunks (new prompts, some after a cached prefix) beside decodes of base
     and adapter requests, each run eagerly on the padded inputs of its prefill graph and
     replayed: the same bits. The graphs' attention finds each program's block in the work
-    table the graph builds (kernels/paged_attention.attention_work)."""
+    table the graph builds (kernels/attention/paged.attention_work)."""
     model, adapters = assets
     llm = _prefill_llm(
         model,
@@ -456,7 +456,7 @@ def test_long_prompts_by_cudnn_agree_with_the_paged_kernel(tmp_path, monkeypatch
     give the same prompt logprobs within bf16 rounding (the mean over every position: on this
     random model a last-bit difference grew to 2.8 at one position) and the same greedy tokens.
     Run on the H200 at d07e219: mean difference 0.029, 3 of 3 alike."""
-    from moelora.kernels import paged_attention as pa
+    from moelora.kernels.attention import paged as pa
 
     model = hf.make_model(
         "qwen3_moe", tmp_path / "model", seed=3, max_position_embeddings=8192, **SHAPE

@@ -24,7 +24,6 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.fused_moe import MoeConfig, fused_moe  # noqa: E402
 from moelora.kernels.linear import (  # noqa: E402
     INVARIANT_ROWS,
     BatchInvariantLinear,
@@ -32,7 +31,8 @@ from moelora.kernels.linear import (  # noqa: E402
     skinny_linear,
 )
 from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
-from moelora.kernels.routing import route_topk  # noqa: E402
+from moelora.kernels.moe.fused import MoeConfig, fused_moe  # noqa: E402
+from moelora.kernels.moe.routing import route_topk  # noqa: E402
 from moelora.step.lora import LoraBatchInfo, LoraWeights  # noqa: E402
 
 DEV = "cuda"

@@ -32,7 +32,7 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, lora_weights  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv  # noqa: E402
+from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv  # noqa: E402
 from moelora.step.lora import FoldedLora, LoraWeights  # noqa: E402
 
 DEV = "cuda"

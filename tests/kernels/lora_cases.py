@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
-from moelora.step.mxfp4 import Mxfp4Weight
 
 SLOT_RANKS = (0, 1, 8, 16)
 SPREADS = ("none", "one", "distinct", "mixed")

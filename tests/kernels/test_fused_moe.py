@@ -5,7 +5,7 @@ import torch
 from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err
 
 from moelora.kernels import reference
-from moelora.kernels.fused_moe import MoeConfig, fused_moe
+from moelora.kernels.moe.fused import MoeConfig, fused_moe
 from moelora.step.lora import LoraBatchInfo
 
 H, I = 64, 32
@@ -67,7 +67,7 @@ def test_pair_shrink_jobs_give_the_same_bits_on_fewer_programs(poison_empty, mon
     """The align launch's shrink programs walk PAIR_SPLITS jobs a pair; past
     MAX_SHRINK_PROGRAMS each program takes several. Which program runs a job must not change
     its sums: 5 programs for 7 x 2 x 8 jobs give the bits of one program a job."""
-    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe import fused as module
 
     args, lora = moe_case(7, 8, 2, "mixed", torch.float16)
     one_each = fused_moe(*args, **lora, config=GROUPED)
@@ -80,7 +80,7 @@ def test_pair_shrink_jobs_give_the_same_bits_on_fewer_programs(poison_empty, mon
 def test_pair_shrink_in_half_the_splits(poison_empty, monkeypatch, R):
     """From HALF_SPLITS_FROM pairs on, each shrink job does twice the rows of a pair (8 at rank
     16, 32 at rank 64: still within gate's or up's half): lowered to 1 here, at 7 tokens."""
-    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe import fused as module
 
     monkeypatch.setattr(module, "HALF_SPLITS_FROM", 1)
     args, lora = moe_case(7, 8, 2, "mixed", torch.float32, R=R)
@@ -93,8 +93,8 @@ def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeyp
     (moe_lora.packed_walk); past that they walk by reductions. Both visit the same slots with
     the same ranks, so the bits agree: 24 tokens over 8 slots of ranks 0..16, with the packed
     walk and with it turned off; and 16 slots, past the packed walk, against the reference."""
-    from moelora.kernels import fused_moe as module
-    from moelora.kernels.moe_lora import packed_walk
+    from moelora.kernels.moe import fused as module
+    from moelora.kernels.moe.lora import packed_walk
 
     assert packed_walk(8, 64) and not packed_walk(9, 16) and not packed_walk(8, 128)
     args, lora = moe_case(24, 8, 2, "mixed", torch.float16)
@@ -197,7 +197,7 @@ def test_fused_moe_gives_the_same_bits_past_pmax(poison_empty, monkeypatch):
     """Past PMAX the align is two launches, the pair shrink riding the second: lowered to 16
     pairs, in chunks of 32, 24 tokens x 2 take that path, and since both paths align alike,
     the MoE with LoRA gives the bits of the one-launch path."""
-    from moelora.kernels import moe_align
+    from moelora.kernels.moe import align as moe_align
 
     args, lora = moe_case(24, 8, 2, "mixed", torch.float32)
     one_launch = fused_moe(*args, **lora, config=GROUPED)
@@ -236,7 +236,7 @@ def test_block_shrink_at_prefill_sizes(poison_empty, monkeypatch, spread, dtype)
     """From BLOCK_SHRINK_FROM pairs gate_up's shrink runs block by block after the align, one
     product per slot a block holds (moe_lora.block_shrink_kernel): lowered to 1 pair here, its
     input chunk to 32 so that its loop runs twice."""
-    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe import fused as module
 
     monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
     monkeypatch.setattr(module, "BLOCK_SHRINK_K", 32)
@@ -249,7 +249,7 @@ def test_block_shrinks_take_the_steps_rank_tile(poison_empty, monkeypatch):
     """Where the shrinks run block by block, a step whose enabled slots have ranks 1, 8 and 16
     in a rank-64 pool (LoraBatchInfo.rank_tile 16) runs 16-wide rank tiles, reads nothing past
     16 (NaN there) and gives the pool tile's output; the pair path keeps the pool's tile."""
-    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe import fused as module
 
     tiles, real = [], module._lora
 
@@ -274,7 +274,7 @@ def test_block_shrinks_take_the_steps_rank_tile(poison_empty, monkeypatch):
 def test_block_shrink_follows_real_rank_in_a_larger_pool(poison_empty, monkeypatch):
     """The block shrink reads no column of A13 past a slot's real rank (NaN there), and skips
     disabled slots and slots with rank 0."""
-    from moelora.kernels import fused_moe as module
+    from moelora.kernels.moe import fused as module
 
     monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
     args, lora, expect = real_rank_case(24)

@@ -9,8 +9,8 @@ CHUNK_MIN and CHUNK_MAX): many chunks, every edge between them; a few run at the
 import pytest
 import torch
 
-from moelora.kernels import moe_align as module
-from moelora.kernels.moe_align import PMAX, align_plan, align_reference, moe_align, num_blocks
+from moelora.kernels.moe import align as module
+from moelora.kernels.moe.align import PMAX, align_plan, align_reference, moe_align, num_blocks
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""kernels/mxfp4._scale_part, which hands each sub-tile its rows of a tile's scale bytes loaded
+"""kernels/moe/mxfp4._scale_part, which hands each sub-tile its rows of a tile's scale bytes loaded
 at once: every part of every split, in the interpreter."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.mxfp4 import _scale_part
+from moelora.kernels.moe.mxfp4 import _scale_part
 
 
 @triton.jit

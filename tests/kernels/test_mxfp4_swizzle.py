@@ -1,13 +1,13 @@
-"""The fused MoE's GPU layout of MXFP4 codes (step/mxfp4.SWIZZLE_SHIFTS): a bit permutation
+"""The fused MoE's GPU layout of MXFP4 codes (mxfp4_layout.SWIZZLE_SHIFTS): a bit permutation
 within each group that undoes exactly, and from which the kernel's shifts and masks
-(kernels/mxfp4.e2m1_bf16_swizzled, PTX that runs on the GPU only) give every element's value.
+(kernels/moe/mxfp4.e2m1_bf16_swizzled, PTX that runs on the GPU only) give every element's value.
 The PTX's operations are modelled here in integer arithmetic, on every code."""
 
 import pytest
 import torch
 
+from moelora.kernels.moe.mxfp4_layout import SCALE_ROW_GROUPS, SWIZZLE_SHIFTS, Mxfp4Weight
 from moelora.kernels.reference import dense_experts, dequantize_mxfp4
-from moelora.step.mxfp4 import SCALE_ROW_GROUPS, SWIZZLE_SHIFTS, Mxfp4Weight
 
 MAGNITUDE, SIGN = 0x01C001C0, 0x80008000  # bits 6-8 and 15 of each bfloat16 half
 

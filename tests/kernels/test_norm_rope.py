@@ -15,7 +15,7 @@ import torch
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err
 
 from moelora.kernels import reference
-from moelora.kernels.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
+from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
 from moelora.step.lora import FoldedLora
 
 # float32 differs by a few ulps: the sum of squares is reduced in another order
@@ -275,7 +275,7 @@ def test_rms_norm_lora_matches_reference(
 def test_rms_norm_lora_wide_shrink_programs(poison_empty, monkeypatch, dtype):
     """From SHRINK_WIDE_T rows on, a program shrinks twice the rank rows (half the programs a
     row): the same sums, checked at 7 rows with the threshold lowered to 1."""
-    from moelora.kernels import norm_rope
+    from moelora.kernels.attention import norm_rope
 
     assert norm_rope._rank_rows_per_step(7, 48, 64, 1, True) == 16
     monkeypatch.setattr(norm_rope, "SHRINK_WIDE_T", 1)
@@ -416,7 +416,7 @@ def test_rope_store_kv_prefill_programs_of_several_tokens(poison_empty, monkeypa
     """From ROPE_GROUP_FROM tokens (lowered to 16 here) a program takes 8 tokens of its head:
     29 tokens leave the last program 5, and padded rows (-1) among them; the same values as
     the reference, every row stored where its slot says."""
-    from moelora.kernels import norm_rope
+    from moelora.kernels.attention import norm_rope
 
     monkeypatch.setattr(norm_rope, "ROPE_GROUP_FROM", 16)
     torch.manual_seed(29)

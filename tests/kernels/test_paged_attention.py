@@ -17,7 +17,7 @@ import torch  # noqa: E402
 from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
-from moelora.kernels.paged_attention import (  # noqa: E402
+from moelora.kernels.attention.paged import (  # noqa: E402
     attention_work,
     launch_paged_attention,
     paged_attention,
@@ -437,7 +437,7 @@ def test_long_first_chunks_are_left_to_the_dense_attention(monkeypatch):
     least dense_from tokens (cuDNN attends to those on the GPU: tests/gpu) and writes every
     other row. A stand-in for the
     dense attention checks that its rows were left alone and fills them from the reference."""
-    from moelora.kernels import paged_attention as pa
+    from moelora.kernels.attention import paged as pa
 
     q_lens, seq_lens = [40, 10, 33, 33, 5, 33], [40, 50, 33, 33, 5, 33]
     shape = dict(num_q_heads=4, num_kv_heads=2, head_dim=16, page_size=16)
@@ -465,8 +465,8 @@ def test_long_first_chunks_are_left_to_the_dense_attention(monkeypatch):
 
 
 def test_the_engine_sends_long_first_chunks_to_cudnn_unless_asked():
+    from moelora.kernels.attention.paged import DENSE_FROM
     from moelora.kernels.ops import make_ops
-    from moelora.kernels.paged_attention import DENSE_FROM
 
     cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
     triton = make_ops(cuda, prefill_attention_backend="triton")

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from moelora.kernels import reference
-from moelora.kernels.routing import route_topk
+from moelora.kernels.moe.routing import route_topk
 
 
 @pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])

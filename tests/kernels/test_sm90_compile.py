@@ -118,9 +118,9 @@ def compile_sm90(kernel, args, kwargs):
 
 
 def _moe_configs():
-    from moelora.kernels.moe_config import MoeConfig
+    from moelora.kernels.moe.config import MoeConfig
 
-    path = Path(__file__).parents[2] / "moelora/kernels/configs/fused_moe_NVIDIA_H200.json"
+    path = Path(__file__).parents[2] / "moelora/kernels/moe/configs/fused_moe_NVIDIA_H200.json"
     table = json.loads(path.read_text())["E=128,H=2048,I=768,K=8"]
     return [(int(m), MoeConfig(**cfg)) for m, cfg in table.items()]
 
@@ -144,7 +144,9 @@ def _launch_norms_and_rotary(T: int) -> None:
     """The norms and rotary with and without the attention's folded LoRA, add_lora_, routing."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels import lora, norm_rope, routing
+    from moelora.kernels import lora
+    from moelora.kernels.attention import norm_rope
+    from moelora.kernels.moe import routing
     from moelora.step.lora import FoldedLora
 
     info = batch_info(T, "mixed")
@@ -195,7 +197,7 @@ def _launch_paged_attention() -> None:
     """Decode without and with splits (with the o LoRA's shrink too), and a prefill."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels import paged_attention
+    from moelora.kernels.attention import paged as paged_attention
     from moelora.step.batch import AttentionMetadata
 
     pages = torch.arange(8, dtype=torch.int32).view(2, 4)
@@ -244,8 +246,8 @@ def _launch_moe() -> None:
     launches at each chunk size (CHUNK_MIN..CHUNK_MAX), LoRA off and on."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels import moe_align
-    from moelora.kernels.fused_moe import fused_moe
+    from moelora.kernels.moe import align as moe_align
+    from moelora.kernels.moe.fused import fused_moe
 
     E, Hm, Im, K = 128, 256, 128, 8
     w13 = torch.randn(E, 2 * Im, Hm, dtype=BF16)
@@ -277,10 +279,10 @@ def _launch_mxfp4_moe() -> None:
     of one."""
     from lora_cases import batch_info, lora_weights, mxfp4_weight
 
-    from moelora.kernels.fused_moe import fused_moe
-    from moelora.kernels.moe_config import MoeConfig
+    from moelora.kernels.moe.config import MoeConfig
+    from moelora.kernels.moe.fused import fused_moe
 
-    path = Path(__file__).parents[2] / "moelora/kernels/configs/fused_moe_NVIDIA_H200.json"
+    path = Path(__file__).parents[2] / "moelora/kernels/moe/configs/fused_moe_NVIDIA_H200.json"
     table = json.loads(path.read_text())["E=128,H=2880,I=2880,K=4,mxfp4"]
     E, Hm, Im, K = 32, 256, 128, 4
     w13, w2 = mxfp4_weight(E, 2 * Im, Hm, (118, 122)), mxfp4_weight(E, Hm, Im, (118, 122))

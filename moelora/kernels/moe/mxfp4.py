@@ -1,11 +1,11 @@
 """MXFP4 weight tiles expanded in registers, and the fused MoE's main loops over packed experts
-(step/mxfp4.Mxfp4Weight; kernels/fused_moe.py takes them where its MXFP4 flag is set).
+(mxfp4_layout.Mxfp4Weight; kernels/moe/fused.py takes them where its MXFP4 flag is set).
 
 Four expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement from the codes
 in the GPU layout the engine rewrites them into at load (e2m1_bf16_swizzled,
-step/mxfp4.SWIZZLE_SHIFTS: 6 masks and 5 shifts, done as multiplies, a word of 8 values), or
+mxfp4_layout.SWIZZLE_SHIFTS: 6 masks and 5 shifts, done as multiplies, a word of 8 values), or
 from the release layout (e2m1_bf16_placed: 16 integer instructions), both where every scale
-byte is at most step/mxfp4.PLACED_SCALE_MAX, as in any real checkpoint; else byte-permute
+byte is at most mxfp4_layout.PLACED_SCALE_MAX, as in any real checkpoint; else byte-permute
 table lookups (e2m1_bf16_pairs). Counted in the sm_90 SASS of gpt-oss-120b's 64-token tiles
 (bench/sass_moe.py), the main loops took 4.4 (gate_up) and 5.1 (down) instructions an element
 with the release layout's placement, 5.5 and 6.4 with the lookups, against 12 to 13 for the
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
-from moelora.step.mxfp4 import SWIZZLE_SHIFTS
+from moelora.kernels.moe.mxfp4_layout import SWIZZLE_SHIFTS
 
 GROUP: tl.constexpr = tl.constexpr(32)  # elements along K that share one scale byte
 
@@ -172,7 +172,7 @@ _SWIZZLED_ASM: tl.constexpr = tl.constexpr(_swizzled_asm())
 @triton.jit
 def e2m1_bf16_swizzled(codes):
     """(even, odd) [BK/2, BN] bfloat16 as e2m1_bf16_placed's, each value times 2^-126, from
-    code bytes in the GPU layout (step/mxfp4.SWIZZLE_SHIFTS) (GPU only). A thread's 4
+    code bytes in the GPU layout (mxfp4_layout.SWIZZLE_SHIFTS) (GPU only). A thread's 4
     consecutive code bytes along K are one word of the layout (the dot operand's K runs of 4
     start at multiples of 4): 6 masks and 5 shifts by multiplies for its 8 values, no byte
     moves."""
@@ -200,7 +200,7 @@ def lut_tile_dot(
 ):
     """acc + xt @ the tile, its values (EXPAND as gate_up_mxfp4_loop's) from e2m1_bf16_pairs
     (1), e2m1_bf16_placed (2) or e2m1_bf16_swizzled (3), the last two for scale bytes up to
-    step/mxfp4.PLACED_SCALE_MAX, times the scale in bfloat16 (a power of two: exact), as two
+    mxfp4_layout.PLACED_SCALE_MAX, times the scale in bfloat16 (a power of two: exact), as two
     dots: x's even columns times the even elements, its odd ones times the odd. bf16 on the GPU
     only."""
     codes = tl.load(code_ptrs, mask=code_mask, other=0)
@@ -275,7 +275,7 @@ def _scale_part(scales, s: tl.constexpr, NSUB: tl.constexpr):
 @triton.jit
 def _scale_mask(offs_ks, k_left, n_ok, EXPAND: tl.constexpr):
     """A scale tile's mask: in the GPU layout (3) the padded rows need none along K
-    (step/mxfp4.SCALE_ROW_GROUPS), else the groups before k_left columns are left."""
+    (mxfp4_layout.SCALE_ROW_GROUPS), else the groups before k_left columns are left."""
     if EXPAND == 3:
         return n_ok[None, :]
     else:

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.moe_lora import pair_shrink
+from moelora.kernels.moe.lora import pair_shrink
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 

@@ -11,15 +11,15 @@ import torch
 
 MXFP4_GROUP = 32  # elements along K that share one scale byte
 # Scale bytes up to this let the fused MoE expand a tile by bit placement and one multiply by
-# 2^(s - 1) (kernels/mxfp4.e2m1_bf16_placed), a normal bfloat16 only up to s = 128: a group
+# 2^(s - 1) (kernels/moe/mxfp4.e2m1_bf16_placed), a normal bfloat16 only up to s = 128: a group
 # whose largest weight is up to 12. Past it the tiles take table lookups.
 PLACED_SCALE_MAX = 128
 
 # The fused MoE's own layout of the codes on the GPU (Mxfp4Weight.swizzle_): the same bytes of
 # each row, but each 32-element group's 16 bytes are 4 little-endian words whose bits are
-# placed for kernels/mxfp4.e2m1_bf16_swizzled. Word q holds the group's elements 8q .. 8q + 7 as
+# placed for kernels/moe/mxfp4.e2m1_bf16_swizzled. Word q holds the group's elements 8q .. 8q + 7 as
 # 4 pairs, each one register of two bfloat16 for the mma (whose dots take the even elements
-# apart from the odd: kernels/mxfp4.lut_tile_dot):
+# apart from the odd: kernels/moe/mxfp4.lut_tile_dot):
 #   pair i = elements 8q + 4 (i % 2) + (i // 2) + (0, 2),
 # the first element in the low half (h = 0), the second in the high half (h = 1). Code bit t < 3
 # of element (i, h) is at bit 6 + t - m + 16 h and its sign at 15 - s + 16 h, (m, s) =
@@ -36,7 +36,7 @@ SWIZZLE_SHIFTS = ((6, 6), (3, 3), (0, 4), (-7, 5))
 # many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
 # its row, so the kernels load a tile's scales without a mask along K: from 128-deep tiles on,
 # 4 to 8 bytes a thread through the pipeline's asynchronous copies (at 90 bytes a row, as
-# released, they loaded a byte at a time and waited each tile: kernels/mxfp4.lut_tile_dot).
+# released, they loaded a byte at a time and waited each tile: kernels/moe/mxfp4.lut_tile_dot).
 SCALE_ROW_GROUPS = 16
 
 

@@ -14,7 +14,7 @@ Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
 
 GPT-OSS adds biases (b13 [E, 2I], b2 [E, H], added to the fp32 accumulators like the LoRA
 deltas) and its clamped SwiGLU (reference.swiglu_oai); both are constexpr options, so the other
-architectures compile the same kernels as before. Its MXFP4 experts (step/mxfp4.Mxfp4Weight)
+architectures compile the same kernels as before. Its MXFP4 experts (mxfp4_layout.Mxfp4Weight)
 stay packed: with the MXFP4 constexpr both GEMMs take their main loop from mxfp4.py, which loads
 [BK/2, BN] code bytes and [BK/32, BN] scale bytes a tile, expands them to x's dtype in registers
 and feeds the same tl.dot; the epilogues (LoRA, biases, activation) are the same code. BK is then
@@ -40,9 +40,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora.kernels.dot import dot
 from moelora.kernels.lora import rank_block
-from moelora.kernels.moe_align import PairShrink, launch_align, num_blocks
-from moelora.kernels.moe_config import MoeConfig, default_config
-from moelora.kernels.moe_lora import (
+from moelora.kernels.moe.align import PairShrink, launch_align, num_blocks
+from moelora.kernels.moe.config import MoeConfig, default_config
+from moelora.kernels.moe.lora import (
     PAIR_SPLITS,
     block_shrink_kernel,
     block_slots,
@@ -52,12 +52,12 @@ from moelora.kernels.moe_lora import (
     packed_walk,
     pair_shrink_block_k,
 )
-from moelora.kernels.mxfp4 import down_mxfp4_loop, gate_up_mxfp4_loop
+from moelora.kernels.moe.mxfp4 import down_mxfp4_loop, gate_up_mxfp4_loop
+from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import LoraBatchInfo, LoraWeights
-from moelora.step.mxfp4 import MXFP4_GROUP, Mxfp4Weight
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
