@@ -1,6 +1,6 @@
 """Which shard of the model this process holds (tensor / expert parallel), and the collectives
 the layers call on it. A model built without a group is the whole model: every collective is the
-identity, so the single-process path runs exactly as before.
+identity, so the single-process path runs exactly the unsharded computation.
 
 Legend: N = ranks, r = this rank, V = vocabulary, E = experts, H = hidden.
 """

@@ -112,7 +112,7 @@ def max_rows(N: int) -> int:
     """The most rows at which the skinny kernel beats cuBLAS for N outputs. Each row costs a
     cross-thread reduction per output, so the break-even falls with N: on an H200 q|k|v
     (N = 5120, 6144) takes it at one token, o (2048, 4096) up to 2 rows, a router (128) up to
-    MAX_ROWS (bench/results/linear-h200-2026-11-30-dc5d86e.md)."""
+    MAX_ROWS (bench/linear.py)."""
     return MAX_ROWS if N <= 256 else 2 if N <= 4096 else 1
 
 

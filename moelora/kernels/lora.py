@@ -288,20 +288,18 @@ def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int], sms: int = 0) -
     widest = BN * cdiv(max(sizes), BN)
     if T > PREFILL_ROWS:
         # prefill: every program shrinks its rows again, so at 16 rows x 256 columns a
-        # 4096-token q|k|v read x 20 times and A 5120 times (0.27 ms); 64 rows x 1024 columns
-        # read each 16 times fewer. 128 deep: at 4096 tokens 7% faster for q|k|v and 15% for
-        # o than 64 deep. Splitting the work into a shrink launch and an expand launch over
-        # small column groups measured within 6% of this, either way (bench/results/NOTES.md)
+        # 4096-token q|k|v reads x 20 times and A 5120 times; 64 rows x 1024 columns read each
+        # 16 times fewer. 128-deep input tiles, not 64: fewer steps in each program's chain. A
+        # shrink launch then an expand launch over small column groups does not beat this one
         prefill = dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, BN=BN, BK=128, BR=BR)
         wide = min(1024, widest)
         if sms and cdiv(T, 64) * sum(cdiv(n, wide) for n in sizes) >= 2 * sms:
-            # enough programs for two a multiprocessor at 1024 columns: their 235 registers
-            # capped at 168 (ptxas spills a few) let three share one, two stages deep. On the
-            # H200 at 4096 rows q|k|v took 73.9 us, against 89.8 uncapped and 95.4 at 512
-            # columns (bench/lora_tiles.py, 384 programs)
+            # enough programs for two a multiprocessor at 1024 columns: their registers capped
+            # at 168 (ptxas spills a few) let three share one, two stages deep; the capped wide
+            # tile beats both the uncapped one and 512 columns there
             return prefill | dict(CW=wide, maxnreg=168, num_stages=2)
         # fewer programs (o at 4096 rows: 128 at 1024 columns, under one a multiprocessor):
-        # 512 columns, twice the programs; o took 46.3 us against 56.3 at 1024
+        # 512 columns, twice the programs, so that every multiprocessor has one
         return prefill | dict(CW=min(512, widest))
     BK = 256 if SG * BR <= 64 else 128
     CW = min(64 if T <= 16 else 128 if T <= 64 else 256, widest)
@@ -334,13 +332,42 @@ def add_lora_(
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
+    meta = _add_lora_meta(T, lora, info, sizes, x.device, tiles)
+    _launch_add_lora(y, x, lora, info, sizes, meta)
+    return y
+
+
+def _add_lora_meta(
+    T: int,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+    sizes: list[int],
+    device: torch.device,
+    tiles: dict[str, int] | None,
+) -> dict[str, int]:
+    """_add_lora_kernel's meta-parameters for T rows: add_lora_tiles', with the caller's
+    tiles in place of its own where given."""
+    S, _, R, _ = lora.a.shape
     # prefill tiles may take the step's rank (LoraBatchInfo.rank_tile): their K blocking does
     # not follow it, and the rank rows it drops are zeros
     tile_rank = info.rank_tile if info.rank_tile and T > PREFILL_ROWS else R
     assert tile_rank <= R, (info.rank_tile, R)
-    meta = add_lora_tiles(T, S, tile_rank, sizes, multiprocessors(x.device))
+    meta = add_lora_tiles(T, S, tile_rank, sizes, multiprocessors(device))
     if tiles:  # a candidate runs with its own launch options only
         meta = {k: v for k, v in meta.items() if k not in ("maxnreg", "num_stages")} | tiles
+    return meta
+
+
+def _launch_add_lora(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+    sizes: list[int],
+    meta: dict[str, int],
+) -> None:
+    """One _add_lora_kernel launch for all slices `sizes` (padded to 3 with zeros)."""
+    T, K_in = x.shape
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
         y_ptr=y,
@@ -366,4 +393,3 @@ def add_lora_(
         **meta,
         **pdl_kwargs(x.device),
     )
-    return y

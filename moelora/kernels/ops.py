@@ -1,35 +1,47 @@
 """The kernel table a model is built with: Triton on CUDA, the torch references elsewhere.
 
 Chosen once at startup from the config (no globals): layers call `self.ops.fused_moe(...)`.
+Each field's call is a Protocol of kernels/contracts.py, which both tables satisfy.
 The Triton modules are imported only when a CUDA table is made: triton is optional on the CPU.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from moelora.config import PREFILL_ATTENTION_BACKENDS, PROJECTIONS
 from moelora.kernels import reference
+from moelora.kernels.contracts import (
+    AddLoraOp,
+    FusedMoeOp,
+    LinearOp,
+    PagedAttentionOp,
+    PagedAttentionOShrinkOp,
+    PlanAttentionOp,
+    RmsNormLoraOp,
+    RmsNormOp,
+    RopeStoreKvOp,
+    RouteTopkOp,
+)
 from moelora.parallel import SINGLE, Shard
 
 
 @dataclass(frozen=True)
 class Ops:
     name: str
-    linear: Callable
-    route_topk: Callable
-    fused_moe: Callable
-    add_lora_: Callable
-    paged_attention: Callable
-    paged_attention_o_shrink: Callable
-    plan_attention: Callable  # once a step, before the layers: the metadata they all read
-    rms_norm: Callable
-    rms_norm_lora: Callable
-    rope_store_kv: Callable
+    linear: LinearOp
+    route_topk: RouteTopkOp
+    fused_moe: FusedMoeOp
+    add_lora_: AddLoraOp
+    paged_attention: PagedAttentionOp
+    paged_attention_o_shrink: PagedAttentionOShrinkOp
+    plan_attention: PlanAttentionOp  # once a step, before the layers: the metadata they all read
+    rms_norm: RmsNormOp
+    rms_norm_lora: RmsNormLoraOp
+    rope_store_kv: RopeStoreKvOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool

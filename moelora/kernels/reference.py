@@ -1,6 +1,7 @@
 """Pure-torch references for every kernel: the CPU path, the tests' oracle, the debug fallback.
 
-Each Triton kernel in this package has the same signature as its reference here.
+Each Triton kernel in this package has the same signature as its reference here; for the Ops
+table's entries that signature is a Protocol of kernels/contracts.py, which a test checks.
 Legend: T = tokens, H = hidden, I = expert intermediate, E = experts, K = top-k,
 S = adapter slots, R = max LoRA rank, n = output slices of a fused linear.
 """

@@ -3,7 +3,7 @@
 engines from these, so a figure can be reproduced without downloading a model.
 
 - qwen3-30b-a3b: Qwen3-30B-A3B (48 layers, 128 experts, top-8, hidden 2048, expert
-  intermediate 768), the shape every result in bench/results is measured on;
+  intermediate 768), the benchmarks' default shape;
 - tiny-qwen3-moe: the demo model's shape (2 layers, 8 experts, hidden 64), for CPU smoke runs;
 - gpt-oss-20b, gpt-oss-120b: openai/gpt-oss-{20b,120b}'s config.json (24 / 36 layers, 32 / 128
   experts, top-4, hidden and expert intermediate 2880, 64 query and 8 KV heads of 64, a

@@ -30,8 +30,8 @@ rows and sequences. A prefill step then can be captured as well, its grid sized 
 step of its row count, the programs past the step's blocks exiting at once.
 
 Long prefill chunks with no KV before them (a prompt's first chunk, at least dense_from tokens)
-can go to cuDNN's fused attention instead (torch's aten op; about 1.3x this kernel's speed at
-4k-16k tokens on the H200): their keys and values are the step's own, gathered from the cache
+can go to cuDNN's fused attention instead (torch's aten op, faster than this kernel at such
+lengths): their keys and values are the step's own, gathered from the cache
 by slot into contiguous tensors. Which kernel a sequence gets depends on its own chunk only
 (dense_runs), but a prompt prefilled whole then has other bits than the same rows computed as a
 later chunk: EngineConfig.prefill_attention_backend="triton" keeps them.
@@ -95,10 +95,9 @@ DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_s
 PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
-# Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs). From
-# 4096, in one A/B on the H200 (bench/results/NOTES.md), LoRA disabled gained 6% of its 4096-token
-# TTFT, but the LoRA engine, bound there by the host's launches, lost 12% (not explained); from
-# 8192 every case gained (5-12% at 8192 and 16384 tokens)
+# Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs): from
+# this length cuDNN gains in every case, LoRA or not; below it a LoRA engine's prefill is bound
+# by its host's launches and need not gain
 DENSE_FROM = 8192
 MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
@@ -711,32 +710,17 @@ def launch_paged_attention(
 
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
-    _check_attention(q, k_cache, v_cache, attn)
-    assert window >= 0, window
-    if sinks is not None:
-        assert sinks.shape == (q.shape[1],) and sinks.dtype == torch.float32, sinks.shape
+    _check_attention(q, k_cache, v_cache, attn, window, sinks)
     plan = _plan(q, k_cache, attn, config, num_splits)
-    dense = 0 if plan.decode or window or sinks is not None else dense_from
-    runs = dense_runs(attn.chunks, dense) if dense and cudnn_attention_runs(q) else []
+    runs = _cudnn_runs(q, attn, plan, window, sinks, dense_from)
     if runs and sum(L for _, L in runs) == q.shape[0]:  # every row dense: no Triton
         if out is None and len(runs) > 1:
             out = torch.empty_like(q)
         return _dense_attention(q, k_cache, v_cache, attn, scale, runs, out), None
-    if plan.decode:
-        # Decode programs zero the padded rows themselves: nothing else is recorded.
-        out = torch.empty_like(q) if out is None else out
-    else:
-        out = torch.zeros_like(q) if out is None else out.zero_()
-    num_seqs = attn.page_table.shape[0]
-    if plan.num_splits > 1:
-        part_shape = (num_seqs, q.shape[1], plan.num_splits)
-        part_out = q.new_empty(*part_shape, q.shape[2], dtype=torch.float32)
-        part_lse = q.new_empty(*part_shape, dtype=torch.float32)
-    else:
-        part_out = part_lse = out  # unused
-    if q.shape[0] == 0 or num_seqs == 0:
+    out, part_out, part_lse = _outputs(q, attn, plan, out)
+    if q.shape[0] == 0 or attn.page_table.shape[0] == 0:
         return out.zero_(), None
-    dense = dense if runs else 0  # the kernel skips what _dense_attention writes
+    dense = dense_from if runs else 0  # the kernel skips what _dense_attention writes
     launch = _Attention(
         q, k_cache, v_cache, attn, scale, out, part_out, part_lse, window, sinks, dense
     )
@@ -754,8 +738,8 @@ def launch_paged_attention(
 
 
 def dense_length(L: int) -> int:
-    """A dense sequence's length padded up: cuDNN builds a plan for every new shape (44-68
-    ms on the H200), so lengths come in 16 steps an octave (at most 1/16 of padding)."""
+    """A dense sequence's length padded up: cuDNN builds a plan for every new shape (tens of
+    milliseconds), so lengths come in 16 steps an octave (at most 1/16 of padding)."""
     step = max(256, (1 << (L.bit_length() - 1)) // 16)
     return cdiv(L, step) * step
 
@@ -763,8 +747,8 @@ def dense_length(L: int) -> int:
 def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
     """Causal attention by cuDNN: q [B, Hq, L, D], k and v [B, Hkv, L, D] (GQA as they are;
     strided views are fine) -> [B, Hq, L, D]. torch's aten op itself: through
-    scaled_dot_product_attention and sdpa_kernel the same kernel cost the host about 290 µs a
-    call, against 45 (bench/attention.py --prefill)."""
+    scaled_dot_product_attention and sdpa_kernel the same kernel costs the host several times
+    the launch."""
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, False, 0.0, True, False, scale=scale
     )
@@ -826,7 +810,12 @@ def _dense_attention(
 
 
 def _check_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, attn: AttentionMetadata
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    window: int,
+    sinks: torch.Tensor | None,
 ) -> None:
     assert q.ndim == 3 and k_cache.ndim == 4, f"q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
     assert k_cache.shape == v_cache.shape, f"k {k_cache.shape} vs v cache {v_cache.shape}"
@@ -838,6 +827,9 @@ def _check_attention(
     num_seqs = attn.page_table.shape[0]
     assert attn.cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [B + 1]"
     assert attn.seq_lens.shape == (num_seqs,), "seq_lens must be [B]"
+    assert window >= 0, window
+    if sinks is not None:
+        assert sinks.shape == (num_q_heads,) and sinks.dtype == torch.float32, sinks.shape
 
 
 class _Plan(NamedTuple):
@@ -879,6 +871,37 @@ def _plan(
         work = attention_work(attn.cu_seqlens_q, num_rows, block_q)
     grid = (num_kv_heads, work.shape[0], 1)
     return _Plan(config, 1, False, group_pad, block_q, grid, work)
+
+
+def _cudnn_runs(
+    q: torch.Tensor,
+    attn: AttentionMetadata,
+    plan: _Plan,
+    window: int,
+    sinks: torch.Tensor | None,
+    dense_from: int,
+) -> list[tuple[int, int]]:
+    """The (first row, length) of each prefill chunk that cuDNN attends to (dense_runs): none
+    for a decode, a sliding window or sinks, which only the paged kernel has."""
+    dense = 0 if plan.decode or window or sinks is not None else dense_from
+    return dense_runs(attn.chunks, dense) if dense and cudnn_attention_runs(q) else []
+
+
+def _outputs(
+    q: torch.Tensor, attn: AttentionMetadata, plan: _Plan, out: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, part_out, part_lse): the output, zeroed where no program writes it, and a split
+    decode's float32 partials ([B, Hq, splits, D] and [B, Hq, splits]; out without splits)."""
+    if plan.decode:
+        # Decode programs zero the padded rows themselves: nothing else is recorded.
+        out = torch.empty_like(q) if out is None else out
+    else:
+        out = torch.zeros_like(q) if out is None else out.zero_()
+    if plan.num_splits > 1:
+        part_shape = (attn.page_table.shape[0], q.shape[1], plan.num_splits)
+        part_out = q.new_empty(*part_shape, q.shape[2], dtype=torch.float32)
+        return out, part_out, q.new_empty(*part_shape, dtype=torch.float32)
+    return out, out, out  # the partials are unused
 
 
 class _Attention(NamedTuple):

@@ -37,8 +37,8 @@ class MoeConfig:
     # MXFP4 loops' expansion is latency-bound: more warps to switch between)
     max_registers: int = 0
     # MXFP4's PTX expansions on sub-tiles this deep (0: the whole BK tile): a tile expanded
-    # whole keeps all its bf16 values live before the dots (194 registers at BK 256, BN 64;
-    # 103 in 64-deep sub-tiles, which take their scale bytes out of the tile's)
+    # whole keeps all its bf16 values live before the dots, sub-tiles only theirs (each takes
+    # its scale bytes out of the tile's)
     mxfp4_sub_k: int = 0
     # the GEMMs' program order (fused_moe._tile): 0, blocks fastest; G, groups of G blocks each
     # sweeping every column block (prefill: a block's rows and its expert's columns stay in L2)

@@ -14,7 +14,7 @@ Algorithm. The T*K (token, expert) pairs are the rows of two grouped GEMMs.
 
 GPT-OSS adds biases (b13 [E, 2I], b2 [E, H], added to the fp32 accumulators like the LoRA
 deltas) and its clamped SwiGLU (reference.swiglu_oai); both are constexpr options, so the other
-architectures compile the same kernels as before. Its MXFP4 experts (mxfp4_layout.Mxfp4Weight)
+architectures compile kernels without them. Its MXFP4 experts (mxfp4_layout.Mxfp4Weight)
 stay packed: with the MXFP4 constexpr both GEMMs take their main loop from mxfp4.py, which loads
 [BK/2, BN] code bytes and [BK/32, BN] scale bytes a tile, expands them to x's dtype in registers
 and feeds the same tl.dot; the epilogues (LoRA, biases, activation) are the same code. BK is then
@@ -64,8 +64,8 @@ SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
 # pairs from which gate_up's shrink runs block by block (moe_lora.block_shrink_kernel): past
 # every decode graph's pairs (256 rows at top-8), so prefill steps of more than 256 tokens at
-# top-8. From 4097 (past the align's PMAX), a 512-token prompt with one adapter took 1.66x its
-# base-only TTFT on the H200: each of its 4096 pairs read its expert's whole A13 (0.5 GB a layer)
+# top-8, not only past the align's PMAX: the pair shrink reads each pair's expert's whole A13,
+# 0.5 GB a layer for a 512-token prompt's 4096 pairs (Qwen3-30B-A3B, rank 16)
 BLOCK_SHRINK_FROM = 2049
 BLOCK_SHRINK_K = 64  # its input chunk
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
@@ -907,11 +907,11 @@ def fused_moe(
     lora13: LoraWeights | None = None,
     lora2: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
-    config: MoeConfig | None = None,
     sum_topk: bool = True,
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: str = "silu",
+    config: MoeConfig | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2);
     with b13 [E, 2I], b2 [E, H] and activation as reference.fused_moe has them.
@@ -924,20 +924,11 @@ def fused_moe(
     topk_ids [T, K] int32. lora13.a [S, E, 2, R, H], lora13.b [S, E, 2I, R]; lora2.a
     [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H]. No host sync: capturable.
     """
-    T, H = x.shape
-    E, I2, _ = w13.shape
-    I = I2 // 2
-    K = topk_ids.shape[1]
-    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
-    assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
-    mxfp4 = isinstance(w13, Mxfp4Weight)
-    assert isinstance(w2, Mxfp4Weight) == mxfp4, (type(w13), type(w2))
-    assert not mxfp4 or (H % MXFP4_GROUP == 0 and I % MXFP4_GROUP == 0), (H, I)
+    T, K = x.shape[0], topk_ids.shape[1]
+    E, H, I, mxfp4 = _expert_sizes(x, w13, w2, b13, b2)
     assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
     assert activation in ACTIVATIONS, activation
-    for bias, shape in ((b13, (E, 2 * I)), (b2, (E, H))):
-        assert bias is None or (bias.shape == shape and bias.is_contiguous()), (shape, bias)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -948,8 +939,7 @@ def fused_moe(
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
     # branch, compiled even where it never runs, loads slots and flags through its pointers
     lora = _lora(lora13, lora2, info, unused=ids, P=ids.numel())
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.register_limit())
-    launch |= pdl_kwargs(x.device)
+    launch = _launch_options(cfg, x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)
     pair_out = _down(h, w2, pairs, lora, cfg, launch, bias=b2)
@@ -957,6 +947,35 @@ def fused_moe(
         return pair_out.view(T, K, H)
     _sum_topk(pair_out, out, K)
     return out
+
+
+def _expert_sizes(
+    x: torch.Tensor,
+    w13: torch.Tensor | Mxfp4Weight,
+    w2: torch.Tensor | Mxfp4Weight,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+) -> tuple[int, int, int, bool]:
+    """(E, H, I, whether the experts are MXFP4) of w13 [E, 2I, H] and w2 [E, H, I], checked
+    against each other, x [T, H] and the biases."""
+    H = x.shape[1]
+    E, I2, _ = w13.shape
+    I = I2 // 2
+    assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
+    assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
+    mxfp4 = isinstance(w13, Mxfp4Weight)
+    assert isinstance(w2, Mxfp4Weight) == mxfp4, (type(w13), type(w2))
+    assert not mxfp4 or (H % MXFP4_GROUP == 0 and I % MXFP4_GROUP == 0), (H, I)
+    for bias, shape in ((b13, (E, 2 * I)), (b2, (E, H))):
+        assert bias is None or (bias.shape == shape and bias.is_contiguous()), (shape, bias)
+    return E, H, I, mxfp4
+
+
+def _launch_options(cfg: MoeConfig, device: torch.device) -> dict:
+    """The GEMM launches' options: cfg's warps, stages and register cap, and PDL's."""
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cfg.register_limit())
+    launch |= pdl_kwargs(device)
+    return launch
 
 
 def fused_moe_align(

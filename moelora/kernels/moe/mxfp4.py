@@ -4,15 +4,13 @@
 Four expansions. On the GPU in bf16, inline PTX (lut_tile_dot): bit placement from the codes
 in the GPU layout the engine rewrites them into at load (e2m1_bf16_swizzled,
 mxfp4_layout.SWIZZLE_SHIFTS: 6 masks and 5 shifts, done as multiplies, a word of 8 values), or
-from the release layout (e2m1_bf16_placed: 16 integer instructions), both where every scale
-byte is at most mxfp4_layout.PLACED_SCALE_MAX, as in any real checkpoint; else byte-permute
-table lookups (e2m1_bf16_pairs). Counted in the sm_90 SASS of gpt-oss-120b's 64-token tiles
-(bench/sass_moe.py), the main loops took 4.4 (gate_up) and 5.1 (down) instructions an element
-with the release layout's placement, 5.5 and 6.4 with the lookups, against 12 to 13 for the
-arithmetic one below; the lookups were 1.9x faster than the arithmetic for the MoE at 64
-tokens (bench/tune_moe.py). tl.dot_scaled was tried too: Hopper has no MX tensor cores and
-Triton's lowering loads the codes a byte at a time (1.4x slower than the lookups). Everywhere
-else (the interpreter, fp16, fp32), arithmetic:
+from the release layout (e2m1_bf16_placed: 16 integer instructions a word), both where every
+scale byte is at most mxfp4_layout.PLACED_SCALE_MAX, as in any real checkpoint; else
+byte-permute table lookups (e2m1_bf16_pairs). Each of the three takes fewer instructions an
+element than the next, and all far fewer than the arithmetic one below (bench/sass_moe.py
+counts them in the sm_90 SASS). Not tl.dot_scaled: Hopper has no MX tensor cores, and Triton's
+lowering loads the codes a byte at a time. Everywhere else (the interpreter, fp16, fp32),
+arithmetic:
 
 A [BK, BN] tile of a weight packed along K comes from a [BK/2, BN] tile of code bytes and a
 [BK/32, BN] tile of scale bytes. Each e2m1 code becomes its float32 bits directly (no table
@@ -51,8 +49,8 @@ def e2m1_bf16_pairs(codes):
     up the high bytes of 4 bfloat16 values (0x00, 0x3F x 3, 0x40 x 4 for 0, 0.5 .. 1.5, 2 .. 6)
     and one their low bytes (0x00 0x00 0x80 0xC0 0x00 0x40 0x80 0xC0). Two more prmt put them
     in pairs, the even and the odd elements apart, and the sign bit of each nibble is moved to
-    bit 15 of its value. About 2.6 instructions an element, where mxfp4_tile's arithmetic
-    takes a dozen."""
+    bit 15 of its value. 21 instructions for 8 elements, where mxfp4_tile's arithmetic takes
+    several times as many."""
     return tl.inline_asm_elementwise(
         asm="""
         {
@@ -307,7 +305,7 @@ def gate_up_mxfp4_loop(
     placement, 3 by bit placement from the GPU layout (lut_tile_dot)."""
     # SUB_K (MoeConfig.mxfp4_sub_k): the expansion runs on sub-tiles that deep, not on the
     # whole BK-deep tile, whose bf16 values would all be live in registers before its dots
-    # (194 a thread at BK 256, BN 64; 103 in 64-deep sub-tiles); 0: the whole tile
+    # (fewer registers a thread, so more programs a multiprocessor); 0: the whole tile
     SUB: tl.constexpr = min(BK, SUB_K) if SUB_K != 0 else BK
     offs_k = tl.arange(0, SUB)
     offs_kc = tl.arange(0, SUB // 2)

@@ -27,16 +27,15 @@ PLACED_SCALE_MAX = 128
 # where a bfloat16 keeps its low exponent and top mantissa bits (6, 7, 8 of each half), by s its
 # signs at bits 15 and 31. A left shift runs as a multiply on the FMA pipe (IMAD.SHL), a right
 # one as a multiply's high word (IMAD.HI): a word's 8 values take 6 masks on the integer pipe and
-# 5 multiplies, where rotations (no multiply rotates) took 11 integer instructions. A search of
-# all placements by plain shifts found no fewer masks: 4 translates of one pair's bits cannot
-# tile the word, so two pairs take their signs from another shift. (What the move off the
-# integer pipe bought, and why it was little: bench/results/NOTES.md, GPT-OSS.)
+# 5 multiplies, where rotations (no multiply rotates) keep 11 instructions on the integer pipe.
+# No placement by plain shifts has fewer masks: 4 translates of one pair's bits cannot tile the
+# word, so two pairs take their signs from another shift.
 SWIZZLE_SHIFTS = ((6, 6), (3, 3), (0, 4), (-7, 5))
 # In the GPU layout each expert row's scale bytes are padded with zeros to a multiple of this
 # many groups: rows start 16-byte aligned and a tile up to 512 deep (16 groups) never reads past
 # its row, so the kernels load a tile's scales without a mask along K: from 128-deep tiles on,
-# 4 to 8 bytes a thread through the pipeline's asynchronous copies (at 90 bytes a row, as
-# released, they loaded a byte at a time and waited each tile: kernels/moe/mxfp4.lut_tile_dot).
+# 4 to 8 bytes a thread through the pipeline's asynchronous copies (rows of 90 bytes, as
+# released, are 2-byte aligned: their scales load a byte at a time, waited on each tile).
 SCALE_ROW_GROUPS = 16
 
 

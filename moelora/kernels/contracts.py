@@ -1,0 +1,162 @@
+"""The call of each kernel in the Ops table, as the layers make it: one Protocol per field.
+
+kernels/reference.py and the Triton table (ops.triton_ops) both satisfy them, parameter for
+parameter (names, kinds, defaults, annotations), and tests/kernels/test_ops_contract.py keeps it
+so. A Triton entry may add tuning keywords that no layer passes (keyword-only, with a default);
+the semantics of each call are in its reference's docstring.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
+    from moelora.step.batch import AttentionMetadata
+    from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
+
+
+class LinearOp(Protocol):
+    """reference.linear: the dense projections, the router and the shared expert's gate."""
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
+class RouteTopkOp(Protocol):
+    """reference.route_topk: the MoE's router (layers/moe.py)."""
+
+    def __call__(
+        self,
+        router_logits: torch.Tensor,
+        top_k: int,
+        *,
+        scoring: str = "softmax",
+        renormalize: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class FusedMoeOp(Protocol):
+    """reference.fused_moe: the experts with their LoRA (layers/moe.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        w13: torch.Tensor | Mxfp4Weight,
+        w2: torch.Tensor | Mxfp4Weight,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        *,
+        lora13: LoraWeights | None = None,
+        lora2: LoraWeights | None = None,
+        info: LoraBatchInfo | None = None,
+        sum_topk: bool = True,
+        b13: torch.Tensor | None = None,
+        b2: torch.Tensor | None = None,
+        activation: str = "silu",
+    ) -> torch.Tensor: ...
+
+
+class AddLoraOp(Protocol):
+    """reference.add_lora_: a projection's LoRA added in place (layers/linear.py)."""
+
+    def __call__(
+        self, y: torch.Tensor, x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+    ) -> torch.Tensor: ...
+
+
+class PagedAttentionOp(Protocol):
+    """reference.paged_attention (layers/attention.py)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+        *,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class PagedAttentionOShrinkOp(Protocol):
+    """reference.paged_attention_o_shrink: the attention with its o projection's LoRA shrink
+    (layers/attention.py, folded LoRA)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        scale: float,
+        lora: LoraWeights,
+        info: LoraBatchInfo,
+        *,
+        window: int = 0,
+        sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, FoldedLora]: ...
+
+
+class PlanAttentionOp(Protocol):
+    """reference.plan_attention: once a step, before the layers (models/model.py)."""
+
+    def __call__(
+        self, attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+    ) -> AttentionMetadata: ...
+
+
+class RmsNormOp(Protocol):
+    """reference.rms_norm (layers/norm.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class RmsNormLoraOp(Protocol):
+    """reference.rms_norm_lora: the norm with the LoRA on either side folded in
+    (layers/norm.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None,
+        info: LoraBatchInfo,
+        *,
+        shrink: LoraWeights | None = None,
+        expand: FoldedLora | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]: ...
+
+
+class RopeStoreKvOp(Protocol):
+    """reference.rope_store_kv: q/k norm, rotary and the KV store (layers/attention.py)."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+        *,
+        v: torch.Tensor | None = None,
+        k_cache: torch.Tensor | None = None,
+        v_cache: torch.Tensor | None = None,
+        slot_mapping: torch.Tensor | None = None,
+        expand: FoldedLora | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
