@@ -70,8 +70,7 @@ def main() -> None:
         return
     from common import DECODE_BATCHES, MAX_LORAS, RANK, result_header, write_result
 
-    from moelora.config import EngineConfig
-    from moelora.runner.graph_runner import graph_batch_sizes, prefill_graph_sizes
+    from moelora.config import EngineConfig, graph_batch_sizes, prefill_graph_sizes
 
     rows = run_children(args.layers)
     max_bs = max(DECODE_BATCHES)

@@ -1,5 +1,6 @@
 """What the benchmarks share: the copy-bandwidth ceiling, CUDA-graph timing, where a run's result
-goes and its header; the Qwen3-30B-A3B decode engine, a decode step's floor and its timing
+goes and its header; a step planned but not run (plan_step: PlannedStep, what the engine
+benchmarks time); the Qwen3-30B-A3B decode engine, a decode step's floor and its timing
 (bench/decode.py, e2e.py, capture.py, profile_step.py); one MoE layer's LoRA pool and batch
 info (bench/kernels.py, tune_moe.py, ncu_moe.py).
 
@@ -10,6 +11,7 @@ short log of designs tried, with their figures and verdicts.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -21,16 +23,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from moelora.config import EngineConfig
-from moelora.engine.engine import Engine, PlannedStep
+from moelora.engine.engine import Engine
 from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
 from moelora.lora.adapter import random_adapter
 from moelora.models.shapes import MXFP4_QUANTIZATION, shape_config, write_config_folder
 from moelora.sampling_params import SamplingParams
+from moelora.step.batch import HostBatch
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
 
 DEV = "cuda"
@@ -156,6 +160,75 @@ def write_result(bench: str, lines: list[str], out: str | None, *, smoke: bool =
     return path
 
 
+# ---- a step planned but not run ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """The next step as Engine.step() would run it, planned but not run (plan_step): its
+    forward (a CUDA graph replay or eager) to call again and again, as benchmarks and
+    profilers time it. Built from the engine's public parts; nothing is sampled or committed."""
+
+    inputs: HostBatch  # the step's inputs as the runner laid them out
+    request_ids: list[str]  # the requests of its chunks, in row order
+    uses_graph: bool  # whether step() would replay a CUDA graph for it
+    engine: Engine
+
+    def forward_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """The step's forward as a function of no arguments: the replay of the batch's CUDA
+        graph, its static inputs written once here (it returns the padded rows [bs, H]), or with
+        eager=True (or no graph that fits) the eager forward of the same inputs ([T, H]). With
+        several ranks: eager on every rank, the inputs sent each call."""
+        runner, host = self.engine.runner, self.inputs
+        if runner.workers is not None:
+            return lambda: runner.forward_rows(host, None, [])[0]
+        if eager or not self.uses_graph:
+            batch = runner.device_batch(host)
+            return lambda: runner.forward(batch)
+        return runner.graphs.replay_fn(host)
+
+    def logits_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
+        """forward_fn, then the lm_head on the batch's T rows, as a step computes them (with
+        several ranks the lm_head's gather is a collective too: every rank runs it)."""
+        runner, T = self.engine.runner, self.inputs.num_tokens
+        if runner.workers is not None:
+            rows = [torch.arange(T)]
+            return lambda: runner.forward_rows(self.inputs, None, rows)[1][0]
+        forward = self.forward_fn(eager=eager)
+        return lambda: runner.model.compute_logits(forward()[:T])
+
+    @torch.inference_mode()
+    def routed_experts(self) -> list[torch.Tensor]:
+        """Each MoE layer's top-k expert ids [T, K] for the step, from one eager forward (one
+        rank only: tensor_parallel_size=1)."""
+        runner = self.engine.runner
+        if runner.workers is not None:
+            raise NotImplementedError(
+                "routed_experts runs on one rank only: tensor_parallel_size=1"
+            )
+        trace: list[torch.Tensor] = []
+        runner.forward(dataclasses.replace(runner.device_batch(self.inputs), routing_trace=trace))
+        return trace
+
+
+def plan_step(engine: Engine) -> PlannedStep:
+    """The next step as engine.step() would run it, planned (its adapters in their slots) but
+    not run. Its requests stay as they are: abort them when done."""
+    with engine.on_device():
+        engine.commit_in_flight()
+        plan = engine.scheduler.schedule()
+        for slot, name in plan.lora_loads:
+            engine.runner.fill_slot(slot, engine.adapters[name])
+        inputs = engine.runner.host_batch(plan)
+    graphs = engine.runner.graphs
+    return PlannedStep(
+        inputs=inputs,
+        request_ids=[c.request.request_id for c in plan.chunks],
+        uses_graph=graphs is not None and graphs.can_run(inputs),
+        engine=engine,
+    )
+
+
 # ---- the decode engine: a Qwen3-30B-A3B shape with random weights --------------------------
 
 DECODE_BATCHES = (1, 8, 32, 64, 128)
@@ -260,7 +333,7 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep
         prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
         engine.add_request(f"b{B}-{i}", prompt, params, loras[i])
     engine.step()
-    step = engine.plan_step()
+    step = plan_step(engine)
     assert len(step.request_ids) == B and step.inputs.num_tokens == B
     return step
 

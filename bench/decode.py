@@ -36,10 +36,9 @@ from common import (
     write_result,
 )
 
-from moelora.config import PROJECTIONS
+from moelora.config import PROJECTIONS, graph_batch_sizes
 from moelora.kernels.pdl import pdl_kwargs
 from moelora.models.shapes import SHAPES
-from moelora.runner.graph_runner import graph_batch_sizes
 
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
 

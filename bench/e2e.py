@@ -5,9 +5,9 @@ whole engine, async scheduling on and off, on a Qwen3-30B-A3B shape with random 
   and are prefilled; then `Engine.step()` is called as a user's loop calls it, and the wall
   time of one step (the device synchronised at both ends of a window of steps; the median of
   the windows) is the TPOT. Beside it: the same batch's graph replay + lm_head
-  (`Engine.plan_step().logits_fn()`, do_bench, as bench/decode.py times it) and its memory
-  floor; host share = (step - replay) / step, what a step spends outside its forward: host
-  work the GPU waits for, input copies, sampling.
+  (`plan_step(engine).logits_fn()`, bench/common.py, do_bench, as bench/decode.py times it) and
+  its memory floor; host share = (step - replay) / step, what a step spends outside its
+  forward: host work the GPU waits for, input copies, sampling.
 - offline throughput: `LLM.generate` of 256 x (512 in, 128 out) and 1024 x (128 in, 512 out)
   random token prompts, greedy, ignore_eos.
 - cases, as bench/decode.py's: LoRA disabled; enabled with base-only requests; 8 distinct
@@ -49,6 +49,7 @@ from common import (
     copy_bandwidth,
     floor_bytes,
     model_folder,
+    plan_step,
     result_header,
     sync,
     time_step,
@@ -66,7 +67,7 @@ WARM_STEPS = 3  # decode steps after the prefill before any is timed (async: the
 PAGE_SIZE = 16
 REPLAY = (  # how replay ms was timed: on the CPU, on CUDA
     "eager forward + lm_head, the median of 3 calls by the wall clock (no graphs on the CPU)",
-    "CUDA-graph replay + lm_head (Engine.plan_step().logits_fn(), do_bench median, L2 flushed)",
+    "CUDA-graph replay + lm_head (plan_step(engine).logits_fn(), do_bench median, L2 flushed)",
 )
 
 
@@ -276,7 +277,7 @@ def measure_tpot(
     llm: LLM, setup: Setup, case: str, B: int, names: list[str], bw: float | None
 ) -> Tpot:
     """B requests prefilled, then timed Engine.step() windows, then the same batch planned
-    (Engine.plan_step) and its replay + lm_head timed; the requests are aborted at the end."""
+    (plan_step) and its replay + lm_head timed; the requests are aborted at the end."""
     engine = llm.engine
     prompts = random_prompts(engine.model_config.vocab_size, B, setup.prompt_len, seed=B)
     params = SamplingParams(max_tokens=setup.max_model_len, temperature=0, ignore_eos=True)
@@ -286,7 +287,7 @@ def measure_tpot(
             engine.add_request(rid, prompt, params, lora)
         start_decoding(engine, ids)
         windows = [decode_window_ms(engine, B, setup) for _ in range(setup.windows)]
-        planned = engine.plan_step()
+        planned = plan_step(engine)
         assert sorted(planned.request_ids) == sorted(ids) and planned.inputs.num_tokens == B
         replay = time_step(planned, eager=setup.device == "cpu", device=setup.device)
         floor = None if bw is None else sum(floor_bytes(engine, planned)) / bw * 1e3

@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from common import model_folder, result_header, sync, time_step, write_result
+from common import model_folder, plan_step, result_header, sync, time_step, write_result
 
 from moelora import LLM, SamplingParams
 from moelora.engine.engine import Engine
@@ -267,7 +267,7 @@ def decode_reference_ms(engine: Engine, setup: Setup) -> float:
         pending = set(ids)
         while pending:
             pending -= {out.request_id for out in engine.step()}
-        planned = engine.plan_step()
+        planned = plan_step(engine)
         assert planned.inputs.num_tokens == len(ids), "not a decode step of every request"
         return time_step(planned, eager=setup.device == "cpu", device=setup.device)
     finally:

@@ -1,9 +1,9 @@
 """Where a decode step's time goes: per-kernel GPU time of graph replays, per layer.
 
 Builds bench/decode.py's Qwen3-30B-A3B shape with few layers, then for each case prints every
-kernel's share of one replay (torch.profiler over PlannedStep.forward_fn, CUDA-graph replays
-of the forward alone). A diagnostic for choosing what to fuse; bench/decode.py is the benchmark
-of record.
+kernel's share of one replay (torch.profiler over bench/common.py's PlannedStep.forward_fn,
+CUDA-graph replays of the forward alone). A diagnostic for choosing what to fuse;
+bench/decode.py is the benchmark of record.
 
     PYTHONPATH=. python bench/profile_step.py --layers 4
 """
@@ -15,11 +15,16 @@ import os
 from collections import defaultdict
 
 import torch
-from common import MAX_LORAS, add_random_adapters, decode_batch, make_engine, model_folder
+from common import (
+    MAX_LORAS,
+    PlannedStep,
+    add_random_adapters,
+    decode_batch,
+    make_engine,
+    model_folder,
+)
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
-
-from moelora.engine.engine import PlannedStep
 
 REPLAYS = 20
 

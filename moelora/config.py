@@ -80,9 +80,8 @@ class EngineConfig:
     )
     # Steps with a prompt chunk (alone or with decodes) of up to this many tokens replay a
     # graph captured for their padded token count (runner/graph_runner.py): an eager prefill
-    # step costs its 48-layer model 60-100 ms of host launches on the H200, where its kernels
-    # take 4 ms at 512 tokens; at 4096 tokens the GPU still waited on them (TTFT 71 ms in a
-    # graph, 74-91 eager: bench/results/NOTES.md). Capped by max_num_batched_tokens.
+    # step of a many-layer model is bound by its host launches, not its kernels, up to a few
+    # thousand tokens. Capped by max_num_batched_tokens.
     max_prefill_graph_tokens: int = _flag(
         4096,
         "largest prefill step, in tokens, captured in a CUDA graph (like SGLang's "
@@ -106,7 +105,7 @@ class EngineConfig:
         choices=PROJECTIONS,
     )
     # Long prompts' first chunks (no KV before them, at least paged_attention.DENSE_FROM
-    # tokens) on CUDA: "cudnn" (torch's cuDNN attention, about 1.3x the Triton kernel's speed)
+    # tokens) on CUDA: "cudnn" (torch's cuDNN attention, faster than the Triton kernel there)
     # or "triton" (the paged kernel for every row: a prompt's rows then have the same bits
     # whether it is prefilled whole or in chunks). SGLang's --prefill-attention-backend.
     prefill_attention_backend: str = _flag(
@@ -185,6 +184,26 @@ class EngineConfig:
     def torch_dtype(self) -> torch.dtype:
         assert self.dtype != "auto", "resolve the config first"
         return _DTYPES[self.dtype]
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The decode batch sizes a CUDA graph is captured for under max_graph_bs = max_bs:
+    [1, 2, 4, 8, 16, 24, 32, ..., max_bs], the largest first (capture order)."""
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
+    return sorted(set(sizes), reverse=True)
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """The prefill token counts a CUDA graph is captured for under max_prefill_graph_tokens =
+    max_tokens: [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, ..., max_tokens], the largest
+    first: powers of two, and from 256 on the midpoints too (a step padded by at most a third)."""
+    sizes, size = {max_tokens} if max_tokens >= 2 else set(), 16
+    while size < max_tokens:
+        sizes.add(size)
+        if size >= 256 and size * 3 // 2 < max_tokens:
+            sizes.add(size * 3 // 2)
+        size *= 2
+    return sorted(sizes, reverse=True)
 
 
 def _at_least_1(value: Any) -> bool:

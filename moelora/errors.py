@@ -1,4 +1,5 @@
-"""Errors a user can cause. Raised once, at the boundary, with the offending value named."""
+"""Errors a user can cause, raised once, at the boundary, with the offending value named; and
+EngineDeadError, the one that is not theirs."""
 
 
 class MoeloraError(Exception):
@@ -37,4 +38,6 @@ class AdapterBusyError(MoeloraError, RuntimeError):
 
 
 class EngineDeadError(MoeloraError, RuntimeError):
-    """A rank of a tensor-parallel engine died or stopped answering: the engine cannot go on."""
+    """The engine cannot go on: a rank of a tensor-parallel engine died or stopped answering, or
+    the server's engine thread has stopped (HTTP 503). Not the user's doing, but a MoeloraError
+    all the same, so that the command line says it in one line; the server maps it first."""

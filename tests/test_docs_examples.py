@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
@@ -28,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from server.conftest import Server, _free_port, _wait_healthy
+from server.conftest import Server, _free_port, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -101,21 +100,9 @@ def docs_server(home: Path):
     cmd = [sys.executable, "-m", "moelora.cli", "serve", "demo", "--device", "cpu"]
     cmd += ["--lora-root", str(home / ".cache" / "moelora" / "demo" / "adapters")]
     cmd += ["--port", str(port), "--log-level", "warning"]
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=_environment(home), cwd=ROOT
-        )
-    srv = Server(f"http://127.0.0.1:{port}", log, home / ".cache", assets.adapters, process)
-    try:
-        _wait_healthy(srv)
+    env = _environment(home)
+    with serve(cmd, port, log, home / ".cache", assets.adapters, env=env, cwd=ROOT) as srv:
         yield srv
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _environment(home: Path) -> dict[str, str]:

@@ -1,10 +1,14 @@
 """The tree keeps the shape docs/structure.md draws: imports flow one way, down the request path,
 with no circles, and host-side functions stay short. The imports are read with `ast` (those under
-`if TYPE_CHECKING:` and inside functions count too)."""
+`if TYPE_CHECKING:` and inside functions count too). Comments and docstrings in moelora/ quote no
+measurements."""
 
 from __future__ import annotations
 
 import ast
+import io
+import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -205,3 +209,79 @@ def test_no_format_skips(folder):
         if marker in line
     ]
     assert hits == []
+
+
+# Comments and docstrings in moelora/ state invariants and reasons; what was measured goes to
+# bench/results (STYLE.md rule 13). Each pattern is one kind of figure a comment must not quote.
+MEASUREMENTS: dict[str, str] = {
+    "a time": r"(?<![\w.])\d+(?:\.\d+)?\s?(?:ns|us|µs|μs|ms|s)\b",
+    "a percentage": r"(?<![\w.])\d+(?:\.\d+)?%",  # no space: `H % BK` is a modulo
+    "a speedup": r"\bx\d+\.\d+\b|\b\d+(?:\.\d+)?x\b",  # 1.66x, 8x, x1.31; not 4x4 or \x97
+    "a bandwidth or throughput": r"\b[KMGT]B/s\b|\b[GT]FLOP/s\b",
+    "a results path": r"bench/results",
+}
+
+
+def comments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every # comment (tokenize) and every bare string statement, docstrings
+    included (ast)."""
+    source = path.read_text()
+    found = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            if isinstance(node.value.value, str):
+                found.append((node.lineno, node.value.value))
+    return found
+
+
+def quoted_measurements(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """`path:line kind: 'text'` for each figure a comment or docstring quotes."""
+    found = []
+    for path in paths:
+        for line, text in comments(path):
+            for kind, pattern in MEASUREMENTS.items():
+                for match in re.finditer(pattern, text):
+                    at = line + text.count("\n", 0, match.start())
+                    found.append(f"{path.relative_to(root)}:{at} {kind}: {match.group()!r}")
+    return sorted(found)
+
+
+def test_comments_quote_no_measurements():
+    assert quoted_measurements(sorted(PACKAGE.rglob("*.py"))) == []
+
+
+def test_the_check_catches_a_quoted_measurement(tmp_path):
+    """Each pattern planted in a comment, a docstring or a bare string; a clean file passes."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(
+        '"""Module: took 73.9 us."""\n'
+        "x = 1  # lost 12% at 4096 tokens\n"
+        "def f():\n"
+        '    """1.66x its base-only TTFT, 8x slower; the layer moved x1.31."""\n'
+        "    # 4.27 TB/s, 522 TFLOP/s, see bench/results/NOTES.md\n"
+        '    "a bare string as a comment: 2.4 ms, 44-68 ms, 3 s"\n'
+    )
+    clean = tmp_path / "clean.py"
+    clean.write_text(
+        '"""[T, H] rows; 2^(s - 1) exact; 16-byte rows; 100 columns; 16 stages; 4x4; \\\\x97."""\n'
+        "y = 2  # H % BK == 0; a 168-register cap lets two programs share a multiprocessor\n"
+        'message = "took 3 s"  # a string that is not a statement is not a comment\n'
+    )
+    assert quoted_measurements([clean], tmp_path) == []
+    assert quoted_measurements([planted], tmp_path) == [
+        "planted.py:1 a time: '73.9 us'",
+        "planted.py:2 a percentage: '12%'",
+        "planted.py:4 a speedup: '1.66x'",
+        "planted.py:4 a speedup: '8x'",
+        "planted.py:4 a speedup: 'x1.31'",
+        "planted.py:5 a bandwidth or throughput: 'TB/s'",
+        "planted.py:5 a bandwidth or throughput: 'TFLOP/s'",
+        "planted.py:5 a results path: 'bench/results'",
+        "planted.py:6 a time: '2.4 ms'",
+        "planted.py:6 a time: '3 s'",
+        "planted.py:6 a time: '68 ms'",
+    ]

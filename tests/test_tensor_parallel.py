@@ -11,10 +11,13 @@ server; the whole module takes ~25 s beside the fixtures on two cores.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pickle
 import signal
+import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import hf_fixtures as hf
@@ -40,6 +43,7 @@ MODES = {
 }
 # base, the rank-8 target_parameters adapter and the rank-4 per-expert adapter, mixed
 LORAS = [None, "a", "b", None, "a"]
+BENCH_COMMON = Path(__file__).resolve().parents[1] / "bench" / "common.py"
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -142,13 +146,17 @@ def test_checkpoint_layouts_load_sharded(
 
 @pytest.mark.parametrize("mode", ["tp2", "ep2"])
 def test_benchmark_hooks_run_on_every_rank(engines: Engines, mode: str) -> None:
-    """PlannedStep.logits_fn (what bench/ times) on several ranks: the same logits as one rank."""
+    """bench/common.py's PlannedStep.logits_fn (what bench/ times) on several ranks: the same
+    logits as one rank."""
+    spec = importlib.util.spec_from_file_location("bench_common", BENCH_COMMON)
+    bench = sys.modules.setdefault("bench_common", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(bench)
     found = []
     for llm in (engines.get("mixtral", "tp1"), engines.get("mixtral", mode)):
         engine = llm.engine
         for i, (prompt, lora) in enumerate(zip(hf.PROMPTS[:3], [None, "a", "b"])):
             engine.add_request(f"hook-{i}", prompt, greedy(), lora)
-        step = engine.plan_step()
+        step = bench.plan_step(engine)
         found.append((step.logits_fn(eager=True)(), step.forward_fn(eager=True)()))
         for request_id in step.request_ids:
             engine.abort_request(request_id)

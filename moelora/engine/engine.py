@@ -1,4 +1,4 @@
-"""The engine: builds model, caches, adapter slots and scheduler once; then steps.
+"""The engine: the step loop, over what engine/build.py built once.
 
 step(): the scheduler plans, adapters the plan needs are copied into slots, the runner runs
 the batch, and each sampled token is appended and checked against the stop conditions.
@@ -25,47 +25,24 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moelora.config import EngineConfig
+from moelora.engine.adapters import AdapterRegistry
+from moelora.engine.build import build_engine
 from moelora.engine.checks import check_request
-from moelora.engine.grammar import Grammars
-from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.prefix_cache import namespace, page_hashes
-from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
-from moelora.engine.scheduler import Scheduler, SchedulerConfig
-from moelora.errors import (
-    AdapterBusyError,
-    AdapterError,
-    AdapterExistsError,
-    AdapterNotFoundError,
-    InvalidRequestError,
-    ModelConfigError,
-)
-from moelora.kernels.ops import Ops
-from moelora.lora.adapter import LoraAdapter, load_adapter
-from moelora.lora.shard import full_targets
-from moelora.lora.slots import LoraTarget, SlotPool, SlotTable
-from moelora.models.registry import read_model_config
-from moelora.models.shard import check_divides
-from moelora.parallel import SINGLE
-from moelora.runner.model_runner import LaunchedStep, ModelRunner
+from moelora.errors import AdapterBusyError, InvalidRequestError
+from moelora.lora.adapter import LoraAdapter
+from moelora.lora.slots import LoraTarget
 from moelora.runner.sampler import TokenMask
 from moelora.sampling_params import SamplingParams
-from moelora.step.batch import HostBatch, pages_for
-from moelora.step.plan import StepPlan
+from moelora.step.plan import LaunchedStep, StepPlan
 from moelora.step.request import Request, RequestOutput, Status
-from moelora.tokenizer import Tokenizer, eos_ids_from_folder
-
-log = logging.getLogger(__name__)
-
-_CPU_KV_BUDGET = 256 << 20  # bytes of KV cache on CPU when num_pages is not given
-_GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
+from moelora.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -85,187 +62,28 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of them, tokens whose KV was found cached
 
 
-@dataclass
-class InFlight:
-    """A launched step whose tokens the engine has not committed yet."""
-
-    number: int
-    plan: StepPlan
-    step: LaunchedStep | None  # None only inside _launch: forward launched, sampling not yet
-    release_after: list[Request] = field(default_factory=list)  # finished while it ran
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    """The next step, planned but not run (Engine.plan_step), for benchmarks and profilers."""
-
-    inputs: HostBatch  # the step's inputs as the runner laid them out
-    request_ids: list[str]  # the requests of its chunks, in row order
-    uses_graph: bool  # whether step() would replay a CUDA graph for it
-    _runner: ModelRunner
-
-    def forward_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
-        """ModelRunner.forward_fn: the step's forward (a graph replay or eager), to call again
-        and again."""
-        return self._runner.forward_fn(self.inputs, eager=eager)
-
-    def logits_fn(self, *, eager: bool = False) -> Callable[[], torch.Tensor]:
-        """ModelRunner.logits_fn: the step's forward and lm_head, to call again and again."""
-        return self._runner.logits_fn(self.inputs, eager=eager)
-
-    def routed_experts(self) -> list[torch.Tensor]:
-        """Each MoE layer's top-k expert ids [T, K] for the step, from one eager forward."""
-        return self._runner.routed_experts(self.inputs)
-
-
 class Engine:
     def __init__(self, config: EngineConfig):
-        cfg = config.resolved()
-        self.config = cfg
+        self.config = config.resolved()
         # the current CUDA device is per thread and graph capture, its memory pool and every
         # Triton launch follow it, not the tensors: on cuda:1 they must all run under it
-        self.workers = None
         with self.on_device():
-            try:
-                self._build(cfg)
-            except BaseException:
-                if self.workers is not None:  # started before the failure: stop them now
-                    self.workers.close()
-                raise
-
-    def _build(self, cfg: EngineConfig) -> None:
-        self.model_config, hf = read_model_config(cfg.model)
-        max_len = self._requested_max_len()
-        self.shard, self.workers = SINGLE, None
-        ops = make_rank_ops(cfg, self.shard, cfg.torch_device)
-        if self.model_config.experts_mxfp4 and not ops.keeps_mxfp4:
-            # resolved before the model is built: these kernels get the experts dequantized
-            self.model_config = replace(self.model_config, experts_mxfp4=False)
-        if cfg.tensor_parallel_size > 1:
-            check_divides(
-                self.model_config,
-                cfg.tensor_parallel_size,
-                expert_parallel=cfg.enable_expert_parallel,
-            )
-            self.shard, self.workers = start_workers(cfg, self.model_config, hf, max_len)
-            ops = make_rank_ops(cfg, self.shard, cfg.torch_device)
-        self.model = load_model(cfg, self.model_config, hf, max_len, ops, cfg.torch_device)
-        self.tokenizer, self.eos_token_ids = self._load_tokenizer()
-        self.grammars = None  # structured outputs need the tokenizer's vocabulary
-        if self.tokenizer is not None:
-            vocab = self.model_config.vocab_size
-            self.grammars = Grammars(self.tokenizer, vocab, self.eos_token_ids)
-        self.slot_pool = self.slot_table = None
-        if cfg.enable_lora:
-            self.slot_pool = SlotPool(
-                self.model,
-                cfg.max_loras,
-                cfg.max_lora_rank,
-                dtype=cfg.torch_dtype,
-                device=cfg.torch_device,
-            )
-            self.slot_table = SlotTable(cfg.max_loras)
-        num_pages = cfg.num_pages or self._auto_num_pages(max_len)
-        self._build_runner(num_pages, max_len, ops)
-        self.adapters: dict[str, LoraAdapter] = {}
-        # each adapter's load, a number no other load ever gets: its prefix-cache namespace
-        self._adapter_loads: dict[str, int] = {}
-        self._loads = itertools.count()
+            parts = build_engine(self.config)
+        self.model_config, self.max_model_len = parts.model_config, parts.max_model_len
+        self.shard, self.workers, self.model = parts.shard, parts.workers, parts.model
+        self.tokenizer, self.eos_token_ids = parts.tokenizer, parts.eos_token_ids
+        self.grammars = parts.grammars
+        self.slot_pool, self.slot_table = parts.slot_pool, parts.slot_table
+        self.pages, self.scheduler, self.runner = parts.pages, parts.scheduler, parts.runner
+        self.adapters: AdapterRegistry = parts.adapters
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()  # each launched step's number (Request.last_step)
         # launched, their tokens not yet committed, oldest first: one between steps, two while
         # step() has launched the next and not yet committed the one before
-        self._flights: collections.deque[InFlight] = collections.deque()
+        self._flights: collections.deque[LaunchedStep] = collections.deque()
         self._ready: list[RequestOutput] = []  # committed outside step(): its next answer
-        self._seed_source = torch.Generator().manual_seed(cfg.seed)  # per-request seeds
-        for name, path in cfg.lora_modules.items():
-            self.load_lora(name, path)
-        log.info(
-            "engine ready: %s on %s (%s), %d KV pages of %d tokens",
-            self.model_config.arch,
-            cfg.torch_device,
-            cfg.dtype,
-            num_pages,
-            cfg.page_size,
-        )
-
-    def _requested_max_len(self) -> int:
-        cfg, mc = self.config, self.model_config
-        if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
-            raise ModelConfigError(
-                f"max_model_len={cfg.max_model_len} is invalid: expected at most the model's "
-                f"max_position_embeddings={mc.max_position_embeddings}"
-            )
-        return cfg.max_model_len or mc.max_position_embeddings
-
-    def _load_tokenizer(self) -> tuple[Tokenizer | None, frozenset[int]]:
-        path = self.config.model
-        eos = eos_ids_from_folder(path, list(self.model_config.eos_token_ids))
-        if not Tokenizer.exists(path):
-            return None, frozenset(eos)
-        tokenizer = Tokenizer(path, eos)
-        return tokenizer, frozenset(tokenizer.eos_token_ids)
-
-    def _build_runner(self, num_pages: int, max_len: int, ops: Ops) -> None:
-        """The KV cache, the scheduler and the runner (its CUDA graphs captured)."""
-        cfg = self.config
-        self.max_model_len = min(max_len, num_pages * cfg.page_size)
-        if self.max_model_len < max_len:  # said once here, not first at a refused prompt
-            log.warning(
-                "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
-                self.max_model_len,
-                max_len,
-                num_pages,
-                cfg.page_size,
-            )
-        if self.workers is not None:
-            self.workers.send(num_pages)  # what each worker's KV cache holds too
-        kv = allocate_kv_caches(
-            kv_config(self.model_config, self.shard),
-            num_pages,
-            cfg.page_size,
-            dtype=cfg.torch_dtype,
-            device=cfg.torch_device,
-        )
-        self.pages = PageAllocator(num_pages)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                cfg.max_num_seqs,
-                cfg.max_num_batched_tokens,
-                cfg.page_size,
-                max_model_len=self.max_model_len,
-            ),
-            self.pages,
-            self.slot_table,
-        )
-        self.runner = ModelRunner(
-            self.model, kv, self.slot_pool, cfg.page_size, cfg.torch_device, self.workers
-        )
-        # graphs would have to capture the collectives on every rank: not yet, so eager
-        one_rank = self.workers is None
-        if not one_rank and cfg.torch_device.type == "cuda" and not cfg.enforce_eager:
-            log.warning(
-                "tensor_parallel_size=%d runs every step eagerly: CUDA graphs that capture the "
-                "collectives are not implemented yet",
-                cfg.tensor_parallel_size,
-            )
-        if (
-            one_rank
-            and cfg.torch_device.type == "cuda"
-            and not cfg.enforce_eager
-            and ops.name != "torch"
-        ):
-            from moelora.kernels.attention.paged import DENSE_FROM  # Triton: CUDA only
-
-            self.runner.capture_graphs(
-                max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
-                max_pages=pages_for(self.max_model_len, cfg.page_size),
-                spare_page=num_pages,
-                max_prefill_tokens=min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens),
-                max_seqs=cfg.max_num_seqs,
-                dense_from=DENSE_FROM if cfg.prefill_attention_backend == "cudnn" else 0,
-            )
+        self._seed_source = torch.Generator().manual_seed(self.config.seed)  # per-request seeds
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The engine's CUDA device made current (for this thread) while the block runs."""
@@ -275,25 +93,6 @@ class Engine:
     @property
     def model_name(self) -> str:
         return self.config.model_name
-
-    def _auto_num_pages(self, max_len: int) -> int:
-        cfg = self.config
-        per_page = page_bytes(
-            kv_config(self.model_config, self.shard), cfg.page_size, cfg.torch_dtype
-        )
-        per_seq = pages_for(max_len, cfg.page_size)
-        if cfg.torch_device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(cfg.torch_device)
-            budget = int(total * cfg.gpu_memory_utilization) - (total - free) - _GPU_RESERVE
-            if budget < per_page * per_seq:
-                raise ModelConfigError(
-                    f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "
-                    f"{budget >> 20} MiB for the KV cache, expected at least "
-                    f"{(per_page * per_seq) >> 20} MiB (one sequence of max_model_len)"
-                )
-            return budget // per_page
-        fit = max(_CPU_KV_BUDGET // per_page, 4 * per_seq)
-        return min(fit, per_seq * cfg.max_num_seqs)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -315,11 +114,7 @@ class Engine:
         check_request(
             prompt_token_ids, params, vocab=self.model_config.vocab_size, max_len=self.max_model_len
         )
-        if lora is not None and lora not in self.adapters:
-            raise AdapterNotFoundError(
-                f"model {lora!r} is not served: expected the base model {self.model_name!r} "
-                f"or one of the adapters {sorted(self.adapters)}"
-            )
+        self.adapters.check_served(lora)
         gen = None
         if params.temperature > 0:
             seed = params.seed
@@ -335,7 +130,7 @@ class Engine:
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
         if self.config.enable_prefix_caching:
-            req.cache_owner = self._adapter_loads[lora] if lora is not None else None
+            req.cache_owner = self.adapters.load_number(lora) if lora is not None else None
             req.cache_namespace = namespace(req.cache_owner, params.cache_salt)
             req.page_hashes = page_hashes(prompt, self.config.page_size, req.cache_namespace)
         req.grammar = state
@@ -348,8 +143,7 @@ class Engine:
         req = self._requests.get(request_id)
         if req is not None:
             if self._step_computing(req) is not None:
-                with self.on_device():
-                    self._ready += self._commit_all()
+                self.commit_in_flight()
             if req.status is not Status.FINISHED:  # it may have finished in that step
                 self._finish(req, "abort")
         # its answers committed outside step() (here, in another abort, or in an unload) and
@@ -362,6 +156,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         with self.on_device():
             return self._step()
+
+    def commit_in_flight(self) -> None:
+        """Wait for every step in flight and commit its tokens; their answers come with the
+        next step(). Afterwards nothing runs on the device for this engine (what a benchmark
+        that plans a step itself needs first)."""
+        with self.on_device():
+            self._ready += self._commit_all()
 
     def _schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
         """The scheduler's plan, with the adapters it needs copied into their slots (after
@@ -387,12 +188,7 @@ class Engine:
             outputs += self._commit_oldest()
         return outputs
 
-    @property
-    def _in_flight(self) -> InFlight | None:
-        """The step launched last and not yet committed."""
-        return self._flights[-1] if self._flights else None
-
-    def _step_computing(self, req: Request) -> InFlight | None:
+    def _step_computing(self, req: Request) -> LaunchedStep | None:
         """The step in flight that computes some of req's tokens (its newest: req.last_step)."""
         return next((f for f in self._flights if f.number == req.last_step), None)
 
@@ -405,24 +201,24 @@ class Engine:
         """Launch the plan's forward, then its sampling. With constrained requests in it, the
         step before is committed in between, while the forward runs: their masks follow every
         token before this step's. Returns the outputs of what was committed."""
-        prev = self._flights[-1].step.tokens if self._flights else None
-        forwarded = self.runner.forward_step(plan, prev_tokens=prev)
-        flight = InFlight(next(self._steps), plan, None)
+        prev = self._flights[-1].tokens if self._flights else None
+        step = self.runner.forward_step(plan, prev_tokens=prev)
+        step.number = next(self._steps)
         row = 0
         for chunk in plan.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
-            req.last_step = flight.number
+            req.last_step = step.number
             if chunk.samples:
                 req.add_placeholder(row)
                 row += 1
-        self._flights.append(flight)  # in flight from here: a request finishing now waits for it
+        self._flights.append(step)  # in flight from here: a request finishing now waits for it
         outputs, mask = [], None
-        if any(r.grammar is not None for r in forwarded.requests):
+        if any(r.grammar is not None for r in step.requests):
             while len(self._flights) > 1:
                 outputs += self._commit_oldest()
-            mask = self._token_mask(forwarded.requests)
-        flight.step = self.runner.sample_step(forwarded, mask)
+            mask = self._token_mask(step.requests)
+        self.runner.sample_step(step, mask)
         return outputs
 
     def _token_mask(self, requests: list[Request]) -> TokenMask | None:
@@ -446,58 +242,43 @@ class Engine:
     def _commit_oldest(self) -> list[RequestOutput]:
         """Wait for the oldest step in flight and commit its tokens: append, check stops,
         finish."""
-        flight = self._flights.popleft()
-        result = flight.step.output()
+        step = self._flights.popleft()
+        sampled = step.output()
         outputs = []
         # their pages are written: now they may be shared (before a finish frees them)
-        for chunk in flight.plan.chunks:
+        for chunk in step.plan.chunks:
             if chunk.request.cache_namespace is not None:
                 self.scheduler.register(chunk.request, chunk.start + chunk.num_tokens)
-        for i, chunk in enumerate(flight.plan.chunks):
+        for i, chunk in enumerate(step.plan.chunks):
             if chunk.request.status is not Status.FINISHED:
-                chunk.request.prompt_logprobs += result.prompt_logprobs.get(i, [])
-        for chunk, sample in zip((c for c in flight.plan.chunks if c.samples), result.samples):
-            req = chunk.request
-            if req.status is Status.FINISHED:
-                continue  # finished or aborted while this step ran: its token is dropped
-            req.commit(sample.token_id)
-            if req.grammar is not None:
-                req.grammar.accept(sample.token_id)
-            if sample.logprobs is not None:
-                req.output_logprobs.append(sample.logprobs)
-            reason = self._finish_reason(req, sample.token_id)
-            if reason is not None:
-                self._finish(req, reason)
-            outputs.append(req.to_output())
-        for req in flight.release_after:
+                chunk.request.prompt_logprobs += step.prompt_logprobs.get(i, [])
+        if sampled is not None:
+            tokens, entries = sampled.token_ids(), sampled.logprobs()
+            for req, token, entry in zip(step.requests, tokens, entries):
+                if req.status is Status.FINISHED:
+                    continue  # finished or aborted while this step ran: its token is dropped
+                req.commit(token)
+                if req.grammar is not None:
+                    req.grammar.accept(token)
+                if entry is not None:
+                    req.output_logprobs.append(entry)
+                reason = self._finish_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                outputs.append(req.to_output())
+        for req in step.release_after:
             self.scheduler.release(req)
         return outputs
 
     def _finish(self, req: Request, reason: str) -> None:
         """Finished: out of the queues now; its pages and slot once no step in flight uses
         them."""
-        flight = self._step_computing(req)
-        self.scheduler.finish(req, reason, release=flight is None)
-        if flight is not None:
-            flight.release_after.append(req)
+        step = self._step_computing(req)
+        self.scheduler.finish(req, reason, release=step is None)
+        if step is not None:
+            step.release_after.append(req)
         req.drop_placeholders()
         self._requests.pop(req.request_id, None)
-
-    def plan_step(self) -> PlannedStep:
-        """For benchmarks and profilers: the next step as step() would run it, planned (its
-        adapters in their slots) but not run. Time its `logits_fn()`; nothing is sampled or
-        committed, so the requests stay as they are: abort them when done."""
-        with self.on_device():
-            self._ready += self._commit_all()
-            plan = self._schedule()
-            inputs = self.runner.host_batch(plan)
-            graphs = self.runner.graphs
-            return PlannedStep(
-                inputs=inputs,
-                request_ids=[c.request.request_id for c in plan.chunks],
-                uses_graph=graphs is not None and graphs.can_run(inputs),
-                _runner=self.runner,
-            )
 
     def text_tokenizer(self, needed_for: str) -> Tokenizer:
         """The tokenizer, or an InvalidRequestError saying the model folder has none."""
@@ -531,54 +312,27 @@ class Engine:
             return "length"
         return None
 
-    # ---- adapters -------------------------------------------------------------------------
+    # ---- adapters: the registry's, and their slots ----------------------------------------
 
     @property
     def lora_targets(self) -> dict[str, LoraTarget]:
         """The model's LoRA-capable projections (what an adapter may hold), by target key."""
-        self._require_lora()
-        return full_targets(self.slot_pool.targets, self.shard, self.model_config)
-
-    def _require_lora(self) -> None:
-        if self.slot_pool is None:
-            raise InvalidRequestError("LoRA is disabled in this engine (enable_lora=False)")
+        return self.adapters.targets
 
     def load_lora(self, name: str, path: str) -> None:
-        self._check_new_adapter(name)
-        adapter = load_adapter(
-            name,
-            path,
-            self.lora_targets,
-            max_rank=self.config.max_lora_rank,
-            dtype=self.config.torch_dtype,
-        )
-        self.add_adapter(adapter)
+        self.adapters.load(name, path)
 
     def add_adapter(self, adapter: LoraAdapter) -> None:
         """Register an adapter already in the slot layout (load_lora parses a PEFT folder into
         one; lora.adapter.random_adapter makes one for benchmarks). Its slot is filled on
         demand, when a request needs it."""
-        self._check_new_adapter(adapter.name)
-        if adapter.rank > self.config.max_lora_rank:
-            raise AdapterError(
-                f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
-                f"max_lora_rank={self.config.max_lora_rank}"
-            )
-        self.adapters[adapter.name] = adapter
-        self._adapter_loads[adapter.name] = next(self._loads)
-
-    def _check_new_adapter(self, name: str) -> None:
-        self._require_lora()
-        if name in self.adapters or name == self.model_name:
-            raise AdapterExistsError(f"an adapter or model named {name!r} is already loaded")
+        self.adapters.add(adapter)
 
     def unload_lora(self, name: str) -> None:
-        if name not in self.adapters:
-            raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
+        self.adapters.check_loaded(name)
         if any(c.request.lora == name for f in self._flights for c in f.plan.chunks):
             # the step in flight reads its slot, and its requests may still finish there
-            with self.on_device():
-                self._ready += self._commit_all()
+            self.commit_in_flight()
         if self.scheduler.uses_adapter(name):
             raise AdapterBusyError(
                 f"adapter {name!r} has requests in flight: unload it once they finish"
@@ -586,8 +340,10 @@ class Engine:
         slot = self.slot_table.evict(name)
         if slot is not None:
             self.runner.clear_slot(slot)
-        del self.adapters[name]
-        self.pages.drop_owner(self._adapter_loads.pop(name))  # its KV is never read again
+        self.pages.drop_owner(self.adapters.remove(name))  # its KV is never read again
+
+    def list_loras(self) -> list[str]:
+        return list(self.adapters)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: every cached page leaves the prefix cache (those no request holds are free
@@ -599,9 +355,6 @@ class Engine:
         """Stop and join the other ranks of a tensor-parallel engine (a no-op on one rank);
         the engine cannot step after it."""
         self.runner.close()
-
-    def list_loras(self) -> list[str]:
-        return list(self.adapters)
 
     def stats(self) -> EngineStats:
         graphs = self.runner.graphs

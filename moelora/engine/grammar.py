@@ -1,7 +1,7 @@
 """Grammar-constrained decoding with xgrammar: compiled grammars (once per distinct spec), each
 constrained request's matcher, and the token bitmask of a step's constrained rows.
 
-Compiling is the slow part (a JSON schema can take tens of milliseconds): the server compiles
+Compiling is the slow part, host work that grows with the spec: the server compiles
 in its worker pool before a request reaches the engine thread, the offline LLM when it adds a
 request; never on the device, never inside a CUDA graph. Filling a row's bitmask is host work
 of O(vocabulary / 32) words per constrained request and step; the step's forward runs on the
@@ -95,8 +95,8 @@ class Grammars:
         live = [i for i, state in enumerate(states) if not state.terminated]
         if len(live) < len(states):  # their tokens are dropped: their requests have ended
             bitmask[[i for i in range(len(states)) if i not in set(live)]] = -1
-        # one by one on the engine thread: xgrammar's BatchGrammarMatcher threads made a server
-        # step 8x slower on a 2-core machine (bench/results/NOTES.md)
+        # one by one on the engine thread: xgrammar's BatchGrammarMatcher spreads the rows over
+        # threads, which on a host of few cores slowed the server's steps, not sped them
         for i in live:
             states[i].matcher.fill_next_token_bitmask(bitmask, i)
         return TokenMask(bitmask, rows)

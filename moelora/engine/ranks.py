@@ -5,7 +5,7 @@ launcher, and no default process group, so several engines may live in one proce
 
 Workers come from a fork server (a fresh interpreter, never a fork of rank 0, so no CUDA
 context or thread is inherited) that has imported torch and moelora once: a worker then starts
-in well under a second, where spawn would import everything again for each. A script that
+without importing them again, where spawn would import everything for each. A script that
 builds a multi-rank engine needs the `if __name__ == "__main__":` guard, as with spawn.
 
 A worker builds what rank 0 builds, minus the scheduler, the tokenizer and the sampler, then
@@ -113,7 +113,7 @@ def start_workers(
     ctx = torch.multiprocessing.get_context(START_METHOD)
     # what a worker imports, the fork server imports once (it starts with the first engine's
     # workers): moelora, rotary's transformers module, and the HF config's class, which
-    # unpickling a RankSpec imports (seconds each)
+    # unpickling a RankSpec imports (each a slow import)
     preload = ["moelora.engine.ranks", "transformers.modeling_rope_utils"]
     ctx.set_forkserver_preload(preload + [type(hf_config).__module__])
     processes, pipes = [], []
@@ -179,7 +179,7 @@ def _worker_main(spec: RankSpec, rank: int, pipe: Any) -> None:
     store.set(f"up/{rank}", "1")
     shard = join_group(cfg, rank, store)
     serve(_build_worker(spec, shard, device, pipe), pipe)
-    # nothing of a worker outlives it: skip the seconds of torch's teardown at exit
+    # nothing of a worker outlives it: skip torch's slow teardown at exit
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -136,7 +136,7 @@ class Scheduler:
         return req.num_computed_tokens
 
     def _give_back_cached_prefix(self, req: Request) -> None:
-        """Not admitted after all: it waits with nothing held, as before."""
+        """Not admitted after all: back to waiting, holding nothing."""
         self.pages.free(req.pages)
         req.clear_pages()
         req.num_cached_pages = req.num_computed_tokens = 0

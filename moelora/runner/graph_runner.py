@@ -11,8 +11,8 @@ A prefill graph holds any step of at most its token count with a prompt chunk in
 decodes or not): its attention takes min(tokens, max_num_seqs) sequences, the padded ones with
 no tokens, and its programs find their sequence in the step's work table, which the graph
 builds from cu_seqlens_q (kernels/attention/paged.attention_work). Why: an eager prefill step
-of a 48-layer model launches about 700 kernels, 60-100 ms of host time on the H200's host,
-where its kernels take 4 ms at 512 tokens and 25 ms at 2048.
+of a many-layer model launches hundreds of kernels, and up to a few thousand tokens their
+launches on the host take longer than the kernels on the device; a replay is one launch.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from moelora.config import graph_batch_sizes, prefill_graph_sizes
 from moelora.lora.slots import SlotPool
 from moelora.step.batch import (
     ForwardBatch,
@@ -40,24 +41,6 @@ from moelora.step.lora import NO_SLOT
 
 log = logging.getLogger(__name__)
 STREAM_IDX = 0  # one decode stream today; the key keeps room for more
-
-
-def graph_batch_sizes(max_bs: int) -> list[int]:
-    """[1, 2, 4, 8, 16, 24, 32, ..., max_bs], the largest first (capture order)."""
-    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs, 8)) + [max_bs]
-    return sorted(set(sizes), reverse=True)
-
-
-def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    """[16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, ..., max_tokens], the largest first:
-    powers of two, and from 256 on the midpoints too (a step padded by at most a third)."""
-    sizes, size = {max_tokens} if max_tokens >= 2 else set(), 16
-    while size < max_tokens:
-        sizes.add(size)
-        if size >= 256 and size * 3 // 2 < max_tokens:
-            sizes.add(size * 3 // 2)
-        size *= 2
-    return sorted(sizes, reverse=True)
 
 
 def padded_batch_size(num_tokens: int, sizes: list[int]) -> int | None:
@@ -73,8 +56,8 @@ def warm_up_concurrently(
     kernels they launch in a pool of compile_threads. Returns False (and runs nothing) where
     this Triton has no AsyncCompileMode.
 
-    Why: a cold capture is mostly compiling, about 80 kernel variants, and warm capture takes
-    a few seconds. A compile spends most of its time in MLIR, LLVM and ptxas, outside the GIL.
+    Why: a cold capture is mostly compiling the kernels' variants, and a compile spends most
+    of its time in MLIR, LLVM and ptxas, outside the GIL.
     One size after another, each compile waits for the one before. All sizes at once, the
     variants of different sizes compile side by side. Threads that need the same variant share
     one compile through Triton's AsyncCompileMode.

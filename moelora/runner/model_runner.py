@@ -1,12 +1,11 @@
 """The runner executes a StepPlan: lays the batch out on the host, runs the model (a captured
-graph for decode batches that fit one, eager otherwise), and samples.
+graph for steps that fit one, eager otherwise), and samples, each step a LaunchedStep.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,17 +16,11 @@ from moelora.lora.adapter import LoraAdapter
 from moelora.lora.shard import shard_adapter
 from moelora.lora.slots import SlotPool
 from moelora.runner.graph_runner import GraphRunner
-from moelora.runner.sampler import Sampled, TokenMask, sample, token_logprobs
+from moelora.runner.sampler import TokenMask, sample, token_logprobs
 from moelora.runner.tp import ClearSlot, FillSlot, Forward, Workers, on_host
-from moelora.step.batch import (
-    ForwardBatch,
-    HostBatch,
-    fill_placeholders,
-    forward_batch,
-)
+from moelora.step.batch import ForwardBatch, HostBatch, fill_placeholders
 from moelora.step.lora import NO_SLOT
-from moelora.step.plan import StepOutput, StepPlan
-from moelora.step.request import Request
+from moelora.step.plan import LaunchedStep, StepPlan
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions whose logits are computed at once
 
@@ -40,40 +33,6 @@ class _Window:
     rows: torch.Tensor  # [n] int64, rows of the step's hidden states
     targets: torch.Tensor  # [n] int64, the prompt tokens they predict
     top: int  # the request's prompt_logprobs
-
-
-class LaunchedStep:
-    """A step launched on the device. Its tokens are copied to the host without blocking; output()
-    waits for them. `tokens` stay on the device for the next step's inputs."""
-
-    def __init__(
-        self, sampled: Sampled | None, prompt_logprobs: dict[int, list[dict[int, float]]]
-    ) -> None:
-        self.prompt_logprobs = prompt_logprobs
-        self.tokens = sampled.tokens if sampled is not None else None
-        self._host = self._event = None
-        if sampled is not None:
-            on_cuda = sampled.tokens.is_cuda
-            self._host = sampled.to(torch.device("cpu"), non_blocking=on_cuda)
-            if on_cuda:
-                self._event = torch.cuda.Event()
-                self._event.record()
-
-    def output(self) -> StepOutput:
-        if self._host is None:
-            return StepOutput([], self.prompt_logprobs)
-        if self._event is not None:
-            self._event.synchronize()
-        return StepOutput(self._host.results(), self.prompt_logprobs)
-
-
-@dataclass(frozen=True)
-class Forwarded:
-    """A step whose forward and lm_head are launched and whose tokens are not yet sampled."""
-
-    logits: torch.Tensor | None  # [N, V]: a row per request that samples (None: none does)
-    requests: list[Request]  # of those rows, in row order
-    prompt_logprobs: dict[int, list[dict[int, float]]]
 
 
 class ModelRunner:
@@ -112,7 +71,7 @@ class ModelRunner:
         count up to max_prefill_tokens (GraphRunner): from now on, steps that fit one replay
         it. max_pages: pages per sequence; spare_page: the page padded rows point at."""
         self.graphs = GraphRunner(
-            self._forward,
+            self.forward,
             self.slot_pool,
             max_bs=max_bs,
             max_pages=max_pages,
@@ -124,24 +83,15 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's forward of `batch` over this rank's KV cache: its hidden states [T, H]."""
         return self.model(batch, self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """launch, then wait for its output: one step with nothing left on the GPU."""
-        return self.launch(plan).output()
-
-    @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
-        """forward_step, then sample_step without a grammar mask."""
-        return self.sample_step(self.forward_step(plan, prev_tokens))
-
-    @torch.inference_mode()
-    def forward_step(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> Forwarded:
-        """One forward over every chunk and the lm_head of each chunk that reaches its last
-        token, launched on the GPU without waiting for it (only prompt logprobs wait); nothing
-        is sampled yet, so the host may prepare the grammar masks meanwhile.
+    def forward_step(self, plan: StepPlan, prev_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """The step launched: one forward over every chunk and the lm_head of each chunk that
+        reaches its last token, on the GPU without waiting for it (only prompt logprobs wait);
+        nothing is sampled yet (sample_step), so the host may prepare the grammar masks meanwhile.
         prev_tokens: the tokens the step before sampled, still on the device, which the
         placeholders of this plan's inputs stand for (-1 - j: its row j)."""
         host = self.host_batch(plan)
@@ -153,8 +103,9 @@ class ModelRunner:
         _, logits = self.forward_rows(host, prev_tokens, rows)
         prompt_logprobs = self._prompt_logprobs(windows, logits[: len(windows)])
         if not sampling:
-            return Forwarded(None, [], prompt_logprobs)
-        return Forwarded(logits[-1], [plan.chunks[i].request for i in sampling], prompt_logprobs)
+            return LaunchedStep(plan, [], None, prompt_logprobs)
+        requests = [plan.chunks[i].request for i in sampling]
+        return LaunchedStep(plan, requests, logits[-1], prompt_logprobs)
 
     @torch.inference_mode()
     def forward_rows(
@@ -178,7 +129,7 @@ class ModelRunner:
                     fill_placeholders(batch.input_ids, prev_tokens)
                 if placeholders:
                     self.shard.broadcast(batch.input_ids)  # rank 0 alone holds prev_tokens
-                hidden = self._forward(batch)
+                hidden = self.forward(batch)
                 self.num_eager_steps += 1
             device_rows = [r.to(self.device, non_blocking=True) for r in rows]
             return hidden, [self.model.compute_logits(hidden[r]) for r in device_rows]
@@ -213,12 +164,12 @@ class ModelRunner:
             self.workers.close()
 
     @torch.inference_mode()
-    def sample_step(self, forwarded: Forwarded, mask: TokenMask | None = None) -> LaunchedStep:
-        """Sample a token for each of the forward's rows (mask: the constrained rows' grammars),
-        launched on the GPU without waiting for it."""
-        reqs = forwarded.requests
+    def sample_step(self, step: LaunchedStep, mask: TokenMask | None = None) -> None:
+        """Sample a token for each of the step's rows (mask: the constrained rows' grammars),
+        launched on the GPU without waiting for it, and start their copy to the host."""
+        reqs = step.requests
         if not reqs:
-            return LaunchedStep(None, forwarded.prompt_logprobs)
+            return
         params = [r.params for r in reqs]
         # the tokens known so far: by now the requests hold this step's placeholders too
         history = (
@@ -227,19 +178,17 @@ class ModelRunner:
             else None
         )
         generators = [r.generator for r in reqs]
-        sampled = sample(forwarded.logits, params, generators, history, mask)
-        return LaunchedStep(sampled, forwarded.prompt_logprobs)
+        step.sampled(sample(step.logits, params, generators, history, mask))
 
     def device_batch(self, host: HostBatch) -> ForwardBatch:
         """The model's ForwardBatch of `host`, copied to the device (the eager path). A step in
         which no slot is enabled runs without its LoRA launches (lora None), as an engine
         without LoRA does: its host knows they have nothing to do, where a graph's kernels
-        find it out on the device. (A 4096-token base-only prefill spent 20 ms of its 99 with
-        the GPU idle, waiting for the LoRA engine's slower launches: bench/results/NOTES.md.)"""
+        find it out on the device, and an eager step is bound by its host's launches."""
         slots = self.slot_pool
         if slots is not None and host.slot_enabled is not None and not host.slot_enabled.any():
             slots = None
-        return forward_batch(host.to(self.device), slots)
+        return host.to_device(self.device, slots)
 
     def _prompt_windows(self, plan: StepPlan, host: HostBatch) -> list[_Window]:
         """The rows whose logits give this step's prompt logprobs (row p of a sequence predicts
@@ -324,40 +273,3 @@ class ModelRunner:
         if pool is None:
             return 0
         return max((pool.host_rank[s] for s in slots - {NO_SLOT}), default=0)
-
-    # ---- hooks for benchmarks and profilers --------------------------------------------
-
-    def forward_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
-        """The step's forward as a function of no arguments that can run again and again (what
-        benchmarks and profilers time): the replay of the batch's CUDA graph, its static inputs
-        written once here (it returns the padded rows [bs, H]), or with eager=True (or no graph
-        that fits) the eager forward of the same inputs ([T, H]). Samples nothing, changes no
-        request."""
-        if self.workers is not None:  # eager on every rank, the inputs sent each call
-            return lambda: self.forward_rows(host, None, [])[0]
-        if eager or self.graphs is None or not self.graphs.can_run(host):
-            batch = self.device_batch(host)
-            return lambda: self._forward(batch)
-        return self.graphs.replay_fn(host)
-
-    def logits_fn(self, host: HostBatch, *, eager: bool = False) -> Callable[[], torch.Tensor]:
-        """forward_fn, then the lm_head on the batch's T rows, as a step computes them."""
-        T = host.num_tokens
-        if self.workers is not None:  # the lm_head's gather is a collective too
-            rows = [torch.arange(T)]
-            return lambda: self.forward_rows(host, None, rows)[1][0]
-        forward = self.forward_fn(host, eager=eager)
-        return lambda: self.model.compute_logits(forward()[:T])
-
-    @torch.inference_mode()
-    def routed_experts(self, host: HostBatch) -> list[torch.Tensor]:
-        """Each MoE layer's top-k expert ids [T, K] for this batch, from one eager forward."""
-        self._one_rank("routed_experts")
-        trace: list[torch.Tensor] = []
-        batch = self.device_batch(host)
-        self._forward(dataclasses.replace(batch, routing_trace=trace))
-        return trace
-
-    def _one_rank(self, hook: str) -> None:
-        if self.workers is not None:
-            raise NotImplementedError(f"{hook} runs on one rank only: tensor_parallel_size=1")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from moelora.sampling_params import SamplingParams
-from moelora.step.plan import SampleResult
+from moelora.step.plan import StepOutput
 
 # A repetition penalty as float32 sees it: 5e-324 rounds to 0 (a division by zero) and 1e308 to
 # inf (0 * inf is NaN); inside this range every logit stays finite
@@ -33,56 +33,13 @@ def apply_token_mask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Te
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
-@dataclass(frozen=True)
-class Sampled:
-    """One step's samples, still on the device: nothing here has waited for the GPU."""
-
-    tokens: torch.Tensor  # [N] int64
-    # [N] the chosen token's logprob and [N, K] the best K, when any row asks for logprobs
-    chosen: torch.Tensor | None
-    top_ids: torch.Tensor | None
-    top_values: torch.Tensor | None
-    num_top: tuple[int | None, ...]  # per row: how many of the best it reports (None: no logprobs)
-
-    def to(self, device: torch.device, *, non_blocking: bool = False) -> Sampled:
-        def moved(t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None or t.device == device:
-                return t
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return host.copy_(t, non_blocking=non_blocking)
-
-        return Sampled(
-            moved(self.tokens),
-            moved(self.chosen),
-            moved(self.top_ids),
-            moved(self.top_values),
-            self.num_top,
-        )
-
-    def results(self) -> list[SampleResult]:
-        """Per row: its token and logprobs entry (vLLM's: the best k, plus the chosen token).
-        Reads the tensors: on the host, once the copies have arrived."""
-        tokens = self.tokens.tolist()
-        if self.chosen is None:
-            return [SampleResult(t, None) for t in tokens]
-        chosen, ids, values = self.chosen.tolist(), self.top_ids.tolist(), self.top_values.tolist()
-        results = []
-        for i, (token, k) in enumerate(zip(tokens, self.num_top)):
-            entry = None
-            if k is not None:
-                entry = dict(zip(ids[i][:k], values[i][:k]))
-                entry[token] = chosen[i]
-            results.append(SampleResult(token, entry))
-        return results
-
-
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     history: list[tuple[list[int], list[int]]] | None = None,
     mask: TokenMask | None = None,
-) -> Sampled:
+) -> StepOutput:
     """logits [N, V] float32, one row per request that emits a token this step; history:
     each row's (prompt, generated) token ids, needed when a request asks for penalties; mask:
     the grammars of the constrained rows (None: no row is constrained, and nothing is masked).
@@ -106,10 +63,10 @@ def sample(
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     if not wants_logprobs:
-        return Sampled(tokens, None, None, None, num_top)
+        return StepOutput(tokens, None, None, None, num_top)
     chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
     best = logprobs_all.topk(max(k or 0 for k in num_top), dim=-1)
-    return Sampled(tokens, chosen, best.indices, best.values, num_top)
+    return StepOutput(tokens, chosen, best.indices, best.values, num_top)
 
 
 def token_logprobs(

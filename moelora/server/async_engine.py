@@ -30,12 +30,16 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from moelora.errors import EngineDeadError
 from moelora.sampling_params import SamplingParams
 from moelora.server.ingress import prompt_char_limit
 from moelora.server.protocol import FieldError
 from moelora.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # the engine (torch, the kernels) is imported where one is built
+    from moelora.engine.engine import Engine, EngineStats
 
 log = logging.getLogger("moelora.server")
 
@@ -74,10 +78,6 @@ class EngineError(RuntimeError):
     """The engine failed while serving (a bug, not the user's doing): HTTP 500."""
 
 
-class EngineDeadError(EngineError):
-    """The engine thread has stopped: HTTP 503."""
-
-
 class RequestStream:
     """The outputs of one request, as an async iterator; closing it early aborts the request."""
 
@@ -111,7 +111,7 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(
-        self, build: Callable[[], Any], metrics: Any, lora_modules: dict[str, str] | None = None
+        self, build: Callable[[], Engine], metrics: Any, lora_modules: dict[str, str] | None = None
     ) -> None:
         """`build` makes the Engine; it runs on the engine thread, like every later call.
 
@@ -121,7 +121,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._adapter_paths: dict[str, str] = {}  # engine thread writes; readers copy
-        self._engine: Any = None
+        self._engine: Engine | None = None  # built on the engine thread
         self._dead: BaseException | None = None
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -147,7 +147,7 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
-    async def call(self, fn: Callable[[Any], Any]) -> Any:
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread and return its result (or raise its error)."""
         if not self.alive:
             raise EngineDeadError(f"the engine thread has stopped: {self._dead!r}")
@@ -259,7 +259,7 @@ class AsyncEngine:
     def adapter_paths(self) -> dict[str, str]:
         return dict(self._adapter_paths)
 
-    async def stats(self) -> Any:
+    async def stats(self) -> EngineStats:
         return await self.call(lambda engine: engine.stats())
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -319,7 +319,7 @@ class AsyncEngine:
         lora: str | None,
         tracked: _Tracked,
         grammar: Any,
-        engine: Any,
+        engine: Engine,
     ) -> None:
         engine.add_request(request_id, prompt_ids, params, lora=lora, grammar=grammar)
         self._tracked[request_id] = tracked
@@ -331,11 +331,11 @@ class AsyncEngine:
         if tracked is not None:
             self.metrics.requests.inc(model=tracked.model, status="abort")
 
-    def _load(self, engine: Any, name: str, path: str) -> None:
+    def _load(self, engine: Engine, name: str, path: str) -> None:
         engine.load_lora(name, path)
         self._adapter_paths = {**self._adapter_paths, name: path}
 
-    def _unload(self, engine: Any, name: str) -> None:
+    def _unload(self, engine: Engine, name: str) -> None:
         engine.unload_lora(name)
         self._adapter_paths = {n: p for n, p in self._adapter_paths.items() if n != name}
 

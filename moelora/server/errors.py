@@ -21,11 +21,12 @@ from moelora.errors import (
     AdapterError,
     AdapterExistsError,
     AdapterNotFoundError,
+    EngineDeadError,
     InvalidRequestError,
     MoeloraError,
 )
 from moelora.server import protocol
-from moelora.server.async_engine import EngineDeadError, EngineError
+from moelora.server.async_engine import EngineError
 
 log = logging.getLogger("moelora.server")
 
@@ -42,8 +43,8 @@ ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (AdapterError, 400, "BadRequestError", "invalid_adapter"),
     (PermissionDeniedError, 403, "PermissionDeniedError", "permission_denied"),
     (InvalidRequestError, 400, "BadRequestError", None),
+    (EngineDeadError, 503, "ServiceUnavailableError", None),  # a MoeloraError, not the user's
     (MoeloraError, 400, "BadRequestError", None),
-    (EngineDeadError, 503, "ServiceUnavailableError", None),
     (EngineError, 500, "InternalServerError", None),
 ]
 # the error type of a status that Starlette or a middleware answers

@@ -64,14 +64,6 @@ class LoraWeights:
     def max_rank(self) -> int:
         return self.a.shape[-2]
 
-    @property
-    def slice_offsets(self) -> tuple[int, ...]:
-        offsets, acc = [], 0
-        for size in self.out_slices:
-            offsets.append(acc)
-            acc += size
-        return tuple(offsets)
-
 
 @dataclass(frozen=True)
 class FoldedLora:

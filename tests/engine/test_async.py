@@ -156,7 +156,7 @@ def test_abort_mid_flight(tiny):
     engine.add_request("keep", PROMPTS[0], GREEDY, None)
     engine.add_request("gone", PROMPTS[2], GREEDY, "a")
     outs = engine.step() + engine.step()
-    assert engine._in_flight is not None and engine._requests["gone"].num_placeholders
+    assert engine._flights and engine._requests["gone"].num_placeholders
     engine.abort_request("gone")
     assert engine._requests.get("gone") is None and engine.slot_table.refs[0] == 0
     while engine.has_unfinished_requests():
@@ -189,8 +189,7 @@ def test_no_slot_is_refilled_under_the_step_in_flight(tiny):
     fills = []
 
     def checked_fill(slot, lora):
-        flight = engine._in_flight
-        readers = [] if flight is None else [c.request for c in flight.plan.chunks]
+        readers = [c.request for step in engine._flights for c in step.plan.chunks]
         assert all(r.slot != slot for r in readers), f"slot {slot} refilled under a step"
         fills.append(lora.name)
         fill(slot, lora)
@@ -220,10 +219,10 @@ def test_unloading_an_adapter_the_step_in_flight_reads(tiny):
     while not any(o.finished for o in outs):
         outs += engine.step()
     assert outs[-1].finish_reason == "stop" and len(outs[-1].token_ids) == 3
-    assert engine._in_flight is not None and engine.slot_table.refs[0] == 1  # still read
+    assert engine._flights and engine.slot_table.refs[0] == 1  # still read
     on.unload_lora("a")
     assert "a" not in on.list_loras() and engine.slot_table.refs == [0, 0, 0, 0]
-    assert engine._in_flight is None and engine.stats().kv_pages_used == 0
+    assert not engine._flights and engine.stats().kv_pages_used == 0
 
 
 def test_abort_of_an_answer_committed_outside_step_drops_it(tiny):

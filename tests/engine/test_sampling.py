@@ -46,12 +46,13 @@ def test_greedy_takes_the_penalized_argmax_and_logprobs_stay_raw():
     logits = torch.randn(2, V)
     prompt, generated = [1, 2, 3], [int(logits[0].argmax()), 7, 7]
     params = [SamplingParams(temperature=0, frequency_penalty=2.0, logprobs=0)] * 2
-    results = sample(logits, params, [None, None], [(prompt, generated), ([], [])]).results()
+    out = sample(logits, params, [None, None], [(prompt, generated), ([], [])])
+    tokens = out.token_ids()
     expect = adjusted_by_loop(logits[0], params[0], prompt, generated).argmax().item()
-    assert results[0].token_id == expect != logits[0].argmax().item()
-    assert results[1].token_id == logits[1].argmax().item()  # nothing generated yet
+    assert tokens[0] == expect != logits[0].argmax().item()
+    assert tokens[1] == logits[1].argmax().item()  # nothing generated yet
     raw = logits[0].log_softmax(-1)[expect].item()
-    assert results[0].logprobs == pytest.approx({expect: raw})
+    assert out.logprobs()[0] == pytest.approx({expect: raw})
 
 
 @pytest.mark.parametrize(
@@ -77,11 +78,11 @@ def test_logit_bias_forces_and_forbids_tokens():
         SamplingParams(temperature=0, logit_bias={11: 100.0}),
         SamplingParams(temperature=0, logit_bias={top: -100.0}),
     ]
-    results = sample(logits, params, [None, None], [([1], []), ([1], [])]).results()
-    assert results[0].token_id == 11
+    tokens = sample(logits, params, [None, None], [([1], []), ([1], [])]).token_ids()
+    assert tokens[0] == 11
     second = logits[1].clone()
     second[top] = float("-inf")
-    assert results[1].token_id == int(second.argmax())
+    assert tokens[1] == int(second.argmax())
 
 
 def test_a_tiny_temperature_is_raised_to_the_floor_and_samples_finite_probabilities():
@@ -92,10 +93,8 @@ def test_a_tiny_temperature_is_raised_to_the_floor_and_samples_finite_probabilit
     assert SamplingParams(temperature=0).greedy
     logits = torch.randn(2, 50)
     logits[:, 7] = logits.max() + 1  # a gap of 1 is 100 at 0.01: e^-100 for every other token
-    out = sample(
-        logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)]
-    ).results()
-    assert [r.token_id for r in out] == [7, 7]
+    out = sample(logits, [params, params], [torch.Generator().manual_seed(i) for i in range(2)])
+    assert out.token_ids() == [7, 7]
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-46, 1e-9])
@@ -105,8 +104,7 @@ def test_a_top_p_below_float32_keeps_the_most_likely_token(top_p):
     logits = torch.randn(3, 64)
     params = [SamplingParams(top_p=top_p, seed=i) for i in range(3)]
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    out = sample(logits, params, gens).results()
-    assert [r.token_id for r in out] == logits.argmax(dim=-1).tolist()
+    assert sample(logits, params, gens).token_ids() == logits.argmax(dim=-1).tolist()
 
 
 @pytest.mark.parametrize("penalty", [5e-324, 1e-40, 1e308])
@@ -122,14 +120,14 @@ def test_extreme_repetition_penalties_sample_finite_probabilities(penalty, tempe
     history = [([3, 5, 9], [1]), ([2], [3, 4])]
     out = sample(
         logits, params, [torch.Generator().manual_seed(i) for i in range(2)], history
-    ).results()
+    ).token_ids()
     seen_positive = [
         [t for t in ids if logits[i, t] > 0] for i, ids in enumerate(p + g for p, g in history)
     ]
-    for i, r in enumerate(out):
-        assert 0 <= r.token_id < 40
+    for i, token in enumerate(out):
+        assert 0 <= token < 40
         if penalty < 1 and seen_positive[i]:  # a tiny penalty makes seen positive logits huge
-            assert r.token_id in seen_positive[i]
+            assert token in seen_positive[i]
 
 
 def test_a_top_k_past_the_vocabulary_keeps_every_token():
@@ -139,6 +137,6 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token():
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
     huge = [SamplingParams(top_k=4883042256367895818142744576, seed=i) for i in range(2)]
     every = [SamplingParams(top_k=-1, seed=i) for i in range(2)]
-    got = sample(logits, huge, gens).results()
+    got = sample(logits, huge, gens).token_ids()
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    assert [r.token_id for r in got] == [r.token_id for r in sample(logits, every, gens).results()]
+    assert got == sample(logits, every, gens).token_ids()

@@ -1,9 +1,10 @@
 """Scheduler and page allocator, without a model: admission, chunking, preemption, abort."""
 
+from moelora.config import graph_batch_sizes
 from moelora.engine.kv_cache import PageAllocator
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.lora.slots import SlotTable
-from moelora.runner.graph_runner import graph_batch_sizes, padded_batch_size
+from moelora.runner.graph_runner import padded_batch_size
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import pages_for
 from moelora.step.request import Request, Status

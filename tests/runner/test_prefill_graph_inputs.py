@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moelora import LLM, SamplingParams
-from moelora.runner.graph_runner import GraphBuffers, GraphRunner, prefill_graph_sizes
+from moelora.config import prefill_graph_sizes
+from moelora.runner.graph_runner import GraphBuffers, GraphRunner
 from moelora.step.batch import HostBatch, forward_batch, pages_for
 from moelora.step.lora import NO_SLOT
 
@@ -78,7 +79,7 @@ def uncaptured_graphs(engine, *, max_bs: int, max_seqs: int) -> GraphRunner:
     """The engine's runner's graphs with prefill sizes up to 64 tokens, never captured: what
     run(eager=True) computes on their static inputs is what a replay would."""
     return GraphRunner(
-        engine.runner._forward,
+        engine.runner.forward,
         engine.runner.slot_pool,
         max_bs=max_bs,
         max_pages=pages_for(engine.max_model_len, engine.config.page_size),
@@ -108,7 +109,7 @@ def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
     assert graphs.can_run(host)
     assert not uncaptured_graphs(engine, max_bs=2, max_seqs=4).can_run(host)  # 5 sequences
     with torch.inference_mode():
-        eager = runner._forward(runner.device_batch(host))
+        eager = runner.forward(runner.device_batch(host))
         padded = graphs.run(host, eager=True)
     assert padded.shape == eager.shape == (host.num_tokens, eager.shape[1])
     torch.testing.assert_close(padded, eager, atol=1e-5, rtol=1e-5)
@@ -172,7 +173,7 @@ def test_an_eager_step_without_an_enabled_slot_runs_without_lora(llm):
     with_info = forward_batch(host.to(runner.device), runner.slot_pool)
     assert batch.lora is None and with_info.lora is not None
     with torch.inference_mode():
-        assert torch.equal(runner._forward(batch), runner._forward(with_info))
+        assert torch.equal(runner.forward(batch), runner.forward(with_info))
     engine.add_request("adapted", list(range(60, 75)), greedy, "a")
     host = runner.host_batch(engine.scheduler.schedule())
     assert runner.device_batch(host).lora is not None

@@ -7,12 +7,14 @@ same folders, in this process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,9 +111,26 @@ def server(tmp_path_factory: pytest.TempPathFactory):
         "warning",
     ]
     env = {**os.environ, "MOELORA_CACHE": str(root / "cache")}
+    with serve(cmd, port, log, root / "cache", adapters, env=env) as srv:
+        yield srv
+
+
+@contextlib.contextmanager
+def serve(
+    cmd: list[str],
+    port: int,
+    log: Path,
+    cache: Path,
+    adapters: dict[str, Path],
+    *,
+    env: dict[str, str],
+    cwd: Path | None = None,
+) -> Iterator[Server]:
+    """The server `cmd` starts on `port`, its output in `log`, once /health answers; stopped
+    (SIGINT, then killed) when the block ends."""
     with open(log, "wb") as out:
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    srv = Server(f"http://127.0.0.1:{port}", log, root / "cache", adapters, process)
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    srv = Server(f"http://127.0.0.1:{port}", log, cache, adapters, process)
     try:
         _wait_healthy(srv)
         yield srv

@@ -1,0 +1,241 @@
+"""An engine built, once: the model config resolved, the other ranks started (for
+tensor_parallel_size > 1), the kernel table, the model and its weights, the tokenizer and its
+grammars, the adapter slots, the KV cache sized to what the memory leaves, the scheduler, the
+runner with its CUDA graphs captured, and the adapter registry with the adapters asked for at
+start. Engine (engine.py) steps with what this builds and builds nothing itself."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from moelora.config import EngineConfig, ModelConfig
+from moelora.engine.adapters import AdapterRegistry
+from moelora.engine.grammar import Grammars
+from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
+from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
+from moelora.engine.scheduler import Scheduler, SchedulerConfig
+from moelora.errors import ModelConfigError
+from moelora.kernels.ops import Ops
+from moelora.lora.slots import SlotPool, SlotTable
+from moelora.models.model import MoeCausalLM
+from moelora.models.registry import read_model_config
+from moelora.models.shard import check_divides
+from moelora.parallel import SINGLE, Shard
+from moelora.runner.model_runner import ModelRunner
+from moelora.runner.tp import Workers
+from moelora.step.batch import pages_for
+from moelora.tokenizer import Tokenizer, eos_ids_from_folder
+
+log = logging.getLogger(__name__)
+
+_CPU_KV_BUDGET = 256 << 20  # bytes of KV cache on CPU when num_pages is not given
+_GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
+
+
+@dataclass
+class EngineParts:
+    """What an engine steps with."""
+
+    model_config: ModelConfig  # experts_mxfp4 only where the kernel table keeps them packed
+    shard: Shard  # rank 0's part of the model (SINGLE on one rank)
+    workers: Workers | None  # ranks 1..N-1 (None on one rank)
+    model: MoeCausalLM
+    tokenizer: Tokenizer | None  # None: the model folder has none, prompts are token ids
+    eos_token_ids: frozenset[int]
+    grammars: Grammars | None  # structured outputs need the tokenizer's vocabulary
+    slot_pool: SlotPool | None  # the adapter slots on the device (None: LoRA disabled)
+    slot_table: SlotTable | None  # which adapter holds which slot
+    max_model_len: int  # the model's, or what the KV cache holds if that is less
+    pages: PageAllocator
+    scheduler: Scheduler
+    runner: ModelRunner
+    adapters: AdapterRegistry
+
+
+def build_engine(cfg: EngineConfig) -> EngineParts:
+    """Everything an engine steps with, for `cfg` resolved, on its device made current. The
+    other ranks, once started, are stopped again if a later part fails."""
+    mc, hf = read_model_config(cfg.model)
+    max_len = requested_max_len(cfg, mc)
+    # made before the shard is known: whether these kernels keep MXFP4 experts packed decides
+    # the model config, which the divisibility check and every other rank build from
+    ops = make_rank_ops(cfg, SINGLE, cfg.torch_device)
+    if mc.experts_mxfp4 and not ops.keeps_mxfp4:
+        mc = replace(mc, experts_mxfp4=False)
+    workers = None
+    if cfg.tensor_parallel_size > 1:
+        check_divides(mc, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
+        shard, workers = start_workers(cfg, mc, hf, max_len)
+        ops = replace(ops, shard=shard)  # the same table, bound to rank 0's part
+    try:
+        model = load_model(cfg, mc, hf, max_len, ops, cfg.torch_device)
+        parts = _around_model(cfg, model, max_len, workers)
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
+    log.info(
+        "engine ready: %s on %s (%s), %d KV pages of %d tokens",
+        mc.arch,
+        cfg.torch_device,
+        cfg.dtype,
+        parts.pages.num_pages,
+        cfg.page_size,
+    )
+    return parts
+
+
+def requested_max_len(cfg: EngineConfig, mc: ModelConfig) -> int:
+    """max_model_len as asked, at most the model's max_position_embeddings (the default)."""
+    if cfg.max_model_len is not None and cfg.max_model_len > mc.max_position_embeddings:
+        raise ModelConfigError(
+            f"max_model_len={cfg.max_model_len} is invalid: expected at most the model's "
+            f"max_position_embeddings={mc.max_position_embeddings}"
+        )
+    return cfg.max_model_len or mc.max_position_embeddings
+
+
+def _around_model(
+    cfg: EngineConfig, model: MoeCausalLM, max_len: int, workers: Workers | None
+) -> EngineParts:
+    """The parts around the loaded model, in the order memory asks: the adapter slots before
+    the KV cache, which takes what they leave, and the graphs last."""
+    mc = model.cfg
+    tokenizer, eos = load_tokenizer(cfg.model, mc)
+    grammars = Grammars(tokenizer, mc.vocab_size, eos) if tokenizer is not None else None
+    pool, table = adapter_slots(cfg, model)
+    num_pages = cfg.num_pages or auto_num_pages(cfg, kv_config(mc, model.shard), max_len)
+    max_model_len = fitted_max_len(cfg, max_len, num_pages)
+    if workers is not None:
+        workers.send(num_pages)  # what each worker's KV cache holds too
+    pages = PageAllocator(num_pages)
+    config = SchedulerConfig(
+        cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size, max_model_len=max_model_len
+    )
+    scheduler = Scheduler(config, pages, table)
+    runner = _runner(cfg, model, pool, num_pages, workers)
+    _capture_graphs(cfg, runner, model.ops, max_model_len, num_pages)
+    adapters = AdapterRegistry(cfg, mc, model.shard, pool)
+    for name, path in cfg.lora_modules.items():
+        adapters.load(name, path)
+    return EngineParts(
+        model_config=mc,
+        shard=model.shard,
+        workers=workers,
+        model=model,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+        grammars=grammars,
+        slot_pool=pool,
+        slot_table=table,
+        max_model_len=max_model_len,
+        pages=pages,
+        scheduler=scheduler,
+        runner=runner,
+        adapters=adapters,
+    )
+
+
+def adapter_slots(
+    cfg: EngineConfig, model: MoeCausalLM
+) -> tuple[SlotPool | None, SlotTable | None]:
+    """The adapter slots on the device and the table of who holds which (None: LoRA disabled)."""
+    if not cfg.enable_lora:
+        return None, None
+    pool = SlotPool(
+        model, cfg.max_loras, cfg.max_lora_rank, dtype=cfg.torch_dtype, device=cfg.torch_device
+    )
+    return pool, SlotTable(cfg.max_loras)
+
+
+def load_tokenizer(path: str, mc: ModelConfig) -> tuple[Tokenizer | None, frozenset[int]]:
+    """The model folder's tokenizer (None: it has none) and the ids that end a generation."""
+    eos = eos_ids_from_folder(path, list(mc.eos_token_ids))
+    if not Tokenizer.exists(path):
+        return None, frozenset(eos)
+    tokenizer = Tokenizer(path, eos)
+    return tokenizer, frozenset(tokenizer.eos_token_ids)
+
+
+def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int) -> int:
+    """KV pages when num_pages is not given: on CUDA what gpu_memory_utilization leaves of the
+    GPU (at least one sequence of max_len), on the CPU a fixed budget. kv: the model config as
+    this rank's KV cache sees it."""
+    per_page = page_bytes(kv, cfg.page_size, cfg.torch_dtype)
+    per_seq = pages_for(max_len, cfg.page_size)
+    if cfg.torch_device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(cfg.torch_device)
+        budget = int(total * cfg.gpu_memory_utilization) - (total - free) - _GPU_RESERVE
+        if budget < per_page * per_seq:
+            raise ModelConfigError(
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "
+                f"{budget >> 20} MiB for the KV cache, expected at least "
+                f"{(per_page * per_seq) >> 20} MiB (one sequence of max_model_len)"
+            )
+        return budget // per_page
+    fit = max(_CPU_KV_BUDGET // per_page, 4 * per_seq)
+    return min(fit, per_seq * cfg.max_num_seqs)
+
+
+def fitted_max_len(cfg: EngineConfig, max_len: int, num_pages: int) -> int:
+    """max_len, or what num_pages hold if that is less (said once here, not first at a
+    refused prompt)."""
+    fitted = min(max_len, num_pages * cfg.page_size)
+    if fitted < max_len:
+        log.warning(
+            "max_model_len is %d, not %d: the KV cache holds %d pages of %d tokens",
+            fitted,
+            max_len,
+            num_pages,
+            cfg.page_size,
+        )
+    return fitted
+
+
+def _runner(
+    cfg: EngineConfig,
+    model: MoeCausalLM,
+    pool: SlotPool | None,
+    num_pages: int,
+    workers: Workers | None,
+) -> ModelRunner:
+    """The runner over a KV cache of num_pages pages of this rank's KV heads."""
+    kv = allocate_kv_caches(
+        kv_config(model.cfg, model.shard),
+        num_pages,
+        cfg.page_size,
+        dtype=cfg.torch_dtype,
+        device=cfg.torch_device,
+    )
+    return ModelRunner(model, kv, pool, cfg.page_size, cfg.torch_device, workers)
+
+
+def _capture_graphs(
+    cfg: EngineConfig, runner: ModelRunner, ops: Ops, max_model_len: int, num_pages: int
+) -> None:
+    """The runner's CUDA graphs, where they can run: on CUDA, with Triton kernels, on one rank
+    (graphs would have to capture the collectives on every rank: not yet, so eager)."""
+    if cfg.torch_device.type != "cuda" or cfg.enforce_eager:
+        return
+    if runner.workers is not None:
+        log.warning(
+            "tensor_parallel_size=%d runs every step eagerly: CUDA graphs that capture the "
+            "collectives are not implemented yet",
+            cfg.tensor_parallel_size,
+        )
+        return
+    if ops.name == "torch":
+        return
+    from moelora.kernels.attention.paged import DENSE_FROM  # Triton: CUDA only
+
+    runner.capture_graphs(
+        max_bs=min(cfg.max_graph_bs, cfg.max_num_seqs),
+        max_pages=pages_for(max_model_len, cfg.page_size),
+        spare_page=num_pages,
+        max_prefill_tokens=min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens),
+        max_seqs=cfg.max_num_seqs,
+        dense_from=DENSE_FROM if cfg.prefill_attention_backend == "cudnn" else 0,
+    )
