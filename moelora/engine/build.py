@@ -170,14 +170,25 @@ def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int) -> int:
         free, total = torch.cuda.mem_get_info(cfg.torch_device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - _GPU_RESERVE
         if budget < per_page * per_seq:
-            raise ModelConfigError(
-                f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "
-                f"{budget >> 20} MiB for the KV cache, expected at least "
-                f"{(per_page * per_seq) >> 20} MiB (one sequence of max_model_len)"
-            )
+            raise kv_budget_refusal(cfg.gpu_memory_utilization, budget, per_page * per_seq)
         return budget // per_page
     fit = max(_CPU_KV_BUDGET // per_page, 4 * per_seq)
     return min(fit, per_seq * cfg.max_num_seqs)
+
+
+def kv_budget_refusal(utilization: float, budget: int, needed: int) -> ModelConfigError:
+    """The error of a KV budget (bytes) under the `needed` bytes of one sequence."""
+    return ModelConfigError(
+        f"gpu_memory_utilization={utilization} leaves {_size(budget)} for the KV cache, "
+        f"expected at least {_size(needed)} (one sequence of max_model_len)"
+    )
+
+
+def _size(nbytes: int) -> str:
+    # a tiny model's sequence needs less than 1 MiB: in MiB it would read "at least 0 MiB"
+    if abs(nbytes) < 1 << 20:
+        return f"{nbytes} bytes"
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def fitted_max_len(cfg: EngineConfig, max_len: int, num_pages: int) -> int:

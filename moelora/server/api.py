@@ -196,6 +196,9 @@ def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, gate: LoraGate) -> No
         return {"object": "list", "data": cards}
 
     load_errors = (400, 403, 500, 503) if gate.may_refuse else (400, 500, 503)
+    unload_errors = (
+        (400, 403, 404, 409, 500, 503) if gate.updates_off else (400, 404, 409, 500, 503)
+    )
 
     @app.post(
         "/v1/load_lora_adapter",
@@ -212,9 +215,10 @@ def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, gate: LoraGate) -> No
     @app.post(
         "/v1/unload_lora_adapter",
         response_class=PlainTextResponse,
-        responses={200: schema.text("Unloaded"), **schema.errors(400, 404, 409, 500, 503)},
+        responses={200: schema.text("Unloaded"), **schema.errors(*unload_errors)},
     )
     async def unload_lora_adapter(body: UnloadLoraRequest) -> PlainTextResponse:
+        gate.check_unload()
         await engine.unload_lora(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 

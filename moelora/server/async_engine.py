@@ -15,6 +15,12 @@ through `loop.call_soon_threadsafe`, so the engine thread never touches asyncio 
 
 The engine thread blocks on the command queue while the engine is idle and drains it without
 blocking between steps while requests are in flight.
+
+An engine that cannot go on (an EngineDeadError: a tensor-parallel rank died or a collective
+failed; or the loop itself raised) is dead for good: the cause is logged once, every request in
+flight and every waiting command fails with an EngineDeadError (HTTP 503), and so does every
+later call, while `alive` turns False (/health 503). A failure of one step that leaves the engine
+able to go on fails only the requests in that step (EngineError, HTTP 500).
 """
 
 from __future__ import annotations
@@ -147,17 +153,29 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
+    def check_alive(self) -> None:
+        """An EngineDeadError (HTTP 503) saying why, once the engine cannot serve."""
+        if not self.alive:
+            raise self._death()
+
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread and return its result (or raise its error)."""
-        if not self.alive:
-            raise EngineDeadError(f"the engine thread has stopped: {self._dead!r}")
+        self.check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put(_Command(lambda: fn(self._engine), future))
+        if not self.alive:  # it died after the check: its thread may have drained the queue
+            self._fail_pending_commands()
         return await asyncio.wrap_future(future)
+
+    def _death(self) -> EngineDeadError:
+        if self._dead is None:
+            return EngineDeadError("the engine has shut down")
+        return EngineDeadError(str(self._dead))
 
     async def generate(self, request_id: str, inp: GenerateInput, model: str) -> RequestStream:
         """Tokenize and admit a request; raises InvalidRequestError for a prompt or max_tokens
         that cannot fit max_model_len, and what Engine.add_request raises (before any output)."""
+        self.check_alive()  # before any tokenizing
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         tracked = _Tracked(loop, outputs, model, arrival=time.perf_counter())
@@ -281,13 +299,23 @@ class AsyncEngine:
             while self._serve_commands():
                 if self._engine.has_unfinished_requests():
                     self._step()
-        except BaseException as e:  # a bug in the loop itself: fail everything, then stop
-            log.exception("engine thread stopped")
-            self._dead = e
-            self._fail_all(e)
-            self._fail_pending_commands(e)
+        except BaseException as e:  # a dead rank, or a bug in the loop itself
+            self._die(e)
         finally:
             self._engine.close()  # a tensor-parallel engine's workers stop with it
+
+    def _die(self, error: BaseException) -> None:
+        """Record once why the engine cannot go on (an EngineDeadError from a tensor-parallel
+        engine names the rank, its pid and exit code), then fail everything waiting on it."""
+        if isinstance(error, EngineDeadError):
+            log.error("the engine is dead, every request now answers 503: %s", error)
+            dead = error
+        else:
+            log.error("the engine thread stopped, every request now answers 503", exc_info=error)
+            dead = EngineDeadError(f"the engine thread has stopped: {error!r}")
+        self._dead = dead  # first: a call from now on fails itself, or drains what it queued
+        self._fail_tracked(dead)
+        self._fail_pending_commands()
 
     def _serve_commands(self) -> bool:
         """Run queued commands; block for one only when the engine has nothing to do."""
@@ -300,16 +328,26 @@ class AsyncEngine:
             if command is None:
                 return False
             block = False
-            try:
-                result = command.fn()
-            except Exception as e:
-                if command.future is None:
-                    log.exception("engine command failed")
-                else:
-                    command.future.set_exception(e)
-            else:
-                if command.future is not None:
-                    command.future.set_result(result)
+            self._run_command(command)
+
+    @staticmethod
+    def _run_command(command: _Command) -> None:
+        """Run one command and answer its caller; an EngineDeadError also stops the loop."""
+        # a caller that has gone (its asyncio side cancelled) is not answered; the command
+        # still runs, as an admission the caller aborts must be there to abort
+        answer = command.future is not None and command.future.set_running_or_notify_cancel()
+        try:
+            result = command.fn()
+        except Exception as e:
+            if answer:
+                command.future.set_exception(e)
+            elif command.future is None and not isinstance(e, EngineDeadError):
+                log.exception("engine command failed")
+            if isinstance(e, EngineDeadError):
+                raise
+        else:
+            if answer:
+                command.future.set_result(result)
 
     def _add(
         self,
@@ -342,9 +380,16 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except EngineDeadError:
+            raise
         except Exception as e:  # an engine bug: fail the requests in flight, keep serving
             log.exception("engine step failed; aborting %d requests", len(self._tracked))
-            self._fail_all(e)
+            failed = self._fail_tracked(EngineError(f"the engine failed: {e!r}"))
+            for request_id in failed:
+                try:
+                    self._engine.abort_request(request_id)
+                except Exception:
+                    log.exception("abort of %s failed", request_id)
             return
         now = time.perf_counter()
         for out in outputs:
@@ -378,24 +423,25 @@ class AsyncEngine:
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id, tracked in list(self._tracked.items()):
-            del self._tracked[request_id]
-            self._deliver(tracked, EngineError(f"the engine failed: {error!r}"))
+    def _fail_tracked(self, failure: Exception) -> list[str]:
+        """`failure` ends every request in flight (its stream raises it); their ids."""
+        failed = list(self._tracked)
+        for tracked in self._tracked.values():
+            self._deliver(tracked, failure)
             self.metrics.requests.inc(model=tracked.model, status="error")
-            try:
-                self._engine.abort_request(request_id)
-            except Exception:
-                log.exception("abort of %s failed", request_id)
+        self._tracked.clear()
+        return failed
 
-    def _fail_pending_commands(self, error: BaseException) -> None:
+    def _fail_pending_commands(self) -> None:
+        """Answer every queued command with the engine's death (from either thread)."""
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
             if command is not None and command.future is not None:
-                command.future.set_exception(EngineDeadError(f"the engine failed: {error!r}"))
+                if command.future.set_running_or_notify_cancel():
+                    command.future.set_exception(self._death())
 
 
 def _prompt_char_limit(tokenizer: Tokenizer | None, max_model_len: int) -> int | None:

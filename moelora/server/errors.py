@@ -71,12 +71,18 @@ def error_response(
 
 
 def exception_response(e: Exception) -> JSONResponse:
+    status, body = exception_body(e)
+    return JSONResponse(body, status)
+
+
+def exception_body(e: Exception) -> tuple[int, dict[str, Any]]:
+    """The status and error JSON of `e`, also for a stream that fails after its first event."""
     for cls, status, type_, code in ERRORS:
         if isinstance(e, cls):
             param = getattr(e, "param", None)
-            return error_response(status, str(e), type_, code=code, param=param)
+            return status, protocol.error_body(str(e), type_, code=code, param=param)
     log.exception("unexpected error", exc_info=e)
-    return error_response(500, f"internal error: {e!r}", "InternalServerError")
+    return 500, protocol.error_body(f"internal error: {e!r}", "InternalServerError")
 
 
 def validation_response(errors: list[dict[str, Any]]) -> JSONResponse:

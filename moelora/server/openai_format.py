@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from moelora.server import protocol
 from moelora.server.async_engine import Prompt, RequestStream
 from moelora.server.streaming import Delta
-from moelora.server.tool_calls import CallStream, ToolParser
+from moelora.server.tool_calls import CallStream, ToolCall, ToolParser, new_call_id
 
 if TYPE_CHECKING:
     from moelora.step.request import RequestOutput
@@ -241,7 +241,8 @@ class ChatAnswer(Answer):
     as content, before any call; each call then streams as OpenAI streams it (tool_calls.py),
     as far as the text deltas have let text out. A choice that ends without calls that parse
     (cut by max_tokens) keeps what it has sent, and its finish_reason says why it ended: no
-    brace is added to close a call."""
+    brace is added to close a call. Its whole answer holds the same: the calls it began, each
+    as far as written, and the finish_reason of its end."""
 
     OBJECT, CHUNK_OBJECT = "chat.completion", "chat.completion.chunk"
 
@@ -268,8 +269,11 @@ class ChatAnswer(Answer):
         finish_reason = out.finish_reason
         content, calls = self.tool_calls(out)
         if calls:
-            message = {"role": "assistant", "content": content, "tool_calls": calls}
             finish_reason = "tool_calls"
+        else:
+            content, calls = self.cut_calls(out)
+        if calls:
+            message = {"role": "assistant", "content": content, "tool_calls": calls}
         return {
             "index": index,
             "message": message,
@@ -284,6 +288,15 @@ class ChatAnswer(Answer):
             return out.text, []
         content, calls = self.tools.parse(out.text)
         return content, [c.json() for c in calls]
+
+    def cut_calls(self, out: RequestOutput) -> tuple[str | None, list]:
+        """(content, calls as JSON) of a finished choice whose calls do not parse: the calls it
+        began, each as far as written (what its stream sent), or its text alone if none."""
+        partial = self.tools.partial_calls(out.text) if self.tools is not None else []
+        if not partial:
+            return out.text, []
+        content = out.text[: self.tools.streamed_text_end(out.text)].strip() or None
+        return content, [ToolCall(new_call_id(), c.name, c.arguments).json() for c in partial]
 
     def opening(self, num_choices: int) -> list[Json]:
         return [

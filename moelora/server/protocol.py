@@ -11,10 +11,13 @@ when set to a non-default.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
+import xgrammar as xgr
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -197,6 +200,22 @@ class StructuredOutputsField(OpenAIBody):
     json_object: bool | None = None
 
 
+# xgrammar prefixes its errors with a time and its C++ source line: the client needs neither
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+def check_json_schema(param: str, schema: dict[str, Any] | str) -> None:
+    """Refuses (FieldError) a schema the output cannot be constrained to, naming the field that
+    sent it: here, before the engine compiles it, whose error could only name its own field.
+    Converting a schema to a grammar needs no tokenizer and costs little next to compiling."""
+    text = schema if isinstance(schema, str) else json.dumps(schema)
+    try:
+        xgr.Grammar.from_json_schema(text, any_whitespace=False)
+    except (RuntimeError, ValueError, TypeError) as e:
+        reason = _XGRAMMAR_PREFIX.sub("", str(e).strip()).splitlines()[0][:300]
+        raise FieldError(param, f"{param} is not a valid JSON schema: {reason}") from None
+
+
 class SamplingFields(OpenAIBody):
     """The sampling parameters both generation endpoints share (vLLM's extensions included)."""
 
@@ -230,25 +249,33 @@ class SamplingFields(OpenAIBody):
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, from whichever field it is in; None for
         none. More than one is an InvalidRequestError naming them."""
-        specs = {}
+        specs, schemas = {}, {}
         fmt = self.response_format
         if isinstance(fmt, JsonObjectFormat):
             specs["response_format"] = {"json_object": True}
         elif isinstance(fmt, JsonSchemaResponseFormat):
             schema = fmt.json_schema.schema_
+            if schema:
+                schemas["response_format.json_schema.schema"] = schema
             specs["response_format"] = {"json": schema} if schema else {"json_object": True}
         if self.structured_outputs is not None:
             given = self.structured_outputs.model_dump(exclude_none=True)
             specs["structured_outputs"] = {k.rstrip("_"): v for k, v in given.items()}
+            if "json" in given:
+                schemas["structured_outputs.json"] = given["json"]
         for name in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{name}")
             if value is not None:
                 specs[f"guided_{name}"] = {name: value}
+        if self.guided_json is not None:
+            schemas["guided_json"] = self.guided_json
         if len(specs) > 1:
             raise InvalidRequestError(
                 f"structured outputs are asked for by {sorted(specs)}: expected at most one of "
                 "response_format, structured_outputs and the guided_* fields"
             )
+        for param, schema in schemas.items():
+            check_json_schema(param, schema)
         return StructuredOutputsParams(**next(iter(specs.values()))) if specs else None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
@@ -328,12 +355,16 @@ Content = Annotated[
 ]
 
 
+# OpenAI's chat roles; the template decides what each one means
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
 class ChatMessage(BaseModel):
     """Fields beyond role and content (name, tool_calls, ...) go to the chat template as sent."""
 
     model_config = ConfigDict(extra="allow", **STRICT)
 
-    role: str
+    role: Role
     content: Content | None = None
 
     def for_template(self) -> dict[str, Any]:

@@ -18,8 +18,9 @@ import anyio
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from moelora.server import protocol
+from moelora.errors import EngineDeadError
 from moelora.server.async_engine import EngineError, RequestStream
+from moelora.server.errors import exception_body
 
 if TYPE_CHECKING:
     from moelora.step.request import RequestOutput
@@ -145,7 +146,8 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The SSE events of a streamed answer, one stream a choice: the opening chunks, each
     output's chunks in arrival order, the usage chunk when asked for, and `data: [DONE]` last,
-    also after an engine failure, which is told in an error chunk of its own."""
+    also after an engine failure, which is told in an error chunk of its own (the error JSON of
+    a 500, or of a 503 when the engine is dead)."""
     deltas = [TextDeltas(stop) for _ in streams]
     finals: list[RequestOutput | None] = [None] * len(streams)
     try:
@@ -158,8 +160,8 @@ async def sse_events(
                 yield sse(chunk)
         if include_usage:
             yield sse(answer.usage_chunk(finals))
-    except EngineError as e:
-        yield sse(protocol.error_body(str(e), "InternalServerError"))
+    except (EngineError, EngineDeadError) as e:
+        yield sse(exception_body(e)[1])
     yield "data: [DONE]\n\n"
 
 

@@ -16,7 +16,8 @@ come from is `ToolParser.partial_calls`, a pure function of the text so far (eac
 name is whole, its arguments as far as written), which a `CallStream` diffs against what the
 choice has sent. Streamed arguments are the model's own text of the value; a whole answer
 writes the parsed value again with json.dumps (for "required" and "auto"): the same JSON value,
-whose text may differ in spacing, escapes and number spellings.
+whose text may differ in spacing, escapes and number spellings. A whole answer whose calls do
+not parse (cut by max_tokens) gives the calls as `partial_calls` reads them, as its stream did.
 """
 
 from __future__ import annotations
@@ -29,7 +30,13 @@ from typing import Any
 
 from moelora.errors import InvalidRequestError
 from moelora.sampling_params import StructuredOutputsParams
-from moelora.server.protocol import ChatCompletionRequest, NamedToolChoice
+from moelora.server.protocol import (
+    ChatCompletionRequest,
+    FieldError,
+    NamedToolChoice,
+    ToolSpec,
+    check_json_schema,
+)
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 # a function without `parameters` takes none: its arguments are {} (a bare {"type": "object"}
@@ -280,13 +287,16 @@ def tool_plan(
         name = choice.function.name
         named = [t for t in tools if t.function.name == name]
         if not named:
-            raise InvalidRequestError(
-                f"tool_choice names the function {name!r}: expected one of the tools "
-                f"{[t.function.name for t in tools]}"
+            raise FieldError(
+                "tool_choice.function.name",
+                f"tool_choice.function.name: the function {name!r} is not among the tools: "
+                f"expected one of {[t.function.name for t in tools]}",
             )
+        _check_parameters(tools, only=name)
         schema = named[0].function.parameters or NO_PARAMETERS
         return StructuredOutputsParams(json=schema), ToolParser("named", name)
     if choice == "required":
+        _check_parameters(tools)
         return StructuredOutputsParams(json=_calls_schema(body)), ToolParser("required")
     if tool_format(chat_template) is None:
         raise InvalidRequestError(
@@ -295,6 +305,14 @@ def tool_plan(
             "tool_choice 'required', 'none' or a named function"
         )
     return None, ToolParser("auto")
+
+
+def _check_parameters(tools: list[ToolSpec], *, only: str | None = None) -> None:
+    """Refuses a `parameters` schema the output would be constrained to, naming its field."""
+    for i, tool in enumerate(tools):
+        parameters = tool.function.parameters
+        if parameters is not None and only in (None, tool.function.name):
+            check_json_schema(f"tools.{i}.function.parameters", parameters)
 
 
 def _calls_schema(body: ChatCompletionRequest) -> dict[str, Any]:

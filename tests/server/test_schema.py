@@ -37,10 +37,11 @@ GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 # allow: what a JSON schema of the body cannot say
 _CONSTRAINTS = (
     r"|structured outputs are asked for by"
-    r"|^structured_outputs\S* is (not a valid|invalid)"
+    r"|^(structured_outputs|response_format|guided_json|tools)[^:]* is (not a valid|invalid)"
     r"|tool_choice"
 )
-# what a schema-valid request may be refused for (HTTP 400, no `param`), and why
+# what a schema-valid request may be refused for (HTTP 400; a `param` only for a schema that
+# names the field it came in), and why
 SEMANTIC_REFUSALS = {
     "/v1/completions": r"max_model_len|maximum context length|token id \d+ is invalid"
     + _CONSTRAINTS,
@@ -308,7 +309,8 @@ def semantic_refusal(path: str, status: int, body: bytes) -> str | None:
         error = json.loads(body)["error"]
     except (ValueError, KeyError, TypeError):
         return f"a 400 that is not OpenAI's error JSON: {body[:200]!r}"
-    if pattern and error.get("param") is None and re.search(pattern, error.get("message", "")):
+    message, param = error.get("message", ""), error.get("param")
+    if pattern and (param is None or message.startswith(param)) and re.search(pattern, message):
         return None
     return f"a schema-valid request was refused: {error}"
 

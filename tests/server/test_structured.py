@@ -285,7 +285,7 @@ def _post(server, body: dict) -> httpx.Response:
                     "json_schema": {"name": "x", "schema": {"type": "nope"}},
                 }
             },
-            r"structured_outputs.json is not a valid JSON schema: .*nope",
+            r"^response_format.json_schema.schema is not a valid JSON schema: .*nope",
         ),
         ({"structured_outputs": {"regex": "(["}}, "not a valid regular expression"),
         ({"structured_outputs": {"grammar": "root ::= nothing"}}, "not a valid EBNF grammar"),
@@ -296,7 +296,7 @@ def _post(server, body: dict) -> httpx.Response:
                 "tools": [{"type": "function", "function": {"name": "f"}}],
                 "tool_choice": {"type": "function", "function": {"name": "g"}},
             },
-            "tool_choice names the function 'g'",
+            "tool_choice.function.name: the function 'g' is not among the tools",
         ),
         ({"tool_choice": "required"}, "needs tools"),
     ],
