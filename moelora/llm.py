@@ -59,8 +59,16 @@ class LLM:
         return [finished[rid] for rid in ids]
 
     def close(self) -> None:
-        """Stop the engine's other ranks (tensor_parallel_size > 1; a no-op on one rank)."""
+        """Stop the engine's other ranks (tensor_parallel_size > 1) and free what it holds on
+        the device, so another LLM can be built in this process; this one cannot generate
+        after it."""
         self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -111,6 +111,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=1e-4,
         help="logprob tolerance against transformers (default 1e-4; looser only to diagnose)",
     )
+    parser.addoption(
+        "--first-and-last-params",
+        action="store_true",
+        help="run only the first and the last parametrization of each test (a slow tool such "
+        "as compute-sanitizer still sees every test and both ends of its cases)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--first-and-last-params"):
+        return
+    by_test: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_test.setdefault(item.nodeid.split("[")[0], []).append(item)
+    keep = {id(group[0]) for group in by_test.values()}
+    keep |= {id(group[-1]) for group in by_test.values()}
+    dropped = [item for item in items if id(item) not in keep]
+    items[:] = [item for item in items if id(item) in keep]
+    config.hook.pytest_deselected(items=dropped)
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,12 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         self._loads: dict[str, int] = {}  # each adapter's load number
         self._numbers = itertools.count()
 
+    def clear(self) -> None:
+        """Forget every adapter and the slot pool (the engine is closing)."""
+        self._adapters.clear()
+        self._loads.clear()
+        self.pool = None
+
     def __getitem__(self, name: str) -> LoraAdapter:
         return self._adapters[name]
 

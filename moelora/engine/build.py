@@ -6,6 +6,7 @@ start. Engine (engine.py) steps with what this builds and builds nothing itself.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass, replace
 
@@ -167,20 +168,36 @@ def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int) -> int:
     per_page = page_bytes(kv, cfg.page_size, cfg.torch_dtype)
     per_seq = pages_for(max_len, cfg.page_size)
     if cfg.torch_device.type == "cuda":
+        # an engine dropped but not yet collected (its graphs hold cycles) still holds its
+        # memory, and the allocator keeps freed blocks: neither is another engine's to count
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(cfg.torch_device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - _GPU_RESERVE
         if budget < per_page * per_seq:
-            raise kv_budget_refusal(cfg.gpu_memory_utilization, budget, per_page * per_seq)
+            raise kv_budget_refusal(
+                cfg.gpu_memory_utilization, budget, per_page * per_seq, used=total - free
+            )
         return budget // per_page
     fit = max(_CPU_KV_BUDGET // per_page, 4 * per_seq)
     return min(fit, per_seq * cfg.max_num_seqs)
 
 
-def kv_budget_refusal(utilization: float, budget: int, needed: int) -> ModelConfigError:
-    """The error of a KV budget (bytes) under the `needed` bytes of one sequence."""
+def kv_budget_refusal(
+    utilization: float, budget: int, needed: int, *, used: int | None = None
+) -> ModelConfigError:
+    """The error of a KV budget (bytes) under the `needed` bytes of one sequence; used: the
+    GPU's bytes in use when the budget was taken (this engine's weights, other engines' and
+    other processes' memory)."""
+    in_use = ""
+    if used is not None:
+        in_use = (
+            f"; {_size(used)} of the GPU were in use (this engine's weights, and any other "
+            "engine or process: close() an engine no longer needed, or set num_pages)"
+        )
     return ModelConfigError(
         f"gpu_memory_utilization={utilization} leaves {_size(budget)} for the KV cache, "
-        f"expected at least {_size(needed)} (one sequence of max_model_len)"
+        f"expected at least {_size(needed)} (one sequence of max_model_len){in_use}"
     )
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import gc
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,7 @@ from moelora.engine.adapters import AdapterRegistry
 from moelora.engine.build import build_engine
 from moelora.engine.checks import check_request
 from moelora.engine.prefix_cache import namespace, page_hashes
-from moelora.errors import AdapterBusyError, InvalidRequestError
+from moelora.errors import AdapterBusyError, EngineDeadError, InvalidRequestError
 from moelora.lora.adapter import LoraAdapter
 from moelora.lora.slots import LoraTarget
 from moelora.runner.sampler import TokenMask
@@ -84,6 +85,7 @@ class Engine:
         self._flights: collections.deque[LaunchedStep] = collections.deque()
         self._ready: list[RequestOutput] = []  # committed outside step(): its next answer
         self._seed_source = torch.Generator().manual_seed(self.config.seed)  # per-request seeds
+        self._closed = False
 
     def on_device(self) -> contextlib.AbstractContextManager:
         """The engine's CUDA device made current (for this thread) while the block runs."""
@@ -107,6 +109,7 @@ class Engine:
     ) -> None:
         """grammar: params.structured_outputs compiled by self.grammars (the server compiles off
         the engine thread); None: compiled here, when the params ask for one."""
+        self._check_open()
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id={request_id!r} is already in use")
         if params.stop:
@@ -154,6 +157,7 @@ class Engine:
         return self.scheduler.has_unfinished() or bool(self._flights) or bool(self._ready)
 
     def step(self) -> list[RequestOutput]:
+        self._check_open()
         with self.on_device():
             return self._step()
 
@@ -352,9 +356,34 @@ class Engine:
         return True
 
     def close(self) -> None:
-        """Stop and join the other ranks of a tensor-parallel engine (a no-op on one rank);
-        the engine cannot step after it."""
-        self.runner.close()
+        """Stop and join the other ranks of a tensor-parallel engine, and let go of what the
+        engine holds on the device (weights, KV cache, adapter slots and adapters, graphs), so
+        that another engine can be built in this process at once; the engine cannot step after
+        it (EngineDeadError). Closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        with self.on_device():
+            try:
+                self.runner.close()
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        with self.on_device():
+            self._flights.clear()
+            self._ready.clear()
+            self._requests.clear()
+            self.adapters.clear()
+            self.model = self.slot_pool = None
+            if self.config.torch_device.type == "cuda":
+                torch.cuda.synchronize()
+                gc.collect()  # the graphs' and kernels' closures refer to one another
+                torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineDeadError("the engine is closed: build another to go on")
 
     def stats(self) -> EngineStats:
         graphs = self.runner.graphs

@@ -159,9 +159,16 @@ class ModelRunner:
         self.slot_pool.clear(slot)
 
     def close(self) -> None:
-        """Stop and join the workers (a no-op on one rank)."""
-        if self.workers is not None:
-            self.workers.close()
+        """Stop and join the workers (a no-op on one rank), then drop what this rank holds on
+        the device: weights, KV cache, slots, graphs (their memory pool with them)."""
+        try:
+            if self.workers is not None:
+                self.workers.close()
+        finally:
+            self.graphs = None
+            self.kv_caches = []
+            self.slot_pool = None
+            self.model = None
 
     @torch.inference_mode()
     def sample_step(self, step: LaunchedStep, mask: TokenMask | None = None) -> None:

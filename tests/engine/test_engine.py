@@ -5,7 +5,7 @@ import hf_fixtures as hf
 import pytest
 
 from moelora import LLM, SamplingParams
-from moelora.errors import AdapterBusyError, InvalidRequestError
+from moelora.errors import AdapterBusyError, EngineDeadError, InvalidRequestError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 9, 2, 77, 31, 8, 100, 4, 66], [3, 14, 15, 92], list(range(40, 70)), [250]]
@@ -316,3 +316,18 @@ def test_frequency_and_presence_penalties_steer_greedy_decoding(roomy):
 def test_logit_bias_outside_the_vocabulary_is_refused(roomy):
     with pytest.raises(InvalidRequestError, match="logit_bias token id 257"):
         roomy.generate([PROMPTS[0]], SamplingParams(logit_bias={257: 1.0}))
+
+
+def test_a_closed_engine_refuses_to_go_on_and_another_builds(model_and_adapter):
+    model, adapter = model_and_adapter
+    with LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8) as first:
+        expected = generate(first)
+    with pytest.raises(EngineDeadError, match="the engine is closed"):
+        first.generate(PROMPTS, GREEDY)
+    with pytest.raises(EngineDeadError, match="the engine is closed"):
+        first.engine.step()
+    first.close()  # again: nothing
+    assert first.engine.model is None and first.engine.runner.kv_caches == []
+    assert first.list_loras() == []
+    second = LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8)
+    assert generate(second) == expected

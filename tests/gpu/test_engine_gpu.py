@@ -6,6 +6,7 @@ Skipped without CUDA; run on the device by scripts/gpu-check.
 """
 
 import concurrent.futures
+import gc
 import random
 
 import hf_fixtures as hf
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from moelora import LLM, SamplingParams
+from moelora.errors import ModelConfigError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -488,3 +490,39 @@ def test_long_prompts_by_cudnn_agree_with_the_paged_kernel(tmp_path, monkeypatch
     same = sum(a.token_ids == b.token_ids for a, b in zip(by_cudnn, by_triton, strict=True))
     print(f"prompt logprobs: mean difference {mean:.4f}, largest {max(diffs):.4f}; {same} of 3")
     assert mean <= 0.05 and same >= 2, (mean, same)
+
+
+def test_engines_built_one_after_another_in_one_process(assets):
+    """gpu_memory_utilization counts what the GPU holds when an engine is built: a closed
+    engine, or one dropped but not yet collected (its graphs hold reference cycles), must not
+    count; a live one does, and the refusal says how much was in use. A ballast tensor leaves
+    each engine a KV budget of a few GiB, which the engine before would take."""
+    model, adapters = assets
+    free, total = torch.cuda.mem_get_info()
+    ballast = torch.empty(free - (12 << 30), dtype=torch.uint8, device="cuda")
+    utilization = (total - (12 << 30) + (2 << 30) + (5 << 30)) / total  # about 5 GiB of KV
+    before = torch.cuda.memory_allocated()
+    options = dict(lora_modules=adapters, max_loras=NUM_ADAPTERS, max_lora_rank=64)
+    options.update(gpu_memory_utilization=utilization, max_num_seqs=16)
+    prompts = [[random.randrange(1, 1000) for _ in range(random.randint(4, 40))] for _ in range(8)]
+    names = [None, "a0", "a1", None, "a2", "a3", "a4", "a5"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def tokens(llm):
+        return [o.token_ids for o in llm.generate(prompts, params, lora=names)]
+
+    with LLM(model, **options) as first:
+        assert first.engine.pages.num_pages > 10_000  # it took the budget
+        expected = tokens(first)
+    assert torch.cuda.memory_allocated() - before < 1 << 20  # close() let go of it all
+    second = LLM(model, **options)
+    assert tokens(second) == expected
+    del second  # not closed, not collected: the next build collects it
+    third = LLM(model, **options)
+    assert tokens(third) == expected
+    with pytest.raises(ModelConfigError, match="of the GPU were in use"):
+        LLM(model, **options)  # the third still holds its KV cache
+    third.close()
+    gc.collect()  # the refused build's weights, which its traceback's frames held
+    assert torch.cuda.memory_allocated() - before < 1 << 20
+    del ballast
