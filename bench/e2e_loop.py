@@ -128,7 +128,8 @@ class Run:
 
 
 def run_child(index: int, args: argparse.Namespace) -> Run:
-    cmd = [sys.executable, __file__, "--child", *args.setup_argv]
+    # faulthandler: a crash prints every thread's Python stack, which says what was launching
+    cmd = [sys.executable, "-X", "faulthandler", __file__, "--child", *args.setup_argv]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
     seconds = time.perf_counter() - start
