@@ -147,6 +147,7 @@ def _flag_options(f: dataclasses.Field, hint: object) -> dict:
 
 def _server_args(p: argparse.ArgumentParser) -> None:
     from moelora.server.ingress import DEFAULT_MAX_REQUEST_BYTES
+    from moelora.server.serve import DEFAULT_SHUTDOWN_TIMEOUT
 
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -166,6 +167,14 @@ def _server_args(p: argparse.ArgumentParser) -> None:
         help="repeatable: /v1/load_lora_adapter loads only adapters inside these folders "
         "(without one, loading needs --api-key)",
     )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, how long running requests may go on before they are aborted "
+        "(new ones are refused at once; 0: abort at once; default: %(default)s)",
+    )
 
 
 def _server_options(args: argparse.Namespace, log_level: str):
@@ -178,6 +187,7 @@ def _server_options(args: argparse.Namespace, log_level: str):
         log_level=log_level,
         max_request_bytes=args.max_request_bytes,
         lora_roots=tuple(Path(root).resolve() for root in args.lora_root),
+        shutdown_timeout=args.shutdown_timeout,
     )
 
 

@@ -140,9 +140,11 @@ class Engine:
         self._requests[request_id] = req
         self.scheduler.add(req)
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
         """Its pages and slot go back now: a step in flight that computes it is waited for
-        first (an abort is rare; a later step() would wait for it anyway)."""
+        first (an abort is rare; a later step() would wait for it anyway). Returns its last
+        output, finish_reason "abort" (or the reason it finished with in that step), which no
+        step() returns; None for a request the engine does not hold."""
         req = self._requests.get(request_id)
         if req is not None:
             if self._step_computing(req) is not None:
@@ -150,8 +152,12 @@ class Engine:
             if req.status is not Status.FINISHED:  # it may have finished in that step
                 self._finish(req, "abort")
         # its answers committed outside step() (here, in another abort, or in an unload) and
-        # not yet delivered are dropped: the caller gave up on them
+        # not yet delivered are not delivered by step(): the last one is returned here
+        undelivered = [out for out in self._ready if out.request_id == request_id]
         self._ready = [out for out in self._ready if out.request_id != request_id]
+        if req is not None:
+            return req.to_output()
+        return undelivered[-1] if undelivered else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._flights) or bool(self._ready)

@@ -229,11 +229,14 @@ def _add_service_routes(app: FastAPI, engine: AsyncEngine) -> None:
         response_class=Response,
         responses={
             200: {"description": "Serving (an empty body)"},
-            503: {"description": "The engine has stopped (an empty body)"},
+            503: {
+                "description": "The engine has stopped or the server is shutting down "
+                "(an empty body)"
+            },
         },
     )
     async def health() -> Response:
-        return Response(status_code=200 if engine.alive else 503)
+        return Response(status_code=200 if engine.admitting else 503)
 
     @app.get(
         "/metrics",

@@ -21,12 +21,18 @@ failed; or the loop itself raised) is dead for good: the cause is logged once, e
 flight and every waiting command fails with an EngineDeadError (HTTP 503), and so does every
 later call, while `alive` turns False (/health 503). A failure of one step that leaves the engine
 able to go on fails only the requests in that step (EngineError, HTTP 500).
+
+A drain (the server's shutdown) stops admitting at once: every new request, adapter load and
+unload fails with a ShuttingDownError (HTTP 503), and `admitting` turns False (/health 503). The
+requests already running go on until they finish or the drain's timeout passes; then each one
+still running is aborted and ends with its last output, finish_reason "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -46,6 +52,7 @@ from moelora.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the engine (torch, the kernels) is imported where one is built
     from moelora.engine.engine import Engine, EngineStats
+    from moelora.step.request import RequestOutput
 
 log = logging.getLogger("moelora.server")
 
@@ -74,6 +81,14 @@ class _Tracked:
     num_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class _Drain:
+    """Engine-thread bookkeeping of a drain: `done` is set once nothing is running."""
+
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Event
+
+
 @dataclass
 class _Command:
     fn: Callable[[], Any]
@@ -82,6 +97,10 @@ class _Command:
 
 class EngineError(RuntimeError):
     """The engine failed while serving (a bug, not the user's doing): HTTP 500."""
+
+
+class ShuttingDownError(RuntimeError):
+    """The server is shutting down and admits nothing new: HTTP 503."""
 
 
 class RequestStream:
@@ -129,6 +148,8 @@ class AsyncEngine:
         self._adapter_paths: dict[str, str] = {}  # engine thread writes; readers copy
         self._engine: Engine | None = None  # built on the engine thread
         self._dead: BaseException | None = None
+        self._draining = False  # set once, from any thread (a signal handler too)
+        self._drain: _Drain | None = None  # engine thread only
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(
             target=self._run,
@@ -153,10 +174,21 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and self._dead is None
 
+    @property
+    def admitting(self) -> bool:
+        """Alive and not draining: what /health answers."""
+        return self.alive and not self._draining
+
     def check_alive(self) -> None:
         """An EngineDeadError (HTTP 503) saying why, once the engine cannot serve."""
         if not self.alive:
             raise self._death()
+
+    def check_admitting(self) -> None:
+        """check_alive, then a ShuttingDownError (HTTP 503) once a drain has begun."""
+        self.check_alive()
+        if self._draining:
+            raise ShuttingDownError("the server is shutting down: it admits no new requests")
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """Run fn(engine) on the engine thread and return its result (or raise its error)."""
@@ -175,7 +207,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, inp: GenerateInput, model: str) -> RequestStream:
         """Tokenize and admit a request; raises InvalidRequestError for a prompt or max_tokens
         that cannot fit max_model_len, and what Engine.add_request raises (before any output)."""
-        self.check_alive()  # before any tokenizing
+        self.check_admitting()  # before any tokenizing
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         tracked = _Tracked(loop, outputs, model, arrival=time.perf_counter())
@@ -269,9 +301,11 @@ class AsyncEngine:
         self._commands.put(_Command(lambda: self._abort(request_id)))
 
     async def load_lora(self, name: str, path: str) -> None:
+        self.check_admitting()
         await self.call(lambda engine: self._load(engine, name, path))
 
     async def unload_lora(self, name: str) -> None:
+        self.check_admitting()
         await self.call(lambda engine: self._unload(engine, name))
 
     def adapter_paths(self) -> dict[str, str]:
@@ -279,6 +313,25 @@ class AsyncEngine:
 
     async def stats(self) -> EngineStats:
         return await self.call(lambda engine: engine.stats())
+
+    def stop_admitting(self) -> None:
+        """The first step of a drain, safe in a signal handler: it only sets a flag."""
+        self._draining = True
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting, let the running requests finish for up to `timeout` seconds, then
+        abort the rest; returns once every request has its last output on its stream."""
+        self.stop_admitting()
+        drain = _Drain(asyncio.get_running_loop(), asyncio.Event())
+        try:
+            running = await self.call(lambda _: self._begin_drain(drain))
+            log.info("shutting down: %d requests running, up to %g s to finish", running, timeout)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(drain.done.wait(), timeout)
+            aborted = await self.call(lambda _: self._abort_running())
+        except EngineDeadError:  # its death has failed every request: nothing left to drain
+            return
+        log.info("shut down: %d requests finished, %d aborted", running - aborted, aborted)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -299,6 +352,7 @@ class AsyncEngine:
             while self._serve_commands():
                 if self._engine.has_unfinished_requests():
                     self._step()
+                self._note_drained()
         except BaseException as e:  # a dead rank, or a bug in the loop itself
             self._die(e)
         finally:
@@ -316,6 +370,7 @@ class AsyncEngine:
         self._dead = dead  # first: a call from now on fails itself, or drains what it queued
         self._fail_tracked(dead)
         self._fail_pending_commands()
+        self._note_drained()
 
     def _serve_commands(self) -> bool:
         """Run queued commands; block for one only when the engine has nothing to do."""
@@ -359,6 +414,8 @@ class AsyncEngine:
         grammar: Any,
         engine: Engine,
     ) -> None:
+        if self._draining:  # the drain waits for exactly the requests admitted before it
+            raise ShuttingDownError("the server is shutting down: it admits no new requests")
         engine.add_request(request_id, prompt_ids, params, lora=lora, grammar=grammar)
         self._tracked[request_id] = tracked
         self.metrics.prompt_tokens.inc(len(prompt_ids), model=tracked.model)
@@ -368,6 +425,28 @@ class AsyncEngine:
         self._engine.abort_request(request_id)
         if tracked is not None:
             self.metrics.requests.inc(model=tracked.model, status="abort")
+
+    def _begin_drain(self, drain: _Drain) -> int:
+        """The requests running when the drain began are the ones it waits for: how many."""
+        self._drain = drain
+        return len(self._tracked)
+
+    def _note_drained(self) -> None:
+        if self._drain is not None and not self._tracked:
+            self._call_soon(self._drain.loop, self._drain.done.set)
+            self._drain = None
+
+    def _abort_running(self) -> int:
+        """The drain's end: each request still running ends with its last output; how many
+        of them were aborted (one may have finished in the step its abort waited for)."""
+        now, aborted = time.perf_counter(), 0
+        for request_id in list(self._tracked):
+            out = self._engine.abort_request(request_id)
+            assert out is not None and out.finished, request_id  # it holds what it tracks
+            aborted += out.finish_reason == "abort"
+            self._emit(out, now)
+        self._note_drained()
+        return aborted
 
     def _load(self, engine: Engine, name: str, path: str) -> None:
         engine.load_lora(name, path)
@@ -393,14 +472,18 @@ class AsyncEngine:
             return
         now = time.perf_counter()
         for out in outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:  # aborted while the step ran
-                continue
-            self._record_tokens(tracked, len(out.token_ids), now)
-            if out.finished:
-                del self._tracked[out.request_id]
-                self.metrics.requests.inc(model=tracked.model, status=out.finish_reason)
-            self._deliver(tracked, out)
+            self._emit(out, now)
+
+    def _emit(self, out: RequestOutput, now: float) -> None:
+        """Hand `out` to its request's stream; a finished request is no longer tracked."""
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:  # aborted while the step ran
+            return
+        self._record_tokens(tracked, len(out.token_ids), now)
+        if out.finished:
+            del self._tracked[out.request_id]
+            self.metrics.requests.inc(model=tracked.model, status=out.finish_reason)
+        self._deliver(tracked, out)
 
     def _record_tokens(self, tracked: _Tracked, num_tokens: int, now: float) -> None:
         new = num_tokens - tracked.num_tokens
@@ -416,10 +499,14 @@ class AsyncEngine:
         tracked.last_token_time, tracked.num_tokens = now, num_tokens
         self.metrics.generation_tokens.inc(new, model=tracked.model)
 
+    @classmethod
+    def _deliver(cls, tracked: _Tracked, item: Any) -> None:
+        cls._call_soon(tracked.loop, tracked.outputs.put_nowait, item)
+
     @staticmethod
-    def _deliver(tracked: _Tracked, item: Any) -> None:
+    def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], *args: Any) -> None:
         try:
-            tracked.loop.call_soon_threadsafe(tracked.outputs.put_nowait, item)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass
 

@@ -26,7 +26,7 @@ from moelora.errors import (
     MoeloraError,
 )
 from moelora.server import protocol
-from moelora.server.async_engine import EngineError
+from moelora.server.async_engine import EngineError, ShuttingDownError
 
 log = logging.getLogger("moelora.server")
 
@@ -44,6 +44,7 @@ ERRORS: list[tuple[type[Exception], int, str, str | None]] = [
     (PermissionDeniedError, 403, "PermissionDeniedError", "permission_denied"),
     (InvalidRequestError, 400, "BadRequestError", None),
     (EngineDeadError, 503, "ServiceUnavailableError", None),  # a MoeloraError, not the user's
+    (ShuttingDownError, 503, "ServiceUnavailableError", None),
     (MoeloraError, 400, "BadRequestError", None),
     (EngineError, 500, "InternalServerError", None),
 ]
@@ -116,6 +117,7 @@ def _shown(value: Any) -> str:
 def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(MoeloraError)
     @app.exception_handler(EngineError)
+    @app.exception_handler(ShuttingDownError)
     async def engine_error(_: Request, e: Exception) -> JSONResponse:
         return exception_response(e)
 

@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 REF = "#/components/schemas/{model}"
-FinishReason = Literal["stop", "length"]
-ChatFinishReason = Literal["stop", "length", "tool_calls"]
+# "abort": the server shut down before the request finished (its text is what was written)
+FinishReason = Literal["stop", "length", "abort"]
+ChatFinishReason = Literal["stop", "length", "tool_calls", "abort"]
 
 
 class Sent(BaseModel):
@@ -199,7 +200,7 @@ DESCRIPTIONS = {
     415: "The Content-Type is neither application/json nor absent (a body without one, or "
     "typed application/x-www-form-urlencoded as `curl -d` types it, is read as JSON)",
     500: "The engine failed while serving",
-    503: "The engine has stopped",
+    503: "The engine has stopped, or the server is shutting down",
 }
 BODY_STATUSES = (413, 415)
 

@@ -157,8 +157,10 @@ def test_abort_mid_flight(tiny):
     engine.add_request("gone", PROMPTS[2], GREEDY, "a")
     outs = engine.step() + engine.step()
     assert engine._flights and engine._requests["gone"].num_placeholders
-    engine.abort_request("gone")
+    gone = engine.abort_request("gone")  # its last output, with the tokens committed so far
+    assert gone.finish_reason == "abort" and len(gone.token_ids) >= 1
     assert engine._requests.get("gone") is None and engine.slot_table.refs[0] == 0
+    assert engine.abort_request("gone") is None and engine.abort_request("never") is None
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert "gone" not in {o.request_id for o in outs[2:]}
@@ -227,7 +229,8 @@ def test_unloading_an_adapter_the_step_in_flight_reads(tiny):
 
 def test_abort_of_an_answer_committed_outside_step_drops_it(tiny):
     """An abort waits for the step in flight: a batch-mate may finish in that commit, and its
-    answer waits for the next step(). Aborted in that window, it never arrives."""
+    answer waits for the next step(). Aborted in that window, it never arrives from step(): the
+    abort returns it."""
     on = _llm(tiny, on=True)
     engine = on.engine
     short = dataclasses.replace(GREEDY, max_tokens=2)
@@ -235,8 +238,10 @@ def test_abort_of_an_answer_committed_outside_step_drops_it(tiny):
     engine.add_request("long", PROMPTS[0], GREEDY, None)
     outs = engine.step() + engine.step()  # short's last token is in flight now
     assert not any(o.finished for o in outs)
-    engine.abort_request("long")  # commits the step in flight: short finishes there
+    long = engine.abort_request("long")  # commits the step in flight: short finishes there
+    assert long.finish_reason == "abort" and len(long.token_ids) == 2
     assert [o.request_id for o in engine._ready] == ["short"] and engine._ready[0].finished
-    engine.abort_request("short")
+    last = engine.abort_request("short")
+    assert last.finish_reason == "length" and len(last.token_ids) == 2
     assert engine.step() == [] and not engine.has_unfinished_requests()
     assert engine.stats().kv_pages_used == 0

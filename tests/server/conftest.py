@@ -157,6 +157,22 @@ def _wait_healthy(srv: Server, timeout: float = 120.0) -> None:
     pytest.fail(f"server not healthy after {timeout}s:\n{srv.log.read_text()}")
 
 
+def _children(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(c) for c in (task / "children").read_text().split()]
+    return children
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The processes that run a rank under the server `pid`: the fork server's children (rank
+    workers fork from it, engine/ranks.py), not its resource tracker."""
+    servers = [
+        c for c in _children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()
+    ]
+    return [w for server in servers for w in _children(server)]
+
+
 class Offline:
     """Greedy references from LLM.generate on the same folders, memoized."""
 

@@ -28,7 +28,7 @@ from moelora.server.errors import exception_response
 from moelora.server.metrics import ServerMetrics
 from moelora.step.request import RequestOutput
 
-from .conftest import _free_port, serve
+from .conftest import _free_port, _worker_pids, serve
 
 
 def test_a_dead_engine_is_503_and_a_users_error_400():
@@ -206,22 +206,6 @@ def test_a_requests_own_failure_fails_only_that_request():
 
 
 # --------------------------------------------------------------- a killed rank, the real server
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children
-
-
-def _worker_pids(pid: int) -> list[int]:
-    """The processes that run a rank under the server `pid`: the fork server's children (rank
-    workers fork from it, engine/ranks.py), not its resource tracker."""
-    servers = [
-        c for c in _children(pid) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()
-    ]
-    return [w for server in servers for w in _children(server)]
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds ranks through /proc")
