@@ -384,11 +384,10 @@ def report(args, run: Run, server: Server, reasons: list[str]) -> list[str]:
     )
     p = PROFILES[args.shape]
     lines.append(f"- server: `{' '.join(server.command) or server.url}`")
+    if server.setup_seconds >= 0.1:  # a named shape's
+        lines.append(f"- model folder and adapters written in {server.setup_seconds:.1f} s")
     if server.start_seconds:
-        lines.append(
-            f"- model folder and adapters written in {server.setup_seconds:.1f} s; server start "
-            f"to /health {server.start_seconds:.1f} s"
-        )
+        lines.append(f"- server start to /health: {server.start_seconds:.1f} s")
     warm = sum(n for (kind, _), n in run.warm.outcomes.items() if kind in KINDS)
     lines.append(
         f"- {p.concurrency} clients, seed {args.seed}; warm-up {p.warmup:g} s ({warm} requests); "
