@@ -114,7 +114,9 @@ def commit() -> str:
 
 
 def device_slug() -> str:
-    """The GPU's name as a file name: "NVIDIA H200" -> "h200"."""
+    """The GPU's name as a file name: "NVIDIA H200" -> "h200"; "cpu" without one."""
+    if not torch.cuda.is_available():
+        return "cpu"
     name = torch.cuda.get_device_name().lower().removeprefix("nvidia").strip()
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
 
@@ -267,6 +269,62 @@ def write_random_tokenizer(folder: str | Path, vocab_size: int, *, seed: int = 0
 
 
 SPECIALS = ("<|endoftext|>", "<|im_end|>")
+# ChatML, written as chat_template.jinja beside a random tokenizer so that chat requests render
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def served_model_folder(shape: str = "qwen3-30b-a3b") -> str:
+    """model_folder(None, shape) with a random tokenizer of the shape's vocabulary and a ChatML
+    chat template: what `moelora serve FOLDER --load-format dummy` serves text and chats from."""
+    folder = model_folder(None, shape)
+    write_random_tokenizer(folder, int(shape_config(shape)["vocab_size"]))
+    (Path(folder) / "chat_template.jinja").write_text(CHATML)
+    return folder
+
+
+def write_random_peft_adapter(folder: str | Path, config: dict, *, rank: int, seed: int) -> Path:
+    """A PEFT LoRA folder of random bf16 weights for a Qwen3-MoE config.json (a named shape's,
+    shapes.shape_config): attention q/k/v/o, and every expert's gate|up and down as PEFT's
+    target_parameters write the fused 3D expert weights (A [r*E, in], B [out, r*E]). A ~
+    N(0, 1/in) and B ~ N(0, 0.01^2), as lora.adapter.random_adapter makes them: every delta is
+    nonzero and small. What a server started with --lora-modules loads, as a trained one."""
+    from safetensors.torch import save_file
+
+    H, E, I = config["hidden_size"], config["num_experts"], config["moe_intermediate_size"]
+    q = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    gen = torch.Generator().manual_seed(seed)
+
+    def pair(r: int, d_in: int, d_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.randn(r, d_in, generator=gen) * d_in**-0.5
+        return a.to(DT), (torch.randn(d_out, r, generator=gen) * 0.01).to(DT)
+
+    modules = {"self_attn.q_proj": (H, q), "self_attn.k_proj": (H, kv)}
+    modules |= {"self_attn.v_proj": (H, kv), "self_attn.o_proj": (q, H)}
+    modules |= {"mlp.experts.base_layer": (H, 2 * I), "mlp.experts": (I, H)}  # gate|up, down
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (d_in, d_out) in modules.items():
+            r = rank * E if module.startswith("mlp.experts") else rank
+            a, b = pair(r, d_in, d_out)
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+    adapter = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        "bias": "none",
+    }
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(adapter, indent=1))
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False) -> str:

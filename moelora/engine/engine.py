@@ -50,7 +50,7 @@ from moelora.tokenizer import Tokenizer
 class EngineStats:
     num_running: int
     num_waiting: int
-    kv_pages_used: int  # held by requests
+    kv_pages_used: int  # held by requests (a cached page no request holds is not counted)
     kv_pages_total: int
     lora_slots_used: int
     lora_slots_total: int
@@ -61,6 +61,8 @@ class EngineStats:
     kv_pages_cached: int = 0  # in the prefix cache, held or not (reset_prefix_cache empties it)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (vLLM's count)
     prefix_cache_hits: int = 0  # of them, tokens whose KV was found cached
+    lora_slot_refs: int = 0  # one per request holding an adapter slot: 0 when idle
+    gpu_memory_allocated: int = 0  # torch's allocated bytes on the engine's device (0 on CPU)
 
 
 class Engine:
@@ -407,4 +409,11 @@ class Engine:
             kv_pages_cached=self.pages.num_cached,
             prefix_cache_queries=self.scheduler.prefix_cache_queries,
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            lora_slot_refs=self.slot_table.num_refs if self.slot_table else 0,
+            gpu_memory_allocated=self._gpu_memory_allocated(),
         )
+
+    def _gpu_memory_allocated(self) -> int:
+        """Bytes torch has allocated on this engine's device (rank 0's, with several ranks)."""
+        device = self.config.torch_device
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0

@@ -156,6 +156,11 @@ class SlotTable:
     def num_used(self) -> int:
         return sum(n is not None for n in self.names)
 
+    @property
+    def num_refs(self) -> int:
+        """References held: one per request that holds a slot (0 when nothing runs)."""
+        return sum(self.refs)
+
     def _victim(self) -> int | None:
         free = [s for s, n in enumerate(self.names) if n is None]
         if free:

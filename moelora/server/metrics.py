@@ -1,13 +1,15 @@
 """Server metrics in the Prometheus text format (version 0.0.4), without a client library.
 
 Counters and histograms are written by the engine thread and read by the HTTP thread, so each
-family takes a lock. Gauges (running requests, KV pages, adapter slots) are not stored here: they
-come from `Engine.stats()` at scrape time.
+family takes a lock. Gauges (running requests, KV pages, adapter slots, GPU memory) are not
+stored here: they come from `Engine.stats()` at scrape time, and the process's resident memory
+from /proc/self/statm.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 from bisect import bisect_left
 from collections.abc import Iterable
@@ -86,6 +88,16 @@ class Histogram:
         yield f"{self.name}_count {cumulative}"
 
 
+def resident_memory_bytes() -> int | None:
+    """This process's resident set size (Linux's /proc/self/statm; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
 def _gauge(name: str, help_: str, value: float, kind: str = "gauge") -> Iterable[str]:
     yield f"# HELP {name} {help_}"
     yield f"# TYPE {name} {kind}"
@@ -121,48 +133,60 @@ class ServerMetrics:
             lines += family.render()
         lines += self.ttft.render()
         lines += self.itl.render()
-        gauges = [
-            ("moelora_num_requests_running", "Requests in the running batch.", stats.num_running),
-            ("moelora_num_requests_waiting", "Requests waiting for a batch.", stats.num_waiting),
-            ("moelora_kv_pages_used", "KV cache pages in use.", stats.kv_pages_used),
-            (
-                "moelora_kv_pages_cached",
-                "KV cache pages in the prefix cache, held by a request or not.",
-                stats.kv_pages_cached,
-            ),
-            ("moelora_kv_pages_total", "KV cache pages in all.", stats.kv_pages_total),
-            ("moelora_lora_slots_used", "Adapter slots holding an adapter.", stats.lora_slots_used),
-            ("moelora_lora_slots_total", "Adapter slots in all.", stats.lora_slots_total),
-            (
-                "moelora_loras_registered",
-                "Adapters registered (in a slot or in host memory).",
-                num_loras,
-            ),
-        ]
-        for name, help_, value in gauges:
-            lines += _gauge(name, help_, value)
+        for name, help_, field in ENGINE_GAUGES:
+            lines += _gauge(name, help_, getattr(stats, field))
         lines += _gauge(
-            "moelora_graph_replays_total",
-            "Decode steps run by CUDA graph replay.",
-            stats.graph_replays,
-            "counter",
+            "moelora_loras_registered",
+            "Adapters registered (in a slot or in host memory).",
+            num_loras,
         )
-        lines += _gauge(
-            "moelora_eager_steps_total",
-            "Steps run eagerly (prefill, or no graph).",
-            stats.eager_steps,
-            "counter",
-        )
-        lines += _gauge(
-            "moelora_prefix_cache_queries_total",
-            "Prompt tokens looked up in the prefix cache at admission.",
-            stats.prefix_cache_queries,
-            "counter",
-        )
-        lines += _gauge(
-            "moelora_prefix_cache_hits_total",
-            "Prompt tokens found in the prefix cache (their KV not computed again).",
-            stats.prefix_cache_hits,
-            "counter",
-        )
+        rss = resident_memory_bytes()
+        if rss is not None:  # the Prometheus client libraries' standard name
+            lines += _gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
+        for name, help_, field in ENGINE_COUNTERS:
+            lines += _gauge(name, help_, getattr(stats, field), "counter")
         return "\n".join(lines) + "\n"
+
+
+# (name, help, EngineStats field) of what the engine's stats give at scrape time
+ENGINE_GAUGES = (
+    ("moelora_num_requests_running", "Requests in the running batch.", "num_running"),
+    ("moelora_num_requests_waiting", "Requests waiting for a batch.", "num_waiting"),
+    (
+        "moelora_kv_pages_used",
+        "KV cache pages requests hold (a cached page no request holds is free).",
+        "kv_pages_used",
+    ),
+    (
+        "moelora_kv_pages_cached",
+        "KV cache pages in the prefix cache, held by a request or not.",
+        "kv_pages_cached",
+    ),
+    ("moelora_kv_pages_total", "KV cache pages in all.", "kv_pages_total"),
+    ("moelora_lora_slots_used", "Adapter slots holding an adapter.", "lora_slots_used"),
+    ("moelora_lora_slots_total", "Adapter slots in all.", "lora_slots_total"),
+    (
+        "moelora_lora_slot_refs",
+        "References to adapter slots, one per request holding a slot (0 when idle).",
+        "lora_slot_refs",
+    ),
+    (
+        "moelora_gpu_memory_allocated_bytes",
+        "Bytes torch has allocated on the engine's GPU (0 on the CPU).",
+        "gpu_memory_allocated",
+    ),
+)
+ENGINE_COUNTERS = (
+    ("moelora_graph_replays_total", "Decode steps run by CUDA graph replay.", "graph_replays"),
+    ("moelora_eager_steps_total", "Steps run eagerly (prefill, or no graph).", "eager_steps"),
+    (
+        "moelora_prefix_cache_queries_total",
+        "Prompt tokens looked up in the prefix cache at admission.",
+        "prefix_cache_queries",
+    ),
+    (
+        "moelora_prefix_cache_hits_total",
+        "Prompt tokens found in the prefix cache (their KV not computed again).",
+        "prefix_cache_hits",
+    ),
+)

@@ -142,6 +142,7 @@ def test_abort_frees_pages_and_slot_reference(roomy):
     engine.add_request("y", PROMPTS[1], GREEDY, None)
     engine.step()
     assert engine.stats().kv_pages_used > 0 and engine.stats().num_running == 2
+    assert engine.stats().lora_slot_refs == 1  # x holds a's slot; y, a base request, none
     with pytest.raises(AdapterBusyError):
         roomy.unload_lora("a")
     engine.abort_request("x")
@@ -149,6 +150,7 @@ def test_abort_frees_pages_and_slot_reference(roomy):
     stats = engine.stats()
     assert stats.kv_pages_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
     assert engine.slot_table.refs == [0] * len(engine.slot_table.refs)
+    assert stats.lora_slot_refs == 0 and stats.gpu_memory_allocated == 0  # on the CPU
     assert not engine.has_unfinished_requests()
 
 

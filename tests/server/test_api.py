@@ -423,6 +423,9 @@ def test_metrics(server: Server) -> None:
     assert m['moelora_inter_token_latency_seconds_bucket{le="+Inf"}'] >= 2
     assert m["moelora_kv_pages_total"] > 0
     assert m["moelora_eager_steps_total"] + m["moelora_graph_replays_total"] > 0
+    assert m["moelora_gpu_memory_allocated_bytes"] == 0  # the server runs on the CPU
+    assert m["process_resident_memory_bytes"] > 100 * 2**20  # torch alone takes more
+    assert _wait_idle(server)["moelora_lora_slot_refs"] == 0
 
 
 # ----------------------------------------------------------------------------- bad input
