@@ -144,7 +144,9 @@ class Server:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def server_command(shape: str, port: int, work: Path) -> list[str]:
+def server_command(
+    shape: str, port: int, work: Path, gpu_memory_utilization: float | None = None
+) -> list[str]:
     """`moelora serve` of the setup; for a named shape it writes the model folder (config.json,
     tokenizer, chat template) and the adapters (into `work`) first."""
     flags = ["--enable-prefix-caching", "--api-key", API_KEY, "--port", str(port)]
@@ -161,15 +163,19 @@ def server_command(shape: str, port: int, work: Path) -> list[str]:
     engine = ["--load-format", "dummy", "--served-model-name", shape, "--device", DEVICE[shape]]
     engine += ["--max-loras", "4", "--max-lora-rank", str(SHAPE_RANK)]
     engine += ["--max-model-len", str(max_len), "--max-num-seqs", "64", "--max-graph-bs", "64"]
+    if gpu_memory_utilization is not None:  # a share of the GPU, for work run beside it
+        engine += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     return [*serve, folder, *engine, "--lora-modules", *adapters, *flags]
 
 
-def start_server(shape: str, work: Path, timeout: float) -> Server:
+def start_server(
+    shape: str, work: Path, timeout: float, gpu_memory_utilization: float | None = None
+) -> Server:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     start = time.monotonic()
-    command = server_command(shape, port, work)
+    command = server_command(shape, port, work, gpu_memory_utilization)
     server = Server(f"http://127.0.0.1:{port}", API_KEY, command, log=work / "server.log")
     server.setup_seconds, start = time.monotonic() - start, time.monotonic()
     with open(server.log, "wb") as out:
@@ -463,6 +469,9 @@ def parse_args() -> argparse.Namespace:
         "--hot-adapter", help="the folder loaded and unloaded (default: a served adapter's)"
     )
     parser.add_argument("--start-timeout", type=float, default=1200.0, help="s for /health")
+    parser.add_argument(
+        "--gpu-memory-utilization", type=float, help="the CUDA server's (default: its own)"
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     parser.add_argument("--json", help="also write the figures as JSON here")
     return parser.parse_args()
@@ -475,7 +484,9 @@ def main() -> None:
             server = Server(args.url.rstrip("/"), args.api_key, hot_path=args.hot_adapter)
         else:
             print(f"starting the {args.shape} server ...", flush=True)
-            server = start_server(args.shape, Path(work), args.start_timeout)
+            server = start_server(
+                args.shape, Path(work), args.start_timeout, args.gpu_memory_utilization
+            )
             server.hot_path = args.hot_adapter
             took = (
                 f"{server.setup_seconds:.1f} s to write it, {server.start_seconds:.1f} s to start"
