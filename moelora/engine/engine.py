@@ -304,8 +304,8 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         """After `token` is committed: why the request ends there, if it does."""
         p = req.params
+        seen = len(req.text)
         if self.tokenizer is not None:
-            seen = len(req.text)
             delta, req.detok_offsets = self.tokenizer.decode_incremental(
                 req.output_token_ids, req.detok_offsets, end=req.num_outputs
             )
@@ -315,9 +315,13 @@ class Engine:
                 if cut >= 0:
                     req.text = req.text[:cut]
                     return "stop"
-        if (not p.ignore_eos and token in self.eos_token_ids) or token in (p.stop_token_ids or []):
-            return "stop"
-        if req.grammar is not None and req.grammar.terminated:  # ignore_eos too: it is complete
+        stop_ids = p.stop_token_ids or []
+        stop_token = token in self.eos_token_ids or token in stop_ids
+        ends = (not p.ignore_eos and token in self.eos_token_ids) or token in stop_ids
+        # ignore_eos too: a terminated grammar is complete
+        if ends or (req.grammar is not None and req.grammar.terminated):
+            if stop_token:  # as vLLM: a stop token's text is not output, special or not
+                req.text = req.text[:seen]
             return "stop"
         known = len(req.prompt_token_ids) + req.num_outputs
         if req.num_outputs >= p.max_tokens or known >= self.max_model_len:

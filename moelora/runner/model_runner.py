@@ -165,6 +165,9 @@ class ModelRunner:
             if self.workers is not None:
                 self.workers.close()
         finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # nothing may still read what goes
+            release_device_memory(self.model, self.kv_caches, self.slot_pool, self.graphs)
             self.graphs = None
             self.kv_caches = []
             self.slot_pool = None
@@ -280,3 +283,30 @@ class ModelRunner:
         if pool is None:
             return 0
         return max((pool.host_rank[s] for s in slots - {NO_SLOT}), default=0)
+
+
+def release_device_memory(*roots: object) -> None:
+    """Free the memory of every tensor reachable from roots (through modules, moelora objects,
+    dicts, lists and tuples) and drop every CUDA graph's: the memory goes back even where
+    something still refers to a tensor (a closure, a traceback's frame), which would keep a
+    whole KV cache alive after close(). A tensor freed here has no storage left: any later use
+    fails loudly instead of reading another engine's memory."""
+    seen: set[int] = set()
+    stack = list(roots)
+    with torch.inference_mode():
+        while stack:
+            obj = stack.pop()
+            if obj is None or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, torch.Tensor):
+                with contextlib.suppress(RuntimeError):  # a storage that cannot resize (a
+                    obj.untyped_storage().resize_(0)  # file mapping) goes by its references
+            elif isinstance(obj, torch.cuda.CUDAGraph):
+                obj.reset()
+            elif isinstance(obj, dict):
+                stack += obj.values()
+            elif isinstance(obj, (list, tuple, set)):
+                stack += obj
+            elif isinstance(obj, torch.nn.Module) or type(obj).__module__.startswith("moelora"):
+                stack += vars(obj).values() if hasattr(obj, "__dict__") else []

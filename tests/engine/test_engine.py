@@ -324,12 +324,34 @@ def test_a_closed_engine_refuses_to_go_on_and_another_builds(model_and_adapter):
     model, adapter = model_and_adapter
     with LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8) as first:
         expected = generate(first)
+        kv = first.engine.runner.kv_caches[0][0]
+        weight = next(first.engine.model.parameters())
     with pytest.raises(EngineDeadError, match="the engine is closed"):
         first.generate(PROMPTS, GREEDY)
     with pytest.raises(EngineDeadError, match="the engine is closed"):
         first.engine.step()
     first.close()  # again: nothing
     assert first.engine.model is None and first.engine.runner.kv_caches == []
+    # what still refers to them holds no memory: the storage went with close()
+    assert all(t.untyped_storage().nbytes() == 0 for t in (kv, weight))
     assert first.list_loras() == []
     second = LLM(model, lora_modules={"a": adapter}, device="cpu", max_lora_rank=8)
     assert generate(second) == expected
+
+
+def test_a_stop_tokens_text_is_not_output(tmp_path):
+    """As vLLM: the token that stops a request (stop_token_ids, or an EOS a grammar ends on) is
+    in token_ids but its text is not, special or not."""
+    from moelora.demo import ensure_demo
+
+    demo = ensure_demo(tmp_path / "demo")
+    llm = LLM(str(demo.model), device="cpu")
+    tok = llm.get_tokenizer()
+    prompt = [11, 42, 7, 99]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    ids = free[0].token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tok.decode(ids[i : i + 1]))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[ids[k]])
+    out = llm.generate([prompt], params)[0]
+    assert out.finish_reason == "stop" and out.token_ids == ids[: k + 1]
+    assert out.text == tok.decode(ids[:k]) != tok.decode(ids[: k + 1])

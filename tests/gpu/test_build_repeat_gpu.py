@@ -45,7 +45,8 @@ print("built", sys.argv[2])
 
 def _build(tmp_path: Path, times: int, env: dict[str, str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-X", "faulthandler", "-c", BUILD, str(tmp_path / "demo"), str(times)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, **env}
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
