@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from moelora import LLM
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
 from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
@@ -325,6 +326,28 @@ def write_random_peft_adapter(folder: str | Path, config: dict, *, rank: int, se
     (path / "adapter_config.json").write_text(json.dumps(adapter, indent=1))
     save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return path
+
+
+def random_weights_llm(
+    folder: str, *, lora: bool, rank: int, max_num_seqs: int, **options: object
+) -> tuple[LLM, list[str]]:
+    """An LLM of a model folder's random weights (load_format="dummy") whose decode graphs go
+    up to max_num_seqs, and, with LoRA, MAX_LORAS random adapters of `rank` on every projection
+    it can adapt (their names, a0 ..); options: the rest of its EngineConfig."""
+    llm = LLM(
+        model=folder,
+        load_format="dummy",
+        enable_lora=lora,
+        max_loras=MAX_LORAS,
+        max_lora_rank=rank,
+        max_num_seqs=max_num_seqs,
+        max_graph_bs=max_num_seqs,
+        **options,
+    )
+    names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
+    for seed, name in enumerate(names):
+        llm.add_random_lora(name, rank=rank, seed=seed)
+    return llm, names
 
 
 def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False) -> str:

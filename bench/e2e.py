@@ -50,6 +50,7 @@ from common import (
     floor_bytes,
     model_folder,
     plan_step,
+    random_weights_llm,
     result_header,
     sync,
     time_step,
@@ -243,26 +244,19 @@ class Build:
 
 def build(setup: Setup, folder: str, *, lora: bool, async_on: bool) -> tuple[LLM, list[str]]:
     """The LLM every figure goes through, and its random adapters' names (LoRA enabled)."""
-    llm = LLM(
-        model=folder,
-        load_format="dummy",
+    return random_weights_llm(
+        folder,
+        lora=lora,
+        rank=setup.rank,
+        max_num_seqs=setup.max_num_seqs,
         device=setup.device,
         dtype=setup.dtype,
-        enable_lora=lora,
-        max_loras=MAX_LORAS,
-        max_lora_rank=setup.rank,
-        max_num_seqs=setup.max_num_seqs,
-        max_graph_bs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.max_model_len,
         page_size=PAGE_SIZE,
         num_pages=setup.num_pages,
         async_scheduling=async_on,
     )
-    names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
-    for seed, name in enumerate(names):
-        llm.add_random_lora(name, rank=setup.rank, seed=seed)
-    return llm, names
 
 
 def random_prompts(vocab: int, count: int, length: int, *, seed: int) -> list[list[int]]:

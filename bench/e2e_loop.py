@@ -29,12 +29,17 @@ import time
 from dataclasses import dataclass
 
 import torch
-from common import model_folder, result_header, sync, write_result
+from common import (
+    MAX_LORAS,
+    RANK,
+    model_folder,
+    random_weights_llm,
+    result_header,
+    sync,
+    write_result,
+)
 
-from moelora import LLM, SamplingParams
-
-ADAPTERS = 8
-RANK = 16
+from moelora import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -63,25 +68,19 @@ SMOKE = Setup("tiny-qwen3-moe", None, "cpu", "float32", 6, 16, 4, 8, 64, 4)
 def one_engine(setup: Setup, folder: str, *, lora: bool) -> dict:
     """Build, warm, run the workload, close; what it took."""
     start = time.perf_counter()
-    llm = LLM(
-        model=folder,
-        load_format="dummy",
+    llm, names = random_weights_llm(
+        folder,
+        lora=lora,
+        rank=setup.rank,
+        max_num_seqs=setup.max_num_seqs,
         device=setup.device,
         dtype=setup.dtype,
-        enable_lora=lora,
-        max_loras=ADAPTERS,
-        max_lora_rank=setup.rank,
-        max_num_seqs=setup.max_num_seqs,
-        max_graph_bs=setup.max_num_seqs,
         max_num_batched_tokens=setup.max_num_batched_tokens,
         max_model_len=setup.input_len + setup.output_len,
         enforce_eager=setup.enforce_eager,
         gpu_memory_utilization=setup.gpu_memory_utilization,
     )
     with llm:
-        names = [f"a{i}" for i in range(ADAPTERS)] if lora else []
-        for seed, name in enumerate(names):
-            llm.add_random_lora(name, rank=setup.rank, seed=seed)
         built = time.perf_counter() - start
         vocab = llm.engine.model_config.vocab_size
         gen = torch.Generator().manual_seed(1)
@@ -151,7 +150,7 @@ def report(setup: Setup, args: argparse.Namespace, runs: list[Run]) -> list[str]
         device=setup.device,
     )
     lines += [
-        f"- a run: {args.cycles} x (an engine with LoRA disabled, then one with {ADAPTERS} "
+        f"- a run: {args.cycles} x (an engine with LoRA disabled, then one with {MAX_LORAS} "
         f"random rank-{setup.rank} adapters), each running {setup.prompts} x "
         f"({setup.input_len} in, {setup.output_len} out) by LLM.generate, then closed",
         f"- engines: {setup.layers or 'all'} layers, {setup.dtype}, max_num_seqs = "
