@@ -82,7 +82,8 @@ class LLM:
         """Register an adapter of random weights under `name`, without a PEFT folder: rank
         `rank` (1 .. max_lora_rank) on every projection the model can adapt (attention q/k/v/o,
         each expert's gate/up/down, a shared expert or dense MLP where the model has one),
-        A ~ N(0, 1/in) and B ~ N(0, 0.01^2), drawn from `seed` on the engine's device. Requests
+        A ~ N(0, 1/in) and B ~ N(0, 0.01^2), drawn from `seed` on the engine's device and kept
+        in host memory, as a loaded adapter is (the KV cache was sized without it). Requests
         then name it like a loaded adapter (lora=name); for benchmarks and smoke runs, where
         what matters is the adapter's shape, not what it learned."""
         engine = self.engine
@@ -102,6 +103,7 @@ class LLM:
             dtype=config.torch_dtype,
             device=config.torch_device,
             scaling=scaling,
+            store="cpu",
         )
         engine.add_adapter(adapter)
 

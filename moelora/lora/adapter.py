@@ -298,11 +298,13 @@ def random_adapter(
     dtype: torch.dtype,
     device: torch.device | str,
     scaling: float = 2.0,
+    store: torch.device | str | None = None,
 ) -> LoraAdapter:
     """An adapter with random weights of a sensible scale on every target (Engine.lora_targets),
-    made on `device`: what benchmarks register with Engine.add_adapter. A ~ N(0, 1/in), B ~
-    N(0, 0.01^2), so every delta is nonzero and small."""
+    drawn on `device` and kept on `store` (default: `device`): what benchmarks register with
+    Engine.add_adapter. A ~ N(0, 1/in), B ~ N(0, 0.01^2), so every delta is nonzero and small."""
     gen = torch.Generator(device=device).manual_seed(seed)
+    store = device if store is None else store
     modules = {}
     for key, t in targets.items():
         experts = (t.num_experts,) if t.num_experts else ()
@@ -310,5 +312,7 @@ def random_adapter(
             *experts, len(t.out_slices), rank, t.in_features, generator=gen, device=device
         )
         b = torch.randn(*experts, t.out_features, rank, generator=gen, device=device)
-        modules[key] = ModuleLora((a / t.in_features**0.5).to(dtype), (b * 0.01).to(dtype))
+        modules[key] = ModuleLora(
+            (a / t.in_features**0.5).to(dtype).to(store), (b * 0.01).to(dtype).to(store)
+        )
     return LoraAdapter(name, "<random>", rank, scaling, modules)
