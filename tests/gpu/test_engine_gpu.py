@@ -511,10 +511,13 @@ def test_engines_built_one_after_another_in_one_process(assets):
     def tokens(llm):
         return [o.token_ids for o in llm.generate(prompts, params, lora=names)]
 
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
     with LLM(model, **options) as first:
         assert first.engine.pages.num_pages > 10_000  # it took the budget
         expected = tokens(first)
-    assert torch.cuda.memory_allocated() - before < 1 << 20  # close() let go of it all
+    left = torch.cuda.memory_allocated() - before
+    assert left < 1 << 20, f"close() left {left} bytes:\n{_live_blocks(skip=ballast)}"
+    torch.cuda.memory._record_memory_history(enabled=None)
     second = LLM(model, **options)
     assert tokens(second) == expected
     del second  # not closed, not collected: the next build collects it
@@ -526,3 +529,17 @@ def test_engines_built_one_after_another_in_one_process(assets):
     gc.collect()  # the refused build's weights, which its traceback's frames held
     assert torch.cuda.memory_allocated() - before < 1 << 20
     del ballast
+
+
+def _live_blocks(skip: torch.Tensor, top: int = 12) -> str:
+    """The largest live allocations (memory history on) with where each was made."""
+    blocks = []
+    for segment in torch.cuda.memory._snapshot()["segments"]:
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated" and block["address"] != skip.data_ptr():
+                frames = block.get("frames") or []
+                where = [f"{f['filename']}:{f['line']}:{f['name']}" for f in frames]
+                where = [w for w in where if "moelora" in w or "torch/nn" in w][:4] or where[:3]
+                blocks.append((block["size"], segment["stream"], where))
+    blocks.sort(key=lambda b: -b[0])
+    return "\n".join(f"{size} bytes, stream {stream}: {at}" for size, stream, at in blocks[:top])
