@@ -516,8 +516,9 @@ def test_engines_built_one_after_another_in_one_process(assets):
         assert first.engine.pages.num_pages > 10_000  # it took the budget
         expected = tokens(first)
     left = torch.cuda.memory_allocated() - before
-    assert left < 1 << 20, f"close() left {left} bytes:\n{_live_blocks(skip=ballast)}"
+    report = _live_blocks(skip=ballast) if left >= 1 << 20 else ""
     torch.cuda.memory._record_memory_history(enabled=None)
+    assert left < 1 << 20, f"close() left {left} bytes (cuBLAS workspaces among them?):\n{report}"
     second = LLM(model, **options)
     assert tokens(second) == expected
     del second  # not closed, not collected: the next build collects it
