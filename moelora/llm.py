@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from moelora.config import EngineConfig
 from moelora.engine.engine import Engine
 from moelora.errors import AdapterError, InvalidRequestError
@@ -75,8 +77,24 @@ class LLM:
             return self.engine.text_tokenizer("text prompts").encode(prompt)
         return list(prompt)
 
-    def load_lora(self, name: str, path: str) -> None:
-        self.engine.load_lora(name, path)
+    def load_lora(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Serve the PEFT adapter folder `path` as `name`. replace=True swaps the weights of
+        the adapter served under `name` without a restart: requests added from now on use the
+        new weights, those added before finish on the old ones."""
+        self.engine.load_lora(name, path, replace=replace)
+
+    def load_lora_from_tensors(
+        self,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        peft_config: dict,
+        *,
+        replace: bool = False,
+    ) -> None:
+        """load_lora for an adapter in memory (a trainer's, say): a PEFT state dict (the keys
+        get_peft_model_state_dict gives, or those of adapter_model.safetensors) and its
+        adapter_config as a dict (LoraConfig.to_dict()). The tensors are copied."""
+        self.engine.load_lora_from_tensors(name, tensors, peft_config, replace=replace)
 
     def add_random_lora(self, name: str, *, rank: int, seed: int = 0, scaling: float = 2.0) -> None:
         """Register an adapter of random weights under `name`, without a PEFT folder: rank

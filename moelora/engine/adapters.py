@@ -1,12 +1,16 @@
 """The adapter registry: the adapters an engine serves, by name, each in the slot layout and in
 host memory until a request needs it in a slot. Each registration is a load with a number no
-other load ever gets: the prefix-cache namespace of its requests, so a page computed under one
-load is never read under another (a reload under the same name included)."""
+other load ever gets: the prefix-cache namespace of its requests and the key of its slot, so a
+page computed under one load is never read under another (a reload under the same name
+included). A load replaced under its name (replace=True) stays, retired, while requests added
+before the replace still use it."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
+
+import torch
 
 from moelora.config import EngineConfig, ModelConfig
 from moelora.errors import (
@@ -15,7 +19,7 @@ from moelora.errors import (
     AdapterNotFoundError,
     InvalidRequestError,
 )
-from moelora.lora.adapter import LoraAdapter, load_adapter
+from moelora.lora.adapter import LoraAdapter, adapter_from_tensors, load_adapter
 from moelora.lora.shard import full_targets
 from moelora.lora.slots import LoraTarget, SlotPool
 from moelora.parallel import Shard
@@ -32,12 +36,14 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         self.config, self.model_config, self.shard, self.pool = config, model_config, shard, pool
         self._adapters: dict[str, LoraAdapter] = {}
         self._loads: dict[str, int] = {}  # each adapter's load number
+        self._by_load: dict[int, LoraAdapter] = {}  # every load still served or still used
         self._numbers = itertools.count()
 
     def clear(self) -> None:
         """Forget every adapter and the slot pool (the engine is closing)."""
         self._adapters.clear()
         self._loads.clear()
+        self._by_load.clear()
         self.pool = None
 
     def __getitem__(self, name: str) -> LoraAdapter:
@@ -59,9 +65,10 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         if self.pool is None:
             raise InvalidRequestError("LoRA is disabled in this engine (enable_lora=False)")
 
-    def load(self, name: str, path: str) -> None:
-        """Parse and register the PEFT adapter folder `path` as `name`."""
-        self._check_new(name)
+    def load(self, name: str, path: str, *, replace: bool = False) -> int | None:
+        """Parse and register the PEFT adapter folder `path` as `name`; returns the load it
+        replaced (replace=True and `name` was served), else None."""
+        self._check_new(name, replace)
         adapter = load_adapter(
             name,
             path,
@@ -69,24 +76,53 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             max_rank=self.config.max_lora_rank,
             dtype=self.config.torch_dtype,
         )
-        self.add(adapter)
+        return self.add(adapter, replace=replace)
 
-    def add(self, adapter: LoraAdapter) -> None:
+    def load_tensors(
+        self,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        peft_config: dict,
+        *,
+        replace: bool = False,
+    ) -> int | None:
+        """load() for a PEFT state dict and its adapter_config as a dict (no folder)."""
+        self._check_new(name, replace)
+        adapter = adapter_from_tensors(
+            name,
+            tensors,
+            peft_config,
+            self.targets,
+            max_rank=self.config.max_lora_rank,
+            dtype=self.config.torch_dtype,
+        )
+        return self.add(adapter, replace=replace)
+
+    def add(self, adapter: LoraAdapter, *, replace: bool = False) -> int | None:
         """Register an adapter already in the slot layout (load parses a PEFT folder into one;
-        lora.adapter.random_adapter makes one for benchmarks)."""
-        self._check_new(adapter.name)
+        lora.adapter.random_adapter makes one for benchmarks) as a new load. replace=True: an
+        adapter served under the name is retired (by_load still gives it) and its load is
+        returned; the engine forgets it once nothing uses it."""
+        self._check_new(adapter.name, replace)
         if adapter.rank > self.config.max_lora_rank:
             raise AdapterError(
                 f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
                 f"max_lora_rank={self.config.max_lora_rank}"
             )
+        retired = self._loads.get(adapter.name)
+        load = next(self._numbers)
         self._adapters[adapter.name] = adapter
-        self._loads[adapter.name] = next(self._numbers)
+        self._loads[adapter.name] = load
+        self._by_load[load] = adapter
+        return retired
 
-    def _check_new(self, name: str) -> None:
+    def _check_new(self, name: str, replace: bool = False) -> None:
         self.require_lora()
-        if name in self._adapters or name == self.config.model_name:
-            raise AdapterExistsError(f"an adapter or model named {name!r} is already loaded")
+        if name == self.config.model_name or (name in self._adapters and not replace):
+            raise AdapterExistsError(
+                f"an adapter or model named {name!r} is already loaded (replace=True swaps an "
+                "adapter's weights)"
+            )
 
     def check_served(self, name: str | None) -> None:
         """A request's model: None (the base) or a registered adapter."""
@@ -101,11 +137,29 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
 
     def load_number(self, name: str) -> int:
-        """The number of the adapter's load: its requests' prefix-cache owner."""
+        """The number of the adapter's current load: its new requests' slot key and
+        prefix-cache owner."""
         return self._loads[name]
+
+    def by_load(self, load: int) -> LoraAdapter:
+        """The adapter of a load, served or retired (a slot is filled by load)."""
+        return self._by_load[load]
+
+    @property
+    def retired(self) -> list[int]:
+        """Loads replaced under their name and not yet forgotten."""
+        current = set(self._loads.values())
+        return [load for load in self._by_load if load not in current]
+
+    def forget(self, load: int) -> None:
+        """Drop a retired load (nothing uses it any more)."""
+        assert load not in self._loads.values(), load
+        del self._by_load[load]
 
     def remove(self, name: str) -> int:
         """Unregister the adapter; returns its load number, whose cached pages are never read
         again."""
         del self._adapters[name]
-        return self._loads.pop(name)
+        load = self._loads.pop(name)
+        del self._by_load[load]
+        return load

@@ -134,8 +134,9 @@ class Engine:
             )
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
+        req.lora_load = self.adapters.load_number(lora) if lora is not None else None
         if self.config.enable_prefix_caching:
-            req.cache_owner = self.adapters.load_number(lora) if lora is not None else None
+            req.cache_owner = req.lora_load
             req.cache_namespace = namespace(req.cache_owner, params.cache_salt)
             req.page_hashes = page_hashes(prompt, self.config.page_size, req.cache_namespace)
         req.grammar = state
@@ -179,9 +180,11 @@ class Engine:
     def _schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
         """The scheduler's plan, with the adapters it needs copied into their slots (after
         every step in flight, in stream order)."""
+        if self.adapters.retired:
+            self._forget_retired()
         plan = self.scheduler.schedule(can_preempt=can_preempt)
-        for slot, name in plan.lora_loads if plan is not None else ():
-            self.runner.fill_slot(slot, self.adapters[name])
+        for slot, load in plan.lora_loads if plan is not None else ():
+            self.runner.fill_slot(slot, self.adapters.by_load(load))
         return plan
 
     def _step(self) -> list[RequestOutput]:
@@ -198,6 +201,8 @@ class Engine:
         # the step just launched stays in flight; with nothing launched, nothing may wait
         while len(self._flights) > (1 if overlap and plan.chunks else 0):
             outputs += self._commit_oldest()
+        if self.adapters.retired:  # the last request of a replaced load may have just gone
+            self._forget_retired()
         return outputs
 
     def _step_computing(self, req: Request) -> LaunchedStep | None:
@@ -335,14 +340,52 @@ class Engine:
         """The model's LoRA-capable projections (what an adapter may hold), by target key."""
         return self.adapters.targets
 
-    def load_lora(self, name: str, path: str) -> None:
-        self.adapters.load(name, path)
+    def load_lora(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Register the PEFT folder `path` as `name`. replace=True swaps the weights of an
+        adapter served under `name` (or loads it if none is): requests added from now on use
+        the new weights, those added before finish on the old, and the prefix cache does not
+        share pages between the two."""
+        self.adapters.load(name, path, replace=replace)
+        self._forget_retired()
 
-    def add_adapter(self, adapter: LoraAdapter) -> None:
+    def load_lora_from_tensors(
+        self,
+        name: str,
+        tensors: dict[str, torch.Tensor],
+        peft_config: dict,
+        *,
+        replace: bool = False,
+    ) -> None:
+        """load_lora for a PEFT state dict and its adapter_config as a dict (no folder)."""
+        self.adapters.load_tensors(name, tensors, peft_config, replace=replace)
+        self._forget_retired()
+
+    def add_adapter(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
         """Register an adapter already in the slot layout (load_lora parses a PEFT folder into
         one; lora.adapter.random_adapter makes one for benchmarks). Its slot is filled on
         demand, when a request needs it."""
-        self.adapters.add(adapter)
+        self.adapters.add(adapter, replace=replace)
+        self._forget_retired()
+
+    def _forget_retired(self) -> None:
+        """Loads replaced under their name that no request uses any more: out of their slot
+        (none held, no step in flight reads it), their cached pages dropped, forgotten."""
+        for load in self.adapters.retired:
+            in_flight = any(
+                c.request.lora_load == load for f in self._flights for c in f.plan.chunks
+            )
+            slot = self.slot_table.slot_of(load)
+            if (
+                in_flight
+                or self.scheduler.uses_load(load)
+                or (slot is not None and self.slot_table.refs[slot] > 0)
+            ):
+                continue
+            if slot is not None:
+                self.slot_table.evict(load)
+                self.runner.clear_slot(slot)
+            self.pages.drop_owner(load)
+            self.adapters.forget(load)
 
     def unload_lora(self, name: str) -> None:
         self.adapters.check_loaded(name)
@@ -353,10 +396,11 @@ class Engine:
             raise AdapterBusyError(
                 f"adapter {name!r} has requests in flight: unload it once they finish"
             )
-        slot = self.slot_table.evict(name)
+        load = self.adapters.remove(name)
+        slot = self.slot_table.evict(load)
         if slot is not None:
             self.runner.clear_slot(slot)
-        self.pages.drop_owner(self.adapters.remove(name))  # its KV is never read again
+        self.pages.drop_owner(load)  # its KV is never read again
 
     def list_loras(self) -> list[str]:
         return list(self.adapters)

@@ -105,7 +105,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return
-            if req.lora is not None and not self.slots.can_acquire(req.lora):
+            if req.lora_load is not None and not self.slots.can_acquire(req.lora_load):
                 continue  # its adapter waits for a slot; later requests may still run
             cached = self._take_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -113,10 +113,10 @@ class Scheduler:
                 self._give_back_cached_prefix(req)
                 return  # first come, first served on pages
             self._count_cache_query(req, cached)
-            if req.lora is not None:
-                req.slot, must_load = self.slots.acquire(req.lora)
+            if req.lora_load is not None:
+                req.slot, must_load = self.slots.acquire(req.lora_load)
                 if must_load:
-                    plan.lora_loads.append((req.slot, req.lora))
+                    plan.lora_loads.append((req.slot, req.lora_load))
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
@@ -205,3 +205,6 @@ class Scheduler:
 
     def uses_adapter(self, name: str) -> bool:
         return any(r.lora == name for r in (*self.running, *self.waiting))
+
+    def uses_load(self, load: int) -> bool:
+        return any(r.lora_load == load for r in (*self.running, *self.waiting))

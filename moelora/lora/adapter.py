@@ -66,8 +66,45 @@ class _Piece:
 def load_adapter(
     name: str, path: str, targets: dict[str, LoraTarget], *, max_rank: int, dtype: torch.dtype
 ) -> LoraAdapter:
+    """The PEFT adapter folder `path` (adapter_config.json, adapter_model.safetensors or .bin)."""
     cfg = _read_config(name, path)
-    tensors = _read_tensors(name, path)
+    return _parse(name, path, cfg, _read_tensors(name, path), targets, max_rank, dtype)
+
+
+def adapter_from_tensors(
+    name: str,
+    tensors: dict[str, torch.Tensor],
+    peft_config: dict,
+    targets: dict[str, LoraTarget],
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoraAdapter:
+    """An adapter from a PEFT state dict and its adapter_config as a dict, no folder (a trainer's
+    weights, in memory): checked and laid out as load_adapter does the folder's. The tensors
+    are copied, so the trainer may go on changing its own."""
+    if not isinstance(peft_config, dict):
+        raise AdapterError(
+            f"adapter {name!r}: peft_config is a {type(peft_config).__name__}, expected a dict "
+            "(adapter_config.json's contents; LoraConfig.to_dict() gives one)"
+        )
+    bad = [k for k, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if bad:
+        raise AdapterError(f"adapter {name!r}: key {bad[0]!r} is not a tensor")
+    cpu = {k: t.detach().to("cpu") for k, t in tensors.items()}
+    cfg = _check_config(name, dict(peft_config), "peft_config")
+    return _parse(name, "<tensors>", cfg, cpu, targets, max_rank, dtype)
+
+
+def _parse(
+    name: str,
+    path: str,
+    cfg: dict,
+    tensors: dict[str, torch.Tensor],
+    targets: dict[str, LoraTarget],
+    max_rank: int,
+    dtype: torch.dtype,
+) -> LoraAdapter:
     placer = _Placer(name, cfg, targets)
     pieces = [p for key, (a, b) in _pairs(name, tensors).items() for p in placer.place(key, a, b)]
     if not pieces:
@@ -94,6 +131,15 @@ def _read_config(name: str, path: str) -> dict:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise AdapterError(f"adapter {name!r}: {cfg_file} is not valid JSON: {e}") from e
+    return _check_config(name, cfg, str(cfg_file))
+
+
+def _check_config(name: str, cfg: object, where: str) -> dict:
+    """What of a PEFT config the engine can serve; where: the file or argument it came from."""
+    if not isinstance(cfg, dict):
+        raise AdapterError(
+            f"adapter {name!r}: {where} holds a {type(cfg).__name__}, expected an object"
+        )
     checks = [
         (
             cfg.get("peft_type", "LORA").upper() == "LORA",

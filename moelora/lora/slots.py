@@ -7,6 +7,7 @@ Nothing is reallocated after start-up, so captured graphs stay valid while adapt
 from __future__ import annotations
 
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -114,18 +115,20 @@ class SlotPool:
 
 
 class SlotTable:
-    """Which adapter is in which slot; a slot with references is never evicted."""
+    """Which adapter load is in which slot; a slot with references is never evicted. A slot's
+    key is the load's number (the engine's; any hashable here): an adapter replaced under its
+    name is a new load, and requests of the old one keep reading the old load's slot."""
 
     def __init__(self, num_slots: int):
-        self.names: list[str | None] = [None] * num_slots
+        self.names: list[Hashable | None] = [None] * num_slots
         self.refs = [0] * num_slots
         self.last_used = [0] * num_slots
         self._clock = itertools.count(1)
 
-    def slot_of(self, name: str) -> int | None:
+    def slot_of(self, name: Hashable) -> int | None:
         return self.names.index(name) if name in self.names else None
 
-    def acquire(self, name: str) -> tuple[int, bool] | None:
+    def acquire(self, name: Hashable) -> tuple[int, bool] | None:
         """(slot, must_load) for a new reference to `name`, or None if every slot is busy."""
         slot = self.slot_of(name)
         must_load = slot is None
@@ -142,14 +145,14 @@ class SlotTable:
         assert self.refs[slot] > 0
         self.refs[slot] -= 1
 
-    def evict(self, name: str) -> int | None:
+    def evict(self, name: Hashable) -> int | None:
         slot = self.slot_of(name)
         if slot is not None:
             assert self.refs[slot] == 0
             self.names[slot] = None
         return slot
 
-    def can_acquire(self, name: str) -> bool:
+    def can_acquire(self, name: Hashable) -> bool:
         return name in self.names or self._victim() is not None
 
     @property

@@ -209,8 +209,9 @@ def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, gate: LoraGate) -> No
         path = gate.allowed_path(body.lora_path)  # before anything reads the path
         if body.lora_name == engine.model_name:
             raise AdapterExistsError(f"lora_name={body.lora_name!r} is the base model's name")
-        await engine.load_lora(body.lora_name, path)
-        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+        await engine.load_lora(body.lora_name, path, replace=body.replace)
+        done = "replaced" if body.replace else "added"
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' {done} successfully.")
 
     @app.post(
         "/v1/unload_lora_adapter",

@@ -300,9 +300,9 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Command(lambda: self._abort(request_id)))
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, *, replace: bool = False) -> None:
         self.check_admitting()
-        await self.call(lambda engine: self._load(engine, name, path))
+        await self.call(lambda engine: self._load(engine, name, path, replace))
 
     async def unload_lora(self, name: str) -> None:
         self.check_admitting()
@@ -448,8 +448,8 @@ class AsyncEngine:
         self._note_drained()
         return aborted
 
-    def _load(self, engine: Engine, name: str, path: str) -> None:
-        engine.load_lora(name, path)
+    def _load(self, engine: Engine, name: str, path: str, replace: bool) -> None:
+        engine.load_lora(name, path, replace=replace)
         self._adapter_paths = {**self._adapter_paths, name: path}
 
     def _unload(self, engine: Engine, name: str) -> None:

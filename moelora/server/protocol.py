@@ -449,6 +449,11 @@ class ChatCompletionRequest(SamplingFields):
 class LoadLoraRequest(OpenAIBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(pattern=r"^[^\x00]+$", description="a folder: no NUL character")
+    replace: bool = Field(
+        False,
+        description="swap the weights of an adapter served under lora_name: requests sent "
+        "after this one use the new weights, those running finish on the old",
+    )
 
 
 class UnloadLoraRequest(OpenAIBody):

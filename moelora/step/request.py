@@ -88,6 +88,9 @@ class Request:
     page_hashes: list[bytes] = field(default_factory=list)
     cache_owner: int | None = None
     num_cached_pages: int = 0
+    # its adapter's load number, taken when it is added: the key of its slot, so a request
+    # added before a replace runs on the weights it was added under
+    lora_load: int | None = None
     num_cached_tokens: int | None = None
     # a constrained request's place in its grammar (engine.grammar.GrammarState), advanced by
     # each committed token; None: unconstrained

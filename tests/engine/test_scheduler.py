@@ -23,7 +23,9 @@ def make_scheduler(num_pages=16, page_size=4, budget=64, max_seqs=8, slots=2):
 
 
 def make_request(i: int, prompt_len: int, lora: str | None = None) -> Request:
-    return Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(), lora, arrival=i)
+    req = Request(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(), lora, arrival=i)
+    req.lora_load = lora  # the slots' key: here the name stands for its load
+    return req
 
 
 def run_step(sched: Scheduler) -> list:

@@ -555,6 +555,29 @@ def test_refused_name_can_be_loaded_properly_afterwards(server: Server, offline:
     assert r.status_code == 200
 
 
+def test_replace_swaps_an_adapters_weights_under_its_name(server: Server, offline: Offline):
+    url, prompt = f"{server.url}/v1", PROMPTS[5]
+
+    def answer() -> str:
+        resp = server.client().completions.create(
+            model="swap", prompt=prompt, max_tokens=6, temperature=0
+        )
+        return resp.choices[0].text
+
+    body = {"lora_name": "swap", "lora_path": str(server.adapters["hot"])}
+    assert httpx.post(f"{url}/load_lora_adapter", json=body, headers=server.headers).is_success
+    assert answer() == offline.text("hot", prompt, 6)
+    body["lora_path"] = str(server.adapters["chat"])
+    _error(httpx.post(f"{url}/load_lora_adapter", json=body, headers=server.headers), 400)
+    r = httpx.post(
+        f"{url}/load_lora_adapter", json={**body, "replace": True}, headers=server.headers
+    )
+    assert r.status_code == 200 and "replaced" in r.text, r.text
+    assert answer() == offline.text("chat", prompt, 6)  # the same prompt: no cached page reused
+    r = httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": "swap"}, headers=server.headers)
+    assert r.status_code == 200
+
+
 def test_unload_unknown_is_404(server: Server) -> None:
     r = httpx.post(
         f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "nope"}, headers=server.headers
