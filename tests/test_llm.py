@@ -53,3 +53,29 @@ def test_a_random_lora_is_refused_at_the_boundary(folder: Path) -> None:
     without_lora = _llm(folder, enable_lora=False)
     with pytest.raises(InvalidRequestError, match="LoRA is disabled"):
         without_lora.add_random_lora("r", rank=2)
+
+
+def test_residency_queues_and_fills_are_reported(folder: Path) -> None:
+    llm = _llm(folder, max_loras=1, max_lora_rank=8)
+    llm.add_random_lora("a", rank=4, seed=1)
+    llm.add_random_lora("b", rank=8, seed=2)
+    levels = {s.name: s.level for s in llm.engine.stats().adapters}
+    assert levels == {"a": "cpu", "b": "cpu"} and llm.engine.stats().lora_fills == 0
+    llm.generate([PROMPT], PARAMS, lora="a")
+    stats = llm.engine.stats()
+    assert [(s.name, s.level) for s in stats.adapters] == [("a", "gpu"), ("b", "cpu")]
+    size_a = llm.engine.adapters["a"].nbytes
+    assert stats.lora_fills == 1 and stats.lora_fill_bytes == size_a > 0
+    assert stats.lora_fill_seconds > 0
+    engine = llm.engine  # one slot: b's request waits while a's runs
+    engine.add_request("x", PROMPT, PARAMS, "a")
+    engine.add_request("y", PROMPT, PARAMS, "b")
+    engine.step()
+    queues = {s.name: (s.num_running, s.num_waiting) for s in engine.stats().adapters}
+    assert queues == {"a": (1, 0), "b": (0, 1)}
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.stats()
+    assert [(s.name, s.level) for s in stats.adapters] == [("a", "cpu"), ("b", "gpu")]
+    assert stats.lora_fills == 2
+    assert stats.lora_fill_bytes == size_a + llm.engine.adapters["b"].nbytes

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,17 @@ from moelora.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
+class AdapterStats:
+    """Where an adapter lives, for a router placing its requests: "gpu" when its current load
+    is in a slot, "cpu" when only in host memory; and its requests in the queues."""
+
+    name: str
+    level: str
+    num_running: int
+    num_waiting: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -63,6 +75,10 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of them, tokens whose KV was found cached
     lora_slot_refs: int = 0  # one per request holding an adapter slot: 0 when idle
     gpu_memory_allocated: int = 0  # torch's allocated bytes on the engine's device (0 on CPU)
+    adapters: tuple[AdapterStats, ...] = ()  # in registration order
+    lora_fills: int = 0  # adapters copied into a slot
+    lora_fill_bytes: int = 0  # the bytes of their host tensors
+    lora_fill_seconds: float = 0.0  # the engine thread's time in those copies
 
 
 class Engine:
@@ -82,6 +98,7 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()  # each launched step's number (Request.last_step)
+        self._fills, self._fill_bytes, self._fill_seconds = 0, 0, 0.0
         # launched, their tokens not yet committed, oldest first: one between steps, two while
         # step() has launched the next and not yet committed the one before
         self._flights: collections.deque[LaunchedStep] = collections.deque()
@@ -184,7 +201,11 @@ class Engine:
             self._forget_retired()
         plan = self.scheduler.schedule(can_preempt=can_preempt)
         for slot, load in plan.lora_loads if plan is not None else ():
-            self.runner.fill_slot(slot, self.adapters.by_load(load))
+            adapter, start = self.adapters.by_load(load), time.perf_counter()
+            self.runner.fill_slot(slot, adapter)
+            self._fills += 1
+            self._fill_bytes += adapter.nbytes
+            self._fill_seconds += time.perf_counter() - start
         return plan
 
     def _step(self) -> list[RequestOutput]:
@@ -459,6 +480,25 @@ class Engine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             lora_slot_refs=self.slot_table.num_refs if self.slot_table else 0,
             gpu_memory_allocated=self._gpu_memory_allocated(),
+            adapters=self._adapter_stats(),
+            lora_fills=self._fills,
+            lora_fill_bytes=self._fill_bytes,
+            lora_fill_seconds=self._fill_seconds,
+        )
+
+    def _adapter_stats(self) -> tuple[AdapterStats, ...]:
+        running = collections.Counter(r.lora for r in self.scheduler.running)
+        waiting = collections.Counter(r.lora for r in self.scheduler.waiting)
+        return tuple(
+            AdapterStats(
+                name,
+                "gpu"
+                if self.slot_table.slot_of(self.adapters.load_number(name)) is not None
+                else "cpu",
+                running[name],
+                waiting[name],
+            )
+            for name in self.adapters
         )
 
     def _gpu_memory_allocated(self) -> int:

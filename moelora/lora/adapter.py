@@ -49,6 +49,11 @@ class LoraAdapter:
     scaling: float  # the slot's scaling
     modules: dict[str, ModuleLora]  # LoraTarget.key -> weights
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its tensors (what a slot fill copies)."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
 
 @dataclass(frozen=True)
 class _Piece:

@@ -191,8 +191,14 @@ def _add_adapter_routes(app: FastAPI, engine: AsyncEngine, gate: LoraGate) -> No
     async def models() -> dict:
         base = engine.model_name
         cards = [protocol.model_card(base, parent=None, root=base)]
+        where = {a.name: a for a in (await engine.stats()).adapters}
         for name, path in sorted(engine.adapter_paths().items()):
-            cards.append(protocol.model_card(name, parent=base, root=path))
+            card = protocol.model_card(name, parent=base, root=path)
+            if name in where:  # where it lives and its queue, for a router
+                card["residency"] = where[name].level
+                card["num_requests_running"] = where[name].num_running
+                card["num_requests_waiting"] = where[name].num_waiting
+            cards.append(card)
         return {"object": "list", "data": cards}
 
     load_errors = (400, 403, 500, 503) if gate.may_refuse else (400, 500, 503)

@@ -145,7 +145,41 @@ class ServerMetrics:
             lines += _gauge("process_resident_memory_bytes", "Resident memory size in bytes.", rss)
         for name, help_, field in ENGINE_COUNTERS:
             lines += _gauge(name, help_, getattr(stats, field), "counter")
+        lines += _adapter_lines(stats.adapters)
         return "\n".join(lines) + "\n"
+
+
+def _adapter_lines(adapters: Iterable[Any]) -> Iterable[str]:
+    """Per adapter, where it lives and its queued requests: what a router needs to send a
+    request where its adapter already is (vLLM's proposed vllm:lora_adapter_loaded)."""
+    adapters = list(adapters)
+    families = (
+        (
+            "moelora_lora_adapter_loaded",
+            "1 for each adapter, labelled with where it lives: "
+            "gpu (in a slot) or cpu (host memory only).",
+            lambda a: 1,
+            True,
+        ),
+        (
+            "moelora_lora_adapter_requests_running",
+            "Running requests of each adapter.",
+            lambda a: a.num_running,
+            False,
+        ),
+        (
+            "moelora_lora_adapter_requests_waiting",
+            "Waiting requests of each adapter.",
+            lambda a: a.num_waiting,
+            False,
+        ),
+    )
+    for name, help_, value, with_level in families:
+        yield f"# HELP {name} {help_}"
+        yield f"# TYPE {name} gauge"
+        for a in adapters:
+            labels: Labels = (("adapter", a.name),) + ((("level", a.level),) if with_level else ())
+            yield f"{name}{_labels(labels)} {_number(value(a))}"
 
 
 # (name, help, EngineStats field) of what the engine's stats give at scrape time
@@ -188,5 +222,16 @@ ENGINE_COUNTERS = (
         "moelora_prefix_cache_hits_total",
         "Prompt tokens found in the prefix cache (their KV not computed again).",
         "prefix_cache_hits",
+    ),
+    ("moelora_lora_fills_total", "Adapters copied into a GPU slot.", "lora_fills"),
+    (
+        "moelora_lora_fill_bytes_total",
+        "Bytes of the adapters copied into slots.",
+        "lora_fill_bytes",
+    ),
+    (
+        "moelora_lora_fill_seconds_total",
+        "The engine thread's seconds in slot fills (every running stream waits for them).",
+        "lora_fill_seconds",
     ),
 )

@@ -426,6 +426,20 @@ def test_metrics(server: Server) -> None:
     assert m["moelora_gpu_memory_allocated_bytes"] == 0  # the server runs on the CPU
     assert m["process_resident_memory_bytes"] > 100 * 2**20  # torch alone takes more
     assert _wait_idle(server)["moelora_lora_slot_refs"] == 0
+    # sql just ran: it is in a slot (two slots, three adapters: one at least lives on the host)
+    assert m['moelora_lora_adapter_loaded{adapter="sql",level="gpu"}'] == 1
+    levels = [k for k in m if k.startswith('moelora_lora_adapter_loaded{adapter="chat"')]
+    assert len(levels) == 1 and levels[0].endswith(('level="gpu"}', 'level="cpu"}'))
+    assert m['moelora_lora_adapter_requests_waiting{adapter="sql"}'] == 0
+    assert m["moelora_lora_fills_total"] >= 1 and m["moelora_lora_fill_bytes_total"] > 0
+    cards = {
+        c["id"]: c
+        for c in httpx.get(f"{server.url}/v1/models", headers=server.headers).json()["data"]
+    }
+    assert cards["sql"]["residency"] == "gpu" and cards["sql"]["num_requests_waiting"] == 0
+    assert "residency" not in cards[BASE]
+    on_gpu = [c for c in cards.values() if c.get("residency") == "gpu"]
+    assert 1 <= len(on_gpu) <= 2  # --max-loras 2
 
 
 # ----------------------------------------------------------------------------- bad input

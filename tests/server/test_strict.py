@@ -199,7 +199,7 @@ class RecordingEngine:
     def __init__(self) -> None:
         self.loaded: list[tuple[str, str]] = []
 
-    async def load_lora(self, name: str, path: str) -> None:
+    async def load_lora(self, name: str, path: str, *, replace: bool = False) -> None:
         self.loaded.append((name, path))
 
     def adapter_paths(self) -> dict[str, str]:
