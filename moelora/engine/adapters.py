@@ -109,6 +109,8 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
                 f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
                 f"max_lora_rank={self.config.max_lora_rank}"
             )
+        if self.config.torch_device.type == "cuda":
+            adapter = adapter.pinned()  # slot fills copy it beside the step in flight
         retired = self._loads.get(adapter.name)
         load = next(self._numbers)
         self._adapters[adapter.name] = adapter

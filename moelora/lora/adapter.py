@@ -49,6 +49,15 @@ class LoraAdapter:
     scaling: float  # the slot's scaling
     modules: dict[str, ModuleLora]  # LoraTarget.key -> weights
 
+    def pinned(self) -> LoraAdapter:
+        """The adapter with its host tensors in page-locked memory, which a slot fill copies
+        asynchronously and at the full host-to-device bandwidth (device tensors stay)."""
+        modules = {
+            key: ModuleLora(*(t.pin_memory() if t.device.type == "cpu" else t for t in (m.a, m.b)))
+            for key, m in self.modules.items()
+        }
+        return LoraAdapter(self.name, self.path, self.rank, self.scaling, modules)
+
     @property
     def nbytes(self) -> int:
         """The bytes of its tensors (what a slot fill copies)."""

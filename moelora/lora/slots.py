@@ -95,7 +95,9 @@ class SlotPool:
         self.host_rank = [0] * max_loras  # host copy: the runner reads it without a device sync
 
     def fill(self, slot: int, adapter) -> None:
-        """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot."""
+        """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot, on the current
+        stream, without waiting for the copies (from page-locked host tensors they run
+        asynchronously; the caching host allocator keeps them alive until the copies end)."""
         for key, w in self.weights.items():
             w.a[slot].zero_()  # a smaller rank than the last occupant must leave zeros behind
             w.b[slot].zero_()
@@ -103,8 +105,8 @@ class SlotPool:
             if module is None:
                 continue
             r = module.a.shape[-2]
-            w.a[slot][..., :r, :].copy_(module.a)
-            w.b[slot][..., :r].copy_(module.b)
+            w.a[slot][..., :r, :].copy_(module.a, non_blocking=True)
+            w.b[slot][..., :r].copy_(module.b, non_blocking=True)
         self.rank_of_slot[slot] = adapter.rank
         self.scaling_of_slot[slot] = adapter.scaling
         self.host_rank[slot] = adapter.rank

@@ -63,6 +63,10 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs: GraphRunner | None = None  # set by capture_graphs
+        # slot fills run here, beside the step in flight: a filled slot has no references, so
+        # no step in flight reads it (the scheduler frees a slot only once its last step is
+        # done), and the compute stream waits for the fill before the next step
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.num_graph_replays = 0
         self.num_eager_steps = 0
         ModelRunner._live.add(self)
@@ -160,13 +164,27 @@ class ModelRunner:
         """The adapter copied into `slot`, on every rank (each rank its part)."""
         if self.workers is not None:
             self.workers.send(FillSlot(slot, on_host(adapter)))
-        self.slot_pool.fill(slot, shard_adapter(adapter, self.shard, self.model.cfg))
+        part = shard_adapter(adapter, self.shard, self.model.cfg)
+        if self.copy_stream is None:
+            self.slot_pool.fill(slot, part)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            self.slot_pool.fill(slot, part)
+        compute.wait_stream(self.copy_stream)  # the steps launched from now on read it
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         if self.workers is not None:
             self.workers.send(ClearSlot(slot))
-        self.slot_pool.clear(slot)
+        if self.copy_stream is None:
+            self.slot_pool.clear(slot)
+            return
+        # on the fills' stream, so a later fill of the slot cannot run before it
+        compute = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.copy_stream):
+            self.slot_pool.clear(slot)
+        compute.wait_stream(self.copy_stream)
 
     def close(self) -> None:
         """Stop and join the workers (a no-op on one rank), then drop what this rank holds on

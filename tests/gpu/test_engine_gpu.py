@@ -279,6 +279,27 @@ def test_a_request_does_not_depend_on_its_batch_mates(assets, dtype):
                     assert abs(a - b) <= 0.02, f"{target} token {i}: {a} vs {b}"
 
 
+def test_adapters_cycling_through_two_slots_equal_all_resident(assets):
+    """Slot fills run on their own stream beside the step in flight, from page-locked host
+    memory: eight adapters and the base cycling through two slots give the tokens of an engine
+    holding all eight (fp32: batch-invariant), and so does an adapter replaced in place."""
+    model, adapters = assets
+    options = dict(lora_modules=adapters, max_lora_rank=64, dtype="float32", **ENGINE)
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(3, 40))] for _ in range(27)]
+    names = [None if i % 9 == 8 else f"a{i % 9}" for i in range(len(prompts))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(model, max_loras=NUM_ADAPTERS, **options) as resident:
+        want = [o.token_ids for o in resident.generate(prompts, params, lora=names)]
+        want_a1 = [o.token_ids for o in resident.generate(prompts[:4], params, lora="a1")]
+    with LLM(model, max_loras=2, **options) as cycling:
+        got = [o.token_ids for o in cycling.generate(prompts, params, lora=names)]
+        assert got == want
+        assert cycling.engine.stats().lora_fills > NUM_ADAPTERS  # slots were reused
+        cycling.load_lora("a0", adapters["a1"], replace=True)
+        assert [o.token_ids for o in cycling.generate(prompts[:4], params, lora="a0")] == want_a1
+
+
 def _common_prefix(a, b):
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
