@@ -295,7 +295,7 @@ def test_adapters_cycling_through_two_slots_equal_all_resident(assets):
     with LLM(model, max_loras=2, **options) as cycling:
         got = [o.token_ids for o in cycling.generate(prompts, params, lora=names)]
         assert got == want
-        assert cycling.engine.stats().lora_fills > NUM_ADAPTERS  # slots were reused
+        assert cycling.engine.stats().lora_fills >= NUM_ADAPTERS  # 8 adapters through 2 slots
         cycling.load_lora("a0", adapters["a1"], replace=True)
         assert [o.token_ids for o in cycling.generate(prompts[:4], params, lora="a0")] == want_a1
 
