@@ -267,7 +267,10 @@ def test_block_shrinks_take_the_steps_rank_tile(poison_empty, monkeypatch):
     out = fused_moe(*args, **tiled, config=GROUPED)
     assert tiles == [64, 64, 16]
     assert rel_err(out, expect) <= 1e-5
-    assert torch.allclose(out, pool, rtol=1e-6, atol=1e-7)
+    # numpy (the interpreter) sums a 16-wide rank tile and a 64-wide one in different orders:
+    # a few ulps apart (2e-6 on values up to 10 with this venv's numpy 2.3.5); the GPU test
+    # checks the same bits
+    assert torch.allclose(out, pool, rtol=1e-5, atol=1e-5)
     assert rel_err(by_pair, expect) <= 1e-5
 
 
