@@ -41,8 +41,8 @@ class _Window:
 class ModelRunner:
     # cuBLAS keeps a workspace per (handle, stream) for the whole process, outside any tensor an
     # engine holds, and empty_cache() does not free them: every stream an engine ran matmuls on
-    # leaves 32 MiB behind it (0.35-1.4 GiB an engine, measured on the H200). A live engine's
-    # captured graphs hold those pointers, so only the last runner on a device frees them.
+    # leaves its workspace behind it. A live engine's captured graphs hold those pointers, so
+    # only the last runner on a device frees them.
     _live: ClassVar[weakref.WeakSet[ModelRunner]] = weakref.WeakSet()
 
     def __init__(
