@@ -65,9 +65,8 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         if self.pool is None:
             raise InvalidRequestError("LoRA is disabled in this engine (enable_lora=False)")
 
-    def load(self, name: str, path: str, *, replace: bool = False) -> int | None:
-        """Parse and register the PEFT adapter folder `path` as `name`; returns the load it
-        replaced (replace=True and `name` was served), else None."""
+    def load(self, name: str, path: str, *, replace: bool = False) -> None:
+        """Parse and register the PEFT adapter folder `path` as `name`."""
         self._check_new(name, replace)
         adapter = load_adapter(
             name,
@@ -76,7 +75,7 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             max_rank=self.config.max_lora_rank,
             dtype=self.config.torch_dtype,
         )
-        return self.add(adapter, replace=replace)
+        self.add(adapter, replace=replace)
 
     def load_tensors(
         self,
@@ -85,7 +84,7 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         peft_config: dict,
         *,
         replace: bool = False,
-    ) -> int | None:
+    ) -> None:
         """load() for a PEFT state dict and its adapter_config as a dict (no folder)."""
         self._check_new(name, replace)
         adapter = adapter_from_tensors(
@@ -96,13 +95,13 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             max_rank=self.config.max_lora_rank,
             dtype=self.config.torch_dtype,
         )
-        return self.add(adapter, replace=replace)
+        self.add(adapter, replace=replace)
 
-    def add(self, adapter: LoraAdapter, *, replace: bool = False) -> int | None:
+    def add(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
         """Register an adapter already in the slot layout (load parses a PEFT folder into one;
         lora.adapter.random_adapter makes one for benchmarks) as a new load. replace=True: an
-        adapter served under the name is retired (by_load still gives it) and its load is
-        returned; the engine forgets it once nothing uses it."""
+        adapter served under the name is retired (by_load still gives it); the engine forgets
+        it once nothing uses it."""
         self._check_new(adapter.name, replace)
         if adapter.rank > self.config.max_lora_rank:
             raise AdapterError(
@@ -111,12 +110,10 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             )
         if self.config.torch_device.type == "cuda":
             adapter = adapter.pinned()  # slot fills copy it beside the step in flight
-        retired = self._loads.get(adapter.name)
         load = next(self._numbers)
         self._adapters[adapter.name] = adapter
         self._loads[adapter.name] = load
         self._by_load[load] = adapter
-        return retired
 
     def _check_new(self, name: str, replace: bool = False) -> None:
         self.require_lora()
@@ -149,7 +146,10 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
 
     @property
     def retired(self) -> list[int]:
-        """Loads replaced under their name and not yet forgotten."""
+        """Loads replaced under their name and not yet forgotten (asked every step: empty at
+        once when there are none)."""
+        if len(self._by_load) == len(self._loads):
+            return []
         current = set(self._loads.values())
         return [load for load in self._by_load if load not in current]
 

@@ -197,8 +197,6 @@ class Engine:
     def _schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
         """The scheduler's plan, with the adapters it needs copied into their slots (after
         every step in flight, in stream order)."""
-        if self.adapters.retired:
-            self._forget_retired()
         plan = self.scheduler.schedule(can_preempt=can_preempt)
         for slot, load in plan.lora_loads if plan is not None else ():
             adapter, start = self.adapters.by_load(load), time.perf_counter()

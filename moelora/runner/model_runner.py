@@ -165,25 +165,25 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(FillSlot(slot, on_host(adapter)))
         part = shard_adapter(adapter, self.shard, self.model.cfg)
-        if self.copy_stream is None:
+        with self._on_copy_stream():
             self.slot_pool.fill(slot, part)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.copy_stream):
-            self.slot_pool.fill(slot, part)
-        compute.wait_stream(self.copy_stream)  # the steps launched from now on read it
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         if self.workers is not None:
             self.workers.send(ClearSlot(slot))
-        if self.copy_stream is None:
+        with self._on_copy_stream():  # so a later fill of the slot cannot run before it
             self.slot_pool.clear(slot)
+
+    @contextlib.contextmanager
+    def _on_copy_stream(self) -> Iterator[None]:
+        """Slot writes on the copy stream; the steps launched after them wait for them."""
+        if self.copy_stream is None:
+            yield
             return
-        # on the fills' stream, so a later fill of the slot cannot run before it
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
-            self.slot_pool.clear(slot)
+            yield
         compute.wait_stream(self.copy_stream)
 
     def close(self) -> None:
