@@ -52,16 +52,19 @@ class LoraAdapter:
     def pinned(self) -> LoraAdapter:
         """The adapter with its host tensors in page-locked memory, which a slot fill copies
         asynchronously and at the full host-to-device bandwidth (device tensors stay)."""
-        modules = {
-            key: ModuleLora(*(t.pin_memory() if t.device.type == "cpu" else t for t in (m.a, m.b)))
-            for key, m in self.modules.items()
-        }
+        modules = {key: ModuleLora(_pinned(m.a), _pinned(m.b)) for key, m in self.modules.items()}
         return LoraAdapter(self.name, self.path, self.rank, self.scaling, modules)
 
     @property
     def nbytes(self) -> int:
         """The bytes of its tensors (what a slot fill copies)."""
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """t in page-locked memory: a host tensor already there is shared, not copied (adapters
+    registered under many names over the same tensors, say), a device tensor stays."""
+    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
 
 
 @dataclass(frozen=True)
