@@ -219,9 +219,7 @@ def plan_step(engine: Engine) -> PlannedStep:
     not run. Its requests stay as they are: abort them when done."""
     with engine.on_device():
         engine.commit_in_flight()
-        plan = engine.scheduler.schedule()
-        for slot, name in plan.lora_loads:
-            engine.runner.fill_slot(slot, engine.adapters[name])
+        plan = engine.schedule()
         inputs = engine.runner.host_batch(plan)
     graphs = engine.runner.graphs
     return PlannedStep(

@@ -194,27 +194,38 @@ class Engine:
         with self.on_device():
             self._ready += self._commit_all()
 
-    def _schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
-        """The scheduler's plan, with the adapters it needs copied into their slots (after
-        every step in flight, in stream order)."""
-        plan = self.scheduler.schedule(can_preempt=can_preempt)
-        for slot, load in plan.lora_loads if plan is not None else ():
+    def schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
+        """The next step's plan, not launched: fills started for the adapters waiting requests
+        need (on the copy stream, beside the step in flight), then the scheduler's plan, whose
+        requests' adapters are in their slots (a step waits on the device for a fill still
+        running, which the scheduler allows only when nothing else runs). None: the plan needs
+        a preemption that can_preempt=False forbids."""
+        self._note_fills_landed()
+        for slot, load in self.scheduler.plan_fills():
             adapter, start = self.adapters.by_load(load), time.perf_counter()
             self.runner.fill_slot(slot, adapter)
             self._fills += 1
             self._fill_bytes += adapter.nbytes
             self._fill_seconds += time.perf_counter() - start
-        return plan
+        self._note_fills_landed()
+        return self.scheduler.schedule(can_preempt=can_preempt)
+
+    def _note_fills_landed(self) -> None:
+        if self.slot_table is None:
+            return
+        for slot, filling in enumerate(self.slot_table.filling):
+            if filling and self.runner.fill_done(slot):
+                self.slot_table.filled(slot)
 
     def _step(self) -> list[RequestOutput]:
         outputs, self._ready = self._ready, []
         overlap = self.config.async_scheduling and not self._penalties_running()
         if not overlap:
             outputs += self._commit_all()
-        plan = self._schedule(can_preempt=not self._flights)
+        plan = self.schedule(can_preempt=not self._flights)
         if plan is None:  # a preemption: its pages may be the ones the step in flight writes
             outputs += self._commit_all()
-            plan = self._schedule()
+            plan = self.schedule()
         if plan.chunks:
             outputs += self._launch(plan)
         # the step just launched stays in flight; with nothing launched, nothing may wait

@@ -5,8 +5,15 @@ the slot references; the engine carries the plan out.
 - Running requests go first (decode or the next chunk of a prefill), oldest first (by
   arrival: the running list is kept in that order, also for requests a preemption sent back);
   the step's rows are then grouped by adapter slot.
-- Waiting requests are admitted while the token budget, free pages, max_num_seqs and adapter
-  slots allow. A request whose adapter cannot get a slot waits; others may pass it.
+- Waiting requests are admitted while the token budget, free pages and max_num_seqs allow,
+  and a LoRA request only once its adapter is in a slot: ready, or still filling when nothing
+  runs (then no stream waits for the copy). Others may pass a request whose adapter is not.
+- Adapter slots (plan_fills, before each schedule): the adapters of waiting requests that hold
+  no slot, oldest waiting request first, take idle slots, whose fills the engine starts on the
+  copy stream while the running requests go on. A free slot or one whose adapter no request
+  waits for goes first; one whose adapter has waiting requests goes only to an adapter with
+  more of them (no thrashing), or to one whose request has waited max_lora_wait_steps (no
+  starvation: until it has a slot, later LoRA requests are not admitted, so slots drain).
 - When pages run out, the newest running request (by arrival) is preempted by recompute: its
   pages and its slot reference are freed and it goes back to the front of the waiting queue.
   Readmitted, an old request takes its place among the running by age again, so it is not
@@ -29,7 +36,8 @@ the slot references; the engine carries the plan out.
 from __future__ import annotations
 
 import bisect
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from moelora.engine.kv_cache import PageAllocator
@@ -46,6 +54,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     page_size: int
     max_model_len: int
+    # steps a LoRA request may wait for its adapter's slot before the scheduler makes room
+    max_lora_wait_steps: int = 256
 
 
 class Scheduler:
@@ -58,9 +68,76 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission (vLLM's count)
         self.prefix_cache_hits = 0  # of them, tokens found cached
+        self.num_steps = 0  # schedule() calls: the clock of a request's wait
 
     def add(self, req: Request) -> None:
+        req.queued_at = self.num_steps
         self.waiting.append(req)
+
+    # ---- adapter slots --------------------------------------------------------------------
+
+    def plan_fills(
+        self, *, can_fill: Callable[[Hashable], bool] = lambda load: True
+    ) -> list[tuple[int, Hashable]]:
+        """(slot, load) for each adapter a waiting request needs that takes an idle slot now;
+        the slots are assigned (filling) and the caller starts their copies. can_fill(load):
+        its host copy is there (one still read from disk waits, and takes no slot)."""
+        if self.slots is None:
+            return []
+        demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)
+        fills = []
+        for load in self._loads_without_slot():
+            if not can_fill(load):
+                continue
+            slot = self._slot_for(load, demand)
+            if slot is not None:
+                self.slots.assign(slot, load)
+                fills.append((slot, load))
+        return fills
+
+    def _loads_without_slot(self) -> list[Hashable]:
+        """Loads of waiting requests that hold no slot, by their oldest request's wait."""
+        first: dict[Hashable, Request] = {}
+        for req in self.waiting:
+            load = req.lora_load
+            if load is not None and self.slots.slot_of(load) is None:
+                if load not in first or self._waited(req) > self._waited(first[load]):
+                    first[load] = req
+        return sorted(first, key=lambda load: -self._waited(first[load]))
+
+    def _slot_for(self, load: Hashable, demand: Counter) -> int | None:
+        """The idle slot `load` takes: free first, then the least recently used of those with
+        the fewest waiting requests; one with waiting requests only for more of them, or for a
+        starving load."""
+        idle = self.slots.idle()
+        if not idle:
+            return None
+        slot = min(idle, key=lambda s: demand[self.slots.names[s]] if self.slots.names[s] else -1)
+        held = self.slots.names[slot]
+        if held is None or demand[held] == 0 or demand[held] < demand[load]:
+            return slot
+        return slot if self._starving(load) else None
+
+    def _waited(self, req: Request) -> int:
+        return self.num_steps - req.queued_at
+
+    def _starving(self, load: Hashable) -> bool:
+        return any(
+            r.lora_load == load and self._waited(r) >= self.cfg.max_lora_wait_steps
+            for r in self.waiting
+        )
+
+    def _starving_since(self) -> int | None:
+        """The arrival of the oldest waiting request that has waited max_lora_wait_steps for
+        a slot not yet ready: LoRA requests that arrived after it wait for it."""
+        starving = [
+            r.arrival
+            for r in self.waiting
+            if self._waited(r) >= self.cfg.max_lora_wait_steps
+            and r.lora_load is not None
+            and not self.slots.is_ready(r.lora_load)
+        ]
+        return min(starving, default=None)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -68,6 +145,7 @@ class Scheduler:
     def schedule(self, *, can_preempt: bool = True) -> StepPlan | None:
         """The next step; None when it needs a preemption that can_preempt=False forbids (only
         page reservations are kept: the requests need them anyway)."""
+        self.num_steps += 1
         plan = StepPlan()
         budget = self.cfg.max_num_batched_tokens
         for req in list(self.running):
@@ -102,11 +180,15 @@ class Scheduler:
         return full or len(req.output_token_ids) >= req.params.max_tokens
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
+        nothing_runs = not self.running  # a step may then wait for a fill: no one else waits
+        starving_since = self._starving_since() if self.slots is not None else None
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return
-            if req.lora_load is not None and not self.slots.can_acquire(req.lora_load):
-                continue  # its adapter waits for a slot; later requests may still run
+            if req.lora_load is not None and not self._adapter_can_run(
+                req, nothing_runs=nothing_runs, starving_since=starving_since
+            ):
+                continue  # its adapter is not in a slot yet; later requests may still run
             cached = self._take_cached_prefix(req)
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._reserve_pages(req, n):
@@ -114,14 +196,21 @@ class Scheduler:
                 return  # first come, first served on pages
             self._count_cache_query(req, cached)
             if req.lora_load is not None:
-                req.slot, must_load = self.slots.acquire(req.lora_load)
-                if must_load:
-                    plan.lora_loads.append((req.slot, req.lora_load))
+                req.slot = self.slots.acquire(req.lora_load)
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
             plan.chunks.append(Chunk.next_of(req, n))
             budget -= n
+
+    def _adapter_can_run(
+        self, req: Request, *, nothing_runs: bool, starving_since: int | None
+    ) -> bool:
+        if starving_since is not None and req.arrival > starving_since:
+            return False
+        if self.slots.is_ready(req.lora_load):
+            return True
+        return nothing_runs and self.slots.slot_of(req.lora_load) is not None
 
     def _take_cached_prefix(self, req: Request) -> int:
         """The request starts with the cached pages of its prompt's longest cached prefix:
@@ -176,6 +265,7 @@ class Scheduler:
         self.running.remove(req)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
+        req.queued_at = self.num_steps
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:

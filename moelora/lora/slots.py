@@ -117,31 +117,53 @@ class SlotPool:
 
 
 class SlotTable:
-    """Which adapter load is in which slot; a slot with references is never evicted. A slot's
-    key is the load's number (the engine's; any hashable here): an adapter replaced under its
-    name is a new load, and requests of the old one keep reading the old load's slot."""
+    """Which adapter load is in which slot, and whether its fill has landed. A slot's key is
+    the load's number (the engine's; any hashable here): an adapter replaced under its name is
+    a new load, and requests of the old one keep reading the old load's slot.
+
+    A slot is free (no name), filling (named, its copy maybe still running on the copy
+    stream), or ready. References come from running requests; a slot with references, or one
+    filling, is never handed to another load (the step in flight may read it, or a request
+    waits for it). The scheduler picks which idle slot a load takes (it knows the queues)."""
 
     def __init__(self, num_slots: int):
         self.names: list[Hashable | None] = [None] * num_slots
         self.refs = [0] * num_slots
+        self.filling = [False] * num_slots
         self.last_used = [0] * num_slots
         self._clock = itertools.count(1)
 
     def slot_of(self, name: Hashable) -> int | None:
         return self.names.index(name) if name in self.names else None
 
-    def acquire(self, name: Hashable) -> tuple[int, bool] | None:
-        """(slot, must_load) for a new reference to `name`, or None if every slot is busy."""
+    def is_ready(self, name: Hashable) -> bool:
         slot = self.slot_of(name)
-        must_load = slot is None
-        if slot is None:
-            slot = self._victim()
-            if slot is None:
-                return None
-            self.names[slot] = name
+        return slot is not None and not self.filling[slot]
+
+    def idle(self) -> list[int]:
+        """Slots a load may take: free, or ready with no reference (least recently used
+        first, free ones before all)."""
+        idle = [s for s in range(len(self.names)) if self.refs[s] == 0 and not self.filling[s]]
+        return sorted(idle, key=lambda s: (self.names[s] is not None, self.last_used[s]))
+
+    def assign(self, slot: int, name: Hashable) -> Hashable | None:
+        """`name` takes the idle `slot` and is filling; returns the load it held."""
+        assert self.refs[slot] == 0 and not self.filling[slot] and name not in self.names
+        evicted, self.names[slot] = self.names[slot], name
+        self.filling[slot] = True
+        self.last_used[slot] = next(self._clock)
+        return evicted
+
+    def filled(self, slot: int) -> None:
+        """The slot's copy has landed: its requests may run beside others."""
+        self.filling[slot] = False
+
+    def acquire(self, name: Hashable) -> int:
+        """A new reference to the slot that holds `name` (assigned before)."""
+        slot = self.names.index(name)
         self.refs[slot] += 1
         self.last_used[slot] = next(self._clock)
-        return slot, must_load
+        return slot
 
     def release(self, slot: int) -> None:
         assert self.refs[slot] > 0
@@ -152,10 +174,8 @@ class SlotTable:
         if slot is not None:
             assert self.refs[slot] == 0
             self.names[slot] = None
+            self.filling[slot] = False
         return slot
-
-    def can_acquire(self, name: Hashable) -> bool:
-        return name in self.names or self._victim() is not None
 
     @property
     def num_used(self) -> int:
@@ -165,10 +185,3 @@ class SlotTable:
     def num_refs(self) -> int:
         """References held: one per request that holds a slot (0 when nothing runs)."""
         return sum(self.refs)
-
-    def _victim(self) -> int | None:
-        free = [s for s, n in enumerate(self.names) if n is None]
-        if free:
-            return free[0]
-        idle = [s for s in range(len(self.names)) if self.refs[s] == 0]
-        return min(idle, key=lambda s: self.last_used[s]) if idle else None

@@ -63,10 +63,11 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.graphs: GraphRunner | None = None  # set by capture_graphs
-        # slot fills run here, beside the step in flight: a filled slot has no references, so
-        # no step in flight reads it (the scheduler frees a slot only once its last step is
-        # done), and the compute stream waits for the fill before the next step
+        # slot fills run here, beside the steps: a filled slot has no references, so no step
+        # in flight reads it (the scheduler frees a slot only once its last step is done);
+        # each fill's event (by slot) orders it before the first step that reads the slot
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._fill_events: dict[int, torch.cuda.Event] = {}
         self.num_graph_replays = 0
         self.num_eager_steps = 0
         ModelRunner._live.add(self)
@@ -131,6 +132,7 @@ class ModelRunner:
         rank 0)."""
         if self.workers is not None:
             self.workers.send(Forward(host, rows))
+        self._wait_for_fills(host)
         with self._collectives():
             if self.graphs is not None and self.graphs.can_run(host):
                 hidden = self.graphs.run(host, prev_tokens=prev_tokens)
@@ -165,26 +167,44 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(FillSlot(slot, on_host(adapter)))
         part = shard_adapter(adapter, self.shard, self.model.cfg)
-        with self._on_copy_stream():
+        with self._on_copy_stream(slot):
             self.slot_pool.fill(slot, part)
+
+    def fill_done(self, slot: int) -> bool:
+        """Whether the slot's last fill has landed (on the CPU a fill is done on return)."""
+        event = self._fill_events.get(slot)
+        if event is None or not event.query():
+            return event is None
+        del self._fill_events[slot]
+        return True
 
     @torch.inference_mode()
     def clear_slot(self, slot: int) -> None:
         if self.workers is not None:
             self.workers.send(ClearSlot(slot))
-        with self._on_copy_stream():  # so a later fill of the slot cannot run before it
+        with self._on_copy_stream(slot):  # so a later fill of the slot cannot run before it
             self.slot_pool.clear(slot)
 
     @contextlib.contextmanager
-    def _on_copy_stream(self) -> Iterator[None]:
-        """Slot writes on the copy stream; the steps launched after them wait for them."""
+    def _on_copy_stream(self, slot: int) -> Iterator[None]:
+        """Writes of `slot` on the copy stream, its event recorded after them."""
         if self.copy_stream is None:
             yield
             return
-        compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.copy_stream):
             yield
-        compute.wait_stream(self.copy_stream)
+        event = torch.cuda.Event()
+        event.record(self.copy_stream)
+        self._fill_events[slot] = event
+
+    def _wait_for_fills(self, host: HostBatch) -> None:
+        """The compute stream waits for the fills of the slots this step reads (a fill still
+        running only when the scheduler let its request run alone)."""
+        if not self._fill_events or host.slot_enabled is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for slot in [s for s in self._fill_events if host.slot_enabled[s]]:
+            compute.wait_event(self._fill_events.pop(slot))
 
     def close(self) -> None:
         """Stop and join the workers (a no-op on one rank), then drop what this rank holds on

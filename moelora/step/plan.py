@@ -27,7 +27,6 @@ class Chunk:
 @dataclass
 class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
-    lora_loads: list[tuple[int, int]] = field(default_factory=list)  # (slot, adapter load)
     preempted: list[Request] = field(default_factory=list)
 
     @property

@@ -92,6 +92,7 @@ class Request:
     # added before a replace runs on the weights it was added under
     lora_load: int | None = None
     num_cached_tokens: int | None = None
+    queued_at: int = 0  # the scheduler's step when it last entered the waiting queue
     # a constrained request's place in its grammar (engine.grammar.GrammarState), advanced by
     # each committed token; None: unconstrained
     grammar: Any = None

@@ -28,8 +28,14 @@ def make_request(i: int, prompt_len: int, lora: str | None = None) -> Request:
     return req
 
 
-def run_step(sched: Scheduler) -> list:
-    """Plan a step and pretend the model ran it: sampled chunks append one token."""
+def run_step(sched: Scheduler, fills: list | None = None):
+    """Start the adapter fills the engine would (each lands at once, as on the CPU; appended
+    to `fills`), plan a step and pretend the model ran it: sampled chunks append one token."""
+    started = sched.plan_fills()
+    for slot, _ in started:
+        sched.slots.filled(slot)
+    if fills is not None:
+        fills += started
     plan = sched.schedule()
     for c in plan.chunks:
         c.request.num_computed_tokens += c.num_tokens
@@ -66,15 +72,16 @@ def test_admission_is_limited_by_adapter_slots_and_busy_slots_are_never_evicted(
     a, b, base = make_request(0, 3, "a"), make_request(1, 3, "b"), make_request(2, 3)
     for r in (a, b, base):
         sched.add(r)
-    plan = run_step(sched)
+    fills = []
+    plan = run_step(sched, fills)
     assert {c.request.request_id for c in plan.chunks} == {"r0", "r2"}  # b waits, base passes
-    assert plan.lora_loads == [(0, "a")]
+    assert fills == [(0, "a")]
     for _ in range(3):
-        plan = run_step(sched)
-        assert b.status is Status.WAITING and table.names == ["a"]
+        plan = run_step(sched, fills)
+        assert b.status is Status.WAITING and table.names == ["a"] and len(fills) == 1
     sched.finish(a, "stop")
-    plan = run_step(sched)
-    assert b.status is Status.RUNNING and plan.lora_loads == [(0, "b")]
+    plan = run_step(sched, fills)
+    assert b.status is Status.RUNNING and fills == [(0, "a"), (0, "b")]
 
 
 def test_admission_is_limited_by_max_num_seqs():
@@ -93,8 +100,9 @@ def test_second_request_of_a_loaded_adapter_needs_no_load():
     sched, _, _ = make_scheduler(slots=1)
     sched.add(make_request(0, 3, "a"))
     sched.add(make_request(1, 3, "a"))
-    plan = run_step(sched)
-    assert len(plan.chunks) == 2 and plan.lora_loads == [(0, "a")]
+    fills = []
+    plan = run_step(sched, fills)
+    assert len(plan.chunks) == 2 and fills == [(0, "a")]
 
 
 def test_chunked_prefill_respects_the_token_budget():
@@ -185,15 +193,20 @@ def test_abort_frees_pages_and_slot_reference():
 
 
 def test_lru_eviction_picks_the_least_recently_used_idle_slot():
-    table = SlotTable(2)
-    sa, _ = table.acquire("a")
-    sb, _ = table.acquire("b")
-    table.release(sa)
-    table.release(sb)
-    table.acquire("b")  # b used again: a is the LRU
-    table.release(sb)
-    slot, must_load = table.acquire("c")
-    assert slot == sa and must_load and table.names[sb] == "b"
+    table = SlotTable(3)
+    sa, sb = table.idle()[:2]
+    for slot, name in ((sa, "a"), (sb, "b")):
+        table.assign(slot, name)
+        table.filled(slot)
+    assert table.idle()[0] not in (sa, sb)  # the free slot first
+    table.assign(table.idle()[0], "x")  # filling: never idle
+    assert table.idle() == [sa, sb]
+    table.release(table.acquire("a"))  # a used again: b is the LRU
+    assert table.idle() == [sb, sa]
+    held = table.acquire("b")
+    assert table.idle() == [sa]  # a slot with a reference is never idle
+    table.release(held)
+    assert table.assign(sb, "c") == "b" and table.names[sa] == "a" and not table.is_ready("c")
 
 
 def test_graph_batch_sizes_and_padding():
@@ -204,3 +217,64 @@ def test_graph_batch_sizes_and_padding():
     assert padded_batch_size(40, sizes) == 40
     assert padded_batch_size(41, sizes) is None
     assert graph_batch_sizes(256)[-6:] == [24, 16, 8, 4, 2, 1]
+
+
+def test_a_request_waits_for_its_fill_while_others_run_and_not_when_nothing_runs():
+    sched, _, table = make_scheduler(num_pages=64, slots=2)
+    first = make_request(0, 3, "a")
+    sched.add(first)
+    assert sched.plan_fills() == [(0, "a")] and table.filling == [True, False]
+    plan = sched.schedule()  # nothing runs: the step itself waits for the copy on the device
+    assert [c.request for c in plan.chunks] == [first]
+    later = make_request(1, 3, "b")
+    sched.add(later)
+    assert sched.plan_fills() == [(1, "b")]  # started while a runs, a look-ahead
+    plan = sched.schedule()
+    assert later.status is Status.WAITING and [c.request for c in plan.chunks] == [first]
+    table.filled(1)
+    plan = sched.schedule()
+    assert later.status is Status.RUNNING and later.slot == 1
+
+
+def test_an_adapter_with_waiting_requests_is_not_evicted_for_one_with_fewer():
+    # max_num_seqs 1: requests wait for room, not for a slot
+    sched, _, table = make_scheduler(num_pages=64, max_seqs=1, slots=1)
+    reqs = [make_request(i, 3, lora) for i, lora in enumerate(["a", "b", "a", "a"])]
+    for r in reqs:
+        sched.add(r)
+    finished = []
+    for _ in range(20):
+        run_step(sched)
+        running = sched.running[0]
+        if running.num_computed_tokens >= 5:
+            sched.finish(running, "stop")
+            finished.append(running.lora)
+        if any(r.lora == "a" for r in sched.waiting):
+            assert table.names == ["a"]  # b (one request) never takes a's slot (more waiting)
+        if not sched.has_unfinished():
+            break
+    assert finished == ["a", "a", "a", "b"]
+
+
+def test_a_starving_adapter_gets_a_slot_within_max_lora_wait_steps():
+    pages = PageAllocator(256)
+    table = SlotTable(1)
+    cfg = SchedulerConfig(2, 64, 4, max_model_len=1 << 20, max_lora_wait_steps=5)
+    sched = Scheduler(cfg, pages, table)
+    arrivals = iter(range(1000))
+    hot = [make_request(next(arrivals), 2, "hot") for _ in range(2)]
+    cold = make_request(next(arrivals), 2, "cold")
+    for r in (*hot, cold):
+        sched.add(r)
+    steps = 0
+    while cold.status is Status.WAITING and steps < 40:
+        steps += 1
+        run_step(sched)
+        for r in list(sched.running):  # each runs three steps, and a hot one replaces it
+            if len(r.output_token_ids) >= 3:
+                sched.finish(r, "stop")
+                if r.lora == "hot":
+                    sched.add(make_request(next(arrivals), 2, "hot"))
+    # 5 steps of waiting, then the hot requests running drain (3 steps) and cold's fill
+    assert cold.status is not Status.WAITING and steps <= 5 + 3 + 1, steps
+    assert table.names == ["cold"]
