@@ -9,6 +9,15 @@ Accepted key forms (after 'base_model.model.' and Mixtral's aliases are folded):
       expert weights: A [r*E, in] holds expert e in rows e*r:(e+1)*r; B [out, r*E] holds it in
       columns e::E (interleaved). gate_up and down are told apart by their shapes. GPT-OSS's
       gate_up_proj is [E, H, 2I] with gate and up alternating, and PEFT's B rows alternate alike.
+  model.layers.L.mlp.experts.E.gate_up_proj                one expert's fused gate_up: one A
+      [r, H] serves gate and up, B [2I, r] in the checkpoint's gate_up row order
+  model.layers.L.mlp.experts.{gate_up,gate,up,down}_proj   a factor stacked over the experts, no
+      expert index (SGLang, Megatron-Bridge; Mixtral: w1, w3, w2): A [1 | E, r, in], B
+      [1 | E, out, r]. A leading 1 is one factor shared by every expert (shared-outer: gate_up's
+      A and down's B; fully shared: all four); its partner may be on the per-expert keys. Each
+      expert gets the shared factor (_expand_expert_factors).
+A factor equal for every expert, in whatever form (PEFT's forms hold such a factor once per
+expert), is listed in LoraAdapter.shared.
 Everything else is refused with an AdapterError naming the adapter, the key and the mismatch.
 """
 
@@ -17,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,10 +38,15 @@ from moelora.models.loader import canonical_name
 _PREFIX = "base_model.model."
 _ATTN = re.compile(r"^layers\.(\d+)\.self_attn\.([qkvo])_proj$")
 _DENSE = re.compile(r"^layers\.(\d+)\.mlp\.(shared_expert\.)?(gate|up|down)_proj$")
-_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj$")
+_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up|gate|up|down)_proj$")
 _EXPERTS_3D = re.compile(r"^layers\.(\d+)\.mlp\.experts(\.base_layer)*$")
+# a factor stacked over experts on a key without an expert index (SGLang, Megatron-Bridge)
+_EXPERTS_STACKED = re.compile(
+    r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj|w1|w3|w2)$"
+)
 _REFUSED_TARGETS = ("embed_tokens", "lm_head")
-_SLICE_OF = {"gate": 0, "up": 1, "down": 0}  # which output slice of gate|up (or down) a proj is
+# which output slice of gate|up (or down) a proj is; None: one A serves both (a fused gate_up)
+_SLICE_OF = {"gate": 0, "up": 1, "down": 0, "gate_up": None}
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,10 @@ class LoraAdapter:
     rank: int  # the largest rank of any module: the slot's rank
     scaling: float  # the slot's scaling
     modules: dict[str, ModuleLora]  # LoraTarget.key -> weights
+    # (target key, "a" | "b") of each expert factor that is the same for every expert
+    # (shared-outer and fully-shared adapters, in any of their forms); modules still hold it
+    # once per expert
+    shared: frozenset[tuple[str, str]] = frozenset()
 
     def pinned(self) -> LoraAdapter:
         """The adapter with its host tensors in page-locked memory, which a slot fill copies
@@ -122,7 +140,8 @@ def _parse(
     max_rank: int,
     dtype: torch.dtype,
 ) -> LoraAdapter:
-    placer = _Placer(name, cfg, targets)
+    tensors, labels = _expand_expert_factors(name, tensors, targets)
+    placer = _Placer(name, cfg, targets, labels)
     pieces = [p for key, (a, b) in _pairs(name, tensors).items() for p in placer.place(key, a, b)]
     if not pieces:
         raise AdapterError(f"adapter {name!r} ({path}): no LoRA weights found")
@@ -130,12 +149,12 @@ def _parse(
     if rank > max_rank:
         worst = max(pieces, key=lambda p: p.a.shape[0])
         raise AdapterError(
-            f"adapter {name!r}: key {worst.key!r} has rank {rank}, expected at most "
+            f"adapter {name!r}: key {placer.where(worst.key)} has rank {rank}, expected at most "
             f"max_lora_rank={max_rank}"
         )
     scaling = _scale(cfg, cfg.get("lora_alpha", cfg.get("r", 8)), cfg.get("r", rank)) or 1.0
     modules = _assemble(pieces, targets, rank, scaling, dtype)
-    return LoraAdapter(name, path, rank, scaling, modules)
+    return LoraAdapter(name, path, rank, scaling, modules, _shared_factors(modules, targets))
 
 
 def _read_config(name: str, path: str) -> dict:
@@ -203,6 +222,91 @@ def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
     raise AdapterError(f"adapter {name!r}: {st} (or adapter_model.bin) is missing")
 
 
+def _expand_expert_factors(
+    name: str, tensors: dict[str, torch.Tensor], targets: dict[str, LoraTarget]
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Factors stacked over the experts on a key without an expert index -> PEFT's per-expert
+    keys: `mlp.experts.P.lora_A.weight` [1 | E, r, in] and `.lora_B.weight` [1 | E, out, r] (P:
+    gate_up_proj, gate_proj, up_proj, down_proj) become `mlp.experts.{e}.P.lora_*` [r, in] /
+    [out, r]. A leading dim of 1 is one factor shared by every expert: each expert gets a view
+    of it. A factor's partner may sit on the per-expert keys instead (Megatron-Bridge's
+    shared-outer export of a per-expert checkpoint).
+
+    This is the one place a shared factor is expanded (keeping it compact on the GPU replaces
+    it). Returns the tensors and, for each per-expert module made here, how errors name it.
+    """
+    out: dict[str, torch.Tensor] = {}
+    stacked: dict[str, tuple[str, torch.Tensor]] = {}  # key -> (layer, tensor)
+    for key, t in tensors.items():
+        module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
+        m = _EXPERTS_STACKED.match(canonical_name(module))
+        if m and kind in ("A.weight", "B.weight"):
+            stacked[key] = (m.group(1), t)
+        else:
+            out[key] = t
+    made: dict[str, tuple[str, int]] = {}  # per-expert key -> (stacked key, expert)
+    for key, (layer, t) in stacked.items():
+        target = targets.get(f"layers.{layer}.experts13")
+        if target is None:
+            raise AdapterError(
+                f"adapter {name!r}: key {_module(key)!r} matches no module of the model"
+            )
+        E = target.num_experts
+        if t.ndim != 3 or t.shape[0] not in (1, E):
+            raise AdapterError(
+                f"adapter {name!r}: key {key!r} has shape {tuple(t.shape)}, expected [1, ...] "
+                f"(one factor shared by all {E} experts) or [{E}, ...] (one per expert)"
+            )
+        head, _, tail = key.rpartition(".experts.")
+        for e in range(E):
+            expert_key = f"{head}.experts.{e}.{tail}"
+            if expert_key in out:
+                raise AdapterError(
+                    f"adapter {name!r}: keys {key!r} and {expert_key!r} both hold expert {e}'s "
+                    f"{_factor(key)}, expected only one of them"
+                )
+            out[expert_key] = t[0 if len(t) == 1 else e]
+            made[expert_key] = (key, e)
+    return out, _made_labels(name, out, made)
+
+
+def _made_labels(
+    name: str, tensors: dict[str, torch.Tensor], made: dict[str, tuple[str, int]]
+) -> dict[str, str]:
+    """How errors name each per-expert module _expand_expert_factors made (the stacked key its
+    factors came from); a made factor without its partner is refused here, by that key."""
+    labels = {}
+    for expert_key, (key, e) in made.items():
+        partner, stacked_partner = _partner(expert_key), _partner(key)
+        if partner not in tensors:
+            raise AdapterError(
+                f"adapter {name!r}: key {key!r} has no {_factor(partner)} for expert {e}, "
+                f"expected {stacked_partner!r} or {partner!r}"
+            )
+        module = _module(expert_key)
+        if made.get(partner, ("",))[0] == stacked_partner:
+            labels[module] = f"{_module(key)!r} (expert {e})"
+        else:
+            labels[module] = f"{module!r} ({_factor(key)} from {key!r})"
+    return labels
+
+
+def _module(key: str) -> str:
+    """PEFT's module name of a lora_A / lora_B key."""
+    return key.removeprefix(_PREFIX).rpartition(".lora_")[0]
+
+
+def _factor(key: str) -> str:
+    """'lora_A' or 'lora_B'."""
+    return "lora_" + key.rpartition(".lora_")[2][0]
+
+
+def _partner(key: str) -> str:
+    """The lora_B key of a lora_A key, and the other way round."""
+    stem, _, kind = key.rpartition(".lora_")
+    return f"{stem}.lora_{'B' if kind.startswith('A') else 'A'}.weight"
+
+
 def _pairs(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, tuple]:
     """PEFT module key -> (A, B); any other tensor is refused."""
     a_of, b_of = {}, {}
@@ -229,6 +333,7 @@ class _Placer:
     name: str
     cfg: dict
     targets: dict[str, LoraTarget]
+    labels: dict[str, str] = field(default_factory=dict)  # module key -> how errors name it
 
     def place(self, key: str, a: torch.Tensor, b: torch.Tensor) -> list[_Piece]:
         """key is PEFT's module name (also what rank/alpha patterns match against)."""
@@ -255,18 +360,22 @@ class _Placer:
             return self.experts_3d(key, a, b, m.group(1))
         raise self.error(key, "matches no module of the model")
 
-    def piece(self, key, a, b, tkey: str, index: int, expert: int | None = None) -> _Piece:
+    def piece(self, key, a, b, tkey: str, index: int | None, expert: int | None = None) -> _Piece:
+        """index None: a fused gate_up, one A for both slices and B over all of them."""
         t = self.targets.get(tkey)
         if t is None or (expert is not None and expert >= t.num_experts):
             raise self.error(key, "matches no module of the model")
         r = a.shape[0]
-        want_a, want_b = (r, t.in_features), (t.out_slices[index], r)
+        out = t.out_features if index is None else t.out_slices[index]
+        want_a, want_b = (r, t.in_features), (out, r)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise self.error(
                 key,
                 f"has lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}, "
                 f"expected {want_a} / {want_b}",
             )
+        if index is None:
+            b = _b_rows(t, b)
         return _Piece(tkey, index, expert, a, b, _module_scale(self.cfg, key, r), key)
 
     def experts_3d(self, key, a, b, layer: str) -> list[_Piece]:
@@ -300,8 +409,12 @@ class _Placer:
             f"([r*{E}, {H}] / [{2 * I}, r*{E}]) or down ([r*{E}, {I}] / [{H}, r*{E}])",
         )
 
+    def where(self, key: str) -> str:
+        """How an error names module `key`: the key, or the stacked key it was made from."""
+        return self.labels.get(key, repr(key))
+
     def error(self, key: str, what: str) -> AdapterError:
-        return AdapterError(f"adapter {self.name!r}: key {key!r} {what}")
+        return AdapterError(f"adapter {self.name!r}: key {self.where(key)} {what}")
 
 
 def _b_rows(t: LoraTarget, b: torch.Tensor) -> torch.Tensor:
@@ -350,6 +463,22 @@ def _assemble(pieces, targets, rank, scaling, dtype) -> dict[str, ModuleLora]:
             stop = start + t.out_slices[p.slice_index]
             b[start:stop, :r] = p.b.float() * (p.scale / scaling)
     return {k: ModuleLora(m.a.to(dtype), m.b.to(dtype)) for k, m in modules.items()}
+
+
+def _shared_factors(
+    modules: dict[str, ModuleLora], targets: dict[str, LoraTarget]
+) -> frozenset[tuple[str, str]]:
+    """LoraAdapter.shared: the expert factors equal for every expert, whatever form the file
+    had. The compare stops at the first expert that differs: a per-expert factor costs one."""
+    shared = set()
+    for key, m in modules.items():
+        for factor, t in (("a", m.a), ("b", m.b)):
+            # meta tensors (a folder checked without reading its data) have no values to compare
+            if targets[key].num_experts < 2 or t.is_meta:
+                continue
+            if all(torch.equal(t[e], t[0]) for e in range(1, len(t))):
+                shared.add((key, factor))
+    return frozenset(shared)
 
 
 def random_adapter(

@@ -71,84 +71,93 @@ def test_many_adapters_through_two_slots_equal_all_resident(model) -> None:
     assert sum(b.token_ids != a[0] for b, a in zip(base, answers[2])) >= 10
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_a_fuzz_of_adapter_churn_reads_no_slot_being_written_and_leaks_nothing(model, seed) -> None:
-    rng = random.Random(seed)
-    llm = _llm(model, max_loras=2, max_num_seqs=6, page_size=4, num_pages=10)
-    engine = llm.engine
-    writes = []
+class Churn:
+    """Random adds, aborts, replacements, unloads and new adapters on an engine of two slots,
+    stepping between them; records every slot write and each request's prompt and load."""
 
-    def guarded(write):
+    def __init__(self, model: str, seed: int):
+        self.rng = random.Random(seed)
+        self.llm = _llm(model, max_loras=2, max_num_seqs=6, page_size=4, num_pages=10)
+        self.engine = self.llm.engine
+        self.writes: list[int] = []
+        runner = self.engine.runner
+        runner.fill_slot, runner.clear_slot = map(
+            self._guarded, (runner.fill_slot, runner.clear_slot)
+        )
+        self.weights, self.current = {}, {}  # unique key -> adapter; name -> its key now
+        self.prompts = _prompts(400, seed=100 + seed)
+        self.added, self.aborted, self.results = {}, set(), {}
+        for name in ("x", "y", "z", "u"):
+            self.register(name)
+
+    def _guarded(self, write):
         def checked(slot, *args):
-            for flight in engine._flights:  # a slot the step in flight reads is never written
+            for flight in self.engine._flights:  # a slot a step in flight reads is never written
                 assert all(c.request.slot != slot for c in flight.plan.chunks), slot
-            writes.append(slot)
+            self.writes.append(slot)
             return write(slot, *args)
 
         return checked
 
-    engine.runner.fill_slot = guarded(engine.runner.fill_slot)
-    engine.runner.clear_slot = guarded(engine.runner.clear_slot)
+    def register(self, name: str, *, replace: bool = False) -> None:
+        key = f"w{len(self.weights)}"
+        self.weights[key] = _adapter(self.llm, name, seed=len(self.weights))
+        self.engine.add_adapter(self.weights[key], replace=replace)
+        self.current[name] = key
 
-    weights = {}  # every adapter object ever registered, by a unique key
-    current = {}  # name -> its key now
-    seeds = iter(range(1000))
-
-    def register(name: str, *, replace: bool = False) -> None:
-        key = f"w{next(seeds)}"
-        weights[key] = _adapter(llm, name, seed=len(weights))
-        engine.add_adapter(weights[key], replace=replace)
-        current[name] = key
-
-    for name in ("x", "y", "z", "u"):
-        register(name)
-    prompts = _prompts(400, seed=100 + seed)
-    added, aborted, results = {}, set(), {}
-    for step in range(160):
-        roll = rng.random()
-        if roll < 0.45 and len(added) < len(prompts):
-            i = len(added)
-            lora = rng.choice([None, *current])
-            engine.add_request(f"r{i}", prompts[i], GREEDY, lora)
-            added[f"r{i}"] = (prompts[i], current[lora] if lora else None)
-        elif roll < 0.55 and added:
-            rid = rng.choice(list(added))
-            if rid not in results and engine.abort_request(rid) is not None:
-                aborted.add(rid)
-        elif roll < 0.62 and current:
-            register(rng.choice(list(current)), replace=True)
-        elif roll < 0.66 and current:
-            name = rng.choice(list(current))
+    def act(self, step: int) -> None:
+        roll, rng, engine = self.rng.random(), self.rng, self.engine
+        if roll < 0.45 and len(self.added) < len(self.prompts):
+            i = len(self.added)
+            lora = rng.choice([None, *self.current])
+            engine.add_request(f"r{i}", self.prompts[i], GREEDY, lora)
+            self.added[f"r{i}"] = (self.prompts[i], self.current[lora] if lora else None)
+        elif roll < 0.55 and self.added:
+            rid = rng.choice(list(self.added))
+            if rid not in self.results and engine.abort_request(rid) is not None:
+                self.aborted.add(rid)
+        elif roll < 0.62 and self.current:
+            self.register(rng.choice(list(self.current)), replace=True)
+        elif roll < 0.66 and self.current:
+            name = rng.choice(list(self.current))
             if not engine.scheduler.uses_adapter(name):
                 engine.unload_lora(name)
-                del current[name]
+                del self.current[name]
         elif roll < 0.70:
-            register(f"n{step}")
-        for out in engine.step():
-            if out.finished and out.request_id not in aborted:
-                results[out.request_id] = out
+            self.register(f"n{step}")
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            if out.finished and out.request_id not in self.aborted:
+                self.results[out.request_id] = out
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_fuzz_of_adapter_churn_reads_no_slot_being_written_and_leaks_nothing(model, seed) -> None:
+    churn = Churn(model, seed)
+    engine = churn.engine
+    for step in range(160):
+        churn.act(step)
+        churn.step()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id not in aborted:
-                results[out.request_id] = out
-    assert engine.scheduler.num_preemptions > 0 and len(set(writes)) == 2
+        churn.step()
+    assert engine.scheduler.num_preemptions > 0 and len(set(churn.writes)) == 2
 
     # nothing leaked: queues, pages, slot references, retired loads
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == stats.kv_pages_used == 0
     assert stats.lora_slot_refs == 0 and engine.adapters.retired == []
-    live = {engine.adapters.load_number(name) for name in current}
+    live = {engine.adapters.load_number(name) for name in churn.current}
     assert {n for n in engine.slot_table.names if n is not None} <= live
 
     # each request got its own load's weights: the same tokens as an engine holding them all
-    finished = sorted(set(results) - aborted, key=lambda rid: int(rid[1:]))
+    finished = sorted(churn.results, key=lambda rid: int(rid[1:]))
     assert len(finished) > 40
-    used = sorted({added[rid][1] for rid in finished} - {None})
+    prompts = [churn.added[rid][0] for rid in finished]
+    keys = [churn.added[rid][1] for rid in finished]
+    used = sorted(set(keys) - {None})
     ref = _llm(model, max_loras=len(used), max_num_seqs=len(finished))
     for key in used:
-        ref.engine.add_adapter(dataclasses.replace(weights[key], name=key))
-    want = ref.generate(
-        [added[rid][0] for rid in finished], GREEDY, lora=[added[rid][1] for rid in finished]
-    )
-    for rid, w in zip(finished, want, strict=True):
-        assert list(results[rid].token_ids) == list(w.token_ids), rid
+        ref.engine.add_adapter(dataclasses.replace(churn.weights[key], name=key))
+    for rid, want in zip(finished, ref.generate(prompts, GREEDY, lora=keys), strict=True):
+        assert list(churn.results[rid].token_ids) == list(want.token_ids), rid
