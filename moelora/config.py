@@ -41,6 +41,15 @@ class EngineConfig:
         4, "adapter slots on the GPU; more adapters may be registered, the rest wait in host memory"
     )
     max_lora_rank: int = _flag(64, "the largest adapter rank: every slot holds this rank")
+    max_cpu_loras: int | None = _flag(
+        None,
+        "adapters from folders kept in host memory (page-locked on CUDA), beside those in GPU "
+        "slots: the least recently used is dropped and read again from its folder when a "
+        "request needs it (vLLM's --max-cpu-loras); default: no bound",
+    )
+    max_cpu_lora_gb: float | None = _flag(
+        None, "GiB of host memory those adapters may take (the same LRU); default: no bound"
+    )
     enable_lora: bool = True
     # auto: bfloat16 on cuda, float32 on cpu
     dtype: str = _flag("auto", "auto, float32, bfloat16 or float16")
@@ -232,6 +241,8 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"one of {', '.join(PREFILL_ATTENTION_BACKENDS)}",
     ),
     ("max_lora_rank", _at_least_1, _AT_LEAST_1),
+    ("max_cpu_loras", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
+    ("max_cpu_lora_gb", lambda v: v is None or v > 0, "None or a number > 0"),
     ("dtype", lambda v: v == "auto" or v in _DTYPES, f"'auto' or one of {sorted(_DTYPES)}"),
     (
         "device",

@@ -1,9 +1,10 @@
-"""The adapter registry: the adapters an engine serves, by name, each in the slot layout and in
-host memory until a request needs it in a slot. Each registration is a load with a number no
-other load ever gets: the prefix-cache namespace of its requests and the key of its slot, so a
-page computed under one load is never read under another (a reload under the same name
-included). A load replaced under its name (replace=True) stays, retired, while requests added
-before the replace still use it."""
+"""The adapter registry: the adapters an engine serves, by name. Each registration is a load
+with a number no other load ever gets: the prefix-cache namespace of its requests and the key
+of its slot, so a page computed under one load is never read under another (a reload under
+the same name included). A load replaced under its name (replace=True) stays, retired, while
+requests added before the replace still use it. The tensors live in the AdapterStore
+(lora/store.py): a folder's are checked from its header at registration and read when first
+needed, in the background; the scheduler fills a slot from a host copy once it is there."""
 
 from __future__ import annotations
 
@@ -19,41 +20,55 @@ from moelora.errors import (
     AdapterNotFoundError,
     InvalidRequestError,
 )
-from moelora.lora.adapter import LoraAdapter, adapter_from_tensors, load_adapter
+from moelora.lora.adapter import LoraAdapter, adapter_from_tensors
 from moelora.lora.shard import full_targets
 from moelora.lora.slots import LoraTarget, SlotPool
+from moelora.lora.store import AdapterStore, State
 from moelora.parallel import Shard
 
 
 class AdapterRegistry(Mapping[str, LoraAdapter]):
-    """Name -> adapter, in registration order. Slots are not its business: the scheduler fills
-    them on demand, and the engine clears an unloaded adapter's."""
+    """Name -> adapter (its layout: a folder's on meta tensors until read), in registration
+    order. Slots are not its business: the scheduler fills them on demand, and the engine
+    clears an unloaded adapter's."""
 
     def __init__(
         self, config: EngineConfig, model_config: ModelConfig, shard: Shard, pool: SlotPool | None
     ) -> None:
         """pool: the engine's adapter slots (None: LoRA is disabled, and nothing registers)."""
         self.config, self.model_config, self.shard, self.pool = config, model_config, shard, pool
-        self._adapters: dict[str, LoraAdapter] = {}
         self._loads: dict[str, int] = {}  # each adapter's load number
-        self._by_load: dict[int, LoraAdapter] = {}  # every load still served or still used
+        self._live: set[int] = set()  # every load still served or still used
         self._numbers = itertools.count()
+        self.store: AdapterStore | None = None
+        if pool is not None:
+            gb = config.max_cpu_lora_gb
+            self.store = AdapterStore(
+                self.targets,
+                max_rank=config.max_lora_rank,
+                dtype=config.torch_dtype,
+                pin=config.torch_device.type == "cuda",  # fills copy beside the step in flight
+                max_cpu_loras=config.max_cpu_loras,
+                max_cpu_bytes=None if gb is None else int(gb * 2**30),
+            )
 
     def clear(self) -> None:
-        """Forget every adapter and the slot pool (the engine is closing)."""
-        self._adapters.clear()
+        """Forget every adapter and the slot pool, and stop the store's reader (the engine is
+        closing)."""
+        if self.store is not None:
+            self.store.close()
         self._loads.clear()
-        self._by_load.clear()
-        self.pool = None
+        self._live.clear()
+        self.pool = self.store = None
 
     def __getitem__(self, name: str) -> LoraAdapter:
-        return self._adapters[name]
+        return self.store.layout(self._loads[name])
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._adapters)
+        return iter(self._loads)
 
     def __len__(self) -> int:
-        return len(self._adapters)
+        return len(self._loads)
 
     @property
     def targets(self) -> dict[str, LoraTarget]:
@@ -66,16 +81,12 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
             raise InvalidRequestError("LoRA is disabled in this engine (enable_lora=False)")
 
     def load(self, name: str, path: str, *, replace: bool = False) -> None:
-        """Parse and register the PEFT adapter folder `path` as `name`."""
+        """Check the PEFT adapter folder `path` from its header and register it as `name`; its
+        tensors are read when a request first needs them."""
         self._check_new(name, replace)
-        adapter = load_adapter(
-            name,
-            path,
-            self.targets,
-            max_rank=self.config.max_lora_rank,
-            dtype=self.config.torch_dtype,
-        )
-        self.add(adapter, replace=replace)
+        load = next(self._numbers)
+        self.store.add_folder(load, name, path)  # an AdapterError leaves nothing behind
+        self._register(name, load)
 
     def load_tensors(
         self,
@@ -98,26 +109,27 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         self.add(adapter, replace=replace)
 
     def add(self, adapter: LoraAdapter, *, replace: bool = False) -> None:
-        """Register an adapter already in the slot layout (load parses a PEFT folder into one;
-        lora.adapter.random_adapter makes one for benchmarks) as a new load. replace=True: an
-        adapter served under the name is retired (by_load still gives it); the engine forgets
-        it once nothing uses it."""
+        """Register an adapter already in the slot layout (load_tensors parses a state dict
+        into one; lora.adapter.random_adapter makes one for benchmarks) as a new load, resident
+        in host memory for good. replace=True: an adapter served under the name is retired
+        (its load stays until the engine forgets it, once nothing uses it)."""
         self._check_new(adapter.name, replace)
         if adapter.rank > self.config.max_lora_rank:
             raise AdapterError(
                 f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
                 f"max_lora_rank={self.config.max_lora_rank}"
             )
-        if self.config.torch_device.type == "cuda":
-            adapter = adapter.pinned()  # slot fills copy it beside the step in flight
         load = next(self._numbers)
-        self._adapters[adapter.name] = adapter
-        self._loads[adapter.name] = load
-        self._by_load[load] = adapter
+        self.store.add_tensors(load, adapter)
+        self._register(adapter.name, load)
+
+    def _register(self, name: str, load: int) -> None:
+        self._loads[name] = load
+        self._live.add(load)
 
     def _check_new(self, name: str, replace: bool = False) -> None:
         self.require_lora()
-        if name == self.config.model_name or (name in self._adapters and not replace):
+        if name == self.config.model_name or (name in self._loads and not replace):
             raise AdapterExistsError(
                 f"an adapter or model named {name!r} is already loaded (replace=True swaps an "
                 "adapter's weights)"
@@ -125,14 +137,14 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
 
     def check_served(self, name: str | None) -> None:
         """A request's model: None (the base) or a registered adapter."""
-        if name is not None and name not in self._adapters:
+        if name is not None and name not in self._loads:
             raise AdapterNotFoundError(
                 f"model {name!r} is not served: expected the base model "
-                f"{self.config.model_name!r} or one of the adapters {sorted(self._adapters)}"
+                f"{self.config.model_name!r} or one of the adapters {sorted(self._loads)}"
             )
 
     def check_loaded(self, name: str) -> None:
-        if name not in self._adapters:
+        if name not in self._loads:
             raise AdapterNotFoundError(f"adapter {name!r} is not loaded")
 
     def load_number(self, name: str) -> int:
@@ -140,28 +152,40 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
         prefix-cache owner."""
         return self._loads[name]
 
-    def by_load(self, load: int) -> LoraAdapter:
-        """The adapter of a load, served or retired (a slot is filled by load)."""
-        return self._by_load[load]
+    def host_copy(self, load: int) -> LoraAdapter | None:
+        """The load's tensors in host memory (served or retired); None while they are read
+        from its folder (the read is then under way). AdapterError: the read failed (the
+        folder changed or went since it was loaded); the next call reads again."""
+        return self.store.get(load)
+
+    def wait_for_reads(self, *, timeout: float) -> None:
+        """Wait up to `timeout` seconds for a folder read to end (nothing else can run)."""
+        if self.store is not None:
+            self.store.completed(timeout)
+
+    def level(self, name: str) -> State:
+        """Where the adapter's tensors are outside the GPU: "host", "reading", "disk", or
+        "failed" (its last read)."""
+        return self.store.state(self._loads[name])
 
     @property
     def retired(self) -> list[int]:
         """Loads replaced under their name and not yet forgotten (asked every step: empty at
         once when there are none)."""
-        if len(self._by_load) == len(self._loads):
+        if len(self._live) == len(self._loads):
             return []
-        current = set(self._loads.values())
-        return [load for load in self._by_load if load not in current]
+        return sorted(self._live - set(self._loads.values()))
 
     def forget(self, load: int) -> None:
         """Drop a retired load (nothing uses it any more)."""
         assert load not in self._loads.values(), load
-        del self._by_load[load]
+        self._live.remove(load)
+        self.store.remove(load)
 
     def remove(self, name: str) -> int:
         """Unregister the adapter; returns its load number, whose cached pages are never read
         again."""
-        del self._adapters[name]
         load = self._loads.pop(name)
-        del self._by_load[load]
+        self._live.remove(load)
+        self.store.remove(load)
         return load

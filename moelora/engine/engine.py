@@ -26,6 +26,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,7 @@ from moelora.engine.adapters import AdapterRegistry
 from moelora.engine.build import build_engine
 from moelora.engine.checks import check_request
 from moelora.engine.prefix_cache import namespace, page_hashes
-from moelora.errors import AdapterBusyError, EngineDeadError, InvalidRequestError
+from moelora.errors import AdapterBusyError, AdapterError, EngineDeadError, InvalidRequestError
 from moelora.lora.adapter import LoraAdapter
 from moelora.lora.slots import LoraTarget
 from moelora.runner.sampler import TokenMask
@@ -46,11 +47,14 @@ from moelora.step.plan import LaunchedStep, StepPlan
 from moelora.step.request import Request, RequestOutput, Status
 from moelora.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class AdapterStats:
     """Where an adapter lives, for a router placing its requests: "gpu" when its current load
-    is in a slot, "cpu" when only in host memory; and its requests in the queues."""
+    is in a slot, "cpu" when only in host memory, "disk" when only in its folder (or being
+    read); and its requests in the queues."""
 
     name: str
     level: str
@@ -201,14 +205,36 @@ class Engine:
         running, which the scheduler allows only when nothing else runs). None: the plan needs
         a preemption that can_preempt=False forbids."""
         self._note_fills_landed()
-        for slot, load in self.scheduler.plan_fills():
-            adapter, start = self.adapters.by_load(load), time.perf_counter()
+        host: dict[int, LoraAdapter] = {}  # held here: the store may drop its own reference
+        failed: list[tuple[int, AdapterError]] = []
+
+        def can_fill(load: int) -> bool:  # its tensors in host memory (else being read)
+            try:
+                host[load] = self.adapters.host_copy(load)
+            except AdapterError as e:
+                failed.append((load, e))
+                return False
+            return host[load] is not None
+
+        for slot, load in self.scheduler.plan_fills(can_fill=can_fill):
+            adapter, start = host[load], time.perf_counter()
             self.runner.fill_slot(slot, adapter)
             self._fills += 1
             self._fill_bytes += adapter.nbytes
             self._fill_seconds += time.perf_counter() - start
+        for load, error in failed:
+            self._fail_load(load, error)
         self._note_fills_landed()
         return self.scheduler.schedule(can_preempt=can_preempt)
+
+    def _fail_load(self, load: int, error: AdapterError) -> None:
+        """Its folder could not be read: its waiting requests end ("abort", with the error);
+        others go on, and a later request of it reads the folder again."""
+        log.warning("%s: its waiting requests are aborted", error)
+        for req in [r for r in self.scheduler.waiting if r.lora_load == load]:
+            req.error = str(error)
+            self._finish(req, "abort")
+            self._ready.append(req.to_output())
 
     def _note_fills_landed(self) -> None:
         if self.slot_table is None:
@@ -233,6 +259,8 @@ class Engine:
             outputs += self._commit_oldest()
         if self.adapters.retired:  # the last request of a replaced load may have just gone
             self._forget_retired()
+        if not plan.chunks and not self._flights and self.scheduler.waiting:
+            self.adapters.wait_for_reads(timeout=0.01)  # adapters being read: do not spin
         return outputs
 
     def _step_computing(self, req: Request) -> LaunchedStep | None:
@@ -499,16 +527,14 @@ class Engine:
         running = collections.Counter(r.lora for r in self.scheduler.running)
         waiting = collections.Counter(r.lora for r in self.scheduler.waiting)
         return tuple(
-            AdapterStats(
-                name,
-                "gpu"
-                if self.slot_table.slot_of(self.adapters.load_number(name)) is not None
-                else "cpu",
-                running[name],
-                waiting[name],
-            )
+            AdapterStats(name, self._level(name), running[name], waiting[name])
             for name in self.adapters
         )
+
+    def _level(self, name: str) -> str:
+        if self.slot_table.slot_of(self.adapters.load_number(name)) is not None:
+            return "gpu"
+        return "cpu" if self.adapters.level(name) == "host" else "disk"
 
     def _gpu_memory_allocated(self) -> int:
         """Bytes torch has allocated on this engine's device (rank 0's, with several ranks)."""

@@ -86,7 +86,9 @@ class Scheduler:
             return []
         demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)
         fills = []
-        for load in self._loads_without_slot():
+        # a window as wide as the slots: asking for more would read adapters from disk (and
+        # drop others from host memory) long before a slot could take them
+        for load in self._loads_without_slot()[: len(self.slots.names)]:
             if not can_fill(load):
                 continue
             slot = self._slot_for(load, demand)

@@ -99,11 +99,19 @@ class _Piece:
 
 
 def load_adapter(
-    name: str, path: str, targets: dict[str, LoraTarget], *, max_rank: int, dtype: torch.dtype
+    name: str,
+    path: str,
+    targets: dict[str, LoraTarget],
+    *,
+    max_rank: int,
+    dtype: torch.dtype,
+    meta: bool = False,
 ) -> LoraAdapter:
-    """The PEFT adapter folder `path` (adapter_config.json, adapter_model.safetensors or .bin)."""
+    """The PEFT adapter folder `path` (adapter_config.json, adapter_model.safetensors or .bin).
+    meta=True reads no tensor data, only the weights file's header: the adapter comes back on
+    meta tensors (its layout, rank, scaling and nbytes), refused exactly as a full load is."""
     cfg = _read_config(name, path)
-    return _parse(name, path, cfg, _read_tensors(name, path), targets, max_rank, dtype)
+    return _parse(name, path, cfg, _read_tensors(name, path, meta), targets, max_rank, dtype)
 
 
 def adapter_from_tensors(
@@ -211,15 +219,49 @@ def _check_config(name: str, cfg: object, where: str) -> dict:
     return cfg
 
 
-def _read_tensors(name: str, path: str) -> dict[str, torch.Tensor]:
+def _read_tensors(name: str, path: str, meta: bool = False) -> dict[str, torch.Tensor]:
     st, binf = Path(path) / "adapter_model.safetensors", Path(path) / "adapter_model.bin"
     if st.exists():
         from safetensors.torch import load_file
 
-        return load_file(str(st))
+        return _header_tensors(st) if meta else load_file(str(st))
     if binf.exists():
-        return torch.load(str(binf), map_location="cpu", weights_only=True)
+        # on the meta device torch.load unpickles the keys and shapes but reads no storage
+        device = "meta" if meta else "cpu"
+        return torch.load(str(binf), map_location=device, weights_only=True)
     raise AdapterError(f"adapter {name!r}: {st} (or adapter_model.bin) is missing")
+
+
+def _header_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors as meta tensors of their shapes and dtypes, from its header."""
+    from safetensors import safe_open
+
+    tensors = {}
+    with safe_open(str(file), framework="pt") as f:
+        for key in f.keys():
+            s = f.get_slice(key)
+            shape, dtype = s.get_shape(), _SAFETENSORS_DTYPES.get(s.get_dtype())
+            if dtype is None:  # a rarer one: an empty slice has it (a scalar reads itself)
+                dtype = (s[:0] if shape else s[...]).dtype
+            tensors[key] = torch.empty(shape, dtype=dtype, device="meta")
+    return tensors
+
+
+# safetensors' names of the common dtypes (naming one costs less than reading an empty slice)
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _expand_expert_factors(
@@ -446,9 +488,12 @@ def _assemble(pieces, targets, rank, scaling, dtype) -> dict[str, ModuleLora]:
         if p.target not in modules:
             experts = (t.num_experts,) if t.num_experts else ()
             modules[p.target] = ModuleLora(
-                torch.zeros(*experts, len(t.out_slices), rank, t.in_features),
-                torch.zeros(*experts, t.out_features, rank),
+                # on the meta device when the pieces are (a folder checked by its header)
+                torch.zeros(*experts, len(t.out_slices), rank, t.in_features, device=p.a.device),
+                torch.zeros(*experts, t.out_features, rank, device=p.a.device),
             )
+        if p.a.is_meta:
+            continue  # no values to place: the layout is all a header gives
         m = modules[p.target]
         a = m.a if p.expert is None else m.a[p.expert]
         b = m.b if p.expert is None else m.b[p.expert]

@@ -482,8 +482,10 @@ class AsyncEngine:
         self._record_tokens(tracked, len(out.token_ids), now)
         if out.finished:
             del self._tracked[out.request_id]
-            self.metrics.requests.inc(model=tracked.model, status=out.finish_reason)
-        self._deliver(tracked, out)
+            status = "error" if out.error else out.finish_reason
+            self.metrics.requests.inc(model=tracked.model, status=status)
+        # the engine aborted it (its adapter's folder could not be read): its stream raises
+        self._deliver(tracked, EngineError(out.error) if out.error else out)
 
     def _record_tokens(self, tracked: _Tracked, num_tokens: int, now: float) -> None:
         new = num_tokens - tracked.num_tokens

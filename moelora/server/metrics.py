@@ -157,7 +157,7 @@ def _adapter_lines(adapters: Iterable[Any]) -> Iterable[str]:
         (
             "moelora_lora_adapter_loaded",
             "1 for each adapter, labelled with where it lives: "
-            "gpu (in a slot) or cpu (host memory only).",
+            "gpu (in a slot), cpu (host memory) or disk (its folder only, or being read).",
             lambda a: 1,
             True,
         ),

@@ -183,8 +183,9 @@ class ModelCard(Sent):
     owned_by: str
     root: str
     parent: str | None  # None for the base model
-    # adapters only: where it lives ("gpu": in a slot, "cpu": host memory) and its queues
-    residency: Literal["gpu", "cpu"] | None = None
+    # adapters only: where it lives ("gpu": in a slot, "cpu": host memory, "disk": its folder
+    # only) and its queues
+    residency: Literal["gpu", "cpu", "disk"] | None = None
     num_requests_running: int | None = None
     num_requests_waiting: int | None = None
 

@@ -93,6 +93,7 @@ class Request:
     lora_load: int | None = None
     num_cached_tokens: int | None = None
     queued_at: int = 0  # the scheduler's step when it last entered the waiting queue
+    error: str | None = None  # why the engine aborted it (its adapter's folder unreadable)
     # a constrained request's place in its grammar (engine.grammar.GrammarState), advanced by
     # each committed token; None: unconstrained
     grammar: Any = None
@@ -154,6 +155,7 @@ class Request:
             logprobs=Prefix(self.output_logprobs) if self.params.logprobs is not None else None,
             lora=self.lora,
             num_cached_tokens=self.num_cached_tokens or 0,
+            error=self.error,
             prompt_logprobs=(
                 [None, *self.prompt_logprobs] if self.params.prompt_logprobs is not None else None
             ),
@@ -172,6 +174,7 @@ class RequestOutput:
     # vLLM's layout: None for the first prompt token, then one entry per prompt token
     prompt_logprobs: list[dict[int, float] | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    error: str | None = None  # finish_reason "abort" by the engine: why
 
     @property
     def finished(self) -> bool:

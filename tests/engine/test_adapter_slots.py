@@ -161,3 +161,35 @@ def test_a_fuzz_of_adapter_churn_reads_no_slot_being_written_and_leaks_nothing(m
         ref.engine.add_adapter(dataclasses.replace(churn.weights[key], name=key))
     for rid, want in zip(finished, ref.generate(prompts, GREEDY, lora=keys), strict=True):
         assert list(churn.results[rid].token_ids) == list(want.token_ids), rid
+
+
+def test_folders_read_on_demand_through_one_host_place_equal_all_resident(model, tmp_path):
+    folders = {
+        f"f{i}": str(
+            hf.make_per_expert_adapter(
+                model, tmp_path / f"f{i}", seed=20 + i, rank=2 + 2 * i, alpha=16, arch="qwen3_moe"
+            )
+        )
+        for i in range(3)
+    }
+    prompts = _prompts(12, seed=7)
+    loras = [f"f{i % 3}" if i % 4 else None for i in range(len(prompts))]
+    roomy = _llm(model, lora_modules=folders, max_loras=3)
+    tight = _llm(model, lora_modules=folders, max_loras=1, max_cpu_loras=1, max_num_seqs=3)
+    levels = {a.name: a.level for a in tight.engine.stats().adapters}
+    assert levels == dict.fromkeys(folders, "disk")  # nothing read at start
+    want = roomy.generate(prompts, GREEDY, lora=loras)
+    got = tight.generate(prompts, GREEDY, lora=loras)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    levels = [a.level for a in tight.engine.stats().adapters]
+    assert sorted(levels) == ["cpu", "disk", "gpu"] or sorted(levels) == ["disk", "disk", "gpu"]
+    assert tight.engine.stats().lora_fills >= 3
+
+    # a folder removed after registration: its requests end with the error, the others run
+    fresh = _llm(model, lora_modules=folders, max_loras=1)
+    (tmp_path / "f1" / "adapter_model.safetensors").unlink()
+    outs = fresh.generate(prompts[:4], GREEDY, lora=["f1", None, "f0", "f1"])
+    assert [o.finish_reason for o in outs] == ["abort", "length", "length", "abort"]
+    assert "f1" in outs[0].error and "f1" in outs[3].error
+    ref = roomy.generate(prompts[1:3], GREEDY, lora=[None, "f0"])
+    assert [o.token_ids for o in outs[1:3]] == [o.token_ids for o in ref]
