@@ -238,6 +238,10 @@ class LiveEngine:
             device=bank.device,
             **({"num_pages": 64} if bank.device != "cpu" else {}),
         )
+        # the first call waits for the adapters' reads from their folders, so its requests
+        # are batched differently (fp32 on the CPU: logprobs 1e-6 apart); the snapshot is of
+        # the engine once they are in host memory, as after any refusal
+        snapshot(self.llm)
         self.before = snapshot(self.llm)
 
 

@@ -114,20 +114,23 @@ def assert_same(got: LoraAdapter, want: LoraAdapter) -> None:
 
 
 class Gate:
-    """load_adapter behind a gate: full reads (not header checks) are counted and wait until
-    the test opens it."""
+    """load_adapter behind a gate: full reads (not header checks) of folders under `root` are
+    counted and wait until the test opens it; any other store's reads pass through."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+        self.root = str(root)
         self.reads = 0
         self.started, self.opened = threading.Event(), threading.Event()
+        self.thread: threading.Thread | None = None  # the one a full read last ran on
         monkeypatch.setattr(store_module, "load_adapter", self._load)
 
-    def _load(self, *args, meta: bool = False, **kwargs) -> LoraAdapter:
-        if not meta:
+    def _load(self, name: str, path: str, *args, meta: bool = False, **kwargs) -> LoraAdapter:
+        if not meta and path.startswith(self.root):
             self.reads += 1
+            self.thread = threading.current_thread()
             self.started.set()
             assert self.opened.wait(TIMEOUT)
-        return load_adapter(*args, meta=meta, **kwargs)
+        return load_adapter(name, path, *args, meta=meta, **kwargs)
 
 
 # ---- registration ------------------------------------------------------------------------
@@ -208,7 +211,7 @@ def test_refused_at_registration_as_load_adapter_refuses(bank: FixtureBank, case
 
 
 def test_get_reads_once_in_the_background(tmp_path, make_store, monkeypatch) -> None:
-    gate = Gate(monkeypatch)
+    gate = Gate(monkeypatch, tmp_path)
     path = _write_peft(tmp_path / "a", rank=8, seed=2)
     store = make_store()
     store.add_folder(0, "a", path)
@@ -340,7 +343,7 @@ def test_a_file_changed_after_registration_fails_at_get(tmp_path, make_store) ->
 
 
 def test_remove_during_a_read_discards_it(tmp_path, make_store, monkeypatch) -> None:
-    gate = Gate(monkeypatch)
+    gate = Gate(monkeypatch, tmp_path)
     store = make_store()
     store.add_folder(0, "a", _write_peft(tmp_path / "a", rank=4, seed=1))
     store.add_folder(1, "b", _write_peft(tmp_path / "b", rank=4, seed=2))
@@ -357,21 +360,19 @@ def test_remove_during_a_read_discards_it(tmp_path, make_store, monkeypatch) -> 
 
 
 def test_close_joins_the_worker(tmp_path, monkeypatch) -> None:
-    gate = Gate(monkeypatch)
-    before = set(threading.enumerate())  # other tests' engines may hold readers of their own
+    gate = Gate(monkeypatch, tmp_path)
     store = _store()
     store.add_folder(0, "a", _write_peft(tmp_path / "a", rank=4, seed=1))
     store.add_folder(1, "b", _write_peft(tmp_path / "b", rank=4, seed=2))
     assert store.get(0) is None
     store.prefetch(1)  # queued behind 0: cancelled, unless the worker has taken it already
     assert gate.started.wait(TIMEOUT)
-    workers = [
-        t for t in set(threading.enumerate()) - before if t.name.startswith("moelora-adapter-read")
-    ]
-    assert len(workers) == 1
+    # this store's worker, told by the read it runs (other tests' engines may read meanwhile)
+    worker = gate.thread
+    assert worker is not None and worker.name.startswith("moelora-adapter-read")
     gate.opened.set()
     store.close()
-    assert not workers[0].is_alive()
+    assert not worker.is_alive()
     assert store.completed() == []
 
 

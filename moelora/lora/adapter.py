@@ -23,6 +23,7 @@ Everything else is refused with an AdapterError naming the adapter, the key and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -71,7 +72,7 @@ class LoraAdapter:
         """The adapter with its host tensors in page-locked memory, which a slot fill copies
         asynchronously and at the full host-to-device bandwidth (device tensors stay)."""
         modules = {key: ModuleLora(_pinned(m.a), _pinned(m.b)) for key, m in self.modules.items()}
-        return LoraAdapter(self.name, self.path, self.rank, self.scaling, modules)
+        return dataclasses.replace(self, modules=modules)
 
     @property
     def nbytes(self) -> int:
