@@ -66,13 +66,16 @@ def llm(tmp_path_factory):
         arch="qwen3_moe",
         attention=("q_proj", "o_proj"),
     )
-    return LLM(
+    llm = LLM(
         str(model),
         lora_modules={"a": str(adapter)},
         device="cpu",
         max_lora_rank=8,
         async_scheduling=False,
     )
+    # "a" read from its folder and in a slot: the steps below plan it at once
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), lora="a")
+    return llm
 
 
 def uncaptured_graphs(engine, *, max_bs: int, max_seqs: int) -> GraphRunner:
@@ -101,7 +104,7 @@ def test_a_mixed_step_padded_to_a_prefill_graph_computes_the_eager_step(llm):
     engine.step()  # a decode, so their KV is there
     engine.add_request("p0", list(range(200, 221)), greedy, "a")
     engine.add_request("p1", list(range(50, 58)), greedy, None)
-    plan = engine.scheduler.schedule()
+    plan = engine.schedule()
     host = engine.runner.host_batch(plan)
     assert host.max_query_len > 1 and len(plan.chunks) == 5, [c.num_tokens for c in plan.chunks]
     runner = engine.runner
@@ -135,7 +138,7 @@ def test_replay_picks_the_graph_of_the_step_kind_and_padded_size(llm):
         graphs.graphs[(size, stream, prefill)] = Graph((size, prefill)), torch.zeros(size, 4)
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("r", list(range(30, 50)), greedy)  # 20 tokens: the 32-token prefill graph
-    prefill = engine.runner.host_batch(engine.scheduler.schedule())
+    prefill = engine.runner.host_batch(engine.schedule())
     out = graphs.replay_fn(prefill)()
     assert replayed == [(32, True)] and out.shape == (32, 4)
     engine.abort_request("r")
@@ -148,10 +151,10 @@ def test_an_eager_step_carries_its_adapters_largest_rank(llm):
     engine = llm.engine
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("base", list(range(30, 40)), greedy)
-    host = engine.runner.host_batch(engine.scheduler.schedule())
+    host = engine.runner.host_batch(engine.schedule())
     assert host.rank_tile == 0
     engine.add_request("adapted", list(range(60, 75)), greedy, "a")
-    host = engine.runner.host_batch(engine.scheduler.schedule())
+    host = engine.runner.host_batch(engine.schedule())
     assert host.rank_tile == 4
     assert engine.runner.device_batch(host).lora.rank_tile == 4
     graphs = uncaptured_graphs(engine, max_bs=32, max_seqs=32)
@@ -168,14 +171,14 @@ def test_an_eager_step_without_an_enabled_slot_runs_without_lora(llm):
     engine, runner = llm.engine, llm.engine.runner
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     engine.add_request("base", list(range(30, 40)), greedy)
-    host = runner.host_batch(engine.scheduler.schedule())
+    host = runner.host_batch(engine.schedule())
     batch = runner.device_batch(host)
     with_info = forward_batch(host.to(runner.device), runner.slot_pool)
     assert batch.lora is None and with_info.lora is not None
     with torch.inference_mode():
         assert torch.equal(runner.forward(batch), runner.forward(with_info))
     engine.add_request("adapted", list(range(60, 75)), greedy, "a")
-    host = runner.host_batch(engine.scheduler.schedule())
+    host = runner.host_batch(engine.schedule())
     assert runner.device_batch(host).lora is not None
     for rid in ("base", "adapted"):
         engine.abort_request(rid)

@@ -429,7 +429,9 @@ def test_metrics(server: Server) -> None:
     # sql just ran: it is in a slot (two slots, three adapters: one at least lives on the host)
     assert m['moelora_lora_adapter_loaded{adapter="sql",level="gpu"}'] == 1
     levels = [k for k in m if k.startswith('moelora_lora_adapter_loaded{adapter="chat"')]
-    assert len(levels) == 1 and levels[0].endswith(('level="gpu"}', 'level="cpu"}'))
+    assert len(levels) == 1 and levels[0].endswith(
+        ('level="gpu"}', 'level="cpu"}', 'level="disk"}')
+    )
     assert m['moelora_lora_adapter_requests_waiting{adapter="sql"}'] == 0
     assert m["moelora_lora_fills_total"] >= 1 and m["moelora_lora_fill_bytes_total"] > 0
     cards = {
