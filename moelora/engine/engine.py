@@ -224,7 +224,7 @@ class Engine:
             self._fill_seconds += time.perf_counter() - start
         for load, error in failed:
             self._fail_load(load, error)
-        self._note_fills_landed()
+        self._note_fills_landed()  # a fill just started may be done (on the CPU it always is)
         return self.scheduler.schedule(can_preempt=can_preempt)
 
     def _fail_load(self, load: int, error: AdapterError) -> None:

@@ -173,9 +173,9 @@ class ModelRunner:
     def fill_done(self, slot: int) -> bool:
         """Whether the slot's last fill has landed (on the CPU a fill is done on return)."""
         event = self._fill_events.get(slot)
-        if event is None or not event.query():
-            return event is None
-        del self._fill_events[slot]
+        if event is not None and not event.query():
+            return False
+        self._fill_events.pop(slot, None)
         return True
 
     @torch.inference_mode()
