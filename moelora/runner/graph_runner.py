@@ -18,6 +18,7 @@ launches on the host take longer than the kernels on the device; a replay is one
 from __future__ import annotations
 
 import contextvars
+import gc
 import logging
 import os
 import time
@@ -266,6 +267,7 @@ class GraphRunner:
         from tqdm import tqdm
 
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
+        gc.collect()  # an engine dropped unclosed is finalized now, not inside a capture
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         self._warm_up(stream)
@@ -277,7 +279,11 @@ class GraphRunner:
                 self.forward(batch)  # nothing left to compile: lazy inits only
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
+            # thread_local: what other threads do meanwhile (the adapter store's reader pins
+            # host memory) does not invalidate this thread's capture
+            with torch.cuda.graph(
+                graph, pool=pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 out = self.forward(batch)
             self.graphs[(size, STREAM_IDX, prefill)] = graph, out
         torch.cuda.synchronize()

@@ -74,9 +74,23 @@ def test_graph_replay_equals_eager_on_200_random_mixed_decode_batches(assets, pr
     _graph_equals_eager(llm, [None, *adapters], batches=200, max_bs=96)
 
 
+def _resident(llm, names: list) -> None:
+    """Every adapter of `names` in a slot, its fill landed. A request waits for its adapter's
+    fill (unless nothing else runs), so before this a step's admissions follow how long the
+    copies take; after it they follow the queues alone, as a test that plans steps needs."""
+    adapters = [n for n in dict.fromkeys(names) if n is not None]
+    prompts = [[1 + i, 2, 3] for i in range(len(adapters))]
+    llm.generate(prompts, SamplingParams(max_tokens=1), lora=adapters)
+    torch.cuda.synchronize()
+    assert llm.engine.schedule().chunks == []  # notes the landed fills; nothing waits
+    table = llm.engine.slot_table
+    assert not any(table.filling) and sum(n is not None for n in table.names) == len(adapters)
+
+
 def _graph_equals_eager(llm, names: list, *, batches: int, max_bs: int) -> None:
     """`batches` random decode batches of 1..max_bs requests over names (None: base), each
     prefilled eagerly, then its decode step run eagerly and replayed: the same bits."""
+    _resident(llm, names)
     engine = llm.engine
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.sizes[0] == max_bs
@@ -175,6 +189,7 @@ def test_prefill_graph_replay_equals_eager_on_random_mixed_steps(assets):
         async_scheduling=False,  # the test plans the next step itself, from known tokens
     )
     engine, names = llm.engine, [None, *adapters]
+    _resident(llm, names)
     graphs = engine.runner.graphs
     prefill_graphs = [key for key in graphs.graphs if key[2]]
     assert graphs.prefill_sizes[0] == 512 and len(prefill_graphs) == len(graphs.prefill_sizes)
@@ -384,6 +399,8 @@ def test_async_scheduling_gives_the_tokens_of_one_step_at_a_time(tmp_path, arch)
     )
     off = LLM(str(model), async_scheduling=False, **kw, **ENGINE)
     on = LLM(str(model), async_scheduling=True, **kw, **ENGINE)
+    for llm in (off, on):  # the same batches in both (bf16 rows follow their batch-mates)
+        _resident(llm, list(adapters))
     rng = random.Random(4)
     prompts = [[rng.randrange(200) for _ in range(rng.randint(2, 40))] for _ in range(24)]
     loras = [[None, "a0", "a1", "a2"][i % 4] for i in range(24)]
