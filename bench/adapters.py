@@ -119,6 +119,8 @@ class Setup:
     bytes_ranks: tuple[int, int] = (8, 64)  # a rank-[0] adapter, max_lora_rank [1] against [0]
     probe_reps: int = 5  # fills timed against resident steps, and floor copies
     probe_prompt_len: int = 16
+    beside_batch: int = 64  # base requests decoding while fills run beside them
+    beside_steps: int = 120  # step() calls timed, a lone request on a new adapter every 6th
     seed: int = 0
 
     @property
@@ -163,6 +165,8 @@ SMOKE = dataclasses.replace(
     max_num_batched_tokens=48,  # the warm-up then takes every request's adapter
     probe_reps=2,
     probe_prompt_len=8,
+    beside_batch=4,
+    beside_steps=18,
 )
 
 
@@ -389,6 +393,62 @@ def lone_step_ms(engine: Engine, setup: Setup, lora: str, *, seed: int) -> float
     return ms
 
 
+@dataclass(frozen=True)
+class BesideProbe:
+    batch: int
+    with_fill: tuple[float, ...]  # s of the decode calls that started a fill
+    without: tuple[float, ...]  # s of those that started none, nor did the call before
+    fills: int
+
+
+BESIDE_EVERY = 6  # step() calls between the lone requests that start fills
+
+
+def probe_decode_beside_fills(
+    engine: Engine, setup: Setup, names: dict[str, LoraAdapter]
+) -> BesideProbe:
+    """beside_batch base requests decode; every BESIDE_EVERY-th step() call a lone request
+    arrives on an adapter in no slot, whose fill then runs beside the decode (the request
+    waits for it, then joins for one token). The decode calls that started a fill against
+    those that did not, interleaved: the same batch, contexts a few tokens apart."""
+    vocab, n = engine.model_config.vocab_size, setup.beside_batch
+    tokens = setup.max_model_len - setup.probe_prompt_len  # past beside_steps on the GPU shape
+    steady = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(vocab, n, setup.probe_prompt_len, seed=7)):
+        engine.add_request(f"steady-{i}", prompt, steady, None)
+    for _ in range(4):  # their prefill, then decodes
+        engine.step()
+    lone = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    prompts = random_prompts(vocab, setup.beside_steps, setup.probe_prompt_len, seed=8)
+    steps, started, admitted, asked = [], [], [], set()
+    for k in range(setup.beside_steps):
+        if k % BESIDE_EVERY == 0:
+            levels = {a.name: a.level for a in engine.stats().adapters}
+            name = next(m for m in names if levels[m] == "cpu" and m not in asked)
+            asked = {name}  # the one asked last may still wait for its slot
+            engine.add_request(f"lone-{k}", prompts[k], lone, name)
+        before = engine.stats()  # only lone requests ever wait
+        start = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - start)
+        after = engine.stats()
+        started.append(after.lora_fills > before.lora_fills)
+        admitted.append(after.num_waiting < before.num_waiting)
+    for i in range(n):
+        engine.abort_request(f"steady-{i}")
+    while engine.has_unfinished_requests():
+        engine.step()
+    # a call that launched a lone request's prefill, and the two after (with async scheduling
+    # the next waits for it, and its placeholder decode may follow), are no decode calls
+    decode = [k for k in range(len(steps)) if not any(admitted[max(0, k - 2) : k + 1])]
+    return BesideProbe(
+        n,
+        tuple(steps[k] for k in decode if started[k]),
+        tuple(steps[k] for k in decode if not started[k] and not (k and started[k - 1])),
+        sum(started),
+    )
+
+
 def pinned_copy_ms(nbytes: int, device: str, reps: int) -> float:
     """Median ms of one copy of nbytes to the device from page-locked host memory (copy_
     non_blocking, CUDA events), after one untimed; on the CPU, of a host copy by the wall
@@ -458,6 +518,7 @@ def slot_bytes_of_rank(setup: Setup, folder: str, max_lora_rank: int) -> int:
 class Run:
     results: list[Result]
     probe: FillProbe | None  # None: no workload had more adapters than slots
+    beside: BesideProbe | None  # on the same engine, after the probe
     slot_bytes: dict[int, int]  # max_lora_rank -> GPU bytes of a slot
     builds: list[tuple[str, float]]  # (workload that built an engine, seconds)
 
@@ -466,7 +527,7 @@ def run(setup: Setup, folder: str) -> Run:
     """The workloads in order, each on an engine of its options (consecutive workloads of the
     same options share one); one fill probed on the first with more adapters than slots."""
     host = HostAdapters(setup)
-    results, probe, slots, builds = [], None, {}, []
+    results, probe, beside, slots, builds = [], None, None, {}, []
     engine, options = None, None
     try:
         for w in setup.workloads:
@@ -484,13 +545,14 @@ def run(setup: Setup, folder: str) -> Run:
             if probe is None and w.adapters > w.max_loras and len(w.ranks) == 1:
                 probe = probe_fill(engine, setup, w.key, names)
                 print(f"fill {probe.fill_ms:.2f} ms, floor {probe.floor_ms:.2f} ms", flush=True)
+                beside = probe_decode_beside_fills(engine, setup, names)
     finally:
         if engine is not None:
             engine.close()
     for rank in setup.bytes_ranks:
         if rank not in slots:
             slots[rank] = slot_bytes_of_rank(setup, folder, rank)
-    return Run(results, probe, slots, builds)
+    return Run(results, probe, beside, slots, builds)
 
 
 def result_line(r: Result) -> str:
@@ -552,6 +614,7 @@ def report(setup: Setup, run: Run, seconds: float) -> list[str]:
         lines
         + workload_table(setup, run.results)
         + fill_table(run.probe)
+        + beside_table(run.beside)
         + bytes_table(setup, run.slot_bytes)
     )
 
@@ -614,6 +677,28 @@ def fill_table(p: FillProbe | None) -> list[str]:
         f"{p.adapter_bytes / p.floor_ms / 1e6:.1f} | {p.with_fill_ms:.2f} | "
         f"{p.resident_ms:.2f} | {p.fill_ms:.2f} | {p.fill_ms / p.floor_ms:.2f} | <= 1.3 | "
         f"{p.fills} of {p.reps} | {p.thread_ms:.2f} |",
+    ]
+
+
+def beside_table(p: BesideProbe | None) -> list[str]:
+    if p is None:
+        return []
+    with_p99, without_p99 = percentile(p.with_fill, 99), percentile(p.without, 99)
+    ratio = f"{with_p99 / without_p99:.2f}" if with_p99 and without_p99 else "-"
+    return [
+        "",
+        f"Decode beside fills, on the same engine: {p.batch} base requests decoding; every "
+        f"{BESIDE_EVERY}th step() call a lone request arrives on an adapter in no slot (its "
+        "fill runs beside the decode, then it joins for one token); decode calls: all but "
+        "the one that launched a lone request's prefill and the two after it; those that "
+        "started a fill against those that started none (nor did the call before):",
+        "",
+        "| batch | fills | calls with a fill | p99 ms | max ms | calls without | p99 ms "
+        "| max ms | p99 with / without | target |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        f"| {p.batch} | {p.fills} | {len(p.with_fill)} | {ms(with_p99)} | "
+        f"{ms(max(p.with_fill, default=None))} | {len(p.without)} | {ms(without_p99)} | "
+        f"{ms(max(p.without, default=None))} | {ratio} | <= 1.10 |",
     ]
 
 

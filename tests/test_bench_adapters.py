@@ -43,4 +43,7 @@ def test_the_smoke_runs_every_workload_to_its_last_token(tmp_path: Path) -> None
     lines = text.splitlines()
     fill = cells(lines[next(i for i, x in enumerate(lines) if x.startswith("| adapter GiB")) + 2])
     assert fill[8] == "2 of 2", fill  # each timed step filled a slot
+    at = next(i for i, x in enumerate(lines) if x.startswith("| batch | fills |"))
+    beside = cells(lines[at + 2])
+    assert beside[0] == "4" and int(beside[1]) >= 2, beside  # the lone requests' fills ran
     assert int(rows["8"][1]) > 0 and int(rows["64"][1]) > 0  # GPU bytes at both max_lora_ranks

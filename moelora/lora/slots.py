@@ -93,20 +93,37 @@ class SlotPool:
         self.rank_of_slot = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.scaling_of_slot = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.host_rank = [0] * max_loras  # host copy: the runner reads it without a device sync
+        # per slot, the rank each target's buffers hold nonzeros to (fill zeroes the rest)
+        self._written: list[dict[str, int]] = [{} for _ in range(max_loras)]
+        # per slot, each target's (a, b) views of it, made once
+        self._views = [
+            {key: (w.a[s], w.b[s]) for key, w in self.weights.items()} for s in range(max_loras)
+        ]
 
     def fill(self, slot: int, adapter) -> None:
         """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot, on the current
         stream, without waiting for the copies (from page-locked host tensors they run
-        asynchronously; the caching host allocator keeps them alive until the copies end)."""
-        for key, w in self.weights.items():
-            w.a[slot].zero_()  # a smaller rank than the last occupant must leave zeros behind
-            w.b[slot].zero_()
+        asynchronously; the caching host allocator keeps them alive until the copies end).
+
+        Invariant: outside the adapter's modules and ranks a slot holds zeros. Only what the
+        last occupant wrote and this adapter does not overwrite is zeroed (each launch costs
+        the engine thread time, hundreds of them a fill on a large MoE)."""
+        written = self._written[slot]
+        for key, (a, b) in self._views[slot].items():
             module = adapter.modules.get(key)
-            if module is None:
-                continue
-            r = module.a.shape[-2]
-            w.a[slot][..., :r, :].copy_(module.a, non_blocking=True)
-            w.b[slot][..., :r].copy_(module.b, non_blocking=True)
+            r = 0 if module is None else module.a.shape[-2]
+            if r < written.get(key, 0):  # the last occupant's ranks beyond r
+                a[..., r:, :].zero_()
+                b[..., r:].zero_()
+            if r == self.max_rank:  # the whole slot: no slicing views to make
+                a.copy_(module.a, non_blocking=True)
+                b.copy_(module.b, non_blocking=True)
+            elif module is not None:
+                a[..., :r, :].copy_(module.a, non_blocking=True)
+                b[..., :r].copy_(module.b, non_blocking=True)
+        self._written[slot] = {
+            key: m.a.shape[-2] for key, m in adapter.modules.items() if key in self.weights
+        }
         self.rank_of_slot[slot] = adapter.rank
         self.scaling_of_slot[slot] = adapter.scaling
         self.host_rank[slot] = adapter.rank
