@@ -19,6 +19,8 @@ PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 # EngineConfig.prefill_attention_backend: who attends long first prefill chunks on CUDA
 PREFILL_ATTENTION_BACKENDS = ("cudnn", "triton")
 LOAD_FORMATS = ("auto", "dummy")
+# EngineConfig.quantization: weights quantized at load (None: as the checkpoint stores them)
+QUANTIZATIONS = ("fp8",)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -128,6 +130,13 @@ class EngineConfig:
         "auto: the folder's safetensors; dummy: random weights made on the device, no checkpoint "
         "read (the folder needs only config.json)",
         choices=LOAD_FORMATS,
+    )
+    quantization: str | None = _flag(
+        None,
+        "fp8: quantize a bf16 or float32 checkpoint's experts and projections at load, "
+        "block-wise as the FP8 releases are (e4m3, one scale per 128x128 block; vLLM's "
+        "--quantization); a block-FP8 checkpoint needs no flag",
+        choices=QUANTIZATIONS,
     )
     tensor_parallel_size: int = _flag(
         1,
@@ -258,6 +267,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("max_graph_bs", _at_least_1, _AT_LEAST_1),
     ("max_prefill_graph_tokens", _at_least_0, _AT_LEAST_0),
     ("load_format", lambda v: v in LOAD_FORMATS, "'auto' or 'dummy'"),
+    ("quantization", lambda v: v is None or v in QUANTIZATIONS, "None or 'fp8'"),
     ("tensor_parallel_size", _at_least_1, _AT_LEAST_1),
 )
 
@@ -308,16 +318,129 @@ class ModelConfig:
     # quantization_config says mxfp4 and the engine's kernels take them packed (the engine
     # resolves it to False on the reference kernels, which get them dequantized at load)
     experts_mxfp4: bool
+    # block-FP8 weights (kernels/fp8_block.py): "none"; "checkpoint" (the quantization_config
+    # says fp8: e4m3 codes with a weight_scale_inv per 128x128 block); "online" (a bf16 or
+    # float32 checkpoint's experts and projections block-quantized at load, --quantization fp8).
+    # Until FP8 kernels exist the loader dequantizes them to the model's dtype, on CUDA too.
+    weights_fp8: str
+    # What the DeepSeek family and GLM-4.5 add (models/deepseek.py, models/glm4_moe.py); the
+    # defaults are every other architecture's.
+    mla: MlaConfig | None = None  # multi-head latent attention, in place of GQA
+    routing: GroupedRouting | None = None  # grouped top-k with a scaling factor
+    # rotary on the first rotary_dim dims of each head only (GLM-4.5); 0: on the whole head
+    rotary_dim: int = 0
+    shared_expert_gate: bool = True  # a sigmoid gate scales the shared expert (Qwen2-MoE)
+    # multi-token-prediction layers a checkpoint holds after the decoder's: skipped at load
+    mtp_layers: int = 0
+    # What Qwen3-Next and Qwen3.5-MoE add (models/qwen3_next.py): gated DeltaNet layers with a
+    # per-request recurrent state in place of attention on the layers it names, q_proj giving
+    # each head's query and a sigmoid gate on the attention's output, and RMSNorms that scale
+    # by 1 + w (the loader stores 1 + w: the same float32 products)
+    linear_attention: LinearAttentionConfig | None = None
+    attn_output_gate: bool = False
+    zero_centred_norm: bool = False
 
     def __post_init__(self) -> None:
         assert self.activation in ("silu", "swiglu_oai"), self.activation
         assert self.experts_layout in ("gate_up_rows", "interleaved_in_out"), self.experts_layout
         assert len(self.sliding_layers) == self.num_layers, self.sliding_layers
+        assert self.weights_fp8 in ("none", "checkpoint", "online"), self.weights_fp8
 
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a gated DeltaNet layer (a recurrent state, no KV pages)."""
+        return self.linear_attention is not None and self.linear_attention.layers[layer]
+
+    @property
+    def num_paged_layers(self) -> int:
+        """The layers that keep KV pages (all but the linear-attention ones)."""
+        return sum(not self.is_linear(i) for i in range(self.num_layers))
+
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention. Each token's keys and values come from one
+    latent of kv_lora_rank values and one rotary key of qk_rope_head_dim shared by all heads:
+    the paged cache holds those two, kv_b_proj expands the latent into each head's no-rope key
+    (qk_nope_head_dim) and value (v_head_dim)."""
+
+    q_lora_rank: int  # q_a_proj's output; 0: q_proj reads the hidden state (V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    # qk_head_dim ** -0.5, times mscale ** 2 where DeepSeek's YaRN sets mscale_all_dim
+    softmax_scale: float
+    # the checkpoint's rotary pairs are adjacent dims (x0, x1), (x2, x3), ... (DeepSeek), not
+    # the two halves of the rotary dims
+    rope_interleave: bool
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def cache_size(self) -> int:
+        """Values a token keeps in the cache per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's routing: the experts are split into n_group groups, each group scored
+    (group_score), only the topk_group best groups' experts may be chosen; the chosen experts'
+    weights are the scores (ModelConfig.scoring, renormalized as ModelConfig.renormalize says)
+    times routed_scaling_factor. With correction_bias (DeepSeek-V3, GLM-4.5) a learned bias per
+    expert is added to the scores for the choice only, never to the weights."""
+
+    n_group: int
+    topk_group: int
+    group_score: str  # "max" (DeepSeek-V2) | "top2_sum" (of the biased scores: V3, GLM-4.5)
+    routed_scaling_factor: float
+    correction_bias: bool
+
+    def __post_init__(self) -> None:
+        assert self.group_score in ("max", "top2_sum"), self.group_score
+        assert 1 <= self.topk_group <= self.n_group, (self.topk_group, self.n_group)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5): each token's q|k|v pass a short causal conv of
+    conv_kernel taps (per channel), then a delta rule with a per-head decay writes k -> v into
+    a [head_k_dim, head_v_dim] state per value head, which q reads. A request keeps its conv
+    window and its states between steps (engine/state_cache.py)."""
+
+    layers: tuple[bool, ...]  # per layer: gated DeltaNet (True) or full attention
+    num_k_heads: int
+    num_v_heads: int  # a multiple of num_k_heads: each q/k head serves num_v_heads // it
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    # the checkpoint's input projections: in_proj_qkvz and in_proj_ba with each key head's
+    # q, k, v, z (and b, a) side by side (Qwen3-Next); else in_proj_qkv, in_proj_z, in_proj_b,
+    # in_proj_a, each whole (Qwen3.5)
+    grouped_projections: bool
+
+    def __post_init__(self) -> None:
+        assert self.num_v_heads % self.num_k_heads == 0, (self.num_v_heads, self.num_k_heads)
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """The conv's channels: q, k and v."""
+        return 2 * self.key_dim + self.value_dim

@@ -292,10 +292,16 @@ def _legacy_config(config_path: Path) -> None:
 
 
 def load_hf_model(model_path: str | Path):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the folder in float32; a block-FP8 folder dequantized at load
+    (FineGrainedFP8Config(dequantize=True)), on a machine with a GPU too."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
+    options = {}
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if (config.get("quantization_config") or {}).get("quant_method") == "fp8":
+        options["quantization_config"] = FineGrainedFP8Config(dequantize=True)
     model = AutoModelForCausalLM.from_pretrained(
-        model_path, dtype=torch.float32, attn_implementation="eager"
+        model_path, dtype=torch.float32, attn_implementation="eager", **options
     )
     return model.eval()
 
@@ -774,3 +780,43 @@ def write_dequantized_checkpoint(src: str | Path, dst: str | Path) -> Path:
     (dst / "config.json").write_text(json.dumps(config))
     save_file({k: t.contiguous() for k, t in out.items()}, dst / "model.safetensors")
     return dst
+
+
+def linear_shapes(model: Path, wanted: set[str]) -> dict[str, tuple[int, int]]:
+    """Module path -> (in, out) of the model's nn.Linear projections named in `wanted` (the last
+    part of the path) and of each expert's gate, up and down projections (fused 3D experts
+    unfolded to per-expert keys), in key order."""
+    hf_model = load_hf_model(model)
+    shapes = {}
+    for name, module in hf_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in wanted:
+            shapes[name] = (module.in_features, module.out_features)
+        if name.endswith("mlp.experts"):
+            E, two_i, h = module.gate_up_proj.shape
+            for e in range(E):
+                shapes[f"{name}.{e}.gate_proj"] = (h, two_i // 2)
+                shapes[f"{name}.{e}.up_proj"] = (h, two_i // 2)
+                shapes[f"{name}.{e}.down_proj"] = (two_i // 2, h)
+    return dict(sorted(shapes.items()))
+
+
+def write_adapter_of_shapes(
+    model: Path, path: Path, modules: dict[str, tuple[int, int]], *, seed: int, rank: int
+) -> Path:
+    """A hand-written PEFT folder with a random lora_A and lora_B (never zero) on each module
+    path -> (in, out) of `modules`; alpha 2 * rank."""
+    alpha = 2.0 * rank
+    scaling = alpha / rank
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for module, (fan_in, fan_out) in modules.items():
+        a = torch.randn(rank, fan_in, generator=gen) / math.sqrt(fan_in)
+        b = torch.randn(fan_out, rank, generator=gen) * 0.5 / (scaling * math.sqrt(rank))
+        tensors[f"{PEFT_PREFIX}{module}.lora_A.weight"] = a
+        tensors[f"{PEFT_PREFIX}{module}.lora_B.weight"] = b
+    targets = sorted({m.rsplit(".", 1)[1] for m in modules})
+    config = _adapter_config(model, rank=rank, alpha=alpha, targets=targets, use_rslora=False)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    return path

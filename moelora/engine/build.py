@@ -18,10 +18,12 @@ from moelora.engine.grammar import Grammars
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
+from moelora.engine.state_cache import StateSlots, slot_bytes
 from moelora.errors import ModelConfigError
 from moelora.kernels.ops import Ops
 from moelora.lora.slots import SlotPool, SlotTable
 from moelora.models.model import MoeCausalLM
+from moelora.models.quantization import with_quantization
 from moelora.models.registry import read_model_config
 from moelora.models.shard import check_divides
 from moelora.parallel import SINGLE, Shard
@@ -54,12 +56,16 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     adapters: AdapterRegistry
+    # EngineConfig.enable_prefix_caching, off for hybrid models: a cached prefix would have to
+    # restore their linear layers' recurrent states too, which no snapshot keeps yet
+    prefix_caching: bool = True
 
 
 def build_engine(cfg: EngineConfig) -> EngineParts:
     """Everything an engine steps with, for `cfg` resolved, on its device made current. The
     other ranks, once started, are stopped again if a later part fails."""
     mc, hf = read_model_config(cfg.model)
+    mc = with_quantization(mc, cfg.quantization, cfg.torch_device)
     max_len = requested_max_len(cfg, mc)
     # made before the shard is known: whether these kernels keep MXFP4 experts packed decides
     # the model config, which the divisibility check and every other rank build from
@@ -108,7 +114,12 @@ def _around_model(
     tokenizer, eos = load_tokenizer(cfg.model, mc)
     grammars = Grammars(tokenizer, mc.vocab_size, eos) if tokenizer is not None else None
     pool, table = adapter_slots(cfg, model)
-    num_pages = cfg.num_pages or auto_num_pages(cfg, kv_config(mc, model.shard), max_len)
+    # hybrid models: one recurrent-state slot per running request, taken before the pages
+    num_states = cfg.max_num_seqs if mc.linear_attention is not None else 0
+    state_bytes = num_states * slot_bytes(mc, cfg.torch_dtype)
+    num_pages = cfg.num_pages or auto_num_pages(
+        cfg, kv_config(mc, model.shard), max_len, reserved=state_bytes
+    )
     max_model_len = fitted_max_len(cfg, max_len, num_pages)
     if workers is not None:
         workers.send(num_pages)  # what each worker's KV cache holds too
@@ -116,8 +127,11 @@ def _around_model(
     config = SchedulerConfig(
         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size, max_model_len=max_model_len
     )
-    scheduler = Scheduler(config, pages, table)
-    runner = _runner(cfg, model, pool, num_pages, workers)
+    states = StateSlots(num_states) if num_states else None
+    if states is not None:
+        _log_hybrid(cfg, mc, num_pages, state_bytes)
+    scheduler = Scheduler(config, pages, table, states)
+    runner = _runner(cfg, model, pool, num_pages, workers, num_states)
     _capture_graphs(cfg, runner, model.ops, max_model_len, num_pages)
     adapters = AdapterRegistry(cfg, mc, model.shard, pool)
     for name, path in cfg.lora_modules.items():
@@ -137,7 +151,30 @@ def _around_model(
         scheduler=scheduler,
         runner=runner,
         adapters=adapters,
+        prefix_caching=cfg.enable_prefix_caching and states is None,
     )
+
+
+def _log_hybrid(cfg: EngineConfig, mc: ModelConfig, num_pages: int, state_bytes: int) -> None:
+    """How a hybrid model's cache memory divides between recurrent states and KV pages."""
+    log.info(
+        "%s: %d recurrent-state slots (max_num_seqs) for %d linear layers take %s; %d KV pages "
+        "of %d tokens for %d attention layers take %s",
+        mc.arch,
+        cfg.max_num_seqs,
+        sum(mc.linear_attention.layers),
+        _size(state_bytes),
+        num_pages,
+        cfg.page_size,
+        mc.num_paged_layers,
+        _size(num_pages * page_bytes(mc, cfg.page_size, cfg.torch_dtype)),
+    )
+    if cfg.enable_prefix_caching:
+        log.info(
+            "%s: prefix caching is off for hybrid models: a cached prefix would have to "
+            "restore the linear layers' recurrent states, which are not snapshotted yet",
+            mc.arch,
+        )
 
 
 def adapter_slots(
@@ -161,11 +198,12 @@ def load_tokenizer(path: str, mc: ModelConfig) -> tuple[Tokenizer | None, frozen
     return tokenizer, frozenset(tokenizer.eos_token_ids)
 
 
-def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int) -> int:
+def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int, *, reserved: int = 0) -> int:
     """KV pages when num_pages is not given: on CUDA what gpu_memory_utilization leaves of the
-    GPU (at least one sequence of max_len), on the CPU a fixed budget. kv: the model config as
-    this rank's KV cache sees it."""
-    per_page = page_bytes(kv, cfg.page_size, cfg.torch_dtype)
+    GPU (at least one sequence of max_len), on the CPU a fixed budget; either less `reserved`
+    bytes (a hybrid model's recurrent states). kv: the model config as this rank's KV cache
+    sees it."""
+    per_page = max(page_bytes(kv, cfg.page_size, cfg.torch_dtype), 1)  # 0: linear layers only
     per_seq = pages_for(max_len, cfg.page_size)
     if cfg.torch_device.type == "cuda":
         # an engine dropped but not yet collected (its graphs hold cycles) still holds its
@@ -174,12 +212,13 @@ def auto_num_pages(cfg: EngineConfig, kv: ModelConfig, max_len: int) -> int:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(cfg.torch_device)
         budget = int(total * cfg.gpu_memory_utilization) - (total - free) - _GPU_RESERVE
+        budget -= reserved
         if budget < per_page * per_seq:
             raise kv_budget_refusal(
                 cfg.gpu_memory_utilization, budget, per_page * per_seq, used=total - free
             )
         return budget // per_page
-    fit = max(_CPU_KV_BUDGET // per_page, 4 * per_seq)
+    fit = max((_CPU_KV_BUDGET - reserved) // per_page, 4 * per_seq)
     return min(fit, per_seq * cfg.max_num_seqs)
 
 
@@ -229,14 +268,17 @@ def _runner(
     pool: SlotPool | None,
     num_pages: int,
     workers: Workers | None,
+    num_states: int = 0,
 ) -> ModelRunner:
-    """The runner over a KV cache of num_pages pages of this rank's KV heads."""
+    """The runner over a KV cache of num_pages pages of this rank's KV heads (and a hybrid
+    model's num_states recurrent-state slots)."""
     kv = allocate_kv_caches(
         kv_config(model.cfg, model.shard),
         num_pages,
         cfg.page_size,
         dtype=cfg.torch_dtype,
         device=cfg.torch_device,
+        num_state_slots=num_states,
     )
     return ModelRunner(model, kv, pool, cfg.page_size, cfg.torch_device, workers)
 

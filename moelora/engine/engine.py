@@ -83,6 +83,10 @@ class EngineStats:
     lora_fills: int = 0  # adapters copied into a slot
     lora_fill_bytes: int = 0  # the bytes of their host tensors
     lora_fill_seconds: float = 0.0  # the engine thread's time in those copies
+    # hybrid models' recurrent-state slots: held by running requests (and by finished ones
+    # until the step in flight is done); 0 of 0 for other models
+    state_slots_used: int = 0
+    state_slots_total: int = 0
 
 
 class Engine:
@@ -99,6 +103,7 @@ class Engine:
         self.slot_pool, self.slot_table = parts.slot_pool, parts.slot_table
         self.pages, self.scheduler, self.runner = parts.pages, parts.scheduler, parts.runner
         self.adapters: AdapterRegistry = parts.adapters
+        self.prefix_caching = parts.prefix_caching  # off for hybrid models (build.py says so)
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()  # each launched step's number (Request.last_step)
@@ -156,7 +161,7 @@ class Engine:
         prompt = [int(t) for t in prompt_token_ids]
         req = Request(request_id, prompt, params, lora, next(self._arrivals), gen)
         req.lora_load = self.adapters.load_number(lora) if lora is not None else None
-        if self.config.enable_prefix_caching:
+        if self.prefix_caching:
             req.cache_owner = req.lora_load
             req.cache_namespace = namespace(req.cache_owner, params.cache_salt)
             req.page_hashes = page_hashes(prompt, self.config.page_size, req.cache_namespace)
@@ -500,7 +505,7 @@ class Engine:
             raise EngineDeadError("the engine is closed: build another to go on")
 
     def stats(self) -> EngineStats:
-        graphs = self.runner.graphs
+        graphs, states = self.runner.graphs, self.scheduler.states
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -521,6 +526,8 @@ class Engine:
             lora_fills=self._fills,
             lora_fill_bytes=self._fill_bytes,
             lora_fill_seconds=self._fill_seconds,
+            state_slots_used=states.num_used if states else 0,
+            state_slots_total=states.num_slots if states else 0,
         )
 
     def _adapter_stats(self) -> tuple[AdapterStats, ...]:

@@ -16,6 +16,7 @@ import collections
 import torch
 
 from moelora.config import ModelConfig
+from moelora.engine.state_cache import layer_states
 
 
 class PageAllocator:
@@ -116,9 +117,13 @@ class PageAllocator:
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
-    """K and V of one page across all layers."""
+    """K and V of one page across all layers that keep pages (MLA: the latent and the rotary
+    key; a hybrid model's linear layers keep recurrent states instead, engine/state_cache.py)."""
     elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+    per_token = 2 * cfg.num_kv_heads * cfg.head_dim
+    if cfg.mla is not None:
+        per_token = cfg.mla.cache_size
+    return cfg.num_paged_layers * page_size * per_token * elem
 
 
 def allocate_kv_caches(
@@ -128,14 +133,31 @@ def allocate_kv_caches(
     *,
     dtype: torch.dtype,
     device: torch.device,
+    num_state_slots: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[num_pages + 1, page_size, Hkv, D] per layer for K and V; the last page is the spare
-    that padded rows of a graph batch point at (never handed out)."""
+    that padded rows of a graph batch point at (never handed out). MLA (ModelConfig.mla) keeps
+    no K and V: per layer the latent [.., 1, kv_lora_rank] and the rotary key [.., 1,
+    qk_rope_head_dim], views of one tensor whose tokens hold the two side by side. A hybrid
+    model's linear layers keep num_state_slots recurrent states (state_cache.layer_states)."""
+    kw = dict(dtype=dtype, device=device)
+    if cfg.mla is not None:
+        return [_latent_cache(cfg, num_pages, page_size, **kw) for _ in range(cfg.num_layers)]
     shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        (
-            torch.zeros(shape, dtype=dtype, device=device),
-            torch.zeros(shape, dtype=dtype, device=device),
-        )
-        for _ in range(cfg.num_layers)
+        layer_states(cfg, num_state_slots, **kw)
+        if cfg.is_linear(i)
+        else (torch.zeros(shape, **kw), torch.zeros(shape, **kw))
+        for i in range(cfg.num_layers)
     ]
+
+
+def _latent_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, *, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One MLA layer's cache: (latent, rotary key), views of [num_pages + 1, page_size, 1,
+    kv_lora_rank + qk_rope_head_dim]."""
+    assert cfg.mla is not None
+    shape = (num_pages + 1, page_size, 1, cfg.mla.cache_size)
+    whole = torch.zeros(shape, dtype=dtype, device=device)
+    return whole[..., : cfg.mla.kv_lora_rank], whole[..., cfg.mla.kv_lora_rank :]

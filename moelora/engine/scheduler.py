@@ -23,6 +23,10 @@ the slot references; the engine carries the plan out.
   known length already reaches max_tokens or max_model_len is not planned again. Preemption
   waits until no step is in flight (schedule(can_preempt=False) gives None instead): the
   pages it frees could be the ones that step writes.
+- Recurrent states (hybrid models, states not None): a request takes a state slot when it is
+  admitted, after its pages, and holds it while it runs; the slot goes back with its pages
+  (_release: preempted, or finished once no step in flight computes it). Admission also waits
+  for a free state slot: a finished request's slot may still be held for the step in flight.
 - Prefix caching: a request admitted with nothing computed first takes the cached pages of
   the longest prefix of its full pages (its page_hashes: the prompt's, and after a
   preemption the generated tokens' it had) and starts computing after them. Its last token
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 from moelora.engine.kv_cache import PageAllocator
 from moelora.engine.prefix_cache import extend_hashes
+from moelora.engine.state_cache import StateSlots
 from moelora.lora.slots import SlotTable
 from moelora.step.batch import pages_for
 from moelora.step.plan import Chunk, StepPlan
@@ -59,10 +64,18 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pages: PageAllocator, slots: SlotTable | None):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        pages: PageAllocator,
+        slots: SlotTable | None,
+        states: StateSlots | None = None,
+    ):
+        """states: a hybrid model's recurrent-state slots (None: the model keeps pages only)."""
         self.cfg = cfg
         self.pages = pages
         self.slots = slots
+        self.states = states
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -187,6 +200,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return
+            if self.states is not None and self.states.num_free == 0:
+                return  # every state slot is held (some by requests the step in flight ends)
             if req.lora_load is not None and not self._adapter_can_run(
                 req, nothing_runs=nothing_runs, starving_since=starving_since
             ):
@@ -199,6 +214,8 @@ class Scheduler:
             self._count_cache_query(req, cached)
             if req.lora_load is not None:
                 req.slot = self.slots.acquire(req.lora_load)
+            if self.states is not None:
+                req.state_slot = self.states.allocate()
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
@@ -277,6 +294,9 @@ class Scheduler:
         if req.slot is not None:
             self.slots.release(req.slot)
             req.slot = None
+        if req.state_slot is not None:  # a preempted request recomputes from position 0
+            self.states.free(req.state_slot)
+            req.state_slot = None
 
     def finish(self, req: Request, reason: str, *, release: bool = True) -> None:
         """Finished or aborted: everything the request held goes back, now or (release=False,

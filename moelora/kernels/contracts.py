@@ -160,3 +160,58 @@ class RopeStoreKvOp(Protocol):
         slot_mapping: torch.Tensor | None = None,
         expand: FoldedLora | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class MlaAttentionOp(Protocol):
+    """mla.mla_attention: DeepSeek's latent attention with kv_b_proj and its LoRA inside
+    (layers/mla.py)."""
+
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_b: torch.Tensor,
+        scale: float,
+        *,
+        lora: LoraWeights | None = None,
+        info: LoraBatchInfo | None = None,
+    ) -> torch.Tensor: ...
+
+
+class CausalConv1dOp(Protocol):
+    """gated_delta.causal_conv1d: gated DeltaNet's short conv over each request's window
+    (layers/linear_attention.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        conv_state: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class GatedDeltaRuleOp(Protocol):
+    """gated_delta.gated_delta_rule: the delta rule over each request's recurrent state."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state: torch.Tensor,
+        attn: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+
+class RmsNormGatedOp(Protocol):
+    """gated_delta.rms_norm_gated: gated DeltaNet's output norm, gated by silu(z)."""
+
+    def __call__(
+        self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor: ...

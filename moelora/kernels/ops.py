@@ -13,14 +13,18 @@ from dataclasses import dataclass, replace
 import torch
 
 from moelora.config import PREFILL_ATTENTION_BACKENDS, PROJECTIONS
-from moelora.kernels import reference
+from moelora.kernels import gated_delta, mla, reference
 from moelora.kernels.contracts import (
     AddLoraOp,
+    CausalConv1dOp,
     FusedMoeOp,
+    GatedDeltaRuleOp,
     LinearOp,
+    MlaAttentionOp,
     PagedAttentionOp,
     PagedAttentionOShrinkOp,
     PlanAttentionOp,
+    RmsNormGatedOp,
     RmsNormLoraOp,
     RmsNormOp,
     RopeStoreKvOp,
@@ -42,6 +46,11 @@ class Ops:
     rms_norm: RmsNormOp
     rms_norm_lora: RmsNormLoraOp
     rope_store_kv: RopeStoreKvOp
+    mla_attention: MlaAttentionOp
+    # gated DeltaNet (layers/linear_attention.py)
+    causal_conv1d: CausalConv1dOp
+    gated_delta_rule: GatedDeltaRuleOp
+    rms_norm_gated: RmsNormGatedOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool
@@ -62,6 +71,10 @@ REFERENCE_OPS = Ops(
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
+    mla_attention=mla.mla_attention,
+    causal_conv1d=gated_delta.causal_conv1d,
+    gated_delta_rule=gated_delta.gated_delta_rule,
+    rms_norm_gated=gated_delta.rms_norm_gated,
     keeps_mxfp4=False,
 )
 
@@ -122,5 +135,11 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
+        # no Triton kernel yet: models with MLA are refused with this table (models/model.py)
+        mla_attention=mla.mla_attention,
+        # nor for gated DeltaNet: hybrid models are refused with this table too
+        causal_conv1d=gated_delta.causal_conv1d,
+        gated_delta_rule=gated_delta.gated_delta_rule,
+        rms_norm_gated=gated_delta.rms_norm_gated,
         keeps_mxfp4=True,
     )

@@ -18,7 +18,7 @@ from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
-from moelora.layers.rotary import RotaryEmbedding
+from moelora.layers.rotary import RotaryEmbedding, partial_rotary_order
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import FoldedLora
 
@@ -41,7 +41,9 @@ class Attention(nn.Module):
         self.ops = ops
         self.scale = cfg.head_dim**-0.5
         self.window = cfg.sliding_window if sliding else 0  # 0: the whole causal range
-        slices = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+        # attn_output_gate: q_proj gives each head's query, then its output gate (Qwen3-Next)
+        self.output_gate = cfg.attn_output_gate
+        slices = (cfg.q_size * (2 if self.output_gate else 1), cfg.kv_size, cfg.kv_size)
         self.qkv_proj = LoraLinear(cfg.hidden_size, slices, ops, bias=cfg.qkv_bias, **kw)
         self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, bias=cfg.o_bias, **kw)
         self.sinks = None
@@ -56,18 +58,39 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(cfg.q_size, eps, ops, **kw)
             self.k_norm = RMSNorm(cfg.kv_size, eps, ops, **kw)
+        order = None
+        if cfg.rotary_dim:  # partial rotary: q and k in the order the tables expect
+            order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim).to(kw["device"])
+        self.register_buffer("rotary_order", order, persistent=False)
+
+    def lora_linears(self) -> dict[str, LoraLinear]:
+        """The projections that take LoRA, by their target's name (lora/slots.py)."""
+        return {"qkv": self.qkv_proj, "o": self.o_proj}
 
     def forward(
         self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
     ) -> torch.Tensor:
         """o_proj's output; each projection adds its own LoRA."""
         T = x.shape[0]
-        q = self._rope_store_kv(self.qkv_proj(x, batch.lora), batch, kv_cache)
+        qkv, gate = self._output_gate(self.qkv_proj(x, batch.lora))
+        q = self._rope_store_kv(qkv, batch, kv_cache)
         k_cache, v_cache = kv_cache
         out = self.ops.paged_attention(
             q, k_cache, v_cache, batch.attn, self.scale, window=self.window, sinks=self.sinks
-        )
-        return self.ops.shard.all_reduce(self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora))
+        ).reshape(T, self.cfg.q_size)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.ops.shard.all_reduce(self.o_proj(out, batch.lora))
+
+    def _output_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(q|k|v, the output gate [T, Hq D]) of qkv_proj's output: with attn_output_gate its
+        q slice holds each head's query [D] then its gate [D]; else (qkv, None)."""
+        if not self.output_gate:
+            return qkv, None
+        cfg, T = self.cfg, qkv.shape[0]
+        q_gate, kv = qkv.split([2 * cfg.q_size, 2 * cfg.kv_size], dim=-1)
+        q, gate = q_gate.view(T, cfg.num_heads, 2, cfg.head_dim).unbind(dim=2)
+        return torch.cat([q.reshape(T, -1), kv], dim=-1), gate.reshape(T, -1)
 
     def forward_folded(
         self,
@@ -114,15 +137,24 @@ class Attention(nn.Module):
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         per_head = cfg.qk_norm == "head"
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        q_norm = self.q_norm.weight if per_head else None
+        k_norm = self.k_norm.weight if per_head else None
+        if self.rotary_order is not None:
+            # the dot products of q and k, and so the attention, do not see the order
+            order = self.rotary_order
+            q, k = q[..., order], k[..., order]
+            q_norm, k_norm = (None if w is None else w[order] for w in (q_norm, k_norm))
         k_cache, v_cache = kv_cache
         q, _ = self.ops.rope_store_kv(
-            q.view(T, cfg.num_heads, cfg.head_dim),
-            k.view(T, cfg.num_kv_heads, cfg.head_dim),
+            q,
+            k,
             batch.positions,
             self.rotary.cos,
             self.rotary.sin,
-            self.q_norm.weight if per_head else None,
-            self.k_norm.weight if per_head else None,
+            q_norm,
+            k_norm,
             cfg.rms_norm_eps,
             v=v.view(T, cfg.num_kv_heads, cfg.head_dim),
             k_cache=k_cache,

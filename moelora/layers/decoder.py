@@ -9,6 +9,8 @@ from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.attention import Attention
 from moelora.layers.attention_lora import folded_attention, folds_lora
+from moelora.layers.linear_attention import GatedDeltaNet
+from moelora.layers.mla import MlaAttention
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
@@ -24,11 +26,19 @@ class DecoderLayer(nn.Module):
         *,
         sparse: bool,
         sliding: bool,
+        linear: bool = False,
         **kw,
     ):
+        """linear: the token mixer is gated DeltaNet (its cache: the recurrent states)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
-        self.self_attn = Attention(cfg, rotary, ops, sliding=sliding, **kw)
+        self.self_attn: Attention | MlaAttention | GatedDeltaNet
+        if linear:
+            self.self_attn = GatedDeltaNet(cfg, ops, **kw)
+        elif cfg.mla is not None:
+            self.self_attn = MlaAttention(cfg, rotary, ops, **kw)
+        else:
+            self.self_attn = Attention(cfg, rotary, ops, sliding=sliding, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         if sparse:
             self.mlp = SparseMoE(cfg, ops, **kw)
@@ -45,7 +55,8 @@ class DecoderLayer(nn.Module):
         """(this layer's MLP output, the residual stream before it); the caller adds the two,
         inside the next norm, so every add shares a kernel with a norm. The MoE's output may
         come as its top-k rows [T, K, H]: the next norm adds those too."""
-        if folds_lora(self.self_attn, batch, x.shape[0]):
+        attn = self.self_attn
+        if isinstance(attn, Attention) and folds_lora(attn, batch, x.shape[0]):
             # the attention's LoRA rides in the norms on either side of it and in rotary
             h, residual = folded_attention(self, x, residual, batch, kv_cache)
         else:

@@ -18,6 +18,7 @@ from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
 from moelora.kernels.reference import silu_and_mul
 from moelora.layers.linear import LoraLinear
+from moelora.layers.routing import route_grouped
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
 
@@ -62,17 +63,24 @@ class SparseMoE(nn.Module):
         self.gate_bias = self.w13_bias = self.w2_bias = None
         if cfg.router_bias:
             self.gate_bias = nn.Parameter(torch.empty(E_all, **kw), requires_grad=False)
+        self.e_score_correction_bias = None
+        if cfg.routing is not None and cfg.routing.correction_bias:
+            # float32 whatever the model's dtype, as transformers keeps it: it moves the choice
+            bias = torch.empty(E_all, dtype=torch.float32, device=device)
+            self.e_score_correction_bias = nn.Parameter(bias, requires_grad=False)
         if cfg.expert_bias:
             self.w13_bias = nn.Parameter(torch.empty(E, 2 * I, **kw), requires_grad=False)
             self.w2_bias = nn.Parameter(torch.empty(E, H, **kw), requires_grad=False)
         self.lora13: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
         self.lora2: LoraWeights | None = None
-        self.shared_expert = None
+        self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = DenseMLP(
                 H, cfg.shared_expert_intermediate_size, ops, reduce=False, **kw
             )
-            self.shared_expert_gate = nn.Parameter(torch.empty(1, H, **kw), requires_grad=False)
+            if cfg.shared_expert_gate:
+                gate = torch.empty(1, H, **kw)
+                self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
 
     def _packed(self, name: str, shape: tuple[int, int, int], device) -> Mxfp4Weight:
         """MXFP4 experts of `shape` [E, N, K]: parameters NAME_blocks and NAME_scales (what the
@@ -105,11 +113,9 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
-        cfg, lora = self.cfg, batch.lora
+        lora = batch.lora
         router_logits = self.ops.linear(x, self.gate, self.gate_bias)  # [T, E]
-        weights, ids = self.ops.route_topk(
-            router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
-        )
+        weights, ids = self._route(router_logits)
         if batch.routing_trace is not None:
             batch.routing_trace.append(ids.clone())
         shard = self.ops.shard
@@ -130,8 +136,26 @@ class SparseMoE(nn.Module):
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, batch)
-            out = out + torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
+            out = out + shared
         return shard.all_reduce(out)
+
+    def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, K] float32, expert ids [T, K] int32) of router_logits [T, E]."""
+        cfg = self.cfg
+        if cfg.routing is None:
+            return self.ops.route_topk(
+                router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
+            )
+        return route_grouped(
+            router_logits,
+            cfg.top_k,
+            cfg.routing,
+            scoring=cfg.scoring,
+            renormalize=cfg.renormalize,
+            correction_bias=self.e_score_correction_bias,
+        )
 
     def _expert_options(self) -> dict:
         """fused_moe's options where this MoE differs from the plain SwiGLU without biases:

@@ -4,6 +4,11 @@ The inverse frequencies come from transformers' own rope functions so that every
 it defines for a fixed context (linear, yarn, llama3, ...) matches the reference exactly. The
 rotation itself is applied by ops.rope_store_kv, fused with the per-head q/k norm where a model
 has it and with the store of k and v in the cache.
+
+Partial rotary (GLM-4.5's partial_rotary_factor: the first rotary_dim dims of a head rotate in
+halves, the rest pass) runs through the same rotate-half over the whole head: the attention
+puts each head's dims in `partial_rotary_order` first, and the tables hold cos 1 and sin 0 on
+the dims that pass, so the kernel leaves them as they are, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,10 +27,32 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, scale = _inv_freq(hf_config, device)
         positions = torch.arange(max_len, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq)  # [L, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [L, D]
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        freqs = torch.outer(positions, inv_freq)  # [L, R/2], R = rotary dims
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        passing = _head_dim(hf_config) - 2 * inv_freq.shape[0]
+        if passing > 0:  # partial rotary: cos 1, sin 0 on the dims that pass
+            shape = (max_len, passing // 2)
+            cos = torch.cat((cos, torch.ones(shape, device=device)), dim=-1)
+            sin = torch.cat((sin, torch.zeros(shape, device=device)), dim=-1)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [L, D]
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which rotate-half over the whole head (pairs n and
+    n + D/2) rotates the first rotary_dim dims in their halves (pairs j and j + R/2) and pairs
+    the passing dims among themselves: [0, R/2) + [R, R + P/2) + [R/2, R) + [R + P/2, D), P =
+    D - R. The tables of RotaryEmbedding match it. [D] int64."""
+    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    parts = [(0, half), (rotary_dim, rotary_dim + passing), (half, rotary_dim)]
+    parts.append((rotary_dim + passing, head_dim))
+    return torch.cat([torch.arange(a, b) for a, b in parts])
+
+
+def _head_dim(hf_config) -> int:
+    return getattr(hf_config, "head_dim", None) or (
+        hf_config.hidden_size // hf_config.num_attention_heads
+    )
 
 
 def _inv_freq(hf_config, device: torch.device) -> tuple[torch.Tensor, float]:
@@ -36,18 +63,12 @@ def _inv_freq(hf_config, device: torch.device) -> tuple[torch.Tensor, float]:
     if kind in _LENGTH_DEPENDENT or (kind != "default" and kind not in ROPE_INIT_FUNCTIONS):
         supported = ["default"] + sorted(set(ROPE_INIT_FUNCTIONS) - set(_LENGTH_DEPENDENT))
         raise ModelConfigError(f"rope_type={kind!r} is not supported: expected one of {supported}")
-    if getattr(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ModelConfigError(
-            f"partial_rotary_factor={hf_config.partial_rotary_factor} is not supported: "
-            "expected 1.0"
-        )
     if kind == "default":
-        head_dim = getattr(hf_config, "head_dim", None) or (
-            hf_config.hidden_size // hf_config.num_attention_heads
-        )
+        factor = params.get("partial_rotary_factor") or 1.0
+        dim = int(_head_dim(hf_config) * factor)
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        steps = torch.arange(0, head_dim, 2, dtype=torch.float32)
-        return (1.0 / (base ** (steps / head_dim))).to(device), 1.0
+        steps = torch.arange(0, dim, 2, dtype=torch.float32)
+        return (1.0 / (base ** (steps / dim))).to(device), 1.0
     init = ROPE_INIT_FUNCTIONS[kind]
     inv_freq, scale = init(hf_config, device)
     return inv_freq.float(), float(scale)

@@ -2,8 +2,15 @@
 
 Accepted key forms (after 'base_model.model.' and Mixtral's aliases are folded):
   model.layers.L.self_attn.{q,k,v,o}_proj                  attention
+  model.layers.L.self_attn.{q_a_proj,kv_a_proj_with_mqa,q_b_proj,kv_b_proj}
+                                                           MLA (DeepSeek; q_proj, o_proj above)
+  model.layers.L.linear_attn.{in_proj_qkvz,in_proj_ba,out_proj}
+                                                           gated DeltaNet (Qwen3-Next; Qwen3.5:
+                                                           in_proj_{qkv,z,b,a}); q_proj of a
+                                                           gated attention holds its gate too
   model.layers.L.mlp.{gate,up,down}_proj                   dense MLP layer
   model.layers.L.mlp.shared_expert.{gate,up,down}_proj     Qwen2-MoE shared expert
+                                                           (DeepSeek's, GLM's: shared_experts)
   model.layers.L.mlp.experts.E.{gate,up,down}_proj         one expert (Mixtral: w1, w3, w2)
   model.layers.L.mlp.experts[.base_layer]                  PEFT target_parameters on the 3D
       expert weights: A [r*E, in] holds expert e in rows e*r:(e+1)*r; B [out, r*E] holds it in
@@ -34,10 +41,21 @@ import torch
 
 from moelora.errors import AdapterError
 from moelora.lora.slots import LoraTarget
-from moelora.models.loader import canonical_name
+from moelora.models.loader import LINEAR_IN, canonical_name
 
 _PREFIX = "base_model.model."
 _ATTN = re.compile(r"^layers\.(\d+)\.self_attn\.([qkvo])_proj$")
+_MLA = re.compile(r"^layers\.(\d+)\.self_attn\.(q_a_proj|kv_a_proj_with_mqa|q_b_proj|kv_b_proj)$")
+# an MLA projection's target (layers/mla.py) and output slice there
+_MLA_TARGET = {
+    "q_a_proj": ("qkv", 0),
+    "kv_a_proj_with_mqa": ("qkv", 1),
+    "q_b_proj": ("q_b", 0),
+    "kv_b_proj": ("kv_b", 0),
+}
+# gated DeltaNet (layers/linear_attention.py): the input projections are slices of its
+# in_proj target (models/loader.LINEAR_IN), out_proj its out_proj target
+_LINEAR = re.compile(r"^layers\.(\d+)\.linear_attn\.(in_proj_[a-z]+|out_proj)$")
 _DENSE = re.compile(r"^layers\.(\d+)\.mlp\.(shared_expert\.)?(gate|up|down)_proj$")
 _EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_up|gate|up|down)_proj$")
 _EXPERTS_3D = re.compile(r"^layers\.(\d+)\.mlp\.experts(\.base_layer)*$")
@@ -390,6 +408,11 @@ class _Placer:
             layer, proj = m.group(1), m.group(2)
             tkey = f"layers.{layer}.{'o' if proj == 'o' else 'qkv'}"
             return [self.piece(key, a, b, tkey, 0 if proj == "o" else "qkv".index(proj))]
+        if m := _MLA.match(canon):
+            target, index = _MLA_TARGET[m.group(2)]
+            return [self.piece(key, a, b, f"layers.{m.group(1)}.{target}", index)]
+        if m := _LINEAR.match(canon):
+            return [self.linear_piece(key, a, b, m.group(1), m.group(2))]
         if m := _DENSE.match(canon):
             layer, shared, proj = m.group(1), m.group(2), m.group(3)
             base = "shared" if shared else "mlp"
@@ -420,6 +443,18 @@ class _Placer:
         if index is None:
             b = _b_rows(t, b)
         return _Piece(tkey, index, expert, a, b, _module_scale(self.cfg, key, r), key)
+
+    def linear_piece(self, key, a, b, layer: str, proj: str) -> _Piece:
+        """A gated DeltaNet projection: out_proj, or the slice of in_proj that proj is in this
+        model's layout (Qwen3-Next's two grouped projections or Qwen3.5's four)."""
+        if proj == "out_proj":
+            return self.piece(key, a, b, f"layers.{layer}.out_proj", 0)
+        target = self.targets.get(f"layers.{layer}.in_proj")
+        grouped = target is not None and len(target.out_slices) == 2
+        index = LINEAR_IN[grouped].get(proj) if target is not None else None
+        if index is None:
+            raise self.error(key, "matches no module of the model")
+        return self.piece(key, a, b, f"layers.{layer}.in_proj", index)
 
     def experts_3d(self, key, a, b, layer: str) -> list[_Piece]:
         """target_parameters on mlp.experts: gate_up (A [rE, H], B [2I, rE]) or down (A [rE, I],

@@ -40,7 +40,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoraTarget]:
     targets = {}
     for i, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        linears = {"qkv": attn.qkv_proj, "o": attn.o_proj}
+        linears = attn.lora_linears()  # GQA: qkv, o; MLA: qkv, q_b, kv_b, o
         if hasattr(mlp, "w13"):
             E, I, H = mlp.w13.shape[0], mlp.w2.shape[2], mlp.w2.shape[1]
             interleaved = mlp.cfg.experts_layout == "interleaved_in_out"

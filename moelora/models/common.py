@@ -5,10 +5,15 @@ from __future__ import annotations
 
 from moelora.config import ModelConfig
 from moelora.errors import ModelConfigError
+from moelora.models.quantization import quant_method
 
 
-def model_config(hf, arch: str, **differs) -> ModelConfig:
-    """The ModelConfig of `hf` read the common way, with `differs` replacing fields."""
+def model_config(
+    hf, arch: str, *, quant_methods: tuple[str, ...] = ("fp8",), **differs
+) -> ModelConfig:
+    """The ModelConfig of `hf` read the common way, with `differs` replacing fields; a
+    quantization_config other than `quant_methods` is refused."""
+    fp8 = quant_method(hf, arch, quant_methods) == "fp8"
     if getattr(hf, "hidden_act", "silu") != "silu":
         raise ModelConfigError(f"hidden_act={hf.hidden_act!r} is not supported: expected 'silu'")
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -45,6 +50,7 @@ def model_config(hf, arch: str, **differs) -> ModelConfig:
         activation="silu",
         experts_layout="gate_up_rows",
         experts_mxfp4=False,
+        weights_fp8="checkpoint" if fp8 else "none",
     )
     return ModelConfig(**{**fields, **differs})
 

@@ -7,6 +7,7 @@ once at load: loader.py)."""
 from moelora.config import ModelConfig
 from moelora.errors import ModelConfigError
 from moelora.models import common
+from moelora.models.quantization import quant_method
 
 _LAYER_TYPES = ("sliding_attention", "full_attention")
 # what GPT-OSS's released checkpoints hold: bf16 tensors or MXFP4 experts (*_blocks, *_scales)
@@ -28,14 +29,7 @@ def model_config(hf) -> ModelConfig:
         )
     if not getattr(hf, "attention_bias", True):
         raise ModelConfigError("attention_bias=False is not supported for gpt_oss: expected True")
-    quant = getattr(hf, "quantization_config", None) or {}
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant.quant_method
-    if quant and method not in _QUANT_METHODS:
-        raise ModelConfigError(
-            f"quantization_config.quant_method={method!r} is not supported for gpt_oss: "
-            f"expected none or one of {list(_QUANT_METHODS)}"
-        )
-    mxfp4 = method == "mxfp4"
+    mxfp4 = quant_method(hf, "gpt_oss", _QUANT_METHODS) == "mxfp4"
     for name in ("hidden_size", "intermediate_size"):
         if mxfp4 and getattr(hf, name) % 32:
             raise ModelConfigError(
@@ -45,6 +39,7 @@ def model_config(hf) -> ModelConfig:
     return common.model_config(
         hf,
         "gpt_oss",
+        quant_methods=_QUANT_METHODS,
         num_experts=hf.num_local_experts,
         moe_intermediate_size=hf.intermediate_size,
         intermediate_size=0,

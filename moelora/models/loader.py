@@ -2,6 +2,8 @@
 
 Names are canonicalised once (Mixtral's block_sparse_moe/w1/w3/w2 become mlp/gate/up/down), so
 one table serves every architecture. Experts may be stored per expert or as fused 3D tensors.
+Quantized weights are dequantized on the way in: MXFP4 experts here (unless the model keeps them
+packed), block-FP8 weights in models/quantization.py.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import torch
 from moelora.errors import ModelConfigError
 from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
 from moelora.kernels.reference import dequantize_mxfp4
+from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
+from moelora.models.quantization import fp8_weights
 
 _ALIASES = [
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -25,9 +29,38 @@ _ALIASES = [
     (re.compile(r"\.experts\.(\d+)\.w3(?=\.|$)"), r".experts.\1.up_proj"),
     (re.compile(r"\.experts\.(\d+)\.w2(?=\.|$)"), r".experts.\1.down_proj"),
     (re.compile(r"\.mlp\.router\."), ".mlp.gate."),  # GPT-OSS
+    (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),  # DeepSeek, GLM-4.5
+    (re.compile(r"^language_model\."), ""),  # Qwen3.5-MoE's multimodal checkpoints
 ]
+# weights of no module moelora builds: multi-token prediction (Qwen3-Next, Qwen3.5) and the
+# vision tower of a multimodal checkpoint served as its text model
+_SKIPPED = re.compile(r"^(mtp|visual)\.")
+# RMSNorms that scale by 1 + w (ModelConfig.zero_centred_norm): the loader stores 1 + w, the
+# float32 sum transformers forms (gated DeltaNet's own norm scales by w)
+_ZERO_CENTRED = re.compile(
+    r"^(norm|layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm))"
+    r"\.weight$"
+)
+# gated DeltaNet (layers/linear_attention.py): the input projections, slices of its in_proj
+# (Qwen3-Next: qkvz, ba; Qwen3.5: qkv, z, b, a), and its own parameters
+# by LinearAttentionConfig.grouped_projections
+LINEAR_IN = {
+    True: {"in_proj_qkvz": 0, "in_proj_ba": 1},
+    False: {"in_proj_qkv": 0, "in_proj_z": 1, "in_proj_b": 2, "in_proj_a": 3},
+}
+_LINEAR_OWN = {
+    "conv1d.weight": "conv1d",
+    "dt_bias": "dt_bias",
+    "A_log": "A_log",
+    "norm.weight": "norm.weight",
+    "out_proj.weight": "out_proj.weight",
+}
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
+# MLA (layers/mla.py): the two projections of the hidden state, slices of qkv_proj (q_proj is
+# slice 0 too), and the projections and norms of its own
+_MLA_A = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
+_MLA_OWN = ("q_b_proj", "kv_b_proj", "q_a_layernorm", "kv_a_layernorm")
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
 
 
@@ -90,7 +123,7 @@ def dequantized(
 def load_weights(model: MoeCausalLM, model_path: str) -> None:
     """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones.
     MXFP4 experts are dequantized to the model's dtype on the way, unless the model keeps them
-    packed (ModelConfig.experts_mxfp4)."""
+    packed (ModelConfig.experts_mxfp4); block-FP8 weights always are (models/quantization.py)."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
     for target, source in placed_tensors(model, model_path):
         target.copy_(source)
@@ -105,8 +138,9 @@ def placed_tensors(
     """(view of a parameter of `model`, checkpoint tensor of its shape) for every checkpoint
     tensor, in the checkpoint's order; unknown or misshapen tensors refused. `model` may be on
     the meta device: its views then say where each tensor goes (models/shard.py)."""
-    tensors = iter_tensors(safetensors_files(model_path))
     dtype, packed = model.embed_tokens.dtype, model.cfg.experts_mxfp4
+    tensors = iter_tensors(safetensors_files(model_path))
+    tensors = fp8_weights(tensors, model.cfg.weights_fp8, dtype, model_path)
     for key, tensor in dequantized(tensors, dtype, packed=packed):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
@@ -129,6 +163,10 @@ def check_filled(model: MoeCausalLM, filled: dict[int, int], model_path: str) ->
 
 def _targets(model: MoeCausalLM, name: str, t: torch.Tensor):
     """(destination view, source tensor) pairs for one checkpoint tensor."""
+    if _SKIPPED.match(name):
+        return []
+    if model.cfg.zero_centred_norm and _ZERO_CENTRED.match(name):
+        t = t.float() + 1.0
     if name == "embed_tokens.weight":
         return [(model.embed_tokens, t)]
     if name == "norm.weight":
@@ -141,6 +179,8 @@ def _targets(model: MoeCausalLM, name: str, t: torch.Tensor):
     if m is None:
         raise ModelConfigError(f"checkpoint weight {name!r} matches no module of the model")
     i, rest = int(m.group(1)), m.group(2)
+    if len(model.layers) <= i < len(model.layers) + model.cfg.mtp_layers:
+        return []  # a multi-token-prediction layer (models/deepseek.py)
     if i >= len(model.layers):
         raise ModelConfigError(f"checkpoint weight {name!r}: layer {i} >= {len(model.layers)}")
     return _layer_targets(model.layers[i], i, rest, t)
@@ -157,6 +197,10 @@ def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
         mod, kind = parts[1], parts[2]
         if mod in _QKV:
             return [(_slice(attn.qkv_proj, kind, _QKV[mod]), t)]
+        if mod in _MLA_A and hasattr(attn, "kv_b_proj"):
+            return [(_slice(attn.qkv_proj, kind, _MLA_A[mod]), t)]
+        if mod in _MLA_OWN and kind == "weight" and getattr(attn, mod, None) is not None:
+            return [(getattr(attn, mod).weight, t)]
         if mod == "o_proj" and kind == "weight":
             return [(attn.o_proj.weight, t)]
         if mod == "o_proj" and kind == "bias" and attn.o_proj.bias is not None:
@@ -165,7 +209,22 @@ def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
             return [(getattr(attn, mod).weight, t)]
     if parts[0] == "mlp":
         return _mlp_targets(mlp, i, parts[1:], t)
+    if parts[0] == "linear_attn" and isinstance(attn, GatedDeltaNet):
+        found = _linear_targets(attn, ".".join(parts[1:]), t)
+        if found is not None:
+            return found
     raise ModelConfigError(f"checkpoint weight 'layers.{i}.{rest}' matches no module of the model")
+
+
+def _linear_targets(attn: GatedDeltaNet, rest: str, t: torch.Tensor):
+    """A gated DeltaNet weight's place, or None where it has none."""
+    proj, _, kind = rest.partition(".")
+    slices = LINEAR_IN[attn.la.grouped_projections]
+    if proj in slices and kind == "weight":
+        return [(_slice(attn.in_proj, kind, slices[proj]), t)]
+    if rest in _LINEAR_OWN:
+        return [(attn.get_parameter(_LINEAR_OWN[rest]), t)]
+    return None
 
 
 def _mlp_targets(mlp, i: int, parts: list[str], t: torch.Tensor):
@@ -175,9 +234,11 @@ def _mlp_targets(mlp, i: int, parts: list[str], t: torch.Tensor):
         found = [(mlp.gate, t)]
     elif parts == ["gate", "bias"] and mlp.gate_bias is not None:
         found = [(mlp.gate_bias, t)]
+    elif parts == ["gate", "e_score_correction_bias"] and mlp.e_score_correction_bias is not None:
+        found = [(mlp.e_score_correction_bias, t)]
     elif parts[0] == "experts":
         found = _expert_targets(mlp, parts[1:], t)
-    elif parts == ["shared_expert_gate", "weight"] and mlp.shared_expert is not None:
+    elif parts == ["shared_expert_gate", "weight"] and mlp.shared_expert_gate is not None:
         found = [(mlp.shared_expert_gate, t)]
     elif parts[0] == "shared_expert" and mlp.shared_expert is not None:
         found = _dense_targets(mlp.shared_expert, parts[1:], t)

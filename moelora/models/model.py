@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelora.config import ModelConfig
+from moelora.errors import ModelConfigError
 from moelora.kernels.ops import Ops
 from moelora.layers.decoder import DecoderLayer
 from moelora.layers.norm import RMSNorm
@@ -33,6 +34,7 @@ class MoeCausalLM(nn.Module):
         device: torch.device,
     ):
         super().__init__()
+        check_kernels(cfg, ops)
         self.cfg = cfg
         kw = dict(dtype=dtype, device=device)
         self.shard = ops.shard
@@ -43,8 +45,10 @@ class MoeCausalLM(nn.Module):
             torch.empty(rows, cfg.hidden_size, **kw), requires_grad=False
         )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, ops, sparse=sparse, sliding=sliding, **kw)
-            for sparse, sliding in zip(cfg.sparse_layers, cfg.sliding_layers)
+            DecoderLayer(
+                cfg, rotary, ops, sparse=sparse, sliding=sliding, linear=cfg.is_linear(i), **kw
+            )
+            for i, (sparse, sliding) in enumerate(zip(cfg.sparse_layers, cfg.sliding_layers))
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops, **kw)
         self.lm_head = (
@@ -56,7 +60,8 @@ class MoeCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        """Returns the final hidden states [T, H] (normed)."""
+        """Returns the final hidden states [T, H] (normed). kv_caches: per layer its paged K
+        and V, or a gated DeltaNet layer's recurrent states (engine/state_cache.py)."""
         heads = (self.shard.heads(self.cfg.num_heads), self.shard.kv_heads(self.cfg.num_kv_heads))
         attn = self.ops.plan_attention(batch.attn, batch.input_ids.shape[0], *heads)
         if attn is not batch.attn:  # a prefill step's work table
@@ -70,3 +75,29 @@ class MoeCausalLM(nn.Module):
         """[N, V] float32 logits of hidden [N, H]; on a rank other than 0, None (its part went
         to rank 0)."""
         return self.shard.gather_vocab(F.linear(hidden, self.lm_head).float(), self.cfg.vocab_size)
+
+
+def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
+    """What the kernel table and the ranks cannot run yet: MLA, grouped routing and partial
+    rotary (the DeepSeek family, GLM-4.5) run on the torch reference kernels, on one rank."""
+    needs = reference_only(cfg)
+    if needs and ops.name != "torch":
+        raise ModelConfigError(
+            f"{cfg.arch} is not supported on {ops.name} kernels: its {', '.join(needs)} has "
+            "no GPU kernel yet; expected device='cpu' (or force_reference_kernels=True)"
+        )
+    if needs and ops.shard.size > 1:
+        raise ModelConfigError(
+            f"tensor_parallel_size={ops.shard.size} is not supported for {cfg.arch}: expected 1"
+        )
+
+
+def reference_only(cfg: ModelConfig) -> list[str]:
+    """What of cfg only the torch reference kernels on one rank run for now."""
+    parts = (
+        ("multi-head latent attention", cfg.mla is not None),
+        ("grouped routing", cfg.routing is not None),
+        ("partial rotary", cfg.rotary_dim > 0),
+        ("gated DeltaNet linear attention", cfg.linear_attention is not None),
+    )
+    return [what for what, used in parts if used]

@@ -9,7 +9,19 @@ engines from these, so a figure can be reproduced without downloading a model.
   experts, top-4, hidden and expert intermediate 2880, 64 query and 8 KV heads of 64, a
   128-token window on every other layer), without its quantization_config: dummy weights are
   bf16 experts. With MXFP4_QUANTIZATION added as its quantization_config (bench/decode.py
-  --mxfp4), a CUDA engine makes them packed MXFP4 instead (kernels/moe/mxfp4_layout.py), never bf16.
+  --mxfp4), a CUDA engine makes them packed MXFP4 instead (kernels/moe/mxfp4_layout.py), never bf16;
+- deepseek-v2-lite: deepseek-ai/DeepSeek-V2-Lite (27 layers, MLA without q_lora_rank, 64
+  experts, top-6, 2 shared, hidden 2048, expert intermediate 1408, YaRN);
+- moonlight-16b-a3b: moonshotai/Moonlight-16B-A3B, the DeepSeek-V3 architecture at that size
+  (sigmoid routing with a correction bias, routed_scaling_factor 2.446);
+- glm-4.5-air: zai-org/GLM-4.5-Air (128 experts, top-8, hidden 4096, 96 query and 8 KV heads of
+  128, half of each head rotated) at 24 of its 46 layers: the whole model does not fit on one
+  H200 in bf16 (shape_config(num_layers=46) gives the release's depth);
+- qwen3.5-moe-35b-a3b: Qwen3.5-35B-A3B's text model (40 layers, three gated DeltaNet to one
+  gated attention, 256 experts, top-8, a gated shared expert, hidden 2048, expert intermediate
+  512), transformers' Qwen3_5MoeTextConfig defaults;
+- qwen3-next-80b-a3b: Qwen3-Next-80B-A3B (48 layers, the same pattern, 512 experts, top-10),
+  transformers' Qwen3NextConfig defaults.
 """
 
 from __future__ import annotations
@@ -161,6 +173,174 @@ MXFP4_QUANTIZATION: Mapping[str, object] = MappingProxyType(
         ],
     )
 )
+# deepseek-ai/DeepSeek-V2-Lite's config.json (its auto_map and torch_dtype left out)
+DEEPSEEK_V2_LITE: Mapping[str, object] = MappingProxyType(
+    dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        vocab_size=102400,
+        hidden_size=2048,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        topk_method="greedy",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        max_position_embeddings=163840,
+        rope_theta=10000,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=0.707,
+            mscale_all_dim=0.707,
+        ),
+        rms_norm_eps=1e-6,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=100000,
+        eos_token_id=100001,
+    )
+)
+# moonshotai/Moonlight-16B-A3B's config.json
+MOONLIGHT_16B_A3B: Mapping[str, object] = MappingProxyType(
+    dict(
+        architectures=["DeepseekV3ForCausalLM"],
+        model_type="deepseek_v3",
+        vocab_size=163840,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        routed_scaling_factor=2.446,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+        max_position_embeddings=8192,
+        rope_theta=50000.0,
+        rms_norm_eps=1e-5,
+        attention_bias=False,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=163584,
+        eos_token_id=163585,
+    )
+)
+# zai-org/GLM-4.5-Air's config.json, at 24 of its 46 layers (bf16 weights of all 46: 212 GB)
+GLM_4_5_AIR: Mapping[str, object] = MappingProxyType(
+    dict(
+        architectures=["Glm4MoeForCausalLM"],
+        model_type="glm4_moe",
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        moe_intermediate_size=1408,
+        num_hidden_layers=24,
+        num_attention_heads=96,
+        num_key_value_heads=8,
+        head_dim=128,
+        n_routed_experts=128,
+        n_shared_experts=1,
+        num_experts_per_tok=8,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        norm_topk_prob=True,
+        partial_rotary_factor=0.5,
+        rope_theta=1000000,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        attention_bias=True,
+        use_qk_norm=False,
+        num_nextn_predict_layers=1,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        pad_token_id=151329,
+        eos_token_id=[151329, 151336, 151338],
+    )
+)
+
+
+def _qwen3_next(arch: str, model_type: str, **differs: object) -> Mapping[str, object]:
+    """The hybrid Qwen shapes: transformers 5.17's default config of each class (three gated
+    DeltaNet layers, then one gated full attention, over and over)."""
+    common: dict[str, object] = dict(
+        architectures=[arch],
+        model_type=model_type,
+        vocab_size=151936,
+        hidden_size=2048,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+    )
+    config = {**common, **differs}
+    config["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (
+        int(config["num_hidden_layers"]) // 4  # type: ignore[call-overload]
+    )
+    return MappingProxyType(config)
+
+
+# the text model of Qwen3.5-35B-A3B (Qwen3_5MoeTextConfig's defaults: 40 layers, 256 experts
+# top-8); and Qwen3-Next-80B-A3B (Qwen3NextConfig's: 48 layers, 512 experts top-10)
+QWEN3_5_MOE_35B_A3B = _qwen3_next(
+    "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe_text",
+    vocab_size=248320,
+    num_hidden_layers=40,
+    num_experts=256,
+    num_experts_per_tok=8,
+)
+QWEN3_NEXT_80B_A3B = _qwen3_next(
+    "Qwen3NextForCausalLM",
+    "qwen3_next",
+    num_experts=512,
+    num_experts_per_tok=10,
+    intermediate_size=5632,
+    norm_topk_prob=True,
+)
 GPT_OSS_20B = _gpt_oss(24, 32)
 GPT_OSS_120B = _gpt_oss(36, 128)
 TINY_QWEN3_MOE: Mapping[str, object] = MappingProxyType(
@@ -172,6 +352,11 @@ SHAPES: Mapping[str, Mapping[str, object]] = MappingProxyType(
         "tiny-qwen3-moe": TINY_QWEN3_MOE,
         "gpt-oss-20b": GPT_OSS_20B,
         "gpt-oss-120b": GPT_OSS_120B,
+        "deepseek-v2-lite": DEEPSEEK_V2_LITE,
+        "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
+        "glm-4.5-air": GLM_4_5_AIR,
+        "qwen3.5-moe-35b-a3b": QWEN3_5_MOE_35B_A3B,
+        "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     }
 )
 

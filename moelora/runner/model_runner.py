@@ -300,12 +300,13 @@ class ModelRunner:
         seq_lens = starts + q_lens
         counts = -(-seq_lens // ps)
         table = np.zeros((B, int(counts.max())), np.int32)
-        ids, chunk_slots = [], []
+        ids, chunk_slots, state_slots = [], [], []
         for b, c in enumerate(plan.chunks):
             req = c.request
             table[b, : counts[b]] = req.page_array[: counts[b]]
             ids += req.token_slice(c.start, c.start + c.num_tokens)
             chunk_slots.append(NO_SLOT if req.slot is None else req.slot)
+            state_slots.append(req.state_slot)
         cu = np.zeros(B + 1, np.int64)
         np.cumsum(q_lens, out=cu[1:])
         row = np.repeat(np.arange(B), q_lens)  # the chunk of each token
@@ -324,6 +325,10 @@ class ModelRunner:
             max_query_len=int(q_lens.max()),
             chunks=tuple(zip(starts.tolist(), q_lens.tolist())) if q_lens.max() > 1 else None,
             rank_tile=self._rank_tile(step_slots),
+            # a hybrid model's requests each hold a state slot while they run; others none
+            state_slots=None
+            if state_slots[0] is None
+            else torch.tensor(state_slots, dtype=torch.int32),
         )
 
     def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:

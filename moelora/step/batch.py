@@ -60,6 +60,9 @@ class AttentionMetadata:
     # work_block_q tokens; None: each launch builds its own (or a decode step needs none)
     work: torch.Tensor | None = None
     work_block_q: int = 0
+    # hybrid models (gated DeltaNet layers): [B] int32, the recurrent-state slot of each
+    # sequence (kernels/gated_delta.py); None for every other model
+    state_slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class HostBatch:
     any_enabled: torch.Tensor | None = None  # [1] int32; None: computed from slot_enabled
     chunks: tuple[tuple[int, int], ...] | None = None  # AttentionMetadata.chunks
     rank_tile: int = 0  # LoraBatchInfo.rank_tile (0: the pool's, as graphs are captured)
+    state_slots: torch.Tensor | None = None  # [B] int32, AttentionMetadata.state_slots
 
     @property
     def num_tokens(self) -> int:
@@ -118,7 +122,13 @@ def forward_batch(inputs: HostBatch, slots: SlotParams | None) -> ForwardBatch:
     """The model's view of `inputs` (tensors on the model's device); slots None: LoRA disabled."""
     i = inputs
     attn = AttentionMetadata(
-        i.cu_seqlens_q, i.seq_lens, i.page_table, i.slot_mapping, i.max_query_len, i.chunks
+        i.cu_seqlens_q,
+        i.seq_lens,
+        i.page_table,
+        i.slot_mapping,
+        i.max_query_len,
+        i.chunks,
+        state_slots=i.state_slots,
     )
     lora = None
     if slots is not None:

@@ -77,6 +77,9 @@ class Request:
     page_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     slot: int | None = None  # adapter slot held while running
+    # hybrid models: the recurrent-state slot it holds from admission to its release
+    # (engine/state_cache.py); None before, after, and for every other model
+    state_slot: int | None = None
     status: Status = Status.WAITING
     finish_reason: str | None = None
     last_step: int = -1  # the newest step that computes some of its tokens

@@ -1,0 +1,111 @@
+"""Multi-head latent attention (DeepSeek) over the paged latent cache: the torch reference, which
+is the CPU path and the oracle of the GPU kernels to come.
+
+The cache holds, per token, the normed latent c (kv_lora_rank values) and the rotated key k_pe
+(qk_rope_head_dim values) that all heads share. kv_b_proj's weight W [Hh (N + V), L] expands c
+into head h's no-rope key W_k[h] c and value W_v[h] c. Here the attention runs in the absorbed
+form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores are q_lat . c +
+q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
+kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
+latent space on either side: the base path is never expanded, and a row without an enabled slot
+costs it nothing.
+
+Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim,
+L = kv_lora_rank, K = a sequence's KV length, S = adapter slots, r = max LoRA rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from moelora.step.lora import LoraBatchInfo, LoraWeights
+
+if TYPE_CHECKING:
+    from moelora.step.batch import AttentionMetadata
+
+
+def mla_attention(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_b: torch.Tensor,
+    scale: float,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
+    """Semantics: with k[h] = [W_k[h] c + d_k[h], k_pe] and v[h] = W_v[h] c + d_v[h] for each
+    cached token (c, k_pe) of the sequence, d the LoRA delta of the query's slot s
+    (scaling[s] * B[s] A[s] c, split like W; zero without an enabled slot), out[t, h] = causal
+    softmax(scale * [q_nope, q_pe][t, h] . k[h]) @ v[h], computed in the absorbed form (above).
+
+    q_nope [T, Hh, N]; q_pe [T, Hh, R] rotated; latent_cache [P, page_size, 1, L], rope_cache
+    [P, page_size, 1, R] (this step's tokens already stored); kv_b [Hh (N + V), L], head h's
+    rows N no-rope key then V value; lora.a [S, 1, r, L], lora.b [S, Hh (N + V), r].
+    Returns [T, Hh, V] in q_nope's dtype; rows past cu_seqlens_q[-1] (padding) are zeros.
+    """
+    T, Hh, N = q_nope.shape
+    w = kv_b.float().view(Hh, -1, kv_b.shape[1])  # [Hh, N + V, L]
+    slots = _enabled_slots(lora, info, T, Hh)
+    q_lat = torch.einsum("thn,hnl->thl", q_nope.float(), w[:, :N])
+    for rows, a, b, scaling in slots:
+        # q_nope . (B_k A c) = ((q_nope B_k) A) . c
+        q_lat[rows] += scaling * torch.einsum("thn,hnr,rl->thl", q_nope[rows].float(), b[:, :N], a)
+    o_lat = _latent_attention(q_lat, q_pe.float(), latent_cache, rope_cache, attn, scale)
+    out = torch.einsum("thl,hvl->thv", o_lat, w[:, N:])
+    for rows, a, b, scaling in slots:
+        out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, N:])
+    return out.to(q_nope.dtype)
+
+
+def _enabled_slots(
+    lora: LoraWeights | None, info: LoraBatchInfo | None, T: int, heads: int
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(rows, A [r, L], B [Hh, N + V, r], scaling) in float32 for each slot enabled
+    for some of the first T tokens; none without LoRA."""
+    if lora is None or info is None:
+        return []
+    slot_of_row = info.slot_of_token[:T]
+    safe = slot_of_row.clamp(min=0).long()
+    active = (slot_of_row >= 0) & (info.slot_enabled[safe] != 0)
+    found = []
+    for s in torch.unique(slot_of_row[active]).tolist():
+        rows = (slot_of_row == s).nonzero().squeeze(1)
+        a = lora.a[s, 0].float()
+        b = lora.b[s].float().view(heads, -1, lora.max_rank)
+        found.append((rows, a, b, info.scaling_of_slot[s].float()))
+    return found
+
+
+def _latent_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
+    over the sequence's cached (c, k_pe). q_lat [T, Hh, L], q_pe [T, Hh, R] float32.
+    Returns [T, Hh, L] float32."""
+    out = torch.zeros_like(q_lat)
+    page_size = latent_cache.shape[1]
+    cu = attn.cu_seqlens_q.tolist()
+    for b, kv_len in enumerate(attn.seq_lens.tolist()):
+        start, end = cu[b], cu[b + 1]
+        if end == start:
+            continue
+        pages = attn.page_table[b, : -(-kv_len // page_size)].long()
+        c = latent_cache[pages].flatten(0, 1)[:kv_len, 0].float()  # [K, L]
+        k_pe = rope_cache[pages].flatten(0, 1)[:kv_len, 0].float()  # [K, R]
+        scores = torch.einsum("qhl,kl->hqk", q_lat[start:end], c)
+        scores = (scores + torch.einsum("qhr,kr->hqk", q_pe[start:end], k_pe)) * scale
+        q_pos = torch.arange(kv_len - (end - start), kv_len, device=q_lat.device)
+        k_pos = torch.arange(kv_len, device=q_lat.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,kl->qhl", scores.softmax(-1), c)
+    return out

@@ -1,0 +1,113 @@
+"""DeepSeek's multi-head latent attention (ModelConfig.mla) over the paged latent cache.
+
+Legend: T = tokens, H = hidden, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim,
+V = v_head_dim, L = kv_lora_rank, Q = q_lora_rank.
+
+  qkv_proj: hidden -> q_a_proj's output [Q] (or q_proj's [Hh (N + R)]) | kv_a_proj_with_mqa's
+            [L + R]: the two projections that read the hidden state, fused (each its own LoRA)
+  q:        q_b_proj(q_a_layernorm(.)) -> [Hh, N + R]: q_nope | q_pe
+  kv:       kv_a_layernorm(latent [L]), k_pe [R]: rotated and stored in the cache, 1 "head"
+  attention with kv_b_proj [Hh (N + V), L] and its LoRA inside (ops.mla_attention)
+  o_proj:   [Hh V] -> hidden
+
+Every projection takes its LoRA: q_a_proj and kv_a_proj_with_mqa as the slices of qkv_proj,
+q_b_proj (or q_proj), kv_b_proj (inside the attention), o_proj.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelora.config import ModelConfig
+from moelora.kernels.ops import Ops
+from moelora.layers.linear import LoraLinear
+from moelora.layers.norm import RMSNorm
+from moelora.layers.rotary import RotaryEmbedding
+from moelora.step.batch import ForwardBatch
+
+# transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not the
+# config's rms_norm_eps
+_LATENT_NORM_EPS = 1e-6
+
+
+class MlaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: Ops, **kw):
+        super().__init__()
+        assert cfg.mla is not None and ops.shard.size == 1, "MLA runs on one rank (model.py)"
+        mla, H, Hh = cfg.mla, cfg.hidden_size, cfg.num_heads
+        self.cfg, self.mla, self.rotary, self.ops = cfg, mla, rotary, ops
+        q_size = mla.q_lora_rank or Hh * mla.qk_head_dim
+        self.qkv_proj = LoraLinear(H, (q_size, mla.cache_size), ops, **kw)
+        self.q_a_layernorm = self.q_b_proj = None
+        if mla.q_lora_rank:
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS, ops, **kw)
+            self.q_b_proj = LoraLinear(mla.q_lora_rank, (Hh * mla.qk_head_dim,), ops, **kw)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, ops, **kw)
+        kv_b_size = Hh * (mla.qk_nope_head_dim + mla.v_head_dim)
+        # read by the attention whole (its weight, and its LoRA's slot buffers), never called
+        self.kv_b_proj = LoraLinear(mla.kv_lora_rank, (kv_b_size,), ops, **kw)
+        self.o_proj = LoraLinear(Hh * mla.v_head_dim, (H,), ops, **kw)
+        order = None
+        if mla.rope_interleave:
+            order = _deinterleaved(mla.qk_rope_head_dim).to(kw["device"])
+        self.register_buffer("rope_order", order, persistent=False)
+
+    def lora_linears(self) -> dict[str, LoraLinear]:
+        """The projections that take LoRA, by their target's name (lora/slots.py)."""
+        linears = {"qkv": self.qkv_proj, "kv_b": self.kv_b_proj, "o": self.o_proj}
+        if self.q_b_proj is not None:
+            linears["q_b"] = self.q_b_proj
+        return linears
+
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> torch.Tensor:
+        """o_proj's output [T, H]; kv_cache: (latent [P, page_size, 1, L], rotary key
+        [P, page_size, 1, R]), where this step's tokens are stored first."""
+        mla, T, lora = self.mla, x.shape[0], batch.lora
+        q, kv = self.qkv_proj(x, lora).split(self.qkv_proj.out_slices, dim=-1)
+        if self.q_b_proj is not None:
+            q = self.q_b_proj(self.q_a_layernorm(q)[0], lora)
+        q_nope, q_pe = q.view(T, -1, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1
+        )
+        latent, k_pe = kv.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)[0]
+        latent_cache, rope_cache = kv_cache
+        q_pe, _ = self.ops.rope_store_kv(
+            self._rope_order(q_pe),
+            self._rope_order(k_pe).view(T, 1, -1),
+            batch.positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            None,
+            None,
+            self.cfg.rms_norm_eps,
+            v=latent.view(T, 1, -1),  # the latent is the "value" the cache keeps
+            k_cache=rope_cache,
+            v_cache=latent_cache,
+            slot_mapping=batch.attn.slot_mapping,
+        )
+        out = self.ops.mla_attention(
+            q_nope,
+            q_pe,
+            latent_cache,
+            rope_cache,
+            batch.attn,
+            self.kv_b_proj.weight,
+            mla.softmax_scale,
+            lora=self.kv_b_proj.lora if lora is not None else None,
+            info=lora,
+        )  # [T, Hh, V]
+        return self.o_proj(out.reshape(T, -1), lora)
+
+    def _rope_order(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., R] with DeepSeek's adjacent rotary pairs made halves, which the rotate-half
+        tables rotate as transformers does (q and k alike: their dot products are unchanged)."""
+        return x if self.rope_order is None else x[..., self.rope_order]
+
+
+def _deinterleaved(size: int) -> torch.Tensor:
+    """[0, 2, 4, ..., 1, 3, 5, ...]: the even dims, then the odd ones."""
+    return torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)])
