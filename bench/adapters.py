@@ -475,11 +475,15 @@ def pinned_copy_ms(nbytes: int, device: str, reps: int) -> float:
 # ---- GPU bytes of an adapter ------------------------------------------------------------
 
 
-def slot_bytes(engine: Engine) -> int:
-    """GPU bytes of one adapter slot: the slot pool's bytes / max_loras. Today every slot holds
-    every module at max_lora_rank, so this is what any adapter takes, whatever its rank."""
+def slot_bytes(engine: Engine, adapter: LoraAdapter | None = None) -> int:
+    """GPU bytes `adapter` takes: its region in the compact arena (its modules' own ranks, a
+    shared expert factor once); in the old layout (the engine's kernels not all converted to
+    the arena's tables), or without an adapter, a whole slot: every module at max_lora_rank."""
     pool = engine.slot_pool
-    return sum(w.a.nbytes + w.b.nbytes for w in pool.weights.values()) // pool.max_loras
+    elem = pool.arena.element_size()
+    if adapter is None or not pool.compact:
+        return pool.slot_elements * elem
+    return pool.region_size(adapter) * elem
 
 
 def engine_config(setup: Setup, folder: str, **options: object) -> EngineConfig:

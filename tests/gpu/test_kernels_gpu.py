@@ -64,7 +64,7 @@ def moe_weights(request):
 
 
 def _f32(lora: LoraWeights) -> LoraWeights:
-    return LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+    return LoraWeights.dense(lora.a.float(), lora.b.float(), lora.out_slices)
 
 
 def _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info) -> torch.Tensor:

@@ -193,7 +193,7 @@ def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
     info = batch_info(T, spread)
     info.slot_of_token[tokens:] = NO_SLOT
     clean = lora_weights(info.num_slots, (), 1, R, Hq * D, (24,), info.rank_of_slot, dtype)
-    lora = LoraWeights(clean.a.clone(), clean.b, clean.out_slices)
+    lora = LoraWeights.dense(clean.a.clone(), clean.b, clean.out_slices, info.rank_of_slot.tolist())
     for s, r in enumerate(info.rank_of_slot.tolist()):
         lora.a[s, :, r:] = float("nan")
     scale = D**-0.5

@@ -281,10 +281,11 @@ def _norm_lora(
     T, N = x.shape[0], x.shape[-1]
     NS, R, KS = 1, 1, 1
     if shrink is not None:
+        shrink.dense_views("rms_norm_lora")  # not converted to the arena's tables yet
         _, NS, R, N_a = shrink.a.shape
         assert N_a == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
     if expand is not None:
-        part, b = expand.shrunk, expand.weights.b
+        part, b = expand.shrunk, expand.weights.dense_views("rms_norm_lora")[1]
         S, R_b = b.shape[0], b.shape[2]
         assert b.shape == (S, N, R_b) and b.is_contiguous(), b.shape
         assert part.shape[0] == T and part.shape[2:] == (1, R_b), (part.shape, T, R_b)
@@ -641,7 +642,7 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
         assert r.slot_mapping.shape == (T,), r.slot_mapping.shape
     if expand is not None:
-        shrunk, b = expand.shrunk, expand.weights.b
+        shrunk, b = expand.shrunk, expand.weights.dense_views("rope_store_kv")[1]
         assert r.stores, "the folded LoRA needs v (and the caches): it expands into v as well"
         assert D & (D - 1) == 0, f"the folded LoRA needs a power-of-two head dim, got {D}"
         R = b.shape[2]

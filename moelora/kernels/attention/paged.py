@@ -985,6 +985,7 @@ def _launch_combine(
     num_rows, num_q_heads, head_dim = a.q.shape
     R, shrunk = 1, None
     if shrink is not None:
+        shrink.dense_views("paged_attention_o_shrink")  # not converted to the tables yet
         _, n, R, K_a = shrink.a.shape
         assert n == 1 and K_a == num_q_heads * head_dim, (shrink.a.shape, a.q.shape)
         assert shrink.a.is_contiguous(), shrink.a.stride()

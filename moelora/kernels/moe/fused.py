@@ -615,7 +615,7 @@ class _Pairs:
 def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Tensor) -> _Half:
     if lora is None or info is None:
         return _Half(False, unused, unused, (0, 0, 0, 0), (0, 0, 0))
-    a, b = lora.a, lora.b
+    a, b = lora.dense_views("fused_moe")  # not converted to the arena's tables yet
     assert a.is_contiguous() and b.is_contiguous()
     return _Half(True, a, b, (a.stride(0), a.stride(1), a.stride(2), a.stride(3)), b.stride()[:3])
 
