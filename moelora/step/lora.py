@@ -100,7 +100,7 @@ class LoraWeights:
             row[B_OFF], row[B_ROW] = a.numel() + s * b.stride(0), R
             row[A_EXPERT] = a.stride(1) if experts else 0
             row[B_EXPERT] = b.stride(1) if experts else 0
-            row[RANK] = R if ranks is None else ranks[s]
+            row[RANK] = R if ranks is None else min(ranks[s], R)
         return cls(arena, table.to(a.device), out_slices, K, R, experts, a, b)
 
     def dense_views(self, reader: str) -> tuple[torch.Tensor, torch.Tensor]:
