@@ -36,8 +36,10 @@ from moelora.kernels.dot import dot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import (
+    A_EXPERT,
     A_OFF,
     A_SLICE,
+    B_EXPERT,
     B_OFF,
     B_ROW,
     RANK,
@@ -49,6 +51,8 @@ from moelora.step.lora import (
 # the table's columns, as the kernels name them (module-level ints are constants to Triton)
 TAB_A_OFF, TAB_A_SLICE, TAB_B_OFF = tl.constexpr(A_OFF), tl.constexpr(A_SLICE), tl.constexpr(B_OFF)
 TAB_B_ROW, TAB_RANK = tl.constexpr(B_ROW), tl.constexpr(RANK)
+TAB_A_EXPERT, TAB_B_EXPERT = tl.constexpr(A_EXPERT), tl.constexpr(B_EXPERT)
+TAB_WIDTH = tl.constexpr(TABLE_WIDTH)
 
 
 @triton.jit
