@@ -519,14 +519,14 @@ def _combine_splits_kernel(
         # the slot's adapter has no o module (table rank 0).
         slot, rank, scaling = lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr)
         if rank > 0:
-            rank = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_RANK)
+            a_rank = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_RANK)
             offs_r = tl.arange(0, RP)
             K_in = tl.num_programs(1) * head_dim
             a_off = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_A_OFF)
             a_head = a_ptr + a_off + pid_hq * head_dim
             a = tl.load(
                 a_head + offs_r[:, None] * K_in + offs_d[None, :],
-                mask=(offs_r < rank)[:, None] & d_mask[None, :],
+                mask=(offs_r < a_rank)[:, None] & d_mask[None, :],
                 other=0.0,
             )  # [RP, BLOCK_D]
             shrunk = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1) * scaling
