@@ -146,7 +146,7 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
         gated_delta_rule=gated_delta.gated_delta_rule,
         rms_norm_gated=gated_delta.rms_norm_gated,
         keeps_mxfp4=True,
-        # the fused MoE's LoRA epilogues and align, and the attention's folded LoRA
-        # (norm_rope, paged_attention_o_shrink) read the dense views still
-        reads_lora_tables=False,
+        # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
+        # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
+        reads_lora_tables=True,
     )

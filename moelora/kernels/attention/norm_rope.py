@@ -289,10 +289,10 @@ class _NormLora(NamedTuple):
     """The LoRA halves of one norm launch (see rms_norm_lora); None where a half is off."""
 
     info: LoraBatchInfo | None = None
-    a: LoraWeights | None = None  # shrink: the LoRA of the projection that reads out
+    shrink: LoraWeights | None = None  # the LoRA of the projection that reads out
     shrunk: torch.Tensor | None = None  # shrink: its output [T, NS, R] float32
     part: torch.Tensor | None = None  # expand: the partial shrinks [T, KS, 1, R] float32
-    b: LoraWeights | None = None  # expand: the LoRA of the projection that produced x
+    expand: LoraWeights | None = None  # the LoRA of the projection that produced x
     NS: int = 1
     R: int = 1
     KS: int = 1
@@ -323,10 +323,10 @@ def _norm_lora(
         shrunk = torch.empty(T, NS, R, dtype=torch.float32, device=x.device)
     return _NormLora(
         info=info,
-        a=shrink,
+        shrink=shrink,
         shrunk=shrunk,
         part=None if expand is None else expand.shrunk,
-        b=None if expand is None else expand.weights,
+        expand=None if expand is None else expand.weights,
         NS=NS,
         R=R,
         KS=KS,
@@ -351,7 +351,7 @@ def _launch_rms_norm(
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
         # program: twice the warps halve the steps
         num_warps = min(2 * num_warps, 16)
-    shrink = lora.a is not None
+    shrink = lora.shrink is not None
     RC = _rank_rows_per_step(T, lora.NS * lora.R, BLOCK, num_warps, shrink)
     res = x if residual is None else residual
     unused = x  # every pointer whose flag is off: never read
@@ -362,9 +362,9 @@ def _launch_rms_norm(
         out_ptr=out,
         sum_ptr=s,
         **_info_ptrs(lora.info, unused),
-        **_factor_ptrs(lora.a, "a", unused),
+        **_factor_ptrs(lora.shrink, "a", unused),
         **_or_unused(unused, shrunk_ptr=lora.shrunk, part_ptr=lora.part),
-        **_factor_ptrs(lora.b, "b", unused),
+        **_factor_ptrs(lora.expand, "b", unused),
         N=N,
         stride_xt=x.stride(0),
         stride_xk=stride_xk,
