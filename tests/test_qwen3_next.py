@@ -20,6 +20,7 @@ from family_fixtures import FamilyFixtures, assert_not_degenerate, assert_same, 
 from test_vs_transformers import assert_matches, greedy_params
 
 from moelora import LLM
+from moelora.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from conftest import FixtureBank
@@ -149,6 +150,12 @@ def test_prefix_caching_keeps_state_snapshots(
     again = run_greedy(llm, [None, "a"], prompts, max_tokens=2)
     assert [o.num_cached_tokens for o in again] == [36, 36]
     _assert_same(again, first)
+    stats = llm.engine.stats()  # and /metrics says so
+    lines = ServerMetrics().render(stats, num_loras=2).splitlines()
+    assert stats.state_snapshots_cached > 0 and stats.state_slots_used == 0
+    assert f"moelora_state_snapshots_cached {stats.state_snapshots_cached}" in lines
+    assert f"moelora_state_slots_total {MAX_NUM_SEQS}" in lines
+    assert "moelora_state_slots_used 0" in lines
     caplog.clear()
     with caplog.at_level("INFO", logger="moelora.engine.build"):
         off = fx.llm(arch, page_size=4, max_state_snapshots=0)
