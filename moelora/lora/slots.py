@@ -124,12 +124,14 @@ class SlotPool:
         self._written[slot] = {
             key: m.a.shape[-2] for key, m in adapter.modules.items() if key in self.weights
         }
-        self.rank_of_slot[slot] = adapter.rank
-        self.scaling_of_slot[slot] = adapter.scaling
+        # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
+        # synchronises the stream, so the thread would wait for every copy above
+        self.rank_of_slot[slot].fill_(adapter.rank)
+        self.scaling_of_slot[slot].fill_(adapter.scaling)
         self.host_rank[slot] = adapter.rank
 
     def clear(self, slot: int) -> None:
-        self.rank_of_slot[slot] = 0
+        self.rank_of_slot[slot].fill_(0)
         self.host_rank[slot] = 0
 
 
