@@ -94,6 +94,13 @@ class EngineConfig:
         "reuse the KV pages of prompt prefixes already computed, per adapter load, base and "
         "cache_salt (vLLM's --enable-prefix-caching)",
     )
+    max_state_snapshots: int | None = _flag(
+        None,
+        "hybrid models' prefix caching: recurrent states kept at page boundaries of cached "
+        "prefixes (each the size of a running request's state), least recently used evicted, "
+        "beside the max_num_seqs states of running requests (SGLang's --max-mamba-cache-size "
+        "counts both); 0: no prefix caching for hybrid models; default: max_num_seqs",
+    )
     max_graph_bs: int = _flag(
         256, "largest batch size captured in a CUDA graph (SGLang's --cuda-graph-max-bs)"
     )
@@ -273,6 +280,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("page_size", _at_least_1, _AT_LEAST_1),
     ("num_pages", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("gpu_memory_utilization", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    ("max_state_snapshots", lambda v: v is None or v >= 0, "None or an integer >= 0"),
     ("max_graph_bs", _at_least_1, _AT_LEAST_1),
     ("max_prefill_graph_tokens", _at_least_0, _AT_LEAST_0),
     ("load_format", lambda v: v in LOAD_FORMATS, "'auto' or 'dummy'"),

@@ -3,8 +3,8 @@ logprobs within 1e-4 (models and adapters: qwen3_next_fixtures.py). Then what th
 keep: the delta-rule and conv references equal transformers' torch fallbacks with states
 carried between calls by slot, chunked prefill carries the recurrent state (prompts longer than
 a chunk, and than a 64-token delta-rule block), preemption recomputes the same tokens, every
-state slot and page goes back, prefix caching is off, the GPU kernel table refuses them, and
-the named shapes read."""
+state slot and page goes back, prefix caching keeps state snapshots (off without any), the GPU
+kernel table refuses them, and the named shapes read."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from family_fixtures import FamilyFixtures, assert_not_degenerate, assert_same, 
 from test_vs_transformers import assert_matches, greedy_params
 
 from moelora import LLM
+from moelora.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from conftest import FixtureBank
@@ -134,21 +135,35 @@ def test_a_long_prompt_in_chunks_of_48(bank: FixtureBank, fx: FamilyFixtures, ar
 
 
 @pytest.mark.parametrize("arch", qf.ARCHS)
-def test_prefix_caching_is_off(
+def test_prefix_caching_keeps_state_snapshots(
     fx: FamilyFixtures, arch: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A hybrid model's engine says prefix caching is off and caches no page: the same prompt
-    again finds nothing cached."""
+    """A hybrid model's engine says how many state snapshots its prefix cache keeps, and the
+    same prompt again is a hit (test_hybrid_prefix_cache.py tests hits in depth). With
+    max_state_snapshots=0 it says prefix caching is off and caches no page."""
     with caplog.at_level("INFO", logger="moelora.engine.build"):
         llm = fx.llm(arch, page_size=4)
-    assert "prefix caching is off for hybrid models" in caplog.text
     assert "recurrent-state slots" in caplog.text
+    assert f"keeps up to {MAX_NUM_SEQS} recurrent-state snapshots" in caplog.text
     prompts = [LONG_PROMPT[:40]] * 2
     first = run_greedy(llm, [None, "a"], prompts, max_tokens=2)
     again = run_greedy(llm, [None, "a"], prompts, max_tokens=2)
-    assert [o.num_cached_tokens for o in again] == [0, 0]
-    assert llm.engine.stats().kv_pages_cached == 0
+    assert [o.num_cached_tokens for o in again] == [36, 36]
     _assert_same(again, first)
+    stats = llm.engine.stats()  # and /metrics says so
+    lines = ServerMetrics().render(stats, num_loras=2).splitlines()
+    assert stats.state_snapshots_cached > 0 and stats.state_slots_used == 0
+    assert f"moelora_state_snapshots_cached {stats.state_snapshots_cached}" in lines
+    assert f"moelora_state_slots_total {MAX_NUM_SEQS}" in lines
+    assert "moelora_state_slots_used 0" in lines
+    caplog.clear()
+    with caplog.at_level("INFO", logger="moelora.engine.build"):
+        off = fx.llm(arch, page_size=4, max_state_snapshots=0)
+    assert "prefix caching is off: max_state_snapshots=0" in caplog.text
+    run_greedy(off, [None], prompts[:1], max_tokens=2)
+    again = run_greedy(off, [None], prompts[:1], max_tokens=2)
+    assert again[0].num_cached_tokens == 0 and off.engine.stats().kv_pages_cached == 0
+    _assert_same(again, first[:1])
 
 
 def test_a_multimodal_checkpoint_serves_its_text_model(bank: FixtureBank, tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from moelora.engine.grammar import Grammars
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
-from moelora.engine.state_cache import StateSlots, slot_bytes
+from moelora.engine.state_cache import StateSlots, StateSnapshots, slot_bytes
 from moelora.errors import ModelConfigError
 from moelora.kernels.ops import Ops
 from moelora.lora.arena import RegionAllocator
@@ -57,8 +57,8 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     adapters: AdapterRegistry
-    # EngineConfig.enable_prefix_caching, off for hybrid models: a cached prefix would have to
-    # restore their linear layers' recurrent states too, which no snapshot keeps yet
+    # EngineConfig.enable_prefix_caching; off for a hybrid model without state snapshots (a
+    # cached prefix must restore its linear layers' recurrent states too)
     prefix_caching: bool = True
 
 
@@ -115,9 +115,10 @@ def _around_model(
     tokenizer, eos = load_tokenizer(cfg.model, mc)
     grammars = Grammars(tokenizer, mc.vocab_size, eos) if tokenizer is not None else None
     pool, table = adapter_slots(cfg, model)
-    # hybrid models: one recurrent-state slot per running request, taken before the pages
-    num_states = cfg.max_num_seqs if mc.linear_attention is not None else 0
-    state_bytes = num_states * slot_bytes(mc, cfg.torch_dtype)
+    # hybrid models: one recurrent-state slot per running request and the prefix cache's
+    # snapshots, taken before the pages
+    num_states, num_snapshots = state_rows(cfg, mc)
+    state_bytes = (num_states + num_snapshots) * slot_bytes(mc, cfg.torch_dtype)
     num_pages = cfg.num_pages or auto_num_pages(
         cfg, kv_config(mc, model.shard), max_len, reserved=state_bytes
     )
@@ -129,10 +130,12 @@ def _around_model(
         cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.page_size, max_model_len=max_model_len
     )
     states = StateSlots(num_states) if num_states else None
+    # snapshot rows follow the slots and the spare in the state tensors (layer_states)
+    snapshots = StateSnapshots(num_snapshots, num_states + 1) if num_snapshots else None
     if states is not None:
-        _log_hybrid(cfg, mc, num_pages, state_bytes)
-    scheduler = Scheduler(config, pages, table, states)
-    runner = _runner(cfg, model, pool, num_pages, workers, num_states)
+        _log_hybrid(cfg, mc, num_pages, num_snapshots)
+    scheduler = Scheduler(config, pages, table, states, snapshots)
+    runner = _runner(cfg, model, pool, num_pages, workers, (num_states, num_snapshots))
     _capture_graphs(cfg, runner, model.ops, max_model_len, num_pages)
     adapters = AdapterRegistry(cfg, mc, model.shard, pool)
     for name, path in cfg.lora_modules.items():
@@ -152,28 +155,48 @@ def _around_model(
         scheduler=scheduler,
         runner=runner,
         adapters=adapters,
-        prefix_caching=cfg.enable_prefix_caching and states is None,
+        prefix_caching=cfg.enable_prefix_caching and (states is None or snapshots is not None),
     )
 
 
-def _log_hybrid(cfg: EngineConfig, mc: ModelConfig, num_pages: int, state_bytes: int) -> None:
-    """How a hybrid model's cache memory divides between recurrent states and KV pages."""
+def state_rows(cfg: EngineConfig, mc: ModelConfig) -> tuple[int, int]:
+    """A hybrid model's recurrent states: (slots, one per running request; snapshots for its
+    prefix cache, max_state_snapshots or max_num_seqs, none when caching is off); (0, 0) for
+    other models."""
+    if mc.linear_attention is None:
+        return 0, 0
+    snapshots = cfg.max_num_seqs if cfg.max_state_snapshots is None else cfg.max_state_snapshots
+    return cfg.max_num_seqs, snapshots if cfg.enable_prefix_caching else 0
+
+
+def _log_hybrid(cfg: EngineConfig, mc: ModelConfig, num_pages: int, num_snapshots: int) -> None:
+    """How a hybrid model's cache memory divides between recurrent states (running requests'
+    and the prefix cache's snapshots) and KV pages."""
+    per_state = slot_bytes(mc, cfg.torch_dtype)
     log.info(
         "%s: %d recurrent-state slots (max_num_seqs) for %d linear layers take %s; %d KV pages "
         "of %d tokens for %d attention layers take %s",
         mc.arch,
         cfg.max_num_seqs,
         sum(mc.linear_attention.layers),
-        _size(state_bytes),
+        _size(cfg.max_num_seqs * per_state),
         num_pages,
         cfg.page_size,
         mc.num_paged_layers,
         _size(num_pages * page_bytes(mc, cfg.page_size, cfg.torch_dtype)),
     )
-    if cfg.enable_prefix_caching:
+    if num_snapshots:
         log.info(
-            "%s: prefix caching is off for hybrid models: a cached prefix would have to "
-            "restore the linear layers' recurrent states, which are not snapshotted yet",
+            "%s: prefix caching keeps up to %d recurrent-state snapshots at page boundaries "
+            "(max_state_snapshots, least recently used evicted), taking %s",
+            mc.arch,
+            num_snapshots,
+            _size(num_snapshots * per_state),
+        )
+    elif cfg.enable_prefix_caching:
+        log.info(
+            "%s: prefix caching is off: max_state_snapshots=0 keeps no recurrent-state "
+            "snapshot, and a cached prefix must restore the linear layers' states",
             mc.arch,
         )
 
@@ -287,17 +310,18 @@ def _runner(
     pool: SlotPool | None,
     num_pages: int,
     workers: Workers | None,
-    num_states: int = 0,
+    states: tuple[int, int] = (0, 0),
 ) -> ModelRunner:
     """The runner over a KV cache of num_pages pages of this rank's KV heads (and a hybrid
-    model's num_states recurrent-state slots)."""
+    model's recurrent states: state_rows' slots and snapshots)."""
     kv = allocate_kv_caches(
         kv_config(model.cfg, model.shard),
         num_pages,
         cfg.page_size,
         dtype=cfg.torch_dtype,
         device=cfg.torch_device,
-        num_state_slots=num_states,
+        num_state_slots=states[0],
+        num_snapshots=states[1],
     )
     return ModelRunner(model, kv, pool, cfg.page_size, cfg.torch_device, workers)
 

@@ -87,6 +87,9 @@ class EngineStats:
     # until the step in flight is done); 0 of 0 for other models
     state_slots_used: int = 0
     state_slots_total: int = 0
+    # their prefix cache's state snapshots at page boundaries: cached of max_state_snapshots
+    state_snapshots_cached: int = 0
+    state_snapshots_total: int = 0
 
 
 class Engine:
@@ -103,7 +106,8 @@ class Engine:
         self.slot_pool, self.slot_table = parts.slot_pool, parts.slot_table
         self.pages, self.scheduler, self.runner = parts.pages, parts.scheduler, parts.runner
         self.adapters: AdapterRegistry = parts.adapters
-        self.prefix_caching = parts.prefix_caching  # off for hybrid models (build.py says so)
+        # off for a hybrid model without state snapshots (max_state_snapshots=0; build.py)
+        self.prefix_caching = parts.prefix_caching
         self._requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._steps = itertools.count()  # each launched step's number (Request.last_step)
@@ -335,6 +339,7 @@ class Engine:
         for chunk in step.plan.chunks:
             if chunk.request.cache_namespace is not None:
                 self.scheduler.register(chunk.request, chunk.start + chunk.num_tokens)
+        self.scheduler.register_snapshots(step.plan.snapshots)  # after their pages
         for i, chunk in enumerate(step.plan.chunks):
             if chunk.request.status is not Status.FINISHED:
                 chunk.request.prompt_logprobs += step.prompt_logprobs.get(i, [])
@@ -453,7 +458,7 @@ class Engine:
             if slot is not None:
                 self.slot_table.evict(load)
                 self.runner.clear_slot(slot)
-            self.pages.drop_owner(load)
+            self.scheduler.drop_cached(load)
             self.adapters.forget(load)
 
     def unload_lora(self, name: str) -> None:
@@ -469,15 +474,16 @@ class Engine:
         slot = self.slot_table.evict(load)
         if slot is not None:
             self.runner.clear_slot(slot)
-        self.pages.drop_owner(load)  # its KV is never read again
+        self.scheduler.drop_cached(load)  # its KV and states are never read again
 
     def list_loras(self) -> list[str]:
         return list(self.adapters)
 
     def reset_prefix_cache(self) -> bool:
-        """vLLM's: every cached page leaves the prefix cache (those no request holds are free
-        again); later requests compute their prompts anew. True: done."""
-        self.pages.reset_cache()
+        """vLLM's: every cached page (and a hybrid model's every state snapshot) leaves the
+        prefix cache (pages no request holds are free again); later requests compute their
+        prompts anew. True: done."""
+        self.scheduler.drop_cached(everything=True)
         return True
 
     def close(self) -> None:
@@ -512,6 +518,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         graphs, states = self.runner.graphs, self.scheduler.states
+        snapshots = self.scheduler.snapshots
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -534,6 +541,8 @@ class Engine:
             lora_fill_seconds=self._fill_seconds,
             state_slots_used=states.num_used if states else 0,
             state_slots_total=states.num_slots if states else 0,
+            state_snapshots_cached=snapshots.num_cached if snapshots else 0,
+            state_snapshots_total=snapshots.num_snapshots if snapshots else 0,
         )
 
     def _adapter_stats(self) -> tuple[AdapterStats, ...]:

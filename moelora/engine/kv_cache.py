@@ -71,14 +71,13 @@ class PageAllocator:
                 else:
                     self._free.append(page)
 
+    def num_cached_run(self, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, are cached (nothing is held)."""
+        return next((i for i, h in enumerate(hashes) if h not in self._page_of), len(hashes))
+
     def cached_prefix(self, hashes: list[bytes]) -> list[int]:
         """The cached pages of the longest prefix of `hashes`, each now held once more."""
-        pages = []
-        for h in hashes:
-            page = self._page_of.get(h)
-            if page is None:
-                break
-            pages.append(page)
+        pages = [self._page_of[h] for h in hashes[: self.num_cached_run(hashes)]]
         for page in pages:
             self._evictable.pop(page, None)
             self._refs[page] += 1
@@ -134,18 +133,20 @@ def allocate_kv_caches(
     dtype: torch.dtype,
     device: torch.device,
     num_state_slots: int = 0,
+    num_snapshots: int = 0,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[num_pages + 1, page_size, Hkv, D] per layer for K and V; the last page is the spare
     that padded rows of a graph batch point at (never handed out). MLA (ModelConfig.mla) keeps
     no K and V: per layer the latent [.., 1, kv_lora_rank] and the rotary key [.., 1,
     qk_rope_head_dim], views of one tensor whose tokens hold the two side by side. A hybrid
-    model's linear layers keep num_state_slots recurrent states (state_cache.layer_states)."""
+    model's linear layers keep num_state_slots recurrent states and num_snapshots snapshots of
+    them (state_cache.layer_states)."""
     kw = dict(dtype=dtype, device=device)
     if cfg.mla is not None:
         return [_latent_cache(cfg, num_pages, page_size, **kw) for _ in range(cfg.num_layers)]
     shape = (num_pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim)
     return [
-        layer_states(cfg, num_state_slots, **kw)
+        layer_states(cfg, num_state_slots, num_snapshots=num_snapshots, **kw)
         if cfg.is_linear(i)
         else (torch.zeros(shape, **kw), torch.zeros(shape, **kw))
         for i in range(cfg.num_layers)

@@ -35,6 +35,12 @@ the slot references; the engine carries the plan out.
   logprobs takes none: they need every prompt position's logits. register() caches a
   request's full pages, prompt and generated, once the step that wrote them is committed,
   never before: a page in the cache is never written again.
+- Prefix caching of hybrid models (snapshots not None; engine/state_cache.py says how states
+  are snapshotted): a cached run of pages is a hit only up to its longest part whose last page
+  has a state snapshot, which is copied into the request's state slot before its first chunk.
+  A chunk that ends a page whose hash is known takes a snapshot row (copied after its
+  forward), and a prompt's chunk that would cross its last page boundary before its last
+  token ends there (_chunk_tokens): its tail, less than a page, then costs one more step.
 """
 
 from __future__ import annotations
@@ -46,10 +52,10 @@ from dataclasses import dataclass
 
 from moelora.engine.kv_cache import PageAllocator
 from moelora.engine.prefix_cache import extend_hashes
-from moelora.engine.state_cache import StateSlots
+from moelora.engine.state_cache import StateSlots, StateSnapshots
 from moelora.lora.slots import SlotTable
 from moelora.step.batch import pages_for
-from moelora.step.plan import Chunk, StepPlan
+from moelora.step.plan import Chunk, Snapshot, StepPlan
 from moelora.step.request import Request, Status
 
 
@@ -70,12 +76,15 @@ class Scheduler:
         pages: PageAllocator,
         slots: SlotTable | None,
         states: StateSlots | None = None,
+        snapshots: StateSnapshots | None = None,
     ):
-        """states: a hybrid model's recurrent-state slots (None: the model keeps pages only)."""
+        """states: a hybrid model's recurrent-state slots (None: the model keeps pages only);
+        snapshots: their prefix cache's (None: pages only, or prefix caching is off)."""
         self.cfg = cfg
         self.pages = pages
         self.slots = slots
         self.states = states
+        self.snapshots = snapshots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -178,7 +187,7 @@ class Scheduler:
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget == 0 or self._at_its_end(req):
                 continue  # preempted earlier in this loop, no budget left, or nothing to add
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk_tokens(req, budget)
             while not self._reserve_pages(req, n):
                 if not can_preempt:
                     return None
@@ -188,7 +197,7 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is Status.RUNNING:
-                plan.chunks.append(Chunk.next_of(req, n))
+                self._plan_chunk(plan, req, n)
                 budget -= n
         if not plan.preempted:
             self._admit(plan, budget)
@@ -218,8 +227,8 @@ class Scheduler:
                 req, nothing_runs=nothing_runs, starving_since=starving_since
             ):
                 continue  # its adapter is not in a slot yet; later requests may still run
-            cached = self._take_cached_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            cached, snapshot = self._take_cached_prefix(req)
+            n = self._chunk_tokens(req, budget)
             if not self._reserve_pages(req, n):
                 self._give_back_cached_prefix(req)
                 return  # first come, first served on pages
@@ -228,10 +237,12 @@ class Scheduler:
                 req.slot = self.slots.acquire(req.lora_load)
             if self.states is not None:
                 req.state_slot = self.states.allocate()
+                if snapshot is not None:  # the state after its cached prefix, before its chunk
+                    plan.state_restores.append((snapshot, req.state_slot))
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             req.status = Status.RUNNING
-            plan.chunks.append(Chunk.next_of(req, n))
+            self._plan_chunk(plan, req, n)
             budget -= n
 
     def _adapter_can_run(
@@ -243,17 +254,54 @@ class Scheduler:
             return True
         return nothing_runs and self.slots.slot_of(req.lora_load) is not None
 
-    def _take_cached_prefix(self, req: Request) -> int:
-        """The request starts with the cached pages of its prompt's longest cached prefix:
-        how many tokens they hold."""
+    def _take_cached_prefix(self, req: Request) -> tuple[int, int | None]:
+        """The request starts with the cached pages of its prompt's longest cached prefix: how
+        many tokens they hold, and for a hybrid model the snapshot row of the state after them
+        (None: no pages, or not a hybrid model)."""
         if req.num_computed_tokens or req.params.prompt_logprobs is not None:
-            return 0
+            return 0, None
         most = (req.num_tokens - 1) // self.cfg.page_size
-        pages = self.pages.cached_prefix(req.page_hashes[:most])
+        hashes = req.page_hashes[:most]
+        n = self.pages.num_cached_run(hashes)
+        if self.snapshots is not None:  # a hit must end on a page whose state was snapshotted
+            n = self.snapshots.longest(hashes[:n])
+        pages = self.pages.cached_prefix(hashes[:n])
         req.add_pages(pages)
         req.num_cached_pages = len(pages)
         req.num_computed_tokens = len(pages) * self.cfg.page_size
-        return req.num_computed_tokens
+        if self.snapshots is None or not pages:
+            return req.num_computed_tokens, None
+        return req.num_computed_tokens, self.snapshots.use(hashes[n - 1])
+
+    def _chunk_tokens(self, req: Request, budget: int) -> int:
+        """Its next chunk's tokens: what is left, within the budget. With snapshots, a chunk
+        that would cross its snapshot boundary (the last page boundary before its last token
+        whose page hash is known: the longest prefix an identical prompt can take) ends there,
+        so that a snapshot holds the state after exactly that token."""
+        start = req.num_computed_tokens
+        n = min(req.num_tokens - start, budget)
+        if self.snapshots is not None and req.cache_namespace is not None:
+            size = self.cfg.page_size
+            boundary = min(len(req.page_hashes), (req.num_tokens - 1) // size) * size
+            if start < boundary < start + n:
+                n = boundary - start
+        return n
+
+    def _plan_chunk(self, plan: StepPlan, req: Request, n: int) -> None:
+        """Its next n tokens in the plan, with a snapshot row for the state after them if they
+        end a page whose hash is known and has no snapshot yet (no row when every row is
+        pending: that page gets none)."""
+        chunk = Chunk.next_of(req, n)
+        plan.chunks.append(chunk)
+        end, size = chunk.start + n, self.cfg.page_size
+        if self.snapshots is None or req.cache_namespace is None or end % size:
+            return
+        pages = end // size  # the chunk ends the last of these pages
+        if pages > len(req.page_hashes) or self.snapshots.has(req.page_hashes[pages - 1]):
+            return
+        row = self.snapshots.take()
+        if row is not None:
+            plan.snapshots.append(Snapshot(req, end, row))
 
     def _give_back_cached_prefix(self, req: Request) -> None:
         """Not admitted after all: back to waiting, holding nothing."""
@@ -281,6 +329,25 @@ class Scheduler:
         for i in range(req.num_cached_pages, full):
             self.pages.register(req.pages[i], req.page_hashes[i], req.cache_owner)
         req.num_cached_pages = max(req.num_cached_pages, full)
+
+    def register_snapshots(self, snapshots: list[Snapshot]) -> None:
+        """The snapshots a committed step took, each cached under the hash of the page it ends
+        (whose pages register() has cached first)."""
+        for snap in snapshots:
+            page_hash = snap.request.page_hashes[snap.num_tokens // self.cfg.page_size - 1]
+            self.snapshots.cache(snap.row, page_hash, snap.request.cache_owner)
+
+    def drop_cached(self, owner: Hashable | None = None, *, everything: bool = False) -> None:
+        """The cached pages and snapshots of `owner` (an adapter's load) leave the prefix
+        cache; everything=True: all of them (reset_prefix_cache)."""
+        if everything:
+            self.pages.reset_cache()
+        else:
+            self.pages.drop_owner(owner)
+        if self.snapshots is not None and everything:
+            self.snapshots.reset()
+        elif self.snapshots is not None:
+            self.snapshots.drop_owner(owner)
 
     def _reserve_pages(self, req: Request, n: int) -> bool:
         need = pages_for(req.num_computed_tokens + n, self.cfg.page_size) - len(req.pages)

@@ -191,8 +191,10 @@ class SlotPool:
             self._fill_region(slot, adapter, start)
         else:
             self._fill_dense(slot, adapter)
-        self.rank_of_slot[slot] = adapter.rank
-        self.scaling_of_slot[slot] = adapter.scaling
+        # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
+        # synchronises the stream, so the thread would wait for every copy above
+        self.rank_of_slot[slot].fill_(adapter.rank)
+        self.scaling_of_slot[slot].fill_(adapter.scaling)
         self.host_rank[slot] = adapter.rank
 
     def _fill_region(self, slot: int, adapter, start: int) -> None:
@@ -242,10 +244,11 @@ class SlotPool:
         self._written[slot] = {
             key: m.a.shape[-2] for key, m in adapter.modules.items() if key in self.weights
         }
-        self.tables[:, slot, RANK].copy_(ranks)
+        ranks = ranks.pin_memory() if self.tables.is_cuda else ranks  # as _fill_region's
+        self.tables[:, slot, RANK].copy_(ranks, non_blocking=True)
 
     def clear(self, slot: int) -> None:
-        self.rank_of_slot[slot] = 0
+        self.rank_of_slot[slot].fill_(0)
         self.host_rank[slot] = 0
 
 

@@ -133,6 +133,7 @@ class ModelRunner:
         if self.workers is not None:
             self.workers.send(Forward(host, rows))
         self._wait_for_fills(host)
+        self._copy_states(host.state_restores)
         with self._collectives():
             if self.graphs is not None and self.graphs.can_run(host):
                 hidden = self.graphs.run(host, prev_tokens=prev_tokens)
@@ -147,8 +148,21 @@ class ModelRunner:
                     self.shard.broadcast(batch.input_ids)  # rank 0 alone holds prev_tokens
                 hidden = self.forward(batch)
                 self.num_eager_steps += 1
+            self._copy_states(host.state_saves)
             device_rows = [r.to(self.device, non_blocking=True) for r in rows]
             return hidden, [self.model.compute_logits(hidden[r]) for r in device_rows]
+
+    def _copy_states(self, pairs: tuple[tuple[int, int], ...]) -> None:
+        """Rows `from` copied into rows `to` of every linear layer's recurrent-state tensors
+        (conv windows and delta-rule states), on the compute stream: in step order with the
+        forwards that read and write them. The two sides never share a row."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(side, device=self.device) for side in zip(*pairs))
+        for i, tensors in enumerate(self.kv_caches):
+            if self.model.cfg.is_linear(i):
+                for t in tensors:
+                    t[dst] = t[src]
 
     @contextlib.contextmanager
     def _collectives(self) -> Iterator[None]:
@@ -331,6 +345,8 @@ class ModelRunner:
             state_slots=None
             if state_slots[0] is None
             else torch.tensor(state_slots, dtype=torch.int32),
+            state_restores=tuple(plan.state_restores),
+            state_saves=tuple((s.request.state_slot, s.row) for s in plan.snapshots),
         )
 
     def _slot_enabled(self, slots: set[int]) -> torch.Tensor | None:

@@ -205,6 +205,26 @@ ENGINE_GAUGES = (
         "lora_slot_refs",
     ),
     (
+        "moelora_state_slots_used",
+        "Hybrid models: recurrent-state slots requests hold (0 when idle; 0 of 0 otherwise).",
+        "state_slots_used",
+    ),
+    (
+        "moelora_state_slots_total",
+        "Hybrid models: recurrent-state slots in all.",
+        "state_slots_total",
+    ),
+    (
+        "moelora_state_snapshots_cached",
+        "Hybrid models: prefix-cache state snapshots at page boundaries.",
+        "state_snapshots_cached",
+    ),
+    (
+        "moelora_state_snapshots_total",
+        "Hybrid models: state snapshot rows in all (--max-state-snapshots).",
+        "state_snapshots_total",
+    ),
+    (
         "moelora_gpu_memory_allocated_bytes",
         "Bytes torch has allocated on the engine's GPU (0 on the CPU).",
         "gpu_memory_allocated",

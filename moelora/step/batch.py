@@ -94,6 +94,10 @@ class HostBatch:
     chunks: tuple[tuple[int, int], ...] | None = None  # AttentionMetadata.chunks
     rank_tile: int = 0  # LoraBatchInfo.rank_tile (0: the pool's, as graphs are captured)
     state_slots: torch.Tensor | None = None  # [B] int32, AttentionMetadata.state_slots
+    # hybrid models' prefix caching: (from, to) rows of every linear layer's state tensors
+    # copied before the forward (snapshot into slot) and after it (slot into snapshot)
+    state_restores: tuple[tuple[int, int], ...] = ()
+    state_saves: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

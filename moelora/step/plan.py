@@ -24,10 +24,25 @@ class Chunk:
         return cls(req, start, num_tokens, start + num_tokens == req.num_tokens)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A hybrid model's recurrent state after a chunk that ends a full page: copied from the
+    request's state slot into row `row` of the state tensors once the step's forward is done,
+    cached under that page's hash once the step is committed (engine/state_cache.py)."""
+
+    request: Request
+    num_tokens: int  # the chunk's end, a page boundary: the state after these tokens
+    row: int
+
+
 @dataclass
 class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # hybrid models' prefix caching: (snapshot row, state slot) copied before the forward, for
+    # requests admitted with a cached prefix; and the snapshots taken after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    snapshots: list[Snapshot] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -582,3 +582,43 @@ def _live_blocks(skip: torch.Tensor, top: int = 12) -> str:
                 blocks.append((block["size"], segment["stream"], where))
     blocks.sort(key=lambda b: -b[0])
     return "\n".join(f"{size} bytes, stream {stream}: {at}" for size, stream, at in blocks[:top])
+
+
+def test_a_slot_fill_never_synchronises_the_engine_thread(assets):
+    """A fill's copies run from page-locked memory on the copy stream: nothing in it may wait
+    for the device (a pageable copy or an item assignment of a device tensor would wait for
+    every copy before it). Then its slot holds the adapter, zeros past its rank, its rank and
+    scaling."""
+    from moelora.lora.adapter import random_adapter
+
+    model, adapters = assets
+    llm = LLM(model, lora_modules=adapters, max_loras=2, max_lora_rank=64, **ENGINE)
+    engine = llm.engine
+    try:
+        adapter = random_adapter(
+            "drawn",
+            engine.lora_targets,
+            rank=16,
+            seed=11,
+            dtype=torch.bfloat16,
+            device="cuda",
+            store="cpu",
+        ).pinned()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for slot in (0, 1, 0):  # the refill zeroes what the last occupant left
+                engine.runner.fill_slot(slot, adapter)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        pool = engine.slot_pool
+        for key, m in adapter.modules.items():
+            w = pool.weights[key]
+            torch.testing.assert_close(w.a[0, ..., :16, :].cpu(), m.a, rtol=0, atol=0)
+            torch.testing.assert_close(w.b[0, ..., :16].cpu(), m.b, rtol=0, atol=0)
+            assert not w.a[0, ..., 16:, :].any() and not w.b[0, ..., 16:].any()
+        assert pool.rank_of_slot[0].item() == 16
+        assert pool.scaling_of_slot[0].item() == pytest.approx(adapter.scaling)
+    finally:
+        engine.close()
