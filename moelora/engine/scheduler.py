@@ -14,6 +14,8 @@ the slot references; the engine carries the plan out.
   waits for goes first; one whose adapter has waiting requests goes only to an adapter with
   more of them (no thrashing), or to one whose request has waited max_lora_wait_steps (no
   starvation: until it has a slot, later LoRA requests are not admitted, so slots drain).
+  A slot filled for waiting requests is theirs until one of them runs: it is never taken
+  from them, and they are admitted even past a starving request.
 - When pages run out, the newest running request (by arrival) is preempted by recompute: its
   pages and its slot reference are freed and it goes back to the front of the waiting queue.
   Readmitted, an old request takes its place among the running by age again, so it is not
@@ -133,7 +135,11 @@ class Scheduler:
         """The idle slot `load` takes: free first, then the least recently used of those with
         the fewest waiting requests; one with waiting requests only for more of them, or for a
         starving load."""
-        idle = self.slots.idle()
+        table = self.slots
+        # a slot filled for waiting requests that have not run yet is theirs: evicted now (a
+        # starving load would, the moment its fill lands), its fill would be wasted and its
+        # requests would starve in turn
+        idle = [s for s in table.idle() if not (table.unused[s] and demand[table.names[s]])]
         if not idle:
             return None
         slot = min(idle, key=lambda s: demand[self.slots.names[s]] if self.slots.names[s] else -1)
@@ -206,13 +212,16 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         nothing_runs = not self.running  # a step may then wait for a fill: no one else waits
         starving_since = self._starving_since() if self.slots is not None else None
+        # loads whose slot was filled for requests that have not run: they run even past a
+        # starving request (the slot is kept for them, so it drains only once they have)
+        fresh = set() if self.slots is None else self.slots.unused_loads()
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return
             if self.states is not None and self.states.num_free == 0:
                 return  # every state slot is held (some by requests the step in flight ends)
             if req.lora_load is not None and not self._adapter_can_run(
-                req, nothing_runs=nothing_runs, starving_since=starving_since
+                req, nothing_runs=nothing_runs, starving_since=starving_since, fresh=fresh
             ):
                 continue  # its adapter is not in a slot yet; later requests may still run
             cached, snapshot = self._take_cached_prefix(req)
@@ -234,10 +243,11 @@ class Scheduler:
             budget -= n
 
     def _adapter_can_run(
-        self, req: Request, *, nothing_runs: bool, starving_since: int | None
+        self, req: Request, *, nothing_runs: bool, starving_since: int | None, fresh: set
     ) -> bool:
         if starving_since is not None and req.arrival > starving_since:
-            return False
+            if req.lora_load not in fresh:
+                return False
         if self.slots.is_ready(req.lora_load):
             return True
         return nothing_runs and self.slots.slot_of(req.lora_load) is not None

@@ -149,6 +149,9 @@ class SlotTable:
         self.names: list[Hashable | None] = [None] * num_slots
         self.refs = [0] * num_slots
         self.filling = [False] * num_slots
+        # assigned, and no request has taken a reference since: the scheduler keeps such a
+        # slot for the requests it was filled for (evicted before they ran, it was wasted)
+        self.unused = [False] * num_slots
         self.last_used = [0] * num_slots
         self._clock = itertools.count(1)
 
@@ -169,7 +172,7 @@ class SlotTable:
         """`name` takes the idle `slot` and is filling; returns the load it held."""
         assert self.refs[slot] == 0 and not self.filling[slot] and name not in self.names
         evicted, self.names[slot] = self.names[slot], name
-        self.filling[slot] = True
+        self.filling[slot] = self.unused[slot] = True
         self.last_used[slot] = next(self._clock)
         return evicted
 
@@ -181,6 +184,7 @@ class SlotTable:
         """A new reference to the slot that holds `name` (assigned before)."""
         slot = self.names.index(name)
         self.refs[slot] += 1
+        self.unused[slot] = False
         self.last_used[slot] = next(self._clock)
         return slot
 
@@ -193,8 +197,12 @@ class SlotTable:
         if slot is not None:
             assert self.refs[slot] == 0
             self.names[slot] = None
-            self.filling[slot] = False
+            self.filling[slot] = self.unused[slot] = False
         return slot
+
+    def unused_loads(self) -> set[Hashable]:
+        """Loads in slots that no request has taken a reference to since their fill."""
+        return {n for n, unused in zip(self.names, self.unused) if unused}
 
     @property
     def num_used(self) -> int:
