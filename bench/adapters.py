@@ -20,8 +20,11 @@ through the engine's own step loop, on a Qwen3-30B-A3B shape with random weights
   decode steps (calls with no first token returned in the call before, itself or the two
   after: the batch a call launches or waits for holds no prefill chunk, told apart from the
   public outputs); fills, their bytes and the engine thread's seconds in them (engine.stats()).
-  A warm-up of other prompts on the workload's adapters runs first (kernels compile; the
-  reference's 16 adapters are then all in their slots); the figures leave it out.
+  A warm-up of other prompts on the workload's adapters runs first (the reference's 16
+  adapters are then all in their slots); the figures leave it out. The run's first workload
+  also runs once whole before its timed pass: its steps' sizes compile the kernel variants
+  that every workload meets, seconds each on a cold Triton cache, which the reference would
+  otherwise carry.
 - One fill against its floor, in the same run, on the first engine with more adapters than
   slots: floor = one host-to-device copy of the adapter's bytes from a page-locked buffer
   (copy_ non_blocking, CUDA events, median); fill = the synchronised Engine.step() that runs a
@@ -300,18 +303,21 @@ def drive(
     return Trace(seconds, sum(done.values()), ttft, tuple(steps), tuple(firsts))
 
 
-def run_workload(engine: Engine, setup: Setup, w: Workload, names: list[str]) -> Result:
-    """A warm-up on other prompts, then the workload, each request on its adapter."""
+def run_workload(
+    engine: Engine, setup: Setup, w: Workload, names: list[str], *, tag: str = ""
+) -> Result:
+    """A warm-up on other prompts, then the workload, each request on its adapter (tag: in
+    the request ids, for a pass of a workload that ran before)."""
     n, vocab = setup.requests, engine.model_config.vocab_size
     which = adapter_of_requests(w, n, s=setup.zipf_s, seed=setup.seed)
     loras = [names[j] for j in which]
     warm = random_prompts(vocab, setup.warm_requests, setup.input_len, seed=setup.seed + 2)
     warm_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    warm_requests = [(f"{w.key}-warm-{i}", p, loras[i]) for i, p in enumerate(warm)]
+    warm_requests = [(f"{w.key}{tag}-warm-{i}", p, loras[i]) for i, p in enumerate(warm)]
     drive(engine, dataclasses.replace(setup, request_rate=None), warm_requests, warm_params)
     prompts = random_prompts(vocab, n, setup.input_len, seed=setup.seed + 3)
     params = SamplingParams(max_tokens=setup.output_len, temperature=0, ignore_eos=True)
-    requests = [(f"{w.key}-{i}", p, loras[i]) for i, p in enumerate(prompts)]
+    requests = [(f"{w.key}{tag}-{i}", p, loras[i]) for i, p in enumerate(prompts)]
     before = engine.stats()
     trace = drive(engine, setup, requests, params)
     return Result(w, len(set(which)), trace, stats_delta(before, engine.stats()))
@@ -544,6 +550,12 @@ def run(setup: Setup, folder: str) -> Run:
                 slots[w.max_lora_rank] = slot_bytes(engine)
                 print(f"engine {options}: built in {builds[-1][1]:.1f} s", flush=True)
             names = register(engine, w, host)
+            if not results:
+                # the run's first pass compiles the kernel variants of every step size the
+                # workloads meet (seconds each, the first time): untimed, or the reference
+                # would carry them and every ratio to it would flatter the others
+                cold = run_workload(engine, setup, w, list(names), tag="-cold")
+                print(f"cold pass: {cold.tok_s:.1f} output tok/s (not counted)", flush=True)
             results.append(run_workload(engine, setup, w, list(names)))
             print(result_line(results[-1]), flush=True)
             if probe is None and w.adapters > w.max_loras and len(w.ranks) == 1:
@@ -599,7 +611,9 @@ def report(setup: Setup, run: Run, seconds: float) -> list[str]:
         f"- requests: {setup.requests} x ({setup.input_len} random tokens in, "
         f"{setup.output_len} out), greedy, ignore_eos, {arrival}, run by Engine.step() until "
         f"all finish, after a warm-up of {setup.warm_requests} other prompts (2 tokens each) on "
-        "the same adapters; cycle: request i on adapter i % N; zipf: adapter drawn with "
+        f"the same adapters (and, for {setup.workloads[0].key}, an untimed pass of the whole "
+        "workload first: kernels compile); cycle: request i on adapter i % N; zipf: adapter "
+        "drawn with "
         f"P(j) ~ 1 / (j + 1)^{setup.zipf_s:g} (seed {setup.seed})",
         f"- adapters: random weights on attention and every expert, {setup.distinct} distinct "
         "ones per rank drawn into host memory and page-locked once; a workload's N names are "

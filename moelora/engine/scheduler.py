@@ -14,6 +14,8 @@ the slot references; the engine carries the plan out.
   waits for goes first; one whose adapter has waiting requests goes only to an adapter with
   more of them (no thrashing), or to one whose request has waited max_lora_wait_steps (no
   starvation: until it has a slot, later LoRA requests are not admitted, so slots drain).
+  A slot filled for waiting requests is theirs until one of them runs: it is never taken
+  from them, and they are admitted even past a starving request.
 - When pages run out, the newest running request (by arrival) is preempted by recompute: its
   pages and its slot reference are freed and it goes back to the front of the waiting queue.
   Readmitted, an old request takes its place among the running by age again, so it is not
@@ -118,11 +120,11 @@ class Scheduler:
         for load in self._loads_without_slot()[: len(self.slots.names)]:
             if not can_fill(load):
                 continue
-            slot = self._slot_for(load, demand)
-            if slot is None:
+            takeable = self._takeable(load, demand)
+            if not takeable:
                 continue
-            size = size_of(load)
-            victims = self.slots.room_for(size, slot)
+            slot, size = takeable[0], size_of(load)
+            victims = self.slots.room_for(size, slot, takeable[1:])
             if victims is None:
                 continue
             for victim in victims:  # idle: no request holds them, no step reads them
@@ -141,18 +143,29 @@ class Scheduler:
                     first[load] = req
         return sorted(first, key=lambda load: -self._waited(first[load]))
 
-    def _slot_for(self, load: Hashable, demand: Counter) -> int | None:
-        """The idle slot `load` takes: free first, then the least recently used of those with
-        the fewest waiting requests; one with waiting requests only for more of them, or for a
-        starving load."""
-        idle = self.slots.idle()
-        if not idle:
-            return None
-        slot = min(idle, key=lambda s: demand[self.slots.names[s]] if self.slots.names[s] else -1)
-        held = self.slots.names[slot]
-        if held is None or demand[held] == 0 or demand[held] < demand[load]:
-            return slot
-        return slot if self._starving(load) else None
+    def _takeable(self, load: Hashable, demand: Counter) -> list[int]:
+        """The idle slots `load` may take, or evict for room, in that order: free ones, then
+        by fewest waiting requests, least recently used first. One whose adapter has waiting
+        requests goes only to an adapter with more of them, or to a starving one; one filled
+        for waiting requests that have not run yet never does (taken then, its fill would be
+        wasted and its requests would starve in turn: a starving adapter would take it the
+        moment its fill lands)."""
+        table, starving = self.slots, None
+        takeable = []
+        for s in table.idle():  # free first, then least recently used
+            held = table.names[s]
+            if held is not None and demand[held]:
+                if table.unused[s]:
+                    continue
+                if demand[held] >= demand[load]:
+                    starving = self._starving(load) if starving is None else starving
+                    if not starving:
+                        continue
+            takeable.append(s)
+        # stable: least recently used first among equals
+        return sorted(
+            takeable, key=lambda s: -1 if table.names[s] is None else demand[table.names[s]]
+        )
 
     def _waited(self, req: Request) -> int:
         return self.num_steps - req.queued_at
@@ -218,13 +231,16 @@ class Scheduler:
     def _admit(self, plan: StepPlan, budget: int) -> None:
         nothing_runs = not self.running  # a step may then wait for a fill: no one else waits
         starving_since = self._starving_since() if self.slots is not None else None
+        # loads whose slot was filled for requests that have not run: they run even past a
+        # starving request (the slot is kept for them, so it drains only once they have)
+        fresh = set() if self.slots is None else self.slots.unused_loads()
         for req in list(self.waiting):
             if budget == 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return
             if self.states is not None and self.states.num_free == 0:
                 return  # every state slot is held (some by requests the step in flight ends)
             if req.lora_load is not None and not self._adapter_can_run(
-                req, nothing_runs=nothing_runs, starving_since=starving_since
+                req, nothing_runs=nothing_runs, starving_since=starving_since, fresh=fresh
             ):
                 continue  # its adapter is not in a slot yet; later requests may still run
             cached, snapshot = self._take_cached_prefix(req)
@@ -246,10 +262,11 @@ class Scheduler:
             budget -= n
 
     def _adapter_can_run(
-        self, req: Request, *, nothing_runs: bool, starving_since: int | None
+        self, req: Request, *, nothing_runs: bool, starving_since: int | None, fresh: set
     ) -> bool:
         if starving_since is not None and req.arrival > starving_since:
-            return False
+            if req.lora_load not in fresh:
+                return False
         if self.slots.is_ready(req.lora_load):
             return True
         return nothing_runs and self.slots.slot_of(req.lora_load) is not None

@@ -267,6 +267,9 @@ class SlotTable:
         self.names: list[Hashable | None] = [None] * num_slots
         self.refs = [0] * num_slots
         self.filling = [False] * num_slots
+        # assigned, and no request has taken a reference since: the scheduler keeps such a
+        # slot for the requests it was filled for (evicted before they ran, it was wasted)
+        self.unused = [False] * num_slots
         self.last_used = [0] * num_slots
         self.arena = arena
         self.regions: list[tuple[int, int] | None] = [None] * num_slots  # (start, elements)
@@ -295,19 +298,23 @@ class SlotTable:
             assert start is not None, (size, self.arena.free_list)
             self.regions[slot] = (start, size)
         evicted, self.names[slot] = self.names[slot], name
-        self.filling[slot] = True
+        self.filling[slot] = self.unused[slot] = True
         self.last_used[slot] = next(self._clock)
         return evicted
 
-    def room_for(self, size: int, slot: int) -> list[int] | None:
-        """The idle slots whose adapters to evict, least recently used first, so that a region
-        of `size` fits once they and `slot` (which the new adapter takes) are freed; None where
-        even evicting every idle one would not make room (the fill then waits)."""
+    def room_for(
+        self, size: int, slot: int, candidates: list[int] | None = None
+    ) -> list[int] | None:
+        """The slots among `candidates` (default: every idle one, least recently used first)
+        whose adapters to evict, in their order, so that a region of `size` fits once they and
+        `slot` (which the new adapter takes) are freed; None where even evicting all of them
+        would not make room (the fill then waits)."""
         if self.arena is None:
             return []
         freed = [self.regions[slot]] if self.regions[slot] else []
         victims = []
-        candidates = [s for s in self.idle() if s != slot and self.regions[s] is not None]
+        candidates = self.idle() if candidates is None else candidates
+        candidates = [s for s in candidates if s != slot and self.regions[s] is not None]
         if not self.arena.fits_after(size, freed + [self.regions[s] for s in candidates]):
             return None
         for s in candidates:
@@ -330,6 +337,7 @@ class SlotTable:
         """A new reference to the slot that holds `name` (assigned before)."""
         slot = self.names.index(name)
         self.refs[slot] += 1
+        self.unused[slot] = False
         self.last_used[slot] = next(self._clock)
         return slot
 
@@ -342,9 +350,13 @@ class SlotTable:
         if slot is not None:
             assert self.refs[slot] == 0
             self.names[slot] = None
-            self.filling[slot] = False
+            self.filling[slot] = self.unused[slot] = False
             self._free_region(slot)
         return slot
+
+    def unused_loads(self) -> set[Hashable]:
+        """Loads in slots that no request has taken a reference to since their fill."""
+        return {n for n, unused in zip(self.names, self.unused) if unused}
 
     @property
     def num_used(self) -> int:

@@ -278,3 +278,35 @@ def test_a_starving_adapter_gets_a_slot_within_max_lora_wait_steps():
     # 5 steps of waiting, then the hot requests running drain (3 steps) and cold's fill
     assert cold.status is not Status.WAITING and steps <= 5 + 3 + 1, steps
     assert table.names == ["cold"]
+
+
+def test_a_landed_fill_is_not_evicted_before_its_requests_ran_even_under_starvation():
+    """Fills land a call after they start (as on the GPU, where the copy runs beside the step):
+    between the landing and the admission of its requests a slot is idle, and a starving
+    adapter must not take it then (each would evict the last, and every fill would be wasted).
+    Every fill serves a request before its slot is taken again, and the run ends."""
+    pages = PageAllocator(512)
+    table = SlotTable(2)
+    cfg = SchedulerConfig(4, 64, 4, max_model_len=1 << 20, max_lora_wait_steps=3)
+    sched = Scheduler(cfg, pages, table)
+    loras = [f"a{i % 6}" for i in range(24)]
+    for i, lora in enumerate(loras):
+        sched.add(make_request(i, 3, lora))
+    landing, fills, steps = [], 0, 0
+    while sched.has_unfinished() and steps < 500:
+        steps += 1
+        for slot in landing:
+            table.filled(slot)
+        started = sched.plan_fills()
+        fills += len(started)
+        landing = [slot for slot, _ in started]
+        plan = sched.schedule()
+        for c in plan.chunks:
+            c.request.num_computed_tokens += c.num_tokens
+            if c.samples:
+                c.request.output_token_ids.append(7)
+        for r in list(sched.running):
+            if len(r.output_token_ids) >= 4:
+                sched.finish(r, "stop")
+    assert not sched.has_unfinished(), (steps, fills)
+    assert fills <= len(loras), fills  # at least one request a fill
