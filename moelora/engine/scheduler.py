@@ -115,10 +115,10 @@ class Scheduler:
         for load in self._loads_without_slot()[: len(self.slots.names)]:
             if not can_fill(load):
                 continue
-            slot = self._slot_for(load, demand)
-            if slot is not None:
-                self.slots.assign(slot, load)
-                fills.append((slot, load))
+            takeable = self._takeable(load, demand)
+            if takeable:
+                self.slots.assign(takeable[0], load)
+                fills.append((takeable[0], load))
         return fills
 
     def _loads_without_slot(self) -> list[Hashable]:
@@ -131,22 +131,29 @@ class Scheduler:
                     first[load] = req
         return sorted(first, key=lambda load: -self._waited(first[load]))
 
-    def _slot_for(self, load: Hashable, demand: Counter) -> int | None:
-        """The idle slot `load` takes: free first, then the least recently used of those with
-        the fewest waiting requests; one with waiting requests only for more of them, or for a
-        starving load."""
-        table = self.slots
-        # a slot filled for waiting requests that have not run yet is theirs: evicted now (a
-        # starving load would, the moment its fill lands), its fill would be wasted and its
-        # requests would starve in turn
-        idle = [s for s in table.idle() if not (table.unused[s] and demand[table.names[s]])]
-        if not idle:
-            return None
-        slot = min(idle, key=lambda s: demand[self.slots.names[s]] if self.slots.names[s] else -1)
-        held = self.slots.names[slot]
-        if held is None or demand[held] == 0 or demand[held] < demand[load]:
-            return slot
-        return slot if self._starving(load) else None
+    def _takeable(self, load: Hashable, demand: Counter) -> list[int]:
+        """The idle slots `load` may take, or evict for room, in that order: free ones, then
+        by fewest waiting requests, least recently used first. One whose adapter has waiting
+        requests goes only to an adapter with more of them, or to a starving one; one filled
+        for waiting requests that have not run yet never does (taken then, its fill would be
+        wasted and its requests would starve in turn: a starving adapter would take it the
+        moment its fill lands)."""
+        table, starving = self.slots, None
+        takeable = []
+        for s in table.idle():  # free first, then least recently used
+            held = table.names[s]
+            if held is not None and demand[held]:
+                if table.unused[s]:
+                    continue
+                if demand[held] >= demand[load]:
+                    starving = self._starving(load) if starving is None else starving
+                    if not starving:
+                        continue
+            takeable.append(s)
+        # stable: least recently used first among equals
+        return sorted(
+            takeable, key=lambda s: -1 if table.names[s] is None else demand[table.names[s]]
+        )
 
     def _waited(self, req: Request) -> int:
         return self.num_steps - req.queued_at
