@@ -109,8 +109,9 @@ class Scheduler:
         """(slot, load) for each adapter a waiting request needs that takes an idle slot now;
         the slots are assigned (filling) and the caller starts their copies. can_fill(load):
         its host copy is there (one still read from disk waits, and takes no slot).
-        size_of(load): the arena elements its region takes (asked after can_fill); idle
-        adapters are evicted, least recently used first, until it fits, or it waits."""
+        size_of(load): the arena elements its region takes (asked after can_fill); the
+        adapters of other slots it may take (_takeable) are evicted, in that order, until it
+        fits, or it waits."""
         if self.slots is None:
             return []
         demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)

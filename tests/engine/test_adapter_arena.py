@@ -73,6 +73,40 @@ def test_room_is_made_from_the_least_recently_used_idle_adapters() -> None:
     assert table.room_for(300, 1) is None  # c's region is held
 
 
+def test_room_is_not_made_from_an_adapter_filled_for_requests_that_have_not_run() -> None:
+    """The scheduler's room eviction takes only what the new load may take: not a slot
+    filled for waiting requests before they ran, nor one with more waiting requests."""
+    sched, table = _arena_scheduler(slots=3, elements=300)
+    for slot, load in enumerate((10, 11, 12)):
+        table.assign(slot, load, 100)
+        table.filled(slot)
+    table.acquire(12)  # 12 has run (and still runs): 10 and 11 are fresh
+    _wait(sched, [10, 13, 13])  # 13 has more waiting than 10, but 10 has not run yet
+    assert sched.plan_fills(size_of=lambda load: 200) == []  # only 11's region may go
+    assert sched.plan_fills(size_of=lambda load: 100) == [(1, 13)] and table.names[0] == 10
+
+
+def _arena_scheduler(slots: int, elements: int):
+    from moelora.engine.kv_cache import PageAllocator
+    from moelora.engine.scheduler import Scheduler, SchedulerConfig
+
+    table = SlotTable(slots, RegionAllocator(elements))
+    cfg = SchedulerConfig(1, 64, 4, max_model_len=1 << 20)
+    return Scheduler(cfg, PageAllocator(64), table), table
+
+
+def _wait(sched, loads: list[int]) -> None:
+    """A blocker holds the only sequence; then one waiting request a load."""
+    from moelora.step.request import Request
+
+    for i, load in enumerate([None, *loads]):
+        req = Request(f"r{i}", [1, 2, 3], SamplingParams(), None, arrival=i)
+        req.lora_load = load
+        sched.add(req)
+        if load is None:
+            sched.schedule()
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return str(hf.make_model("qwen3_moe", tmp_path_factory.mktemp("arena") / "model", seed=5))

@@ -310,3 +310,22 @@ def test_a_landed_fill_is_not_evicted_before_its_requests_ran_even_under_starvat
                 sched.finish(r, "stop")
     assert not sched.has_unfinished(), (steps, fills)
     assert fills <= len(loras), fills  # at least one request a fill
+
+
+def test_an_adapter_numbered_0_is_not_taken_for_a_free_slot():
+    """Slots are keyed by load numbers, 0 among them: the slot of load 0, whose requests
+    wait, is kept, and the idle slot whose adapter nobody waits for is the one taken."""
+    sched, _, table = make_scheduler(num_pages=64, max_seqs=1, slots=2)
+    for slot, load in enumerate((0, 1)):
+        table.assign(slot, load)
+        table.filled(slot)
+        table.acquire(load)  # ran once: no longer kept for its first requests
+        table.release(slot)
+    blocker = make_request(0, 3)  # max_num_seqs 1: it holds the step, so load 0's wait
+    sched.add(blocker)
+    sched.schedule()
+    for i, load in enumerate((0, 0, 2), start=1):
+        req = make_request(i, 3)
+        req.lora_load = load
+        sched.add(req)
+    assert sched.plan_fills() == [(1, 2)] and table.names == [0, 2]
