@@ -93,8 +93,13 @@ class LoraAdapter:
     def pinned(self) -> LoraAdapter:
         """The adapter packed into one page-locked buffer (`packed`, the modules views of it),
         which a slot fill copies asynchronously, at the full host-to-device bandwidth and in
-        one copy. An adapter on the device, or already packed, is returned as it is."""
-        if self.packed is not None or any(m.a.device.type != "cpu" for m in self.modules.values()):
+        one copy. An adapter on the device, already packed, or whose tensors are all
+        page-locked already is returned as it is (names registered over the same page-locked
+        tensors share them, as before packing: a fill then copies factor by factor)."""
+        factors = [t for m in self.modules.values() for t in (m.a, m.b)]
+        if self.packed is not None or any(t.device.type != "cpu" for t in factors):
+            return self
+        if factors and all(t.is_pinned() for t in factors):
             return self
         layout = self.layout()
         if not layout.places:
