@@ -244,9 +244,11 @@ def fused_moe(
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
     slot is NO_SLOT or disabled): d13 = scaling * (x @ A13[s,e,i].T) @ B13[s,e,slice_i].T.
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-    topk_weights [T, K] float32; topk_ids [T, K] int32. lora13.a [S, E, 2, R, H],
-    lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]; b13 [E, 2I] (gate,
-    then up), b2 [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
+    topk_weights [T, K] float32; topk_ids [T, K] int32. Slot s's factors, read through each
+    LoraWeights' table (LoraWeights.factors; a module absent from the slot's adapter adds
+    nothing): A13 [E, 2, r, H], B13 [E, 2I, r]; A2 [E, 1, r, I], B2 [E, H, r], r the module's
+    own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
+    [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
     """
     act = ACTIVATIONS[activation]
     w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)
