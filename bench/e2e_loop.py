@@ -7,9 +7,12 @@ request i on adapter i % 8; both engines capture decode graphs up to 256 and tak
 step, their KV cache what gpu_memory_utilization leaves (the path a user's engine takes). A run
 passes when its process exits 0 with every token generated; a signal (a segfault in a kernel
 launch) or an error fails it. `--cycles K` builds and closes the two engines K times in each
-run's one process.
+run's one process. `--cold-cache` gives each run a Triton cache of its own, empty, so each
+engine build compiles every kernel in its warm-up (both crashes seen so far came in builds);
+`--no-concurrent-warmup` warms the graph sizes one after another (EngineConfig), for an A/B.
 
-    PYTHONPATH=. python bench/e2e_loop.py [--runs N] [--cycles K] [--layers L] [--smoke]
+    PYTHONPATH=. python bench/e2e_loop.py [--runs N] [--cycles K] [--layers L] [--cold-cache]
+        [--no-concurrent-warmup] [--smoke]
 
 The figure is a count (runs that passed); each run's build and generate times and its tokens
 per second are printed beside it, with no floor: this is a reliability check, bench/e2e.py
@@ -22,9 +25,11 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -56,6 +61,7 @@ class Setup:
     rank: int
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
+    concurrent_warmup: bool = True  # EngineConfig.concurrent_warmup
 
 
 FULL = Setup("qwen3-30b-a3b", 48, "cuda", "bfloat16", 256, 512, 128, 256, 8192, RANK)
@@ -79,6 +85,7 @@ def one_engine(setup: Setup, folder: str, *, lora: bool) -> dict:
         max_model_len=setup.input_len + setup.output_len,
         enforce_eager=setup.enforce_eager,
         gpu_memory_utilization=setup.gpu_memory_utilization,
+        concurrent_warmup=setup.concurrent_warmup,
     )
     with llm:
         built = time.perf_counter() - start
@@ -129,8 +136,13 @@ class Run:
 def run_child(index: int, args: argparse.Namespace) -> Run:
     # faulthandler: a crash prints every thread's Python stack, which says what was launching
     cmd = [sys.executable, "-X", "faulthandler", __file__, "--child", *args.setup_argv]
+    env = os.environ.copy()
+    if args.cold_cache:  # every kernel compiles again: the build's warm-up at its busiest
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"moelora-loop-{index}-triton-")
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if args.cold_cache:
+        shutil.rmtree(env["TRITON_CACHE_DIR"], ignore_errors=True)
     seconds = time.perf_counter() - start
     out = proc.stdout + proc.stderr
     records = [json.loads(x[7:]) for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -156,7 +168,9 @@ def report(setup: Setup, args: argparse.Namespace, runs: list[Run]) -> list[str]
         f"- engines: {setup.layers or 'all'} layers, {setup.dtype}, max_num_seqs = "
         f"max_graph_bs = {setup.max_num_seqs}, max_num_batched_tokens "
         f"{setup.max_num_batched_tokens}, KV pages by gpu_memory_utilization "
-        f"{setup.gpu_memory_utilization}{', eager (no graphs)' if setup.enforce_eager else ''}",
+        f"{setup.gpu_memory_utilization}{', eager (no graphs)' if setup.enforce_eager else ''}"
+        f"{'' if setup.concurrent_warmup else ', graph sizes warmed one after another'}",
+        f"- Triton's cache: {'a fresh one each run' if args.cold_cache else 'the machine one'}",
         "- build s: LLM() and its adapters; tok/s: output tokens over LLM.generate's seconds",
         "",
         "| run | verdict | s | cycle | LoRA | build s | generate s | output tok/s |",
@@ -191,6 +205,12 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, help="prompt tokens (default 512)")
     parser.add_argument("--output-len", type=int, help="output tokens (default 128)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument(
+        "--no-concurrent-warmup", action="store_true", help="graph sizes warmed one at a time"
+    )
+    parser.add_argument(
+        "--cold-cache", action="store_true", help="each run a fresh TRITON_CACHE_DIR"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, help="default 0.9")
     parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
@@ -202,13 +222,20 @@ def main() -> None:
         for name in ("layers", "prompts", "input_len", "output_len", "gpu_memory_utilization")
         if getattr(args, name)
     }
-    setup = dataclasses.replace(setup, enforce_eager=args.enforce_eager, **given)
+    setup = dataclasses.replace(
+        setup,
+        enforce_eager=args.enforce_eager,
+        concurrent_warmup=not args.no_concurrent_warmup,
+        **given,
+    )
     # a child gets the same setup: each given field, the mode flags, its cycles
     args.setup_argv = ["--cycles", str(args.cycles)]
     for name, value in given.items():
         args.setup_argv += ["--" + name.replace("_", "-"), str(value)]
     args.setup_argv += [
-        f for f in ("--enforce-eager", "--smoke") if getattr(args, f[2:].replace("-", "_"))
+        f
+        for f in ("--enforce-eager", "--no-concurrent-warmup", "--smoke")
+        if getattr(args, f[2:].replace("-", "_"))
     ]
     if args.child:
         child(setup, args.cycles)

@@ -84,6 +84,11 @@ class EngineConfig:
         "leaves of it",
     )
     enforce_eager: bool = _flag(False, "run every step eagerly: capture no CUDA graphs")
+    concurrent_warmup: bool = _flag(
+        True,
+        "before capture, run every graph size's first forward at once, a thread each, so their "
+        "kernels compile side by side (--no-concurrent-warmup: one size after another)",
+    )
     async_scheduling: bool = _flag(
         True,
         "plan step N+1 on the host while the GPU runs step N; its input tokens stay on the "

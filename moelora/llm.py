@@ -53,6 +53,9 @@ class LLM:
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
+            # a request that stopped in step N was planned into step N+1 (async scheduling),
+            # which may still be in flight holding its pages: the engine is left idle
+            self.engine.commit_in_flight()
         except BaseException:  # a refused request, a failed step, Ctrl-C: nothing stays behind
             for rid in ids:
                 if rid not in finished:

@@ -351,4 +351,5 @@ def _capture_graphs(
         max_prefill_tokens=min(cfg.max_prefill_graph_tokens, cfg.max_num_batched_tokens),
         max_seqs=cfg.max_num_seqs,
         dense_from=DENSE_FROM if cfg.prefill_attention_backend == "cudnn" else 0,
+        concurrent_warmup=cfg.concurrent_warmup,
     )

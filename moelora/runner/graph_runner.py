@@ -263,14 +263,16 @@ class GraphRunner:
         return [(T, True) for T in self.prefill_sizes] + [(bs, False) for bs in self.sizes]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, *, concurrent_warmup: bool = True) -> None:
+        """Every graph, after a warm-up forward of each size (concurrent_warmup: all at once,
+        a thread each, their kernels compiling side by side; else one after another)."""
         from tqdm import tqdm
 
         start, mem_before = time.perf_counter(), torch.cuda.memory_allocated()
         gc.collect()  # an engine dropped unclosed is finalized now, not inside a capture
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
-        self._warm_up(stream)
+        self._warm_up(stream, concurrent=concurrent_warmup)
         self.warm_up_seconds = time.perf_counter() - start
         for size, prefill in tqdm(self._shapes(), desc="capturing CUDA graphs", unit="graph"):
             batch = self.buffers.forward_batch(size, self.pool, prefill=prefill)
@@ -299,9 +301,10 @@ class GraphRunner:
             (torch.cuda.memory_allocated() - mem_before) / 2**20,
         )
 
-    def _warm_up(self, stream: torch.cuda.Stream) -> None:
-        """Every graph's first forward at once, so the kernels compile in parallel. Padded
-        inputs: no KV is stored, every row is base, so the forwards can share the stream."""
+    def _warm_up(self, stream: torch.cuda.Stream, *, concurrent: bool) -> None:
+        """Every graph's first forward at once, so the kernels compile in parallel (not
+        concurrent: nothing here). Padded inputs: no KV is stored, every row is base, so the
+        forwards can share the stream."""
 
         def forward(shape: tuple[int, bool]) -> None:
             size, prefill = shape
@@ -309,6 +312,8 @@ class GraphRunner:
             with torch.cuda.device(self.device), torch.cuda.stream(stream), torch.inference_mode():
                 self.forward(self.buffers.forward_batch(size, self.pool, prefill=prefill))
 
+        if not concurrent:  # the capture loop's own first forward of each size compiles
+            return
         threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4
         warm_up_concurrently(forward, self._shapes(), compile_threads=threads)
         torch.cuda.synchronize(self.device)

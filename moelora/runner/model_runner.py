@@ -81,6 +81,7 @@ class ModelRunner:
         max_prefill_tokens: int = 0,
         max_seqs: int | None = None,
         dense_from: int = 0,
+        concurrent_warmup: bool = True,
     ) -> None:
         """Capture a decode graph per batch size up to max_bs, and a prefill graph per token
         count up to max_prefill_tokens (GraphRunner): from now on, steps that fit one replay
@@ -96,7 +97,7 @@ class ModelRunner:
             max_seqs=max_seqs,
             dense_from=dense_from,
         )
-        self.graphs.capture()
+        self.graphs.capture(concurrent_warmup=concurrent_warmup)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward of `batch` over this rank's KV cache: its hidden states [T, H]."""

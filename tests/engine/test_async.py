@@ -149,6 +149,20 @@ def test_a_request_that_stops_while_planned_again_drops_that_token(tiny):
     assert not on.engine.has_unfinished_requests()
 
 
+def test_generate_leaves_the_engine_idle_when_the_last_request_stops_on_eos(tiny):
+    """The last request to finish stops on EOS in step N while step N+1, planned with it, is
+    in flight: generate returns with that step committed, no page held (seen with a slow
+    adapter read, which made the stopping request the last)."""
+    off, on = _llm(tiny, on=False), _llm(tiny, on=True)
+    eos = off.generate(PROMPTS[1:2], GREEDY, lora="a")[0].token_ids[3]
+    on.engine.eos_token_ids = frozenset({eos})
+    params = dataclasses.replace(GREEDY, ignore_eos=False)
+    (out,) = on.generate(PROMPTS[1:2], params, lora="a")
+    assert out.finish_reason == "stop" and len(out.token_ids) == 4
+    assert not on.engine.has_unfinished_requests()
+    assert on.engine.stats().kv_pages_used == 0 and on.engine.slot_table.refs[0] == 0
+
+
 def test_abort_mid_flight(tiny):
     on = _llm(tiny, on=True)
     want = _seen(_llm(tiny, on=False).generate(PROMPTS[:1], GREEDY))
