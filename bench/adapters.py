@@ -30,9 +30,10 @@ through the engine's own step loop, on a Qwen3-30B-A3B shape with random weights
   (copy_ non_blocking, CUDA events, median); fill = the synchronised Engine.step() that runs a
   lone 16-token request whose adapter is not in a slot, minus the same step once it is (the
   median of each), beside the engine thread's time a fill (stats).
-- GPU bytes of an adapter: today every slot holds every module at max_lora_rank, so a rank-8
-  adapter takes the slot pool's bytes / max_loras whatever its rank: with max_lora_rank 64
-  against 8 (an engine built for each rank no workload used, eager, with few pages).
+- GPU bytes of an adapter (its region in the arena, at its modules' own ranks; a whole slot
+  where the engine keeps the old layout): a rank-8 adapter with max_lora_rank 64 against 8,
+  and a rank-16 shared-outer adapter against the per-expert one (engines of one slot, eager,
+  few pages, adapters drawn over their targets).
 
 All requests arrive at t=0 by default, as the issue's figures of today were taken. A batch
 holds only the requests of the adapters in slots, so under a burst at most max_loras adapters'
@@ -51,6 +52,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -481,11 +483,15 @@ def pinned_copy_ms(nbytes: int, device: str, reps: int) -> float:
 # ---- GPU bytes of an adapter ------------------------------------------------------------
 
 
-def slot_bytes(engine: Engine) -> int:
-    """GPU bytes of one adapter slot: the slot pool's bytes / max_loras. Today every slot holds
-    every module at max_lora_rank, so this is what any adapter takes, whatever its rank."""
+def slot_bytes(engine: Engine, adapter: LoraAdapter | None = None) -> int:
+    """GPU bytes `adapter` takes: its region in the compact arena (its modules' own ranks, a
+    shared expert factor once); in the old layout (the engine's kernels not all converted to
+    the arena's tables), or without an adapter, a whole slot: every module at max_lora_rank."""
     pool = engine.slot_pool
-    return sum(w.a.nbytes + w.b.nbytes for w in pool.weights.values()) // pool.max_loras
+    elem = pool.arena.element_size()
+    if adapter is None or not pool.compact:
+        return pool.slot_elements * elem
+    return pool.region_size(adapter) * elem
 
 
 def engine_config(setup: Setup, folder: str, **options: object) -> EngineConfig:
@@ -506,15 +512,60 @@ def engine_config(setup: Setup, folder: str, **options: object) -> EngineConfig:
     )
 
 
-def slot_bytes_of_rank(setup: Setup, folder: str, max_lora_rank: int) -> int:
-    """slot_bytes of an engine built for it alone: one slot, eager, a request's pages."""
+@dataclass(frozen=True)
+class AdapterBytes:
+    """GPU bytes of adapters (slot_bytes), each engine eager with one slot."""
+
+    low_at_low: int  # a rank-bytes_ranks[0] adapter, max_lora_rank bytes_ranks[0]
+    low_at_high: int  # the same adapter at max_lora_rank bytes_ranks[1]
+    per_expert: int  # a rank-16 adapter at max_lora_rank bytes_ranks[1]
+    shared_outer: int  # the same with gate_up's A and down's B shared by every expert
+    compact: bool  # regions at the modules' own ranks (else whole slots)
+
+
+def shared_outer(adapter: LoraAdapter) -> LoraAdapter:
+    """The adapter with gate_up's A and down's B of expert 0 for every expert, marked shared
+    (the shared-outer layout Megatron-Bridge and SGLang use)."""
+    modules, shared = dict(adapter.modules), set()
+    for key, m in adapter.modules.items():
+        if key.endswith("experts13"):
+            modules[key] = dataclasses.replace(m, a=m.a[:1].expand(m.a.shape))
+            shared.add((key, "a"))
+        elif key.endswith("experts2"):
+            modules[key] = dataclasses.replace(m, b=m.b[:1].expand(m.b.shape))
+            shared.add((key, "b"))
+    return dataclasses.replace(adapter, modules=modules, shared=frozenset(shared))
+
+
+def adapter_bytes(setup: Setup, folder: str) -> AdapterBytes:
+    """A rank-low adapter's bytes at max_lora_rank low and high; a rank-16 per-expert adapter's
+    and its shared-outer twin's at high (adapters drawn over each engine's own targets)."""
+    low, high = setup.bytes_ranks
     pages = pages_for(setup.max_model_len, PAGE_SIZE) + 1
-    options = {"max_loras": 1, "max_lora_rank": max_lora_rank, "enforce_eager": True}
-    engine = Engine(engine_config(setup, folder, max_num_seqs=1, num_pages=pages, **options))
-    try:
-        return slot_bytes(engine)
-    finally:
-        engine.close()
+    found: dict[str, int] = {}
+    for max_rank in (low, high):
+        options = {"max_loras": 1, "max_lora_rank": max_rank, "enforce_eager": True}
+        engine = Engine(engine_config(setup, folder, max_num_seqs=1, num_pages=pages, **options))
+        try:
+            cfg = engine.config
+            draw = functools.partial(
+                random_adapter,
+                targets=engine.lora_targets,
+                dtype=cfg.torch_dtype,
+                device=cfg.torch_device,
+                store="cpu",
+            )
+            found[f"low{max_rank}"] = slot_bytes(engine, draw("bytes-low", rank=low, seed=1))
+            if max_rank == high:
+                full = draw("bytes-16", rank=16, seed=2)
+                found["per_expert"] = slot_bytes(engine, full)
+                found["shared_outer"] = slot_bytes(engine, shared_outer(full))
+                compact = engine.slot_pool.compact
+        finally:
+            engine.close()
+    return AdapterBytes(
+        found[f"low{low}"], found[f"low{high}"], found["per_expert"], found["shared_outer"], compact
+    )
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -525,7 +576,7 @@ class Run:
     results: list[Result]
     probe: FillProbe | None  # None: no workload had more adapters than slots
     beside: BesideProbe | None  # on the same engine, after the probe
-    slot_bytes: dict[int, int]  # max_lora_rank -> GPU bytes of a slot
+    bytes: AdapterBytes
     builds: list[tuple[str, float]]  # (workload that built an engine, seconds)
 
 
@@ -533,7 +584,7 @@ def run(setup: Setup, folder: str) -> Run:
     """The workloads in order, each on an engine of its options (consecutive workloads of the
     same options share one); one fill probed on the first with more adapters than slots."""
     host = HostAdapters(setup)
-    results, probe, beside, slots, builds = [], None, None, {}, []
+    results, probe, beside, builds = [], None, None, []
     engine, options = None, None
     try:
         for w in setup.workloads:
@@ -543,7 +594,6 @@ def run(setup: Setup, folder: str) -> Run:
                 options, start = w.engine_options(), time.perf_counter()
                 engine = Engine(engine_config(setup, folder, **options))
                 builds.append((w.key, time.perf_counter() - start))
-                slots[w.max_lora_rank] = slot_bytes(engine)
                 print(f"engine {options}: built in {builds[-1][1]:.1f} s", flush=True)
             names = register(engine, w, host)
             if not results:
@@ -561,10 +611,7 @@ def run(setup: Setup, folder: str) -> Run:
     finally:
         if engine is not None:
             engine.close()
-    for rank in setup.bytes_ranks:
-        if rank not in slots:
-            slots[rank] = slot_bytes_of_rank(setup, folder, rank)
-    return Run(results, probe, beside, slots, builds)
+    return Run(results, probe, beside, adapter_bytes(setup, folder), builds)
 
 
 def result_line(r: Result) -> str:
@@ -629,7 +676,7 @@ def report(setup: Setup, run: Run, seconds: float) -> list[str]:
         + workload_table(setup, run.results)
         + fill_table(run.probe)
         + beside_table(run.beside)
-        + bytes_table(setup, run.slot_bytes)
+        + bytes_table(setup, run.bytes)
     )
 
 
@@ -716,22 +763,36 @@ def beside_table(p: BesideProbe | None) -> list[str]:
     ]
 
 
-def bytes_table(setup: Setup, slots: dict[int, int]) -> list[str]:
+def bytes_table(setup: Setup, b: AdapterBytes) -> list[str]:
     low, high = setup.bytes_ranks
+    layout = (
+        "each in a region of the arena at its modules' own ranks, a shared factor once"
+        if b.compact
+        else "each in a whole slot (every module at max_lora_rank: the kernels of this engine "
+        "read the old layout)"
+    )
+    rows = [
+        (f"rank {low}", low, b.low_at_low, "1.000", ""),
+        (f"rank {low}", high, b.low_at_high, f"{b.low_at_high / b.low_at_low:.3f}", "<= 1.15"),
+        ("rank 16, per expert", high, b.per_expert, "", ""),
+        (
+            "rank 16, shared-outer",
+            high,
+            b.shared_outer,
+            f"{b.shared_outer / b.per_expert:.3f}",
+            "<= 0.35",
+        ),
+    ]
     lines = [
         "",
-        f"GPU bytes of a rank-{low} adapter: the slot pool's bytes / max_loras (every slot "
-        "holds every module at max_lora_rank today):",
+        f"GPU bytes of an adapter, {layout}; ratios: against the same adapter at "
+        f"max_lora_rank {low}, and shared-outer against per expert:",
         "",
-        f"| max_lora_rank | bytes | GiB | / max_lora_rank {low} | target |",
-        "|---:|---:|---:|---:|---|",
+        "| adapter | max_lora_rank | bytes | GiB | ratio | target |",
+        "|---|---:|---:|---:|---:|---|",
     ]
-    for rank in sorted(slots):
-        target = "<= 1.15" if rank == high else ""
-        lines.append(
-            f"| {rank} | {slots[rank]} | {slots[rank] / GIB:.3f} | "
-            f"{slots[rank] / slots[low]:.3f} | {target} |"
-        )
+    for name, rank, n, ratio, target in rows:
+        lines.append(f"| {name} | {rank} | {n} | {n / GIB:.3f} | {ratio} | {target} |")
     return lines
 
 

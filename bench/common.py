@@ -498,7 +498,7 @@ def lora_pool(
     for t, scale in ((a13, H**-0.5), (a2, I**-0.5), (b13, 0.1), (b2, 0.1)):
         view = t[..., :rank, :] if t.dim() == 5 else t[..., :rank]
         view.copy_(torch.randn_like(view) * scale)
-    return LoraWeights(a13, b13, (I, I)), LoraWeights(a2, b2, (H,))
+    return LoraWeights.dense(a13, b13, (I, I)), LoraWeights.dense(a2, b2, (H,))
 
 
 def batch_info(M: int, case: str, rank: int, *, device: str = DEV) -> LoraBatchInfo:

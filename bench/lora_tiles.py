@@ -44,7 +44,7 @@ def weights(k_in: int, slices: tuple[int, ...]) -> LoraWeights:
     """A [S, n, R, in], B [S, out, R] of random values, each slot at the full rank."""
     a = torch.randn(SLOTS, len(slices), RANK, k_in, device="cuda") / k_in**0.5
     b = torch.randn(SLOTS, sum(slices), RANK, device="cuda") * 0.01
-    return LoraWeights(a.to(DTYPE), b.to(DTYPE), slices)
+    return LoraWeights.dense(a.to(DTYPE), b.to(DTYPE), slices)
 
 
 def info_of(T: int, spread: str) -> LoraBatchInfo:

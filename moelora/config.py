@@ -42,7 +42,15 @@ class EngineConfig:
     max_loras: int = _flag(
         4, "adapter slots on the GPU; more adapters may be registered, the rest wait in host memory"
     )
-    max_lora_rank: int = _flag(64, "the largest adapter rank: every slot holds this rank")
+    max_lora_rank: int = _flag(
+        64, "the largest adapter rank; on the GPU an adapter takes its modules' own ranks"
+    )
+    max_gpu_lora_gb: float | None = _flag(
+        None,
+        "GiB of GPU memory for resident adapters, each at its modules' own ranks; the least "
+        "recently used idle one is evicted when a fill needs room; default: max_loras adapters "
+        "with every module at max_lora_rank",
+    )
     max_cpu_loras: int | None = _flag(
         None,
         "adapters from folders kept in host memory (page-locked on CUDA), beside those in GPU "
@@ -264,6 +272,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("max_lora_rank", _at_least_1, _AT_LEAST_1),
     ("max_cpu_loras", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("max_cpu_lora_gb", lambda v: v is None or v > 0, "None or a number > 0"),
+    ("max_gpu_lora_gb", lambda v: v is None or v > 0, "None or a number > 0"),
     ("dtype", lambda v: v == "auto" or v in _DTYPES, f"'auto' or one of {sorted(_DTYPES)}"),
     (
         "device",

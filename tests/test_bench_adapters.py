@@ -46,4 +46,14 @@ def test_the_smoke_runs_every_workload_to_its_last_token(tmp_path: Path) -> None
     at = next(i for i, x in enumerate(lines) if x.startswith("| batch | fills |"))
     beside = cells(lines[at + 2])
     assert beside[0] == "4" and int(beside[1]) >= 2, beside  # the lone requests' fills ran
-    assert int(rows["8"][1]) > 0 and int(rows["64"][1]) > 0  # GPU bytes at both max_lora_ranks
+    at = next(i for i, x in enumerate(lines) if x.startswith("| adapter | max_lora_rank |"))
+    sizes = [cells(x) for x in lines[at + 2 : at + 6]]
+    assert [(c[0], c[1]) for c in sizes] == [
+        ("rank 8", "8"),
+        ("rank 8", "64"),
+        ("rank 16, per expert", "64"),
+        ("rank 16, shared-outer", "64"),
+    ], sizes
+    low, high, per_expert, shared = (int(c[2]) for c in sizes)
+    assert low == high > 0  # regions at the modules' own ranks: max_lora_rank takes nothing
+    assert 0 < shared < per_expert  # the shared factors stored once

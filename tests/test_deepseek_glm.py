@@ -254,7 +254,9 @@ def test_mla_reference_equals_attention_over_expanded_keys_and_values() -> None:
     pages = torch.randperm(16, generator=gen)[:12].view(3, 4).to(torch.int32)
     latent_cache, rope_cache = randn(16, ps, 1, L), randn(16, ps, 1, R)
     kv_b = randn(Hh * (N + V), L) / L**0.5
-    lora = LoraWeights(randn(S, 1, r, L) / L**0.5, randn(S, Hh * (N + V), r) * 0.3, (Hh * (N + V),))
+    lora = LoraWeights.dense(
+        randn(S, 1, r, L) / L**0.5, randn(S, Hh * (N + V), r) * 0.3, (Hh * (N + V),)
+    )
     T = sum(q_lens) + 2  # two padded rows
     slot_of_token = torch.tensor(
         [s for s, n in zip(slots, q_lens) for _ in range(n)] + [NO_SLOT] * 2, dtype=torch.int32

@@ -119,6 +119,7 @@ class AdapterRegistry(Mapping[str, LoraAdapter]):
                 f"adapter {adapter.name!r} has rank {adapter.rank}, expected at most "
                 f"max_lora_rank={self.config.max_lora_rank}"
             )
+        self.pool.check_fits(adapter)
         load = next(self._numbers)
         self.store.add_tensors(load, adapter)
         self._register(adapter.name, load)

@@ -21,6 +21,7 @@ from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.engine.state_cache import StateSlots, StateSnapshots, slot_bytes
 from moelora.errors import ModelConfigError
 from moelora.kernels.ops import Ops
+from moelora.lora.arena import RegionAllocator
 from moelora.lora.slots import SlotPool, SlotTable
 from moelora.models.model import MoeCausalLM
 from moelora.models.quantization import with_quantization
@@ -206,10 +207,28 @@ def adapter_slots(
     """The adapter slots on the device and the table of who holds which (None: LoRA disabled)."""
     if not cfg.enable_lora:
         return None, None
-    pool = SlotPool(
-        model, cfg.max_loras, cfg.max_lora_rank, dtype=cfg.torch_dtype, device=cfg.torch_device
+    pool = adapter_pool(cfg, model, cfg.torch_device)
+    return pool, SlotTable(
+        cfg.max_loras, RegionAllocator(pool.arena.numel()) if pool.compact else None
     )
-    return pool, SlotTable(cfg.max_loras)
+
+
+def adapter_pool(cfg: EngineConfig, model: MoeCausalLM, device: torch.device) -> SlotPool:
+    """The adapter arena: compact where every LoRA kernel of the model's table reads it and
+    one process holds the model (ranks would each place regions of their own sizes)."""
+    compact = model.ops.reads_lora_tables and model.shard.size == 1
+    elements = None
+    if cfg.max_gpu_lora_gb is not None:
+        elements = int(cfg.max_gpu_lora_gb * 2**30) // cfg.torch_dtype.itemsize
+    return SlotPool(
+        model,
+        cfg.max_loras,
+        cfg.max_lora_rank,
+        dtype=cfg.torch_dtype,
+        device=device,
+        compact=compact,
+        arena_elements=elements,
+    )
 
 
 def load_tokenizer(path: str, mc: ModelConfig) -> tuple[Tokenizer | None, frozenset[int]]:

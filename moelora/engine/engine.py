@@ -220,14 +220,20 @@ class Engine:
         def can_fill(load: int) -> bool:  # its tensors in host memory (else being read)
             try:
                 host[load] = self.adapters.host_copy(load)
+                if host[load] is not None:
+                    self.slot_pool.check_fits(host[load])
             except AdapterError as e:
                 failed.append((load, e))
                 return False
             return host[load] is not None
 
-        for slot, load in self.scheduler.plan_fills(can_fill=can_fill):
+        def size_of(load: int) -> int:  # the arena elements of its region
+            return self.slot_pool.region_size(host[load])
+
+        for slot, load in self.scheduler.plan_fills(can_fill=can_fill, size_of=size_of):
             adapter, start = host[load], time.perf_counter()
-            self.runner.fill_slot(slot, adapter)
+            region = self.slot_table.regions[slot]
+            self.runner.fill_slot(slot, adapter, 0 if region is None else region[0])
             self._fills += 1
             self._fill_bytes += adapter.nbytes
             self._fill_seconds += time.perf_counter() - start

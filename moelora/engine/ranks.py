@@ -197,6 +197,11 @@ def _build_worker(spec: RankSpec, shard: Shard, device: torch.device, pipe: Any)
     pool = None
     if cfg.enable_lora:
         pool = SlotPool(
-            model, cfg.max_loras, cfg.max_lora_rank, dtype=cfg.torch_dtype, device=device
+            model,
+            cfg.max_loras,
+            cfg.max_lora_rank,
+            dtype=cfg.torch_dtype,
+            device=device,
+            compact=False,  # several ranks: the old layout (build.adapter_pool says why)
         )
     return ModelRunner(model, kv, pool, cfg.page_size, device)

@@ -101,11 +101,17 @@ class Scheduler:
     # ---- adapter slots --------------------------------------------------------------------
 
     def plan_fills(
-        self, *, can_fill: Callable[[Hashable], bool] = lambda load: True
+        self,
+        *,
+        can_fill: Callable[[Hashable], bool] = lambda load: True,
+        size_of: Callable[[Hashable], int] = lambda load: 0,
     ) -> list[tuple[int, Hashable]]:
         """(slot, load) for each adapter a waiting request needs that takes an idle slot now;
         the slots are assigned (filling) and the caller starts their copies. can_fill(load):
-        its host copy is there (one still read from disk waits, and takes no slot)."""
+        its host copy is there (one still read from disk waits, and takes no slot).
+        size_of(load): the arena elements its region takes (asked after can_fill); the
+        adapters of other slots it may take (_takeable) are evicted, in that order, until it
+        fits, or it waits."""
         if self.slots is None:
             return []
         demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)
@@ -116,9 +122,16 @@ class Scheduler:
             if not can_fill(load):
                 continue
             takeable = self._takeable(load, demand)
-            if takeable:
-                self.slots.assign(takeable[0], load)
-                fills.append((takeable[0], load))
+            if not takeable:
+                continue
+            slot, size = takeable[0], size_of(load)
+            victims = self.slots.room_for(size, slot, takeable[1:])
+            if victims is None:
+                continue
+            for victim in victims:  # idle: no request holds them, no step reads them
+                self.slots.evict(self.slots.names[victim])
+            self.slots.assign(slot, load, size)
+            fills.append((slot, load))
         return fills
 
     def _loads_without_slot(self) -> list[Hashable]:

@@ -35,7 +35,24 @@ import triton.language as tl
 from moelora.kernels.dot import dot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import (
+    A_EXPERT,
+    A_OFF,
+    A_SLICE,
+    B_EXPERT,
+    B_OFF,
+    B_ROW,
+    RANK,
+    TABLE_WIDTH,
+    LoraBatchInfo,
+    LoraWeights,
+)
+
+# the table's columns, as the kernels name them (module-level ints are constants to Triton)
+TAB_A_OFF, TAB_A_SLICE, TAB_B_OFF = tl.constexpr(A_OFF), tl.constexpr(A_SLICE), tl.constexpr(B_OFF)
+TAB_B_ROW, TAB_RANK = tl.constexpr(B_ROW), tl.constexpr(RANK)
+TAB_A_EXPERT, TAB_B_EXPERT = tl.constexpr(A_EXPERT), tl.constexpr(B_EXPERT)
+TAB_WIDTH = tl.constexpr(TABLE_WIDTH)
 
 
 @triton.jit
@@ -58,7 +75,8 @@ def lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr):
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K_in], row stride stride_xt
-    a_ptr,  # [S, NS, R, K_in]
+    w_ptr,  # the arena: slot s's A [NS, r, K_in] where row s of the table says
+    tab_ptr,  # [S, TW] int64 (step/lora.LoraWeights.table)
     part_ptr,  # [T, KS, NS, R] float32 out, written for rows with an enabled slot only
     slot_ptr,
     enabled_ptr,
@@ -66,6 +84,7 @@ def _lora_shrink_kernel(
     scaling_ptr,
     K_in,
     stride_xt,
+    TW: tl.constexpr,
     NS: tl.constexpr,
     R: tl.constexpr,
     RP: tl.constexpr,
@@ -79,6 +98,11 @@ def _lora_shrink_kernel(
     slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
     if rank == 0:
         return
+    # the module's own rank and place; rank 0 (the slot's adapter has no such module) still
+    # writes its rows, zeros: readers check only the slot
+    rank = tl.load(tab_ptr + slot * TW + TAB_RANK)
+    a_slot = w_ptr + tl.load(tab_ptr + slot * TW + TAB_A_OFF)
+    a_slice = tl.load(tab_ptr + slot * TW + TAB_A_SLICE)
     offs_k = ks * BK + tl.arange(0, BK)
     k_ok = offs_k < K_in
     offs_r = tl.arange(0, RP)
@@ -86,7 +110,7 @@ def _lora_shrink_kernel(
     x = tl.load(x_ptr + row * stride_xt + offs_k, mask=k_ok, other=0.0).to(tl.float32)
     for i in tl.static_range(NS):
         a = tl.load(
-            a_ptr + (slot * NS + i) * R * K_in + offs_r[:, None] * K_in + offs_k[None, :],
+            a_slot + i * a_slice + offs_r[:, None] * K_in + offs_k[None, :],
             mask=r_ok[:, None] & k_ok[None, :],
             other=0.0,
         )  # [RP, BK]
@@ -99,16 +123,16 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
     """Semantics: see reference.lora_shrink_split: reference.lora_shrink in KS partial sums,
     summed by the reader; part[t, j] is row t's shrink over input columns j*BK .. (j+1)*BK.
 
-    x [T, in] (last dim contiguous); lora.a [S, n, R, in] contiguous. Returns [T, KS, n, R]
+    x [T, in] (last dim contiguous); lora's A read through its table. Returns [T, KS, n, R]
     float32; rows whose token has no enabled slot are left unwritten (readers check the slot).
 
     Why split: a row's whole A (128 KB for a rank-16 o_proj of 4096 inputs) read by one
     program is bound by that program's load latency; KS programs each read one slice at once.
     """
     T, K_in = x.shape
-    S, n, R, K_a = lora.a.shape
-    assert K_a == K_in and x.stride(-1) == 1, (lora.a.shape, x.shape, x.stride())
-    assert lora.a.is_contiguous(), lora.a.stride()
+    n, R = len(lora.out_slices), lora.max_rank
+    assert lora.num_experts == 0 and lora.in_features == K_in, (lora.in_features, x.shape)
+    assert x.stride(-1) == 1 and lora.table.is_contiguous(), (x.stride(), lora.table.stride())
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     RP = next_power_of_2(R)
     BK = min(max(8192 // RP, 16), next_power_of_2(K_in))  # [RP, BK]: 64 values a lane
@@ -118,7 +142,8 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
         return part
     _lora_shrink_kernel[(T, KS)](
         x_ptr=x,
-        a_ptr=lora.a,
+        w_ptr=lora.arena,
+        tab_ptr=lora.table,
         part_ptr=part,
         slot_ptr=info.slot_of_token,
         enabled_ptr=info.slot_enabled,
@@ -126,6 +151,7 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
         scaling_ptr=info.scaling_of_slot,
         K_in=K_in,
         stride_xt=x.stride(0),
+        TW=TABLE_WIDTH,
         NS=n,
         R=R,
         RP=RP,
@@ -151,11 +177,10 @@ def _add_lora_kernel(
     # Pointers.
     y_ptr,  # [T, out], updated in place
     x_ptr,  # [T, in]
-    a_ptr,  # [S, n, R, in]
-    b_ptr,  # [S, out, R]
+    w_ptr,  # the arena: slot s's A [n, r, in] and B [out, r] where row s of the table says
+    tab_ptr,  # [S, TW] int64 (step/lora.LoraWeights.table): places, strides, the module's rank
     slot_ptr,  # [T] int32
     enabled_ptr,  # [S] int32
-    rank_ptr,  # [S] int32
     scaling_ptr,  # [S] float32
     # Sizes: tokens, input features, and the output slices (size 0 when absent).
     T,
@@ -166,12 +191,8 @@ def _add_lora_kernel(
     # Strides (last dims contiguous).
     stride_yt,
     stride_xt,
-    stride_as,
-    stride_an,
-    stride_ar,
-    stride_bs,
-    stride_bo,
     # Meta-parameters: S slots taken SG at a time; a program expands CW columns, BN at a time.
+    TW: tl.constexpr,
     S: tl.constexpr,
     S_PAD: tl.constexpr,
     SG: tl.constexpr,
@@ -221,10 +242,14 @@ def _add_lora_kernel(
         mine = slot_rows[:, None] == j_slot[None, :]  # [BT, SG*BR]
         used = tl.max(mine.to(tl.int32), axis=0)
         if tl.max(used, axis=0) > 0:
-            j_ok = (used > 0) & (j_r < tl.load(rank_ptr + j_slot, mask=j_slot < S, other=0))
+            # each column's slot row of the table: the module's rank (0: none) and places
+            tab_j = tab_ptr + j_slot.to(tl.int64) * TW
+            s_ok = j_slot < S
+            j_ok = (used > 0) & (j_r < tl.load(tab_j + TAB_RANK, mask=s_ok, other=0))
             rows_g = (slot_rows >= s0) & (slot_rows < s0 + SG)
             # -- shrink: x[rows] @ A[slots of the group].T, [BT, SG*BR] --
-            a_j = a_ptr + j_slot.to(tl.int64) * stride_as + slice_i * stride_an + j_r * stride_ar
+            a_j = w_ptr + tl.load(tab_j + TAB_A_OFF, mask=s_ok, other=0)
+            a_j += slice_i * tl.load(tab_j + TAB_A_SLICE, mask=s_ok, other=0) + j_r * K_in
             xa = tl.zeros((BT, SG * BR), dtype=tl.float32)
             for k0 in range(0, K_in, BK):
                 k_ok = offs_k < K_in - k0
@@ -241,14 +266,15 @@ def _add_lora_kernel(
                 xa = dot(xt, at, xa)
             # -- each row keeps its own slot's columns, scaled; then expand CW columns --
             scale_j = tl.load(scaling_ptr + j_slot, mask=j_slot < S, other=0.0)
-            xs = tl.where(mine, xa * scale_j[None, :], 0.0).to(b_ptr.dtype.element_ty)
-            b_j = b_ptr + j_slot.to(tl.int64) * stride_bs + j_r
+            xs = tl.where(mine, xa * scale_j[None, :], 0.0).to(w_ptr.dtype.element_ty)
+            b_j = w_ptr + tl.load(tab_j + TAB_B_OFF, mask=s_ok, other=0) + j_r
+            b_row = tl.load(tab_j + TAB_B_ROW, mask=s_ok, other=0)
             for c0 in range(0, CW, BN):
                 offs_c = col0 + c0 + tl.arange(0, BN)
                 n_ok = offs_c < slice_size
                 offs_n = slice_start + offs_c
                 bt = tl.load(
-                    b_j[:, None] + offs_n[None, :].to(tl.int64) * stride_bo,
+                    b_j[:, None] + offs_n[None, :].to(tl.int64) * b_row[:, None],
                     mask=j_ok[:, None] & n_ok[None, :],
                     other=0.0,
                 )  # [SG*BR, BN]
@@ -316,19 +342,18 @@ def add_lora_(
 ) -> torch.Tensor:
     """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
-    y: [T, out], x: [T, in], same dtype, last dims contiguous; lora.a [S, n, R, in],
-    lora.b [S, out, R] contiguous, n <= 3. In place (one launch for all slices); returns y.
+    y: [T, out], x: [T, in], same dtype, last dims contiguous; lora's factors read through
+    its table (any layout it describes), n <= 3 slices. In place (one launch for all slices);
+    returns y.
     tiles: BT, CW, BK and any launch options (maxnreg, num_stages) in place of
     add_lora_tiles' (benchmarks sweep them; the default's launch options are dropped).
     """
     T, K_in = x.shape
-    S, n, R, _ = lora.a.shape
-    out = sum(lora.out_slices)
+    n, out = len(lora.out_slices), lora.out_features
     assert y.shape == (T, out) and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
-    assert lora.a.shape[3] == K_in and lora.b.shape == (S, out, R), (lora.a.shape, lora.b.shape)
-    assert n == len(lora.out_slices) <= 3, lora.out_slices
-    assert x.stride(1) == 1 and y.stride(1) == 1
-    assert lora.a.is_contiguous() and lora.b.is_contiguous()
+    assert lora.in_features == K_in and lora.num_experts == 0, (lora.in_features, x.shape)
+    assert n <= 3 and lora.arena.dtype == x.dtype, (lora.out_slices, lora.arena.dtype)
+    assert x.stride(1) == 1 and y.stride(1) == 1 and lora.table.is_contiguous()
     if T == 0:
         return y
     sizes = list(lora.out_slices) + [0] * (3 - n)
@@ -347,7 +372,7 @@ def _add_lora_meta(
 ) -> dict[str, int]:
     """_add_lora_kernel's meta-parameters for T rows: add_lora_tiles', with the caller's
     tiles in place of its own where given."""
-    S, _, R, _ = lora.a.shape
+    S, R = lora.num_slots, lora.max_rank
     # prefill tiles may take the step's rank (LoraBatchInfo.rank_tile): their K blocking does
     # not follow it, and the rank rows it drops are zeros
     tile_rank = info.rank_tile if info.rank_tile and T > PREFILL_ROWS else R
@@ -372,11 +397,10 @@ def _launch_add_lora(
     _add_lora_kernel[grid](
         y_ptr=y,
         x_ptr=x,
-        a_ptr=lora.a,
-        b_ptr=lora.b,
+        w_ptr=lora.arena,
+        tab_ptr=lora.table,
         slot_ptr=info.slot_of_token,
         enabled_ptr=info.slot_enabled,
-        rank_ptr=info.rank_of_slot,
         scaling_ptr=info.scaling_of_slot,
         T=T,
         K_in=K_in,
@@ -385,11 +409,7 @@ def _launch_add_lora(
         N2=sizes[2],
         stride_yt=y.stride(0),
         stride_xt=x.stride(0),
-        stride_as=lora.a.stride(0),
-        stride_an=lora.a.stride(1),
-        stride_ar=lora.a.stride(2),
-        stride_bs=lora.b.stride(0),
-        stride_bo=lora.b.stride(1),
+        TW=TABLE_WIDTH,
         **meta,
         **pdl_kwargs(x.device),
     )

@@ -45,7 +45,8 @@ def mla_attention(
 
     q_nope [T, Hh, N]; q_pe [T, Hh, R] rotated; latent_cache [P, page_size, 1, L], rope_cache
     [P, page_size, 1, R] (this step's tokens already stored); kv_b [Hh (N + V), L], head h's
-    rows N no-rope key then V value; lora.a [S, 1, r, L], lora.b [S, Hh (N + V), r].
+    rows N no-rope key then V value; slot s's lora
+    factors A [1, r, L], B [Hh (N + V), r] (LoraWeights.factors).
     Returns [T, Hh, V] in q_nope's dtype; rows past cu_seqlens_q[-1] (padding) are zeros.
     """
     T, Hh, N = q_nope.shape
@@ -74,9 +75,12 @@ def _enabled_slots(
     active = (slot_of_row >= 0) & (info.slot_enabled[safe] != 0)
     found = []
     for s in torch.unique(slot_of_row[active]).tolist():
+        factors = lora.factors(s)
+        if factors is None:
+            continue  # the slot's adapter has no kv_b module
         rows = (slot_of_row == s).nonzero().squeeze(1)
-        a = lora.a[s, 0].float()
-        b = lora.b[s].float().view(heads, -1, lora.max_rank)
+        a = factors[0][0].float()
+        b = factors[1].float().reshape(heads, -1, a.shape[0])
         found.append((rows, a, b, info.scaling_of_slot[s].float()))
     return found
 

@@ -54,6 +54,9 @@ class Ops:
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool
+    # every kernel that reads LoRA factors reads them through LoraWeights.table (the compact
+    # arena layout); False: some still read the dense views, so the pool keeps the old layout
+    reads_lora_tables: bool
     # the part of the model this process holds and the collectives between the parts (NCCL or
     # gloo are kernels too): layers size themselves and reduce through it
     shard: Shard = SINGLE
@@ -76,6 +79,7 @@ REFERENCE_OPS = Ops(
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
     keeps_mxfp4=False,
+    reads_lora_tables=True,
 )
 
 
@@ -142,4 +146,7 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
         gated_delta_rule=gated_delta.gated_delta_rule,
         rms_norm_gated=gated_delta.rms_norm_gated,
         keeps_mxfp4=True,
+        # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
+        # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
+        reads_lora_tables=True,
     )

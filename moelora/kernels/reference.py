@@ -146,17 +146,22 @@ def lora_shrink(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -> torc
     slot is enabled; other rows are zero (and kernels leave them unwritten: readers check the
     slot first). Computed in float32 from x as given.
 
-    x: [T, in]; lora.a [S, n, R, in]. Returns [T, n, R] float32.
+    x: [T, in]; lora's A of slot s [n, r, in] (LoraWeights.factors: read through its table).
+    Returns [T, n, R] float32, zero past each slot's rank r.
     """
     T = x.shape[0]
-    S, n, R, _ = lora.a.shape
+    n, R = len(lora.out_slices), lora.max_rank
     shrunk = torch.zeros(T, n, R, dtype=torch.float32, device=x.device)
     slots = info.slot_of_token[:T]
     active = _slot_mask(info, slots)
     for s in torch.unique(slots[active]).tolist():
+        factors = lora.factors(s)
+        if factors is None:
+            continue  # the slot's adapter has no such module
+        a = factors[0]
         rows = (slots == s).nonzero().squeeze(1)
-        shrunk[rows] = torch.einsum("ti,nri->tnr", x[rows].float(), lora.a[s].float())
-        shrunk[rows] *= info.scaling_of_slot[s].float()
+        part = torch.einsum("ti,nri->tnr", x[rows].float(), a.float())
+        shrunk[rows, :, : a.shape[1]] = part * info.scaling_of_slot[s].float()
     return shrunk
 
 
@@ -172,11 +177,16 @@ def lora_expand_(
     slots = info.slot_of_token[:T]
     active = _slot_mask(info, slots)
     for s in torch.unique(slots[active]).tolist():
+        factors = lora.factors(s)
+        if factors is None:
+            continue
+        b = factors[1]  # [out, r]
+        r = b.shape[1]
         rows = (slots == s).nonzero().squeeze(1)
         pieces, offset = [], 0
         for i, size in enumerate(lora.out_slices):
-            b_i = lora.b[s, offset : offset + size].float()  # [size, R]
-            pieces.append(shrunk[rows, i] @ b_i.T)
+            b_i = b[offset : offset + size].float()  # [size, r]
+            pieces.append(shrunk[rows, i, :r] @ b_i.T)
             offset += size
         y[rows] += torch.cat(pieces, dim=-1).to(y.dtype)
     return y
@@ -191,6 +201,25 @@ def add_lora_(
     returns y.
     """
     return lora_expand_(y, lora_shrink(x, lora, info), lora, info)
+
+
+def _expert_delta(
+    x: torch.Tensor, lora: LoraWeights, slots: torch.Tensor, e: int, scale: torch.Tensor
+) -> torch.Tensor:
+    """Each row's delta from expert e's factors of its slot (read through lora's table), in
+    float32: x [N, in], slots [N], scale [N] -> [N, out]."""
+    delta = torch.zeros(x.shape[0], lora.out_features, dtype=torch.float32, device=x.device)
+    for s in torch.unique(slots).tolist():
+        factors = lora.factors(s)
+        if factors is None:
+            continue
+        rows = (slots == s).nonzero().squeeze(1)
+        a, b = factors[0][e], factors[1][e]  # [n, r, in], [out, r]
+        n = len(rows)
+        delta[rows] = _lora_delta(
+            x[rows], a.expand(n, *a.shape), b.expand(n, *b.shape), lora.out_slices, scale[rows]
+        )
+    return delta
 
 
 def fused_moe(
@@ -215,9 +244,11 @@ def fused_moe(
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
     slot is NO_SLOT or disabled): d13 = scaling * (x @ A13[s,e,i].T) @ B13[s,e,slice_i].T.
     x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-    topk_weights [T, K] float32; topk_ids [T, K] int32. lora13.a [S, E, 2, R, H],
-    lora13.b [S, E, 2I, R]; lora2.a [S, E, 1, R, I], lora2.b [S, E, H, R]; b13 [E, 2I] (gate,
-    then up), b2 [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
+    topk_weights [T, K] float32; topk_ids [T, K] int32. Slot s's factors, read through each
+    LoraWeights' table (LoraWeights.factors; a module absent from the slot's adapter adds
+    nothing): A13 [E, 2, r, H], B13 [E, 2I, r]; A2 [E, 1, r, I], B2 [E, H, r], r the module's
+    own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
+    [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
     """
     act = ACTIVATIONS[activation]
     w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)
@@ -241,15 +272,11 @@ def fused_moe(
             slots = slot_of_pair[lp].long()
             scale = info.scaling_of_slot[slots].float()
         if use_lora and lora13 is not None and sel.numel():
-            d = _lora_delta(
-                xe[sel], lora13.a[slots, e], lora13.b[slots, e], lora13.out_slices, scale
-            )
-            gate_up[sel] += d.to(gate_up.dtype)
+            gate_up[sel] += _expert_delta(xe[sel], lora13, slots, e, scale).to(gate_up.dtype)
         h = act(gate_up)
         down = h @ w2[e].T + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
-            d = _lora_delta(h[sel], lora2.a[slots, e], lora2.b[slots, e], lora2.out_slices, scale)
-            down[sel] += d.to(down.dtype)
+            down[sel] += _expert_delta(h[sel], lora2, slots, e, scale).to(down.dtype)
         out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])
     return out.to(x.dtype)
 

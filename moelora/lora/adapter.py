@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from moelora.errors import AdapterError
+from moelora.lora.arena import FactorPlace, RegionLayout, pack, region_layout
 from moelora.lora.slots import LoraTarget
 from moelora.models.loader import LINEAR_IN, canonical_name
 
@@ -85,23 +86,53 @@ class LoraAdapter:
     # (shared-outer and fully-shared adapters, in any of their forms); modules still hold it
     # once per expert
     shared: frozenset[tuple[str, str]] = frozenset()
+    # the modules packed in one page-locked buffer in their arena region's layout
+    # (lora/arena.py; the modules are views of it): what one fill copies. None: not packed
+    packed: torch.Tensor | None = None
 
     def pinned(self) -> LoraAdapter:
-        """The adapter with its host tensors in page-locked memory, which a slot fill copies
-        asynchronously and at the full host-to-device bandwidth (device tensors stay)."""
-        modules = {key: ModuleLora(_pinned(m.a), _pinned(m.b)) for key, m in self.modules.items()}
-        return dataclasses.replace(self, modules=modules)
+        """The adapter packed into one page-locked buffer (`packed`, the modules views of it),
+        which a slot fill copies asynchronously, at the full host-to-device bandwidth and in
+        one copy. An adapter on the device, already packed, or whose tensors are all
+        page-locked already is returned as it is (names registered over the same page-locked
+        tensors share them, as before packing: a fill then copies factor by factor)."""
+        factors = [t for m in self.modules.values() for t in (m.a, m.b)]
+        if self.packed is not None or any(t.device.type != "cpu" for t in factors):
+            return self
+        if factors and all(t.is_pinned() for t in factors):
+            return self
+        layout = self.layout()
+        if not layout.places:
+            return self
+        dtype = next(iter(self.modules.values())).a.dtype
+        packed = pack(self.modules, layout, dtype, pin=True)
+        modules = {key: _view(packed, m, layout.places[key]) for key, m in self.modules.items()}
+        return dataclasses.replace(self, modules=modules, packed=packed)
+
+    def layout(self) -> RegionLayout:
+        """Where its modules sit in its arena region (in module order; shared factors once)."""
+        return region_layout(self.modules, self.shared, self.modules)
 
     @property
     def nbytes(self) -> int:
-        """The bytes of its tensors (what a slot fill copies)."""
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+        """The bytes of its tensors as held on the GPU (what a slot fill copies): a factor
+        shared by every expert counts once."""
+        if self.packed is not None:
+            return self.packed.nbytes
+        elem = next((m.a.element_size() for m in self.modules.values()), 0)
+        return self.layout().size * elem
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """t in page-locked memory: a host tensor already there is shared, not copied (adapters
-    registered under many names over the same tensors, say), a device tensor stays."""
-    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
+def _view(packed: torch.Tensor, m: ModuleLora, p: FactorPlace) -> ModuleLora:
+    """m's factors as views of the packed buffer (a shared factor: one copy, expanded)."""
+    experts = m.a.ndim == 4
+
+    def factor(t: torch.Tensor, off: int, expert_stride: int) -> torch.Tensor:
+        if experts and not expert_stride:
+            return packed[off : off + t[0].numel()].view(1, *t.shape[1:]).expand(t.shape)
+        return packed[off : off + t.numel()].view(t.shape)
+
+    return ModuleLora(factor(m.a, p.a_off, p.a_expert), factor(m.b, p.b_off, p.b_expert))
 
 
 @dataclass(frozen=True)
@@ -517,16 +548,22 @@ def _scale(cfg: dict, alpha: float, r: int) -> float:
 
 
 def _assemble(pieces, targets, rank, scaling, dtype) -> dict[str, ModuleLora]:
-    """Zero-padded tensors per target at the adapter's rank, module scaling folded into B."""
+    """Tensors per target at the target's own rank (the largest of its pieces: rank_pattern
+    may give q and k, or gate and up, different ranks), zero-padded there, module scaling
+    folded into B."""
     modules: dict[str, ModuleLora] = {}
+    own_rank: dict[str, int] = {}
+    for p in pieces:
+        own_rank[p.target] = max(own_rank.get(p.target, 0), p.a.shape[0])
     for p in pieces:
         t = targets[p.target]
         if p.target not in modules:
             experts = (t.num_experts,) if t.num_experts else ()
+            r = own_rank[p.target]
             modules[p.target] = ModuleLora(
                 # on the meta device when the pieces are (a folder checked by its header)
-                torch.zeros(*experts, len(t.out_slices), rank, t.in_features, device=p.a.device),
-                torch.zeros(*experts, t.out_features, rank, device=p.a.device),
+                torch.zeros(*experts, len(t.out_slices), r, t.in_features, device=p.a.device),
+                torch.zeros(*experts, t.out_features, r, device=p.a.device),
             )
         if p.a.is_meta:
             continue  # no values to place: the layout is all a header gives

@@ -7,14 +7,27 @@ Nothing is reallocated after start-up, so captured graphs stay valid while adapt
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from moelora.errors import AdapterError
 from moelora.layers.linear import LoraLinear
-from moelora.step.lora import LoraWeights
+from moelora.lora.arena import ALIGN, RegionAllocator, RegionLayout, region_layout, write_region
+from moelora.step.lora import (
+    A_EXPERT,
+    A_OFF,
+    A_SLICE,
+    B_EXPERT,
+    B_OFF,
+    B_ROW,
+    RANK,
+    TABLE_WIDTH,
+    LoraWeights,
+)
 
 
 @dataclass(frozen=True)
@@ -63,8 +76,25 @@ def lora_targets(model: nn.Module) -> dict[str, LoraTarget]:
     return targets
 
 
+def dense_slot_elements(targets: dict[str, LoraTarget], max_rank: int) -> int:
+    """The elements one adapter with every module at max_rank takes (the old slot's size, and
+    the arena's default share per slot)."""
+    total = 0
+    for t in targets.values():
+        experts = max(t.num_experts, 1)
+        total += experts * max_rank * (len(t.out_slices) * t.in_features + t.out_features)
+    return total
+
+
 class SlotPool:
-    """Per-target buffers a [S, (E,) n, R, in] and b [S, (E,) out, R], plus rank/scaling."""
+    """The device memory LoRA kernels read: one arena holding every resident adapter, and per
+    target a table of where each slot's factors sit in it (step/lora.LoraWeights).
+
+    compact (the default): each adapter takes one region at its modules' own ranks, shared
+    expert factors once (lora/arena.py); the SlotTable's allocator places the regions, of
+    `arena_elements` in all (default max_loras adapters at max_rank: the old slots' memory).
+    Not compact: slot s holds every target at max_rank in a fixed part of the arena (the old
+    layout, which LoraWeights.a / .b view): for kernels not yet converted to the tables."""
 
     def __init__(
         self,
@@ -74,44 +104,134 @@ class SlotPool:
         *,
         dtype: torch.dtype,
         device: torch.device,
+        compact: bool = True,
+        arena_elements: int | None = None,
     ):
-        self.max_loras = max_loras
-        self.max_rank = max_rank
+        self.max_loras, self.max_rank, self.compact = max_loras, max_rank, compact
         self.targets = lora_targets(model)
+        self.slot_elements = dense_slot_elements(self.targets, max_rank)
+        if not compact or arena_elements is None:
+            arena_elements = max_loras * self.slot_elements
+        self.arena = torch.zeros(arena_elements, dtype=dtype, device=device)
+        # [targets, S, TABLE_WIDTH]: a fill writes a slot's rows of every target in one copy
+        self.tables = torch.zeros(
+            len(self.targets), max_loras, TABLE_WIDTH, dtype=torch.int64, device=device
+        )
         self.weights: dict[str, LoraWeights] = {}
-        for key, t in self.targets.items():
-            experts = (t.num_experts,) if t.num_experts else ()
-            n = len(t.out_slices)
-            a = torch.zeros(
-                max_loras, *experts, n, max_rank, t.in_features, dtype=dtype, device=device
-            )
-            b = torch.zeros(
-                max_loras, *experts, t.out_features, max_rank, dtype=dtype, device=device
-            )
-            self.weights[key] = LoraWeights(a, b, t.out_slices)
+        dense_at = 0
+        for i, (key, t) in enumerate(self.targets.items()):
+            a = b = None
+            if not compact:
+                a, b, dense_at = self._dense_views(t, dense_at)
+            places = (self.arena, self.tables[i])
+            shape = (t.out_slices, t.in_features, max_rank, t.num_experts)
+            self.weights[key] = LoraWeights(*places, *shape, a, b)
             setattr(t.owner, t.attr, self.weights[key])
+        if not compact:
+            self._dense_tables()
         self.rank_of_slot = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.scaling_of_slot = torch.zeros(max_loras, dtype=torch.float32, device=device)
         self.host_rank = [0] * max_loras  # host copy: the runner reads it without a device sync
-        # per slot, the rank each target's buffers hold nonzeros to (fill zeroes the rest)
+        # per slot, the rank each target's buffers hold nonzeros to (a dense fill zeroes the rest)
         self._written: list[dict[str, int]] = [{} for _ in range(max_loras)]
-        # per slot, each target's (a, b) views of it, made once
-        self._views = [
-            {key: (w.a[s], w.b[s]) for key, w in self.weights.items()} for s in range(max_loras)
-        ]
 
-    def fill(self, slot: int, adapter) -> None:
-        """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot, on the current
-        stream, without waiting for the copies (from page-locked host tensors they run
-        asynchronously; the caching host allocator keeps them alive until the copies end).
+    def _dense_views(self, t: LoraTarget, at: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The old layout's a [S, (E,) n, R, in] and b [S, (E,) out, R] of target t in the
+        arena from `at`, and where the next target's begin."""
+        S, R, experts = self.max_loras, self.max_rank, (t.num_experts,) if t.num_experts else ()
+        a_shape = (S, *experts, len(t.out_slices), R, t.in_features)
+        b_shape = (S, *experts, t.out_features, R)
+        a_n, b_n = math.prod(a_shape), math.prod(b_shape)
+        a = self.arena[at : at + a_n].view(a_shape)
+        b = self.arena[at + a_n : at + a_n + b_n].view(b_shape)
+        return a, b, at + a_n + b_n
 
-        Invariant: outside the adapter's modules and ranks a slot holds zeros. Only what the
-        last occupant wrote and this adapter does not overwrite is zeroed (each launch costs
-        the engine thread time, hundreds of them a fill on a large MoE)."""
+    def _dense_tables(self) -> None:
+        """The old layout's tables: fixed places, every rank R (fills set the real ranks)."""
+        rows = torch.zeros_like(self.tables, device="cpu")
+        base = self.arena.storage_offset()
+        for i, w in enumerate(self.weights.values()):
+            for s in range(self.max_loras):
+                row = rows[i, s]
+                row[A_OFF] = w.a[s].storage_offset() - base
+                row[B_OFF] = w.b[s].storage_offset() - base
+                row[A_SLICE], row[B_ROW] = w.a.stride(-3), self.max_rank
+                if w.num_experts:
+                    row[A_EXPERT], row[B_EXPERT] = w.a.stride(1), w.b.stride(1)
+        self.tables.copy_(rows)
+
+    def region_size(self, adapter) -> int:
+        """The arena elements the adapter's region takes (0 in the old layout: slots are
+        fixed)."""
+        if not self.compact:
+            return 0
+        return max(self._layout(adapter).size, ALIGN)
+
+    def check_fits(self, adapter) -> None:
+        """AdapterError where the adapter could never be resident: larger than the arena."""
+        size = self.region_size(adapter)
+        if size > self.arena.numel():
+            elem = self.arena.element_size()
+            raise AdapterError(
+                f"adapter {adapter.name!r} takes {size * elem / 2**30:.3f} GiB on the GPU, "
+                f"more than the whole adapter memory ({self.arena.numel() * elem / 2**30:.3f} "
+                "GiB, max_gpu_lora_gb): expected an adapter that fits it"
+            )
+
+    def _layout(self, adapter) -> RegionLayout:
+        keys = [key for key in adapter.modules if key in self.weights]
+        return region_layout(adapter.modules, adapter.shared, keys)
+
+    def fill(self, slot: int, adapter, start: int = 0) -> None:
+        """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot (compact: into
+        its region at `start`, which the SlotTable allocated), on the current stream, without
+        waiting for the copies (from page-locked host memory they run asynchronously; the
+        caching host allocator keeps the source alive until the copies end)."""
+        if self.compact:
+            self._fill_region(slot, adapter, start)
+        else:
+            self._fill_dense(slot, adapter)
+        # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
+        # synchronises the stream, so the thread would wait for every copy above
+        self.rank_of_slot[slot].fill_(adapter.rank)
+        self.scaling_of_slot[slot].fill_(adapter.scaling)
+        self.host_rank[slot] = adapter.rank
+
+    def _fill_region(self, slot: int, adapter, start: int) -> None:
+        """One copy where the adapter comes packed in its region's layout (an adapter in
+        page-locked memory does), one a factor otherwise; then the slot's table rows."""
+        layout = self._layout(adapter)
+        assert start + layout.size <= self.arena.numel(), (start, layout.size)
+        region = self.arena[start : start + layout.size]
+        packed = adapter.packed
+        if packed is not None and packed.numel() == layout.size:
+            region.copy_(packed, non_blocking=True)
+        else:
+            write_region(region, adapter.modules, layout)
+        rows = torch.zeros(len(self.weights), TABLE_WIDTH, dtype=torch.int64)
+        for i, (key, w) in enumerate(self.weights.items()):
+            p = layout.places.get(key)
+            if p is None:
+                continue  # rank 0: the kernels skip the module
+            K, R_n = w.in_features, p.rank
+            rows[i, A_OFF], rows[i, B_OFF] = start + p.a_off, start + p.b_off
+            rows[i, A_EXPERT], rows[i, B_EXPERT] = p.a_expert, p.b_expert
+            rows[i, A_SLICE], rows[i, B_ROW], rows[i, RANK] = R_n * K, R_n, R_n
+        # pin: a pageable source would make this copy synchronous
+        rows = rows.pin_memory() if self.tables.is_cuda else rows
+        self.tables[:, slot].copy_(rows, non_blocking=True)
+
+    def _fill_dense(self, slot: int, adapter) -> None:
+        """The old layout. Invariant: outside the adapter's modules and ranks a slot holds
+        zeros. Only what the last occupant wrote and this adapter does not overwrite is
+        zeroed (each launch costs the engine thread time, hundreds of them a fill)."""
         written = self._written[slot]
-        for key, (a, b) in self._views[slot].items():
+        ranks = torch.zeros(len(self.weights), dtype=torch.int64)
+        for i, (key, w) in enumerate(self.weights.items()):
+            a, b = w.a[slot], w.b[slot]
             module = adapter.modules.get(key)
             r = 0 if module is None else module.a.shape[-2]
+            ranks[i] = r
             if r < written.get(key, 0):  # the last occupant's ranks beyond r
                 a[..., r:, :].zero_()
                 b[..., r:].zero_()
@@ -124,11 +244,8 @@ class SlotPool:
         self._written[slot] = {
             key: m.a.shape[-2] for key, m in adapter.modules.items() if key in self.weights
         }
-        # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
-        # synchronises the stream, so the thread would wait for every copy above
-        self.rank_of_slot[slot].fill_(adapter.rank)
-        self.scaling_of_slot[slot].fill_(adapter.scaling)
-        self.host_rank[slot] = adapter.rank
+        ranks = ranks.pin_memory() if self.tables.is_cuda else ranks  # as _fill_region's
+        self.tables[:, slot, RANK].copy_(ranks, non_blocking=True)
 
     def clear(self, slot: int) -> None:
         self.rank_of_slot[slot].fill_(0)
@@ -145,7 +262,8 @@ class SlotTable:
     filling, is never handed to another load (the step in flight may read it, or a request
     waits for it). The scheduler picks which idle slot a load takes (it knows the queues)."""
 
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, arena: RegionAllocator | None = None):
+        """arena: where the pool's regions go (None: the old layout, a fixed part a slot)."""
         self.names: list[Hashable | None] = [None] * num_slots
         self.refs = [0] * num_slots
         self.filling = [False] * num_slots
@@ -153,6 +271,8 @@ class SlotTable:
         # slot for the requests it was filled for (evicted before they ran, it was wasted)
         self.unused = [False] * num_slots
         self.last_used = [0] * num_slots
+        self.arena = arena
+        self.regions: list[tuple[int, int] | None] = [None] * num_slots  # (start, elements)
         self._clock = itertools.count(1)
 
     def slot_of(self, name: Hashable) -> int | None:
@@ -168,13 +288,46 @@ class SlotTable:
         idle = [s for s in range(len(self.names)) if self.refs[s] == 0 and not self.filling[s]]
         return sorted(idle, key=lambda s: (self.names[s] is not None, self.last_used[s]))
 
-    def assign(self, slot: int, name: Hashable) -> Hashable | None:
-        """`name` takes the idle `slot` and is filling; returns the load it held."""
+    def assign(self, slot: int, name: Hashable, size: int = 0) -> Hashable | None:
+        """`name` takes the idle `slot` and is filling, in a new region of `size` arena
+        elements (which room_for made room for); returns the load it held."""
         assert self.refs[slot] == 0 and not self.filling[slot] and name not in self.names
+        self._free_region(slot)
+        if self.arena is not None:
+            start = self.arena.allocate(size)
+            assert start is not None, (size, self.arena.free_list)
+            self.regions[slot] = (start, size)
         evicted, self.names[slot] = self.names[slot], name
         self.filling[slot] = self.unused[slot] = True
         self.last_used[slot] = next(self._clock)
         return evicted
+
+    def room_for(
+        self, size: int, slot: int, candidates: list[int] | None = None
+    ) -> list[int] | None:
+        """The slots among `candidates` (default: every idle one, least recently used first)
+        whose adapters to evict, in their order, so that a region of `size` fits once they and
+        `slot` (which the new adapter takes) are freed; None where even evicting all of them
+        would not make room (the fill then waits)."""
+        if self.arena is None:
+            return []
+        freed = [self.regions[slot]] if self.regions[slot] else []
+        victims = []
+        candidates = self.idle() if candidates is None else candidates
+        candidates = [s for s in candidates if s != slot and self.regions[s] is not None]
+        if not self.arena.fits_after(size, freed + [self.regions[s] for s in candidates]):
+            return None
+        for s in candidates:
+            if self.arena.fits_after(size, freed):
+                break
+            victims.append(s)
+            freed.append(self.regions[s])
+        return victims
+
+    def _free_region(self, slot: int) -> None:
+        if self.regions[slot] is not None:
+            self.arena.free(*self.regions[slot])
+            self.regions[slot] = None
 
     def filled(self, slot: int) -> None:
         """The slot's copy has landed: its requests may run beside others."""
@@ -198,6 +351,7 @@ class SlotTable:
             assert self.refs[slot] == 0
             self.names[slot] = None
             self.filling[slot] = self.unused[slot] = False
+            self._free_region(slot)
         return slot
 
     def unused_loads(self) -> set[Hashable]:

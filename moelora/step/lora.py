@@ -44,25 +44,97 @@ class LoraBatchInfo:
         return self.rank_of_slot.shape[0]
 
 
+# The columns of LoraWeights.table: where one slot's factors of one target sit in the arena,
+# in elements. A row of A is always `in` long and B's rank columns are contiguous, so these
+# and the rank are all a reader needs.
+A_OFF, A_EXPERT, A_SLICE, B_OFF, B_EXPERT, B_ROW, RANK = range(7)
+TABLE_WIDTH = 8  # one 64-byte row a slot
+
+
 @dataclass(frozen=True)
 class LoraWeights:
-    """The slot buffers of one LoRA-adapted linear (or of all experts of one MoE linear).
+    """One LoRA-adapted linear's factors (or all experts' of one MoE linear), for every slot.
 
     The linear's output is cut into slices (q|k|v, gate|up); slice i has its own A.
-    n = number of slices, R = max_lora_rank, E = experts (absent for dense linears).
-      a: [S, n, R, in]      or [S, E, n, R, in]
-      b: [S, out, R]        or [S, E, out, R]     out = sum(out_slices)
-    Rows of a and columns of b past a slot's real rank are zero. Per-module scaling that
-    differs from the slot's scaling (alpha_pattern) is folded into b when the slot is filled.
+    n = number of slices, r = the slot's rank for this linear, E = experts (absent for dense
+    linears), S = slots. Slot s's factors are read through row s of `table`, in `arena`:
+      A[s][e, i, j, k] = arena[A_OFF + e * A_EXPERT + i * A_SLICE + j * in + k]
+      B[s][e, o, j]    = arena[B_OFF + e * B_EXPERT + o * B_ROW + j]
+    for j < RANK. RANK 0: the adapter in the slot has no such module (readers skip it).
+    A_EXPERT / B_EXPERT 0: one factor shared by every expert, stored once.
+    Per-module scaling that differs from the slot's scaling (alpha_pattern) is folded into B.
+
+    a, b: the same factors as dense views [S, (E,) n, R, in] and [S, (E,) out, R] (R =
+    max_rank, zeros past a slot's rank), where the pool keeps that layout (kernels not yet
+    converted to the table read these); None in the compact layout.
     """
 
-    a: torch.Tensor
-    b: torch.Tensor
+    arena: torch.Tensor  # [N] the pool's one buffer, the model's dtype
+    table: torch.Tensor  # [S, TABLE_WIDTH] int64
     out_slices: tuple[int, ...]
+    in_features: int
+    max_rank: int  # R: the largest rank a slot may hold (the rank tile of the kernels)
+    num_experts: int = 0
+    a: torch.Tensor | None = None
+    b: torch.Tensor | None = None
+
+    @classmethod
+    def dense(
+        cls,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out_slices: tuple[int, ...],
+        ranks: list[int] | None = None,
+    ) -> LoraWeights:
+        """Weights over dense a [S, (E,) n, R, in] and b [S, (E,) out, R] (copied into one
+        arena; a and b become views of it). ranks: each slot's rank (default R)."""
+        S, R, K = a.shape[0], a.shape[-2], a.shape[-1]
+        experts = a.shape[1] if a.ndim == 5 else 0
+        arena = torch.cat([a.reshape(-1), b.reshape(-1)])
+        a = arena[: a.numel()].view(a.shape)
+        b = arena[a.numel() :].view(b.shape)
+        table = torch.zeros(S, TABLE_WIDTH, dtype=torch.int64)
+        for s in range(S):
+            row = table[s]
+            row[A_OFF], row[A_SLICE] = s * a.stride(0), a.stride(-3)
+            row[B_OFF], row[B_ROW] = a.numel() + s * b.stride(0), R
+            row[A_EXPERT] = a.stride(1) if experts else 0
+            row[B_EXPERT] = b.stride(1) if experts else 0
+            row[RANK] = R if ranks is None else min(ranks[s], R)
+        return cls(arena, table.to(a.device), out_slices, K, R, experts, a, b)
+
+    def dense_views(self, reader: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(a, b) in the old dense layout, for a kernel not yet converted to the table."""
+        assert self.a is not None and self.b is not None, (
+            f"{reader} reads LoRA factors in the dense slot layout, not through the arena's "
+            "tables: its Ops must say reads_lora_tables=False, so the pool keeps that layout"
+        )
+        return self.a, self.b
 
     @property
-    def max_rank(self) -> int:
-        return self.a.shape[-2]
+    def out_features(self) -> int:
+        return sum(self.out_slices)
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.shape[0]
+
+    def factors(self, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Slot `slot`'s (A [(E,) n, r, in], B [(E,) out, r]) as views of the arena (a shared
+        factor's expert stride is 0), or None where the slot has no such module. Reads the
+        table on the host: the torch references' way, not a kernel's."""
+        row = self.table[slot].tolist()
+        r = row[RANK]
+        if r == 0:
+            return None
+        n, K, out = len(self.out_slices), self.in_features, self.out_features
+        lead = (self.num_experts,) if self.num_experts else ()
+        a_strides = ((row[A_EXPERT],) if lead else ()) + (row[A_SLICE], K, 1)
+        b_strides = ((row[B_EXPERT],) if lead else ()) + (row[B_ROW], 1)
+        base = self.arena.storage_offset()
+        a = self.arena.as_strided((*lead, n, r, K), a_strides, base + row[A_OFF])
+        b = self.arena.as_strided((*lead, out, r), b_strides, base + row[B_OFF])
+        return a, b
 
 
 @dataclass(frozen=True)

@@ -170,7 +170,7 @@ def test_decode_o_lora_shrink_bf16(B, spread, rank):
     assert part.shape[0] == T and part.shape[2:] == (1, rank)
     if B <= 8:
         assert part.shape[1] == HQ  # computed in the combine
-    f32 = LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+    f32 = LoraWeights.dense(lora.a.float(), lora.b.float(), lora.out_slices)
     expect = reference.lora_shrink(out.float().reshape(T, -1), f32, info)
     slots = info.slot_of_token
     on = (slots >= 0) & (info.slot_enabled[slots.clamp(min=0)] != 0)

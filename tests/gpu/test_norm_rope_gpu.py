@@ -225,7 +225,7 @@ LORA_N, LORA_K_IN = 2048, Hq * D
 
 
 def _f32(lora: LoraWeights) -> LoraWeights:
-    return LoraWeights(lora.a.float(), lora.b.float(), lora.out_slices)
+    return LoraWeights.dense(lora.a.float(), lora.b.float(), lora.out_slices)
 
 
 def _max_rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -255,7 +255,7 @@ def _partials(x_in: torch.Tensor, lora_in: LoraWeights, info, KS: int) -> torch.
     parts = []
     for cols in torch.arange(x_in.shape[1], device=DEV).chunk(KS):
         a = lora_in.a[..., cols].contiguous()
-        lora = LoraWeights(a, lora_in.b, lora_in.out_slices)
+        lora = LoraWeights.dense(a, lora_in.b, lora_in.out_slices)
         parts.append(reference.lora_shrink(x_in[:, cols], lora, info))
     part = torch.stack(parts, dim=1)
     part[~_enabled_rows(info, x_in.shape[0])] = float("nan")

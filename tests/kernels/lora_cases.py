@@ -11,7 +11,19 @@ from __future__ import annotations
 import torch
 
 from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
-from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
+from moelora.step.lora import (
+    A_EXPERT,
+    A_OFF,
+    A_SLICE,
+    B_EXPERT,
+    B_OFF,
+    B_ROW,
+    NO_SLOT,
+    RANK,
+    TABLE_WIDTH,
+    LoraBatchInfo,
+    LoraWeights,
+)
 
 SLOT_RANKS = (0, 1, 8, 16)
 SPREADS = ("none", "one", "distinct", "mixed")
@@ -36,7 +48,50 @@ def lora_weights(
     for s, r in enumerate(ranks.tolist()):
         a[s, ..., r:, :] = 0
         b[s, ..., r:] = 0
-    return LoraWeights(a.to(device, dtype), b.to(device, dtype), out_slices)
+    return LoraWeights.dense(a.to(device, dtype), b.to(device, dtype), out_slices, ranks.tolist())
+
+
+def compact_weights(
+    dense: LoraWeights, ranks: list[int], shared: tuple[str, ...] = ()
+) -> LoraWeights:
+    """The factors of `dense` (zeros past each slot's rank) in the arena's compact layout: slot
+    s's A [(E | 1,) n, r_s, in] and B [(E | 1,) out, r_s] at r_s = ranks[s] (0: no module),
+    regions in reverse slot order with NaN gaps between them (a read outside a slot's factors
+    shows); a factor named in `shared` ("a", "b") is expert 0's, stored once (expert stride
+    0), and copied to every expert of `dense` so both describe the same weights."""
+    a, b = dense.a.clone(), dense.b.clone()
+    experts = a.ndim == 5
+    for factor in shared if experts else ():
+        t = a if factor == "a" else b
+        t[:] = t[:, :1]
+    table = torch.zeros(len(ranks), TABLE_WIDTH, dtype=torch.int64)
+    pieces, at = [], 0
+    for s in reversed(range(len(ranks))):
+        r = ranks[s]
+        if r == 0:
+            continue
+        a_s, b_s = a[s, ..., :r, :], b[s, ..., :r]
+        a_s = a_s[:1] if experts and "a" in shared else a_s
+        b_s = b_s[:1] if experts and "b" in shared else b_s
+        row = table[s]
+        row[A_OFF], row[A_SLICE] = at + 64, r * dense.in_features
+        row[A_EXPERT] = a_s[0].numel() if experts and "a" not in shared else 0
+        row[B_OFF] = at + 64 + a_s.numel() + 64
+        row[B_ROW], row[RANK] = r, r
+        row[B_EXPERT] = b_s[0].numel() if experts and "b" not in shared else 0
+        gap = torch.full((64,), float("nan"), dtype=a.dtype, device=a.device)
+        pieces += [gap, a_s.reshape(-1), gap, b_s.reshape(-1)]
+        at += 128 + a_s.numel() + b_s.numel()
+    pieces.append(torch.full((64,), float("nan"), dtype=a.dtype, device=a.device))
+    arena = torch.cat(pieces)
+    return LoraWeights(
+        arena,
+        table.to(a.device),
+        dense.out_slices,
+        dense.in_features,
+        dense.max_rank,
+        dense.num_experts,
+    ), LoraWeights.dense(a, b, dense.out_slices, ranks)
 
 
 def mxfp4_weight(

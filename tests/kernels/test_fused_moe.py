@@ -2,7 +2,14 @@ import dataclasses
 
 import pytest
 import torch
-from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err
+from lora_cases import (
+    SPREADS,
+    batch_info,
+    compact_weights,
+    lora_weights,
+    mxfp4_weight,
+    rel_err,
+)
 
 from moelora.kernels import reference
 from moelora.kernels.moe.fused import MoeConfig, fused_moe
@@ -391,3 +398,57 @@ def test_program_order_gives_the_same_bits(poison_empty, group_m):
     out = fused_moe(*args, **lora, config=grouped)
     assert torch.equal(out, fused_moe(*args, **lora, config=GROUPED))
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= TOL[torch.float32]
+
+
+# Each target's own rank a slot (PEFT's rank_pattern), at most the slot's (rank_of_slot: 0, 1,
+# 8, 16 twice over): gate_up absent from slot 5's adapter, down from slot 7's, and ranks below
+# the slot's elsewhere
+RANKS13 = [0, 1, 8, 16, 0, 0, 4, 16]
+RANKS2 = [0, 1, 3, 16, 0, 1, 8, 0]
+SHARED = {"per-expert": ((), ()), "shared-outer": (("a",), ("b",)), "shared": (("a", "b"),) * 2}
+
+
+def compact_moe_case(T: int, shared: str, dtype: torch.dtype = torch.float32):
+    """moe_case's MoE with its LoRA in the compact arena (lora_cases.compact_weights: NaN
+    between regions, regions out of slot order): (args, the compact LoRA, the same weights in
+    the dense layout)."""
+    args, lora = moe_case(T, 4, 2, "distinct", dtype)
+    (c13, d13), (c2, d2) = (
+        compact_weights(lora[key], ranks, share)
+        for key, ranks, share in zip(("lora13", "lora2"), (RANKS13, RANKS2), SHARED[shared])
+    )
+    info = lora["info"]
+    return args, dict(lora13=c13, lora2=c2, info=info), dict(lora13=d13, lora2=d2, info=info)
+
+
+@pytest.mark.parametrize("shared", list(SHARED))
+@pytest.mark.parametrize("path", ["pair", "block", "unpacked"])
+def test_fused_moe_reads_the_compact_arena(poison_empty, monkeypatch, path, shared):
+    """The MoE LoRA read through each target's table: gate_up and down at their own ranks, a
+    module absent from a slot's adapter skipped, a factor shared by every expert stored once
+    (expert stride 0), NaN everywhere else in the arena. The pair shrink (align launch) with
+    gate_up's atomic down shrink, the block shrinks (lowered to 1 pair), and the walk by
+    reductions instead of the packed int64 each equal the reference on the dense layout."""
+    from moelora.kernels.moe import fused as module
+
+    if path == "block":
+        monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 1)
+        monkeypatch.setattr(module, "BLOCK_SHRINK_K", 32)
+    if path == "unpacked":
+        monkeypatch.setattr(module, "packed_walk", lambda num_slots, max_rank: False)
+    args, compact, dense = compact_moe_case(9, shared)
+    expect = reference.fused_moe(*args, **dense)
+    assert rel_err(reference.fused_moe(*args, **compact), expect) <= 1e-6
+    out = fused_moe(*args, **compact, config=GROUPED)
+    assert not out.isnan().any()
+    assert rel_err(out, expect) <= TOL[torch.float32]
+
+
+@pytest.mark.parametrize("half", ["lora13", "lora2"])
+def test_fused_moe_compact_arena_with_one_half(poison_empty, half):
+    """One target's LoRA alone, from the compact arena, fp16."""
+    args, compact, dense = compact_moe_case(7, "shared-outer", torch.float16)
+    compact[half] = dense[half] = None
+    out = fused_moe(*args, **compact, config=GROUPED)
+    assert not out.isnan().any()
+    assert rel_err(out, reference.fused_moe(*args, **dense)) <= TOL[torch.float16]

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from lora_cases import SPREADS, batch_info, lora_weights, rel_err
+from lora_cases import SPREADS, batch_info, compact_weights, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.lora import add_lora_, lora_shrink_split
@@ -116,7 +116,8 @@ def test_add_lora_rank_beyond_real_rank_is_ignored():
     T, H = 8, 32
     info = batch_info(T, "distinct")
     lora = lora_weights(info.num_slots, (), 1, 16, H, (32,), info.rank_of_slot, torch.float32)
-    garbage = type(lora)(lora.a.clone(), lora.b.clone(), lora.out_slices)
+    ranks = info.rank_of_slot.tolist()
+    garbage = type(lora).dense(lora.a.clone(), lora.b.clone(), lora.out_slices, ranks)
     for s, r in enumerate(info.rank_of_slot.tolist()):
         garbage.a[s, :, r:] = float("nan")
         garbage.b[s, :, r:] = float("nan")
@@ -153,5 +154,42 @@ def test_lora_shrink_split_sums_to_the_shrink(T, spread, R, K_in):
     assert part.shape[1] == (1 if K_in <= 128 else 8)
     on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
     expect = reference.lora_shrink_split(x, lora, info).sum(dim=1)
+    if on.any():
+        assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-5
+
+
+@pytest.mark.parametrize("T,spread", [(7, "mixed"), (9, "distinct"), (300, "mixed")])
+@pytest.mark.parametrize("n", [1, 3])
+def test_add_lora_reads_the_compact_arena(T, n, spread):
+    """Slots at their own ranks (mixed, one slot without the module) in one arena, regions out
+    of slot order with NaN between them: the kernel (decode and prefill tiles) and the
+    reference, both through the table, equal the dense layout's reference."""
+    H, R = 40, 16
+    info = batch_info(T, spread)
+    ranks = info.rank_of_slot.tolist()
+    dense = lora_weights(info.num_slots, (), n, R, H, SLICES[n], info.rank_of_slot, torch.float32)
+    ranks[1] = 0  # slot 1's adapter has no such module: it reads nothing
+    compact, dense = compact_weights(dense, ranks)
+    x, y = torch.randn(T, H), torch.randn(T, sum(SLICES[n]))
+    expect = reference.add_lora_(y.clone(), x, dense, info)
+    # (the same sums over fewer zero columns: equal up to the order of the einsum's adds)
+    assert rel_err(reference.add_lora_(y.clone(), x, compact, info) - y, expect - y) <= 1e-6
+    out = add_lora_(y.clone(), x, compact, info)
+    assert not out.isnan().any()
+    assert rel_err(out - y, expect - y) <= 1e-5
+
+
+@pytest.mark.parametrize("T,spread", [(7, "mixed"), (9, "distinct")])
+def test_lora_shrink_split_reads_the_compact_arena(T, spread):
+    info = batch_info(T, spread)
+    ranks = info.rank_of_slot.tolist()
+    K_in = 200
+    dense = lora_weights(info.num_slots, (), 1, 16, K_in, (32,), info.rank_of_slot, torch.float32)
+    ranks[1] = 0
+    compact, dense = compact_weights(dense, ranks)
+    x = torch.randn(T, K_in)
+    part = lora_shrink_split(x, compact, info)
+    on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
+    expect = reference.lora_shrink_split(x, dense, info).sum(dim=1)
     if on.any():
         assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-5

@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from lora_cases import SPREADS, batch_info, lora_weights, rel_err
+from lora_cases import SPREADS, batch_info, compact_weights, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
-from moelora.step.lora import FoldedLora
+from moelora.step.lora import RANK, FoldedLora, LoraWeights
 
 # float32 differs by a few ulps: the sum of squares is reduced in another order
 TOL = {torch.float32: dict(rtol=4e-6, atol=1e-6), torch.float16: dict(rtol=2e-3, atol=2e-3)}
@@ -171,17 +171,20 @@ def _widen_ranks(info, R: int) -> None:
     ranks[ranks == 8] = R // 2 + 3
 
 
+def _copy(lora: LoraWeights, a: torch.Tensor | None = None) -> LoraWeights:
+    """lora (dense layout) in an arena of its own, with A `a` in place of its own if given:
+    its .a and .b are views of the new arena, so writing them changes what kernels read."""
+    ranks = lora.table[:, RANK].tolist()
+    return LoraWeights.dense(lora.a if a is None else a, lora.b, lora.out_slices, ranks)
+
+
 def _partials(x_in, lora_in, info, KS: int) -> torch.Tensor:
     """lora_shrink_split's output for KS slices of the input columns, [T, KS, 1, R] float32;
     rows without an enabled slot are NaN (the Triton split leaves them unwritten)."""
     parts = []
     for cols in torch.arange(x_in.shape[1]).chunk(KS):
         a = lora_in.a[..., cols].contiguous()
-        parts.append(
-            reference.lora_shrink(
-                x_in[:, cols], type(lora_in)(a, lora_in.b, lora_in.out_slices), info
-            )
-        )
+        parts.append(reference.lora_shrink(x_in[:, cols], _copy(lora_in, a), info))
     part = torch.stack(parts, dim=1)
     part[~_enabled_rows(info, x_in.shape[0])] = float("nan")
     return part
@@ -300,8 +303,7 @@ def test_rms_norm_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     info, x, weight, residual, expand, shrink = inputs
     part, lora_in = expand.shrunk, expand.weights
     bad_part = part.clone()
-    bad_in = type(lora_in)(lora_in.a.clone(), lora_in.b.clone(), lora_in.out_slices)
-    bad_shrink = type(shrink)(shrink.a.clone(), shrink.b.clone(), shrink.out_slices)
+    bad_in, bad_shrink = _copy(lora_in), _copy(shrink)
     for t, s in enumerate(info.slot_of_token.tolist()):
         if s >= 0:
             bad_part[t, :, :, info.rank_of_slot[s] :] = float("nan")
@@ -311,6 +313,33 @@ def test_rms_norm_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     bad_expand = FoldedLora(bad_part, bad_in, info)
     ref_lora = (expand, shrink)
     _check_rms_norm_lora(info, x, weight, residual, bad_expand, bad_shrink, ref_lora=ref_lora)
+
+
+def _compact_ranks(info, absent: int) -> list[int]:
+    """Module ranks for a compact arena: the slots' own ({0, 1, 8, 16} cycled), but slot
+    `absent`'s adapter has no such module (rank 0) and slot 3's has it at rank 5, below its
+    adapter's 16 (per-target ranks)."""
+    ranks = info.rank_of_slot.tolist()
+    ranks[absent], ranks[3] = 0, 5
+    return ranks
+
+
+@pytest.mark.parametrize("T,spread", [(7, "mixed"), (8, "distinct")])
+def test_rms_norm_lora_reads_the_compact_arena(poison_empty, T, spread):
+    """Both halves read their factors through their tables from compact arenas (slots at
+    their modules' own ranks, regions out of slot order, NaN between them): o's B lacks
+    slot 2's module, q|k|v's A slot 1's. The reference reads the same weights in the dense
+    layout; no NaN may reach the output."""
+    torch.manual_seed(T + len(spread))
+    inputs = _norm_lora_inputs(torch.float32, T, spread, True, "both", 16, KS=2)
+    info, x, weight, residual, expand, shrink = inputs
+    c_in, d_in = compact_weights(expand.weights, _compact_ranks(info, absent=2))
+    c_shrink, d_shrink = compact_weights(shrink, _compact_ranks(info, absent=1))
+    part = _partials(torch.randn(T, 96), d_in, info, KS=2)
+    c_expand, d_expand = FoldedLora(part, c_in, info), FoldedLora(part, d_in, info)
+    ref_lora = (d_expand, d_shrink)
+    _check_rms_norm_lora(info, x, weight, residual, c_expand, c_shrink, ref_lora=ref_lora)
+    assert torch.isfinite(rms_norm_lora(x, weight, EPS, residual, info, expand=c_expand)[0]).all()
 
 
 def _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D, R=16, K_IN=32):
@@ -329,10 +358,17 @@ def _qkv_views(qkv: torch.Tensor, Hq: int, Hkv: int, D: int):
     return q.view(T, Hq, D), k.view(T, Hkv, D), v.view(T, Hkv, D)
 
 
-def _check_rope_store_kv_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False):
+def _check_rope_store_kv_lora(
+    dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False, compact=False
+):
+    """compact: the kernel reads B from the compact arena (_compact_ranks), the reference
+    from the same weights in the dense layout."""
     q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
     qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)  # [T, (Hq + 2 Hkv) D]
     info, lora_qkv, shrunk = _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D)
+    k_lora = lora_qkv
+    if compact:
+        k_lora, lora_qkv = compact_weights(lora_qkv, _compact_ranks(info, absent=1))
     num_pages, page_size = 5, 4
     slots = torch.randperm(num_pages * page_size)[:T]
     if T > 2:
@@ -352,7 +388,7 @@ def _check_rope_store_kv_lora(dtype, T, spread, Hq, Hkv, D, with_norm, *, garbag
         k_cache=k_cache,
         v_cache=v_cache,
         slot_mapping=slots,
-        expand=_kernel_expand(info, lora_qkv, shrunk, garbage=garbage),
+        expand=_kernel_expand(info, k_lora, shrunk, garbage=garbage),
     )
     rq, rk, rv = _qkv_views(qkv, Hq, Hkv, D)
     ref_q, ref_k = reference.rope_store_kv(
@@ -384,7 +420,7 @@ def _kernel_expand(info, lora_qkv, shrunk, *, garbage: bool) -> FoldedLora:
     k_shrunk[~_enabled_rows(info, shrunk.shape[0])] = float("nan")
     k_lora = lora_qkv
     if garbage:
-        k_lora = type(lora_qkv)(lora_qkv.a.clone(), lora_qkv.b.clone(), lora_qkv.out_slices)
+        k_lora = _copy(lora_qkv)
         for s, r in enumerate(info.rank_of_slot.tolist()):
             k_lora.b[s, :, r:] = float("nan")
     return FoldedLora(k_shrunk, k_lora, info)
@@ -452,6 +488,14 @@ def test_rope_store_kv_lora_rank_beyond_real_rank_is_ignored(poison_empty):
     """NaN in the columns of B past a slot's real rank must never be read."""
     torch.manual_seed(11)
     _check_rope_store_kv_lora(torch.float32, 9, "distinct", 4, 2, 16, True, garbage=True)
+
+
+@pytest.mark.parametrize("T,spread", [(9, "mixed"), (8, "distinct")])
+def test_rope_store_kv_lora_reads_the_compact_arena(poison_empty, T, spread):
+    """The q|k|v B read through its table from a compact arena (mixed module ranks, slot 1
+    without the module, NaN between regions) equals the dense layout's reference."""
+    torch.manual_seed(T * 3 + len(spread))
+    _check_rope_store_kv_lora(torch.float32, T, spread, 4, 2, 16, True, compact=True)
 
 
 @pytest.mark.parametrize("spread", SPREADS)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the ke
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from lora_cases import SPREADS, batch_info, lora_weights, rel_err  # noqa: E402
+from lora_cases import SPREADS, batch_info, compact_weights, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.attention.paged import (  # noqa: E402
@@ -193,7 +193,7 @@ def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
     info = batch_info(T, spread)
     info.slot_of_token[tokens:] = NO_SLOT
     clean = lora_weights(info.num_slots, (), 1, R, Hq * D, (24,), info.rank_of_slot, dtype)
-    lora = LoraWeights(clean.a.clone(), clean.b, clean.out_slices)
+    lora = LoraWeights.dense(clean.a.clone(), clean.b, clean.out_slices, info.rank_of_slot.tolist())
     for s, r in enumerate(info.rank_of_slot.tolist()):
         lora.a[s, :, r:] = float("nan")
     scale = D**-0.5
@@ -220,6 +220,44 @@ def test_decode_o_lora_shrink(dtype, spread, num_splits, R):
         got = part[on].sum(dim=1)[:, 0]
         assert torch.isfinite(got).all()
         assert rel_err(got, expect[on][:, 0]) <= (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("spread", ["mixed", "distinct"])
+def test_decode_o_lora_shrink_reads_the_compact_arena(spread):
+    """The split decode's combine reads o's A through its table from a compact arena (slots at
+    their modules' own ranks: slot 1's adapter without an o module, slot 3's at rank 5 below its
+    adapter's 16; regions out of slot order, NaN between them): its partials sum to the dense
+    layout's shrink, zeros on an enabled row whose adapter lacks the module. Five decode rows:
+    "distinct" gives them slots 0 to 4 (rank 0, no module, 8, 5 of 16, rank 0)."""
+    torch.manual_seed(7)
+    Hq, Hkv, D, R = 4, 1, 16, 16
+    q, k_cache, v_cache, attn = make_step(
+        [1, 1, 0, 1, 1, 1],
+        [45, 70, 0, 9, 30, 17],
+        num_q_heads=Hq,
+        num_kv_heads=Hkv,
+        head_dim=D,
+        page_size=16,
+        dtype=torch.float32,
+        pad_rows=2,
+        seed=len(spread),
+    )
+    T, tokens = q.shape[0], int(attn.cu_seqlens_q[-1])
+    info = batch_info(T, spread)
+    info.slot_of_token[tokens:] = NO_SLOT
+    ranks = info.rank_of_slot.tolist()
+    ranks[1], ranks[3] = 0, 5
+    dense = lora_weights(info.num_slots, (), 1, R, Hq * D, (24,), info.rank_of_slot, q.dtype)
+    compact, dense = compact_weights(dense, ranks)
+    out, part = launch_paged_attention(
+        q, k_cache, v_cache, attn, D**-0.5, num_splits=3, shrink=compact, info=info
+    )
+    expect = reference.lora_shrink(out.reshape(T, -1), dense, info)
+    on = (info.slot_of_token >= 0) & (info.slot_enabled[info.slot_of_token.clamp(min=0)] != 0)
+    assert on.any()
+    got = part[on].sum(dim=1)[:, 0]
+    assert torch.isfinite(got).all()
+    assert rel_err(got, expect[on][:, 0]) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -35,7 +35,15 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import lora_slot
+from moelora.kernels.lora import (
+    TAB_A_OFF,
+    TAB_A_SLICE,
+    TAB_B_OFF,
+    TAB_B_ROW,
+    TAB_RANK,
+    TAB_WIDTH,
+    lora_slot,
+)
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
@@ -54,18 +62,22 @@ def _rms_norm_kernel(
     out_ptr,  # [T, N] contiguous
     sum_ptr,  # [T, N] contiguous, x + residual; unused without a residual
     # LoRA shrink (SHRINK; x_ptr when unused): batch info ([T] int32, [S] int32, [S] int32,
-    # [S] float32), the A of the projection that reads out [S, NS, R, N] and the shrink
-    # [T, NS, R] float32, written for rows with an enabled slot only.
+    # [S] float32), the arena and table ([S, TAB_WIDTH] int64, step/lora.LoraWeights) of the
+    # A of the projection that reads out (slot s's [NS, r, N]) and the shrink [T, NS, R]
+    # float32, written for rows with an enabled slot only.
     slot_ptr,
     enabled_ptr,
     rank_ptr,
     scaling_ptr,
     a_ptr,
+    a_tab_ptr,
     shrunk_ptr,
     # LoRA expand (EXPAND; x_ptr when unused): the partial shrinks of the projection that
-    # produced x [T, KS, 1, R] float32 (paged_attention_o_shrink) and its B [S, N, R].
+    # produced x [T, KS, 1, R] float32 (paged_attention_o_shrink), the arena and table of its
+    # B (slot s's [N, r]).
     part_ptr,
     b_ptr,
+    b_tab_ptr,
     # Sizes and strides.
     N,
     stride_xt,
@@ -120,29 +132,40 @@ def _rms_norm_kernel(
     if SHRINK or EXPAND:
         slot, rank, scaling = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
     if SHRINK:
+        # shrink row j is rank row j % R of slice j // R; the module's own rank masks it (0:
+        # the slot's adapter has no such module, and an enabled row's shrink is zeros)
+        a_row = a_tab_ptr + slot * TAB_WIDTH
+        a_rank = tl.load(a_row + TAB_RANK, mask=rank > 0, other=0)
+        a_slot = a_ptr + tl.load(a_row + TAB_A_OFF, mask=rank > 0, other=0)
+        a_slice = tl.load(a_row + TAB_A_SLICE, mask=rank > 0, other=0)
         offs_j = g * RC + tl.arange(0, RC)
-        j_ok = (offs_j % R < rank) & (offs_j < NS * R)
+        j_ok = (offs_j % R < a_rank) & (offs_j < NS * R)
+        a_j = (offs_j // R) * a_slice + (offs_j % R) * N
         a = tl.load(
-            a_ptr + slot * NS * R * N + offs_j[:, None] * N + offs[None, :],
+            a_slot + a_j[:, None] + offs[None, :],
             mask=j_ok[:, None] & mask[None, :],
             other=0.0,
         )  # [RC, BLOCK] this program's tile of A
     # -- the LoRA of the projection that produced x: sum its partial shrinks, expand the row --
     # RC rank rows per step, unrolled: every step's loads can be in flight at once.
     if EXPAND:
-        if rank > 0:
+        b_row = b_tab_ptr + slot * TAB_WIDTH
+        b_rank = tl.load(b_row + TAB_RANK, mask=rank > 0, other=0)  # 0: no such module
+        if b_rank > 0:
+            b_slot = b_ptr + tl.load(b_row + TAB_B_OFF)
+            b_stride = tl.load(b_row + TAB_B_ROW)
             delta = tl.zeros((BLOCK,), dtype=tl.float32)
             offs_ks = tl.arange(0, KS_PAD)
             for r0 in tl.static_range(0, R, RC):
                 offs_r = r0 + tl.arange(0, RC)
-                r_ok = offs_r < rank
+                r_ok = offs_r < b_rank
                 part = tl.load(
                     part_ptr + (row * KS + offs_ks[:, None]) * R + offs_r[None, :],
                     mask=(offs_ks[:, None] < KS) & r_ok[None, :],
                     other=0.0,
                 )  # [KS, RC], already scaled
                 b = tl.load(
-                    b_ptr + slot * N * R + offs[:, None] * R + offs_r[None, :],
+                    b_slot + offs[:, None] * b_stride + offs_r[None, :],
                     mask=mask[:, None] & r_ok[None, :],
                     other=0.0,
                 )  # [BLOCK, RC]
@@ -238,12 +261,13 @@ def rms_norm_lora(
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
     Semantics: see reference.rms_norm_lora. x, residual: as rms_norm's; expand: the LoRA of
-    the projection that produced x, its shrunk the partial shrinks [T, KS, 1, R] float32 of
-    paged_attention_o_shrink, its b [S, N, R] contiguous, its info this info; shrink: the LoRA
-    of the projection that reads out, a [S, n, R, N] contiguous. Returns (out, s, shrunk):
-    shrunk = FoldedLora(out's shrink [T, n, R] float32, shrink, info), None without shrink. Rows
-    of the shrink whose token has no enabled slot are left unwritten (readers check the slot
-    first).
+    the projection that produced x (one slice of N outputs), its shrunk the partial shrinks
+    [T, KS, 1, R] float32 of paged_attention_o_shrink, its info this info; shrink: the LoRA of
+    the projection that reads out (N inputs, n slices), of the same pool rank R. Both read
+    their factors through their tables (any layout the tables describe). Returns (out, s,
+    shrunk): shrunk = FoldedLora(out's shrink [T, n, R] float32, shrink, info), None without
+    shrink. Rows of the shrink whose token has no enabled slot are left unwritten (readers
+    check the slot first); an enabled row is written whole, zeros past the module's rank.
 
     Why here: neither half needs a launch of its own (a base-only batch pays one gather per
     row). Each row's n * R shrink rows are spread over programs, RC each, because one program
@@ -265,10 +289,10 @@ class _NormLora(NamedTuple):
     """The LoRA halves of one norm launch (see rms_norm_lora); None where a half is off."""
 
     info: LoraBatchInfo | None = None
-    a: torch.Tensor | None = None  # shrink: the A of the projection that reads out
+    shrink: LoraWeights | None = None  # the LoRA of the projection that reads out
     shrunk: torch.Tensor | None = None  # shrink: its output [T, NS, R] float32
     part: torch.Tensor | None = None  # expand: the partial shrinks [T, KS, 1, R] float32
-    b: torch.Tensor | None = None  # expand: the B of the projection that produced x
+    expand: LoraWeights | None = None  # the LoRA of the projection that produced x
     NS: int = 1
     R: int = 1
     KS: int = 1
@@ -281,12 +305,14 @@ def _norm_lora(
     T, N = x.shape[0], x.shape[-1]
     NS, R, KS = 1, 1, 1
     if shrink is not None:
-        _, NS, R, N_a = shrink.a.shape
-        assert N_a == N and shrink.a.is_contiguous(), (shrink.a.shape, N)
+        NS, R = len(shrink.out_slices), shrink.max_rank
+        assert shrink.in_features == N and shrink.num_experts == 0, (shrink.in_features, N)
+        assert shrink.table.is_contiguous(), shrink.table.stride()
     if expand is not None:
-        part, b = expand.shrunk, expand.weights.b
-        S, R_b = b.shape[0], b.shape[2]
-        assert b.shape == (S, N, R_b) and b.is_contiguous(), b.shape
+        part, b = expand.shrunk, expand.weights
+        R_b = b.max_rank
+        assert b.out_slices == (N,) and b.num_experts == 0, (b.out_slices, N)
+        assert b.table.is_contiguous(), b.table.stride()
         assert part.shape[0] == T and part.shape[2:] == (1, R_b), (part.shape, T, R_b)
         assert part.is_contiguous() and part.dtype == torch.float32, (part.stride(), part.dtype)
         assert shrink is None or R_b == R, (R_b, R)
@@ -297,10 +323,10 @@ def _norm_lora(
         shrunk = torch.empty(T, NS, R, dtype=torch.float32, device=x.device)
     return _NormLora(
         info=info,
-        a=None if shrink is None else shrink.a,
+        shrink=shrink,
         shrunk=shrunk,
         part=None if expand is None else expand.shrunk,
-        b=None if expand is None else expand.weights.b,
+        expand=None if expand is None else expand.weights,
         NS=NS,
         R=R,
         KS=KS,
@@ -325,7 +351,7 @@ def _launch_rms_norm(
         # the expand's B tiles [BLOCK, RC] are loaded one after another by the row's one
         # program: twice the warps halve the steps
         num_warps = min(2 * num_warps, 16)
-    shrink = lora.a is not None
+    shrink = lora.shrink is not None
     RC = _rank_rows_per_step(T, lora.NS * lora.R, BLOCK, num_warps, shrink)
     res = x if residual is None else residual
     unused = x  # every pointer whose flag is off: never read
@@ -336,8 +362,9 @@ def _launch_rms_norm(
         out_ptr=out,
         sum_ptr=s,
         **_info_ptrs(lora.info, unused),
-        **_or_unused(unused, a_ptr=lora.a, shrunk_ptr=lora.shrunk),
-        **_or_unused(unused, part_ptr=lora.part, b_ptr=lora.b),
+        **_factor_ptrs(lora.shrink, "a", unused),
+        **_or_unused(unused, shrunk_ptr=lora.shrunk, part_ptr=lora.part),
+        **_factor_ptrs(lora.expand, "b", unused),
         N=N,
         stride_xt=x.stride(0),
         stride_xk=stride_xk,
@@ -371,6 +398,14 @@ def _info_ptrs(info: LoraBatchInfo | None, unused: torch.Tensor) -> dict[str, to
     )
 
 
+def _factor_ptrs(
+    lora: LoraWeights | None, factor: str, unused: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """{factor}_ptr and {factor}_tab_ptr: lora's arena and table, or `unused` for None."""
+    arena, table = (unused, unused) if lora is None else (lora.arena, lora.table)
+    return {f"{factor}_ptr": arena, f"{factor}_tab_ptr": table}
+
+
 def _or_unused(unused: torch.Tensor, **ptrs: torch.Tensor | None) -> dict[str, torch.Tensor]:
     """Launch keywords: each pointer, or `unused` (never read: its flag is off) for None."""
     return {name: unused if ptr is None else ptr for name, ptr in ptrs.items()}
@@ -378,11 +413,20 @@ def _or_unused(unused: torch.Tensor, **ptrs: torch.Tensor | None) -> dict[str, t
 
 @triton.jit
 def _lora_expand_head(
-    shrunk_ptr, b_ptr, t, rank, slice_i, col0, R: tl.constexpr, RC: tl.constexpr, D: tl.constexpr
+    shrunk_ptr,
+    b_ptr,
+    b_row,
+    t,
+    rank,
+    slice_i,
+    col0,
+    R: tl.constexpr,
+    RC: tl.constexpr,
+    D: tl.constexpr,
 ):
     """(d, d_rot), [D] float32 each: d = shrunk[t, slice_i] @ B[col0 : col0 + D].T over the
-    real rank (b_ptr: the slot's B, [out, R]) and d_rot = d with its halves swapped, the
-    rotate_half partner of each lane. D is a power of two."""
+    module's rank (b_ptr: the slot's B [out, rank], row stride b_row) and d_rot = d with its
+    halves swapped, the rotate_half partner of each lane. D is a power of two."""
     HALF: tl.constexpr = D // 2
     ii = tl.arange(0, 2)
     cols = col0 + ii[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [2, HALF]
@@ -392,7 +436,7 @@ def _lora_expand_head(
         r_ok = offs_r < rank
         s_r = tl.load(shrunk_ptr + (t * 3 + slice_i) * R + offs_r, mask=r_ok, other=0.0)
         b = tl.load(
-            b_ptr + cols[:, :, None] * R + offs_r[None, None, :],
+            b_ptr + cols[:, :, None].to(tl.int64) * b_row + offs_r[None, None, :],
             mask=r_ok[None, None, :],
             other=0.0,
         )  # [2, HALF, RC]
@@ -401,6 +445,18 @@ def _lora_expand_head(
     other = ii[:, None, None] != ii[None, :, None]  # [2, 2, 1]
     d2_rot = tl.sum(tl.where(other, d2[None, :, :], 0.0), axis=1)
     return tl.reshape(d2, (D,)), tl.reshape(d2_rot, (D,))
+
+
+@triton.jit
+def _expand_place(slot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr):
+    """(B, its row stride, the module's rank) of the slot slot_in: where its q|k|v B starts in
+    the arena. Rank 0 where the row has no enabled slot or the slot's adapter no such module:
+    the table's other columns are not read then, nor is B."""
+    slot, rank, _ = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
+    row = b_tab_ptr + slot * TAB_WIDTH
+    rank = tl.load(row + TAB_RANK, mask=rank > 0, other=0)
+    b_off = tl.load(row + TAB_B_OFF, mask=rank > 0, other=0)
+    return b_ptr + b_off, tl.load(row + TAB_B_ROW, mask=rank > 0, other=0), rank
 
 
 @triton.jit
@@ -420,13 +476,15 @@ def _rope_store_kv_kernel(
     v_cache_ptr,  # the same strides; both with STORE_KV
     slot_mapping_ptr,  # [T] int64, -1 = do not store; with STORE_KV
     # LoRA expand (EXPAND): batch info as in _rms_norm_kernel, the q|k|v shrink [T, 3, R]
-    # float32 and the q|k|v B [S, (Hq + 2 Hkv) D, R].
+    # float32, the arena and table ([S, TAB_WIDTH] int64) of the q|k|v B (slot s's
+    # [(Hq + 2 Hkv) D, r]).
     slot_ptr,
     enabled_ptr,
     rank_ptr,
     scaling_ptr,
     shrunk_ptr,
     b_ptr,
+    b_tab_ptr,
     # Sizes and strides.
     num_tokens,
     Hq,
@@ -444,7 +502,6 @@ def _rope_store_kv_kernel(
     stride_cp,
     stride_cs,
     stride_ch,
-    stride_bs,
     eps,
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
@@ -496,11 +553,12 @@ def _rope_store_kv_kernel(
                 hv = h - Hq - Hkv
                 x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
                 if EXPAND:
-                    lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-                    lb_row = b_ptr + lslot * stride_bs
+                    lb, lb_row, rank = _expand_place(
+                        lslot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr
+                    )
                     if rank > 0:
                         d_v, d_unused = _lora_expand_head(
-                            shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                            shrunk_ptr, lb, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
                         )
                         x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
                 v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
@@ -520,11 +578,12 @@ def _rope_store_kv_kernel(
                 # -- the q|k|v projection's LoRA, expanded into this head (and its partner
                 # lanes) --
                 if EXPAND:
-                    lslot, rank, lscale = lora_slot(lslot_in, enabled_ptr, rank_ptr, scaling_ptr)
-                    lb_row = b_ptr + lslot * stride_bs
+                    lb, lb_row, rank = _expand_place(
+                        lslot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr
+                    )
                     if rank > 0:
                         d, d_rot = _lora_expand_head(
-                            shrunk_ptr, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                            shrunk_ptr, lb, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
                         )
                         x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
                         x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -577,8 +636,8 @@ def rope_store_kv(
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
     expand (the q|k|v LoRA whose shrink [T, 3, R] float32 rms_norm_lora computed; needs v),
-    q|k|v first take reference.lora_expand_ of it; expand.weights.b [S, (Hq + 2 Hkv) D, R]
-    contiguous.
+    q|k|v first take reference.lora_expand_ of it; expand.weights: out_slices (Hq D, Hkv D,
+    Hkv D), B read through its table.
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
     contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
@@ -641,12 +700,12 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
         assert r.slot_mapping.shape == (T,), r.slot_mapping.shape
     if expand is not None:
-        shrunk, b = expand.shrunk, expand.weights.b
+        shrunk, b = expand.shrunk, expand.weights
         assert r.stores, "the folded LoRA needs v (and the caches): it expands into v as well"
         assert D & (D - 1) == 0, f"the folded LoRA needs a power-of-two head dim, got {D}"
-        R = b.shape[2]
-        assert b.shape[1] == (Hq + 2 * Hkv) * D, (b.shape, Hq, Hkv, D)
-        assert b.is_contiguous() and shrunk.is_contiguous(), "contiguous b, shrunk"
+        R = b.max_rank
+        assert b.out_slices == (Hq * D, Hkv * D, Hkv * D), (b.out_slices, Hq, Hkv, D)
+        assert b.table.is_contiguous() and shrunk.is_contiguous(), "contiguous table, shrunk"
         assert shrunk.shape == (T, 3, R) and shrunk.dtype == torch.float32, shrunk.shape
         assert expand.info.slot_of_token.shape[0] >= T, (expand.info.slot_of_token.shape, T)
 
@@ -666,7 +725,7 @@ def _launch_rope(
     tokens = 1 if T < ROPE_GROUP_FROM else 8
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
     num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
-    R = 1 if expand is None else expand.weights.b.shape[2]
+    R = 1 if expand is None else expand.weights.max_rank
     RC = max(1, min(next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
     unused = r.q  # every pointer whose flag is off: never read
     _rope_store_kv_kernel[(cdiv(T, tokens), Hq + (2 if r.stores else 1) * Hkv)](
@@ -725,9 +784,8 @@ def _store_args(r: _Rope, unused: torch.Tensor) -> dict[str, torch.Tensor | int]
 
 
 def _expand_args(expand: FoldedLora | None, unused: torch.Tensor) -> dict[str, torch.Tensor | int]:
-    """The q|k|v LoRA's launch keywords: the batch info, the shrink, B and B's slot stride."""
-    if expand is None:
-        return _info_ptrs(None, unused) | dict(shrunk_ptr=unused, b_ptr=unused, stride_bs=0)
-    b = expand.weights.b
-    extra = dict(shrunk_ptr=expand.shrunk, b_ptr=b, stride_bs=b.stride(0))
-    return _info_ptrs(expand.info, unused) | extra
+    """The q|k|v LoRA's launch keywords: the batch info, the shrink, B's arena and table."""
+    weights = None if expand is None else expand.weights
+    shrunk = unused if expand is None else expand.shrunk
+    info = None if expand is None else expand.info
+    return _info_ptrs(info, unused) | dict(shrunk_ptr=shrunk) | _factor_ptrs(weights, "b", unused)

@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import lora_shrink_split, lora_slot
+from moelora.kernels.lora import TAB_A_OFF, TAB_RANK, TAB_WIDTH, lora_shrink_split, lora_slot
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
@@ -449,7 +449,8 @@ def _combine_splits_kernel(
     cu_seqlens_q_ptr,
     seq_lens_ptr,
     sinks_ptr,  # [Hq] float32, only with HAS_SINKS
-    a_ptr,  # [max_loras, 1, R, Hq * D]: the o projection's LoRA A, only with SHRINK
+    a_ptr,  # the arena: slot s's A of the o projection [1, r, Hq * D]; only with SHRINK
+    a_tab_ptr,  # [max_loras, TAB_WIDTH] int64: where (step/lora.LoraWeights.table)
     shrink_ptr,  # [T, Hq, 1, R] float32 out: each head's part of the shrink, only with SHRINK
     slot_ptr,
     enabled_ptr,
@@ -514,14 +515,18 @@ def _combine_splits_kernel(
     if SHRINK:
         # The o projection's LoRA shrink of this head's columns (of the rounded output, as
         # lora_shrink_split reads it): the heads' parts are summed by the norm that expands.
+        # An enabled row is written whole: zeros past the module's rank, and all zeros where
+        # the slot's adapter has no o module (table rank 0).
         slot, rank, scaling = lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr)
         if rank > 0:
+            a_rank = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_RANK)
             offs_r = tl.arange(0, RP)
             K_in = tl.num_programs(1) * head_dim
-            a_head = a_ptr + slot * R * K_in + pid_hq * head_dim
+            a_off = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_A_OFF)
+            a_head = a_ptr + a_off + pid_hq * head_dim
             a = tl.load(
                 a_head + offs_r[:, None] * K_in + offs_d[None, :],
-                mask=(offs_r < rank)[:, None] & d_mask[None, :],
+                mask=(offs_r < a_rank)[:, None] & d_mask[None, :],
                 other=0.0,
             )  # [RP, BLOCK_D]
             shrunk = tl.sum(a.to(tl.float32) * out.to(tl.float32)[None, :], axis=1) * scaling
@@ -985,9 +990,9 @@ def _launch_combine(
     num_rows, num_q_heads, head_dim = a.q.shape
     R, shrunk = 1, None
     if shrink is not None:
-        _, n, R, K_a = shrink.a.shape
-        assert n == 1 and K_a == num_q_heads * head_dim, (shrink.a.shape, a.q.shape)
-        assert shrink.a.is_contiguous(), shrink.a.stride()
+        n, R, K_a = len(shrink.out_slices), shrink.max_rank, shrink.in_features
+        assert n == 1 and K_a == num_q_heads * head_dim, (shrink.out_slices, K_a, a.q.shape)
+        assert shrink.num_experts == 0 and shrink.table.is_contiguous(), shrink.table.stride()
         assert info.slot_of_token.shape[0] >= num_rows, (info.slot_of_token.shape, num_rows)
         # rows without an enabled slot are left unwritten, as lora_shrink_split leaves them
         shrunk = a.q.new_empty(num_rows, num_q_heads, 1, R, dtype=torch.float32)
@@ -1000,7 +1005,8 @@ def _launch_combine(
         cu_seqlens_q_ptr=a.attn.cu_seqlens_q,
         seq_lens_ptr=a.attn.seq_lens,
         sinks_ptr=unused if a.sinks is None else a.sinks,
-        a_ptr=shrink.a if on else unused,
+        a_ptr=shrink.arena if on else unused,
+        a_tab_ptr=shrink.table if on else unused,
         shrink_ptr=shrunk if on else unused,
         slot_ptr=info.slot_of_token if on else unused,
         enabled_ptr=info.slot_enabled if on else unused,

@@ -223,8 +223,8 @@ def align_kernel(
     x_ptr,
     slot_ptr,
     enabled_ptr,
-    rank_ptr,
-    a13_ptr,
+    lora13_ptr,  # the arena holding A13
+    tab13_ptr,  # A13's table (step/lora.LoraWeights.table)
     xa13_ptr,
     xa2_ptr,
     any_ptr,  # [1] int32: whether any slot is enabled this step
@@ -239,10 +239,6 @@ def align_kernel(
     NS,
     # Strides.
     stride_xt,
-    stride_as,
-    stride_ae,
-    stride_ai,
-    stride_ar,
     # Meta-parameters: LoRA shrink, then align (align_plan picks CHUNKED and the tiles).
     K: tl.constexpr,
     HAS13: tl.constexpr,
@@ -277,12 +273,8 @@ def align_kernel(
                     H=H,
                     slot_ptr=slot_ptr,
                     enabled_ptr=enabled_ptr,
-                    rank_ptr=rank_ptr,
-                    a_ptr=a13_ptr,
-                    stride_as=stride_as,
-                    stride_ae=stride_ae,
-                    stride_ai=stride_ai,
-                    stride_ar=stride_ar,
+                    w_ptr=lora13_ptr,
+                    tab_ptr=tab13_ptr,
                     xa13_ptr=xa13_ptr,
                     xa2_ptr=xa2_ptr,
                     HAS13=HAS13,
@@ -383,10 +375,9 @@ class PairShrink:
     x: torch.Tensor | None = None  # [T, H], last dim contiguous
     slot: torch.Tensor | None = None  # LoraBatchInfo.slot_of_token
     enabled: torch.Tensor | None = None  # .slot_enabled
-    rank: torch.Tensor | None = None  # .rank_of_slot
     any_on: torch.Tensor | None = None  # .any_enabled
-    a13: torch.Tensor | None = None  # [S, E, 2, R, H]
-    a13_strides: tuple[int, int, int, int] = (0, 0, 0, 0)  # slot, expert, gate|up, rank
+    arena13: torch.Tensor | None = None  # LoraWeights.arena of gate_up's A13 [(E | 1,) 2, r, H]
+    table13: torch.Tensor | None = None  # ... and its table [S, TABLE_WIDTH] int64
     xa13: torch.Tensor | None = None  # [P, 2, BR] fp32 out
     xa2: torch.Tensor | None = None  # [P, BR] fp32 out
     K: int = 1
@@ -405,8 +396,8 @@ class PairShrink:
             x_ptr=self.x,
             slot_ptr=self.slot,
             enabled_ptr=self.enabled,
-            rank_ptr=self.rank,
-            a13_ptr=self.a13,
+            lora13_ptr=self.arena13,
+            tab13_ptr=self.table13,
             xa13_ptr=self.xa13,
             xa2_ptr=self.xa2,
             any_ptr=self.any_on,
@@ -446,10 +437,6 @@ def launch_align(
         NA=NA,
         NS=max(shrink.programs, 1),
         stride_xt=0 if shrink.x is None else shrink.x.stride(0),
-        stride_as=shrink.a13_strides[0],
-        stride_ae=shrink.a13_strides[1],
-        stride_ai=shrink.a13_strides[2],
-        stride_ar=shrink.a13_strides[3],
         K=shrink.K,
         HAS13=shrink.has13,
         HAS2=shrink.has2,

@@ -49,6 +49,7 @@ from moelora.kernels.moe.lora import (
     down_partial_shrink,
     expand_rows,
     lora_rows,
+    module_rows,
     packed_walk,
     pair_shrink_block_k,
 )
@@ -57,7 +58,7 @@ from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
@@ -119,11 +120,12 @@ def _gate_up_kernel(
     # Pointers: LoRA batch info, weights and scratch (unused unless HAS_LORA / HAS_LORA2).
     slot_ptr,
     enabled_ptr,
-    rank_ptr,
     scaling_ptr,
-    b_ptr,  # [S, E, 2I, R]
+    lora13_ptr,  # the arena of gate_up's LoRA: slot s's B13 [(E | 1,) 2I, r] per tab13_ptr
+    tab13_ptr,  # [S, TABLE_WIDTH] int64 (step/lora.LoraWeights.table)
     xa13_ptr,  # [P, 2, BR] fp32, from the align kernel
-    a2_ptr,  # [S, E, 1, R, I]: h's columns feed xa2 here
+    lora2_ptr,  # the arena of down's LoRA: slot s's A2 [(E | 1,) 1, r, I] per tab2_ptr; h's
+    tab2_ptr,  # ... columns feed xa2 here
     xa2_ptr,  # [P, BR] fp32
     any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
     bias_ptr,  # [E, 2I] gate then up, only with HAS_BIAS
@@ -137,12 +139,6 @@ def _gate_up_kernel(
     stride_wn,
     stride_se,
     stride_sn,
-    stride_bs,
-    stride_be,
-    stride_bn,
-    stride_a2s,
-    stride_a2e,
-    stride_a2r,
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
@@ -173,7 +169,8 @@ def _gate_up_kernel(
     token = tl.where(row_ok, pair // K, 0)
     if HAS_LORA or HAS_LORA2:
         # the slots are gathered before the main loop so their latency hides behind the weight
-        # stream; their flags, ranks and scalings after it (moe_lora.lora_rows). The step's
+        # stream; their flags, scalings and each module's rank after it (moe_lora.lora_rows,
+        # module_rows). The step's
         # "any slot enabled" lets a batch without adapters skip the per-block test (a
         # cross-warp reduction) in the epilogue.
         slot_rows = tl.load(slot_ptr + token, mask=row_ok, other=-1)
@@ -239,15 +236,18 @@ def _gate_up_kernel(
 
     # -- epilogue: LoRA deltas of gate and up (only blocks with an enabled slot) --
     if HAS_LORA or HAS_LORA2:
-        slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
+        slot_on, scale_rows = lora_rows(slot_rows, enabled_ptr, scaling_ptr)
+    if HAS_LORA:
+        slot13, rank13 = module_rows(slot_rows, slot_on, tab13_ptr)
+    if HAS_LORA2:
+        slot2, rank2 = module_rows(slot_rows, slot_on, tab2_ptr)
     if HAS_LORA:
         if lora_on:  # a base-only step skips even the reduction of block_slots
-            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            packed, any_rows = block_slots(slot13, rank13, PACK)
             if any_rows:
-                b_e = b_ptr + expert.to(tl.int64) * stride_be
                 offs_r = tl.arange(0, BR)
                 xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_r[None, :]
-                on = (slot_rows >= 0)[:, None]
+                on = (slot13 >= 0)[:, None]
                 xa_g = tl.load(xa_ptrs, mask=on, other=0.0)
                 xa_u = tl.load(xa_ptrs + BR, mask=on, other=0.0)
                 acc_g, acc_u = expand_rows(
@@ -255,13 +255,13 @@ def _gate_up_kernel(
                     acc1=acc_u,
                     xa0=xa_g,
                     xa1=xa_u,
-                    slot_rows=slot_rows,
-                    rank_rows=rank_rows,
+                    slot_rows=slot13,
+                    rank_rows=rank13,
                     scale_rows=scale_rows,
                     packed=packed,
-                    b_ptr=b_e,
-                    stride_bs=stride_bs,
-                    stride_bn=stride_bn,
+                    w_ptr=lora13_ptr,
+                    tab_ptr=tab13_ptr,
+                    expert=expert,
                     offs_n0=offs_n,
                     offs_n1=I + offs_n,
                     n_ok=n_ok,
@@ -289,18 +289,19 @@ def _gate_up_kernel(
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2:
         if lora_on:
-            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            packed, any_rows = block_slots(slot2, rank2, PACK)
             if any_rows:
                 down_partial_shrink(
                     xa2_ptr=xa2_ptr,
                     pair=pair,
                     h=h,
-                    slot_rows=slot_rows,
-                    rank_rows=rank_rows,
+                    slot_rows=slot2,
+                    rank_rows=rank2,
                     packed=packed,
-                    a_ptr=a2_ptr + expert.to(tl.int64) * stride_a2e,
-                    stride_as=stride_a2s,
-                    stride_ar=stride_a2r,
+                    w_ptr=lora2_ptr,
+                    tab_ptr=tab2_ptr,
+                    expert=expert,
+                    I=I,
                     offs_n=offs_n,
                     n_ok=n_ok,
                     S=S,
@@ -330,9 +331,9 @@ def _down_kernel(
     # Pointers: LoRA batch info, weights and scratch (unused unless HAS_LORA).
     slot_ptr,
     enabled_ptr,
-    rank_ptr,
     scaling_ptr,
-    b_ptr,  # [S, E, H, R]
+    lora2_ptr,  # the arena of down's LoRA: slot s's B2 [(E | 1,) H, r] per tab2_ptr
+    tab2_ptr,  # [S, TABLE_WIDTH] int64 (step/lora.LoraWeights.table)
     xa2_ptr,  # [P, BR] fp32: h @ A2.T of each pair with an enabled slot
     any_ptr,  # [1] int32: any slot enabled in this step (LoraBatchInfo.any_enabled)
     bias_ptr,  # [E, H], only with HAS_BIAS
@@ -345,9 +346,6 @@ def _down_kernel(
     stride_wn,
     stride_se,
     stride_sn,
-    stride_bs,
-    stride_be,
-    stride_bn,
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
@@ -373,7 +371,7 @@ def _down_kernel(
     if expert < 0:
         return
     row_ok = pair >= 0
-    if HAS_LORA:  # the slots now, their flags after the main loop (moe_lora.lora_rows)
+    if HAS_LORA:  # the slots now, their flags and ranks after the main loop (moe_lora.lora_rows)
         slot_rows = tl.load(slot_ptr + tl.where(row_ok, pair // K, 0), mask=row_ok, other=-1)
         lora_on = tl.load(any_ptr) != 0
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -429,14 +427,15 @@ def _down_kernel(
 
     # -- epilogue: LoRA delta (only blocks with an enabled slot), routing weight, store --
     if HAS_LORA:
-        slot_rows, rank_rows, scale_rows = lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr)
+        slot_on, scale_rows = lora_rows(slot_rows, enabled_ptr, scaling_ptr)
+        slot2, rank2 = module_rows(slot_rows, slot_on, tab2_ptr)
         if lora_on:
-            packed, any_rows = block_slots(slot_rows, rank_rows, PACK)
+            packed, any_rows = block_slots(slot2, rank2, PACK)
             if any_rows:
                 offs_r = tl.arange(0, BR)
                 xa = tl.load(
                     xa2_ptr + pair[:, None] * BR + offs_r[None, :],
-                    mask=(slot_rows >= 0)[:, None],
+                    mask=(slot2 >= 0)[:, None],
                     other=0.0,
                 )
                 acc, _ = expand_rows(
@@ -444,13 +443,13 @@ def _down_kernel(
                     acc1=acc,
                     xa0=xa,
                     xa1=xa,
-                    slot_rows=slot_rows,
-                    rank_rows=rank_rows,
+                    slot_rows=slot2,
+                    rank_rows=rank2,
                     scale_rows=scale_rows,
                     packed=packed,
-                    b_ptr=b_ptr + expert.to(tl.int64) * stride_be,
-                    stride_bs=stride_bs,
-                    stride_bn=stride_bn,
+                    w_ptr=lora2_ptr,
+                    tab_ptr=tab2_ptr,
+                    expert=expert,
                     offs_n0=offs_n,
                     offs_n1=offs_n,
                     n_ok=n_ok,
@@ -498,10 +497,9 @@ class _Half:
     """One half of the MoE LoRA (gate_up's or down's) as the launches take it."""
 
     on: bool
-    a: torch.Tensor
-    b: torch.Tensor
-    a_strides: tuple[int, int, int, int]  # slot, expert, slice, rank
-    b_strides: tuple[int, int, int]  # slot, expert, output column
+    arena: torch.Tensor  # LoraWeights.arena: every slot's factors, where table says
+    table: torch.Tensor  # LoraWeights.table [S, TABLE_WIDTH] int64
+    slices: int  # A's slices: 2 (gate, up) or 1 (down)
 
 
 @dataclass(frozen=True)
@@ -516,7 +514,6 @@ class _Lora:
     PACK: bool  # the epilogues' slot walk reads one int64 (moe_lora.packed_walk)
     slot: torch.Tensor  # LoraBatchInfo.slot_of_token
     enabled: torch.Tensor  # .slot_enabled
-    rank: torch.Tensor  # .rank_of_slot
     scaling: torch.Tensor  # .scaling_of_slot
     any_on: torch.Tensor  # .any_enabled
     unused: torch.Tensor  # the one placeholder for a pointer no kernel reads
@@ -614,10 +611,10 @@ class _Pairs:
 
 def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Tensor) -> _Half:
     if lora is None or info is None:
-        return _Half(False, unused, unused, (0, 0, 0, 0), (0, 0, 0))
-    a, b = lora.a, lora.b
-    assert a.is_contiguous() and b.is_contiguous()
-    return _Half(True, a, b, (a.stride(0), a.stride(1), a.stride(2), a.stride(3)), b.stride()[:3])
+        return _Half(False, unused, unused, 0)
+    table = lora.table
+    assert table.shape[1] == TABLE_WIDTH and table.is_contiguous(), table.shape
+    return _Half(True, lora.arena, table, len(lora.out_slices))
 
 
 def _by_block(gate_up_on: bool, P: int, S: int) -> bool:
@@ -637,10 +634,11 @@ def _lora(
     there the tile changes no sum, only how many zero rank rows they carry)."""
     gate_up, down = _half(lora13, info, unused), _half(lora2, info, unused)
     if gate_up.on and down.on:
-        assert lora13.max_rank == lora2.max_rank, (lora13.a.shape, lora2.a.shape)
+        assert lora13.max_rank == lora2.max_rank, (lora13.max_rank, lora2.max_rank)
+        assert lora13.num_slots == lora2.num_slots, (lora13.num_slots, lora2.num_slots)
     either = lora13 if gate_up.on else (lora2 if down.on else None)
     on = either is not None
-    S = either.a.shape[0] if on else 1
+    S = either.num_slots if on else 1
     rank = either.max_rank if on else 16
     if on and info.rank_tile and _by_block(gate_up.on, P, S):
         assert info.rank_tile <= rank, (info.rank_tile, rank)
@@ -653,7 +651,6 @@ def _lora(
         PACK=on and packed_walk(S, rank),
         slot=info.slot_of_token if on else unused,
         enabled=info.slot_enabled if on else unused,
-        rank=info.rank_of_slot if on else unused,
         scaling=info.scaling_of_slot if on else unused,
         any_on=info.any_enabled if on else unused,
         unused=unused,
@@ -684,10 +681,9 @@ def _align(
         x=x,
         slot=lora.slot,
         enabled=lora.enabled,
-        rank=lora.rank,
         any_on=lora.any_on,
-        a13=lora.gate_up.a,
-        a13_strides=lora.gate_up.a_strides,
+        arena13=lora.gate_up.arena,
+        table13=lora.gate_up.table,
         xa13=xa13,
         xa2=xa2,
         K=K,
@@ -718,27 +714,21 @@ def _block_shrink(
     """A shrink block by block at prefill sizes (moe_lora.block_shrink_kernel): gate_up's from
     x after the align (instead of the align's pair shrink programs), down's from h's block rows
     after gate_up (instead of gate_up's atomic adds)."""
-    sa = half.a_strides
-    halves = half.a.shape[2]
     block_shrink_kernel[(pairs.NB,)](
         x_ptr=rows,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
         enabled_ptr=lora.enabled,
-        rank_ptr=lora.rank,
         any_ptr=lora.any_on,
-        a_ptr=half.a,
+        w_ptr=half.arena,
+        tab_ptr=half.table,
         xa_ptr=xa,
         H=rows.shape[1],
         stride_xt=rows.stride(0),
-        stride_as=sa[0],
-        stride_ae=sa[1],
-        stride_ai=sa[2],
-        stride_ar=sa[3],
         K=pairs.K,
         S=lora.S,
-        HALVES=halves,
+        HALVES=half.slices,
         BLOCK_ROWS=block_rows,
         BM=pairs.BM,
         BK=BLOCK_SHRINK_K,
@@ -787,7 +777,6 @@ def _gate_up(
     _, I2, H = w13.shape
     I = I2 // 2
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
-    sb, sa2 = lora.gate_up.b_strides, lora.down.a_strides
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
     _gate_up_kernel[grid](
         x_ptr=x,
@@ -797,23 +786,18 @@ def _gate_up(
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
         enabled_ptr=lora.enabled,
-        rank_ptr=lora.rank,
         scaling_ptr=lora.scaling,
-        b_ptr=lora.gate_up.b,
+        lora13_ptr=lora.gate_up.arena,
+        tab13_ptr=lora.gate_up.table,
         xa13_ptr=pairs.xa13,
-        a2_ptr=lora.down.a,
+        lora2_ptr=lora.down.arena,
+        tab2_ptr=lora.down.table,
         xa2_ptr=pairs.xa2,
         any_ptr=lora.any_on,
         bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
         stride_xt=x.stride(0),
-        stride_bs=sb[0],
-        stride_be=sb[1],
-        stride_bn=sb[2],
-        stride_a2s=sa2[0],
-        stride_a2e=sa2[1],
-        stride_a2r=sa2[3],
         K=pairs.K,
         S=lora.S,
         HAS_LORA=lora.gate_up.on,
@@ -847,7 +831,6 @@ def _down(
         _block_shrink(h, pairs, lora, lora.down, pairs.xa2, block_rows=True)
     _, H, I = w2.shape
     pair_out = torch.empty(pairs.weights.numel(), H, dtype=h.dtype, device=h.device)
-    sb = lora.down.b_strides
     warps, stages = cfg.down_launch()
     launch = launch | dict(num_warps=warps, num_stages=stages)
     grid, order = _order(pairs.NB, cdiv(H, cfg.block_n_down), cfg)
@@ -862,17 +845,14 @@ def _down(
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
         enabled_ptr=lora.enabled,
-        rank_ptr=lora.rank,
         scaling_ptr=lora.scaling,
-        b_ptr=lora.down.b,
+        lora2_ptr=lora.down.arena,
+        tab2_ptr=lora.down.table,
         xa2_ptr=pairs.xa2,
         any_ptr=lora.any_on,
         bias_ptr=lora.unused if bias is None else bias,
         H=H,
         I=I,
-        stride_bs=sb[0],
-        stride_be=sb[1],
-        stride_bn=sb[2],
         K=pairs.K,
         S=lora.S,
         PACK=lora.PACK,
@@ -921,14 +901,17 @@ def fused_moe(
 
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype, or both Mxfp4Weight with H
     and I multiples of 32, expanded to x's dtype a tile at a time); topk_weights [T, K] float32;
-    topk_ids [T, K] int32. lora13.a [S, E, 2, R, H], lora13.b [S, E, 2I, R]; lora2.a
-    [S, E, 1, R, I], lora2.b [S, E, H, R]. Returns [T, H]. No host sync: capturable.
+    topk_ids [T, K] int32. lora13: gate_up's factors (slices (I, I) over H inputs, E experts),
+    lora2: down's ((H,) over I), in x's dtype, each read through its own table (its own ranks,
+    a factor shared by every expert stored once). Returns [T, H]. No host sync: capturable.
     """
     T, K = x.shape[0], topk_ids.shape[1]
     E, H, I, mxfp4 = _expert_sizes(x, w13, w2, b13, b2)
     assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
     assert activation in ACTIVATIONS, activation
+    _check_lora(lora13, (I, I), H, E, x.dtype)
+    _check_lora(lora2, (H,), I, E, x.dtype)
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
@@ -969,6 +952,15 @@ def _expert_sizes(
     for bias, shape in ((b13, (E, 2 * I)), (b2, (E, H))):
         assert bias is None or (bias.shape == shape and bias.is_contiguous()), (shape, bias)
     return E, H, I, mxfp4
+
+
+def _check_lora(
+    lora: LoraWeights | None, slices: tuple[int, ...], K_in: int, E: int, dtype: torch.dtype
+) -> None:
+    """lora (where given) is the MoE linear of output `slices`, K_in inputs and E experts."""
+    if lora is not None:
+        shape = (tuple(lora.out_slices), lora.in_features, lora.num_experts, lora.arena.dtype)
+        assert shape == (slices, K_in, E, dtype), (shape, slices, K_in, E, dtype)
 
 
 def _launch_options(cfg: MoeConfig, device: torch.device) -> dict:

@@ -24,6 +24,13 @@ whole row. Here it is split by who has the data anyway:
   - both expands (`expand_rows`) run in the GEMM epilogues: per slot in the block, one B tile
     (gate and up: two), the next slot's loaded while this one's dots run.
 No scratch is read for a pair without an enabled slot, so none needs clearing.
+
+Every factor is read through its target's table (step/lora.LoraWeights.table): slot s's A and
+B of expert e start at OFF + e * EXPERT in the arena (EXPERT 0: one factor shared by every
+expert), at the module's own rank. gate_up and down are separate targets, each with its own
+table and rank (PEFT's rank_pattern): a row counts for a target only where its slot's adapter
+has that module (module_rows), so a module absent from an adapter (rank 0) is skipped, and
+its scratch rows are neither written by the block shrinks nor read.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
+from moelora.kernels.lora import (
+    TAB_A_EXPERT,
+    TAB_A_OFF,
+    TAB_A_SLICE,
+    TAB_B_EXPERT,
+    TAB_B_OFF,
+    TAB_B_ROW,
+    TAB_RANK,
+    TAB_WIDTH,
+)
 from moelora.kernels.pdl import pdl_wait
 
 
@@ -45,12 +62,8 @@ def pair_shrink(
     H,
     slot_ptr,
     enabled_ptr,
-    rank_ptr,
-    a_ptr,  # A13 [S, E, 2, R, H]
-    stride_as,
-    stride_ae,
-    stride_ai,
-    stride_ar,
+    w_ptr,  # the arena: slot s's A13 [(E | 1,) 2, r, H] where row s of tab_ptr says
+    tab_ptr,  # [S, TAB_WIDTH] int64: A13's table (step/lora.LoraWeights.table)
     xa13_ptr,  # [P, 2, BR] fp32 out
     xa2_ptr,  # [P, BR] fp32 out: zeroed for gate_up's atomic adds
     HAS13: tl.constexpr,
@@ -59,10 +72,11 @@ def pair_shrink(
     BKS: tl.constexpr,
     SPLITS: tl.constexpr,  # jobs a pair: each shrinks 2 * BR / SPLITS of its rows
 ):
-    """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s; else nothing.
-    Job j does rows (j % SPLITS) * RCH .. + RCH of pair j // SPLITS's 2 * BR (gate's, then
-    up's): a pair's 2 x R x H of A is read by SPLITS jobs in parallel, where one job a pair
-    would read it a chunk at a time, each chunk a round trip."""
+    """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s (zeros where
+    its adapter has no gate_up module); else nothing.
+        Job j does rows (j % SPLITS) * RCH .. + RCH of pair j // SPLITS's 2 * BR (gate's, then
+        up's): a pair's 2 x R x H of A is read by SPLITS jobs in parallel, where one job a pair
+        would read it a chunk at a time, each chunk a round trip."""
     RCH: tl.constexpr = 2 * BR // SPLITS
     pair = job // SPLITS
     part = job % SPLITS
@@ -78,9 +92,10 @@ def pair_shrink(
                 expert = tl.load(topk_ids_ptr + pair)
                 half = (part * RCH) // BR
                 offs_r = (part * RCH) % BR + tl.arange(0, RCH)
-                r_ok = offs_r < tl.load(rank_ptr + slot)
-                a = a_ptr + slot * stride_as + expert.to(tl.int64) * stride_ae + half * stride_ai
-                a = a + offs_r[:, None] * stride_ar
+                row = tab_ptr + slot.to(tl.int64) * TAB_WIDTH
+                r_ok = offs_r < tl.load(row + TAB_RANK)
+                a = w_ptr + tl.load(row + TAB_A_OFF) + half * tl.load(row + TAB_A_SLICE)
+                a = a + expert.to(tl.int64) * tl.load(row + TAB_A_EXPERT) + offs_r[:, None] * H
                 offs_k = tl.arange(0, BKS)
                 xa = tl.zeros((RCH,), dtype=tl.float32)
                 for k0 in range(0, H, BKS):
@@ -94,16 +109,27 @@ def pair_shrink(
 
 
 @triton.jit
-def lora_rows(slot_rows, enabled_ptr, rank_ptr, scaling_ptr):
-    """(slot, rank, scaling) of each row; slot -1 and rank 0 where the row has no enabled slot.
-    The GEMMs gather the slots before their main loop and call this after it: the three gathers
-    wait on the slots only, so they go out together, one round trip."""
+def lora_rows(slot_rows, enabled_ptr, scaling_ptr):
+    """(slot, scaling) of each row; slot -1 where the row has no enabled slot. The GEMMs gather
+    the slots before their main loop and call this and module_rows after it: the gathers wait
+    on the slots only, so they go out together, one round trip."""
     has = slot_rows >= 0
     safe = tl.maximum(slot_rows, 0)
     on = tl.load(enabled_ptr + safe, mask=has, other=0) != 0
-    rank = tl.load(rank_ptr + safe, mask=has, other=0)
     scaling = tl.load(scaling_ptr + safe, mask=has, other=0.0)
-    return tl.where(on, slot_rows, -1), tl.where(on, rank, 0), scaling
+    return tl.where(on, slot_rows, -1), scaling
+
+
+@triton.jit
+def module_rows(slot_rows, slot_on, tab_ptr):
+    """(slot, rank) of each row for one target (tab_ptr its table): the module's own rank,
+    from the slot as gathered (slot_rows); slot -1 and rank 0 where lora_rows found no enabled
+    slot (slot_on -1) or the slot's adapter has no such module."""
+    has = slot_rows >= 0
+    row = tab_ptr + tl.maximum(slot_rows, 0).to(tl.int64) * TAB_WIDTH
+    rank = tl.load(row + TAB_RANK, mask=has, other=0).to(tl.int32)
+    rank = tl.where(slot_on >= 0, rank, 0)
+    return tl.where(rank > 0, slot_on, -1), rank
 
 
 @triton.jit
@@ -162,22 +188,41 @@ def _walk_next(slot_rows, rank_rows, packed, s, S: tl.constexpr, PACK: tl.conste
 
 
 @triton.jit
-def _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n, n_ok, rank, BR: tl.constexpr):
-    """[BR, BN]: B[s, offs_n, :BR].T, rows past the rank masked off (never read)."""
+def _place(w_ptr, tab_ptr, s, expert, rank, OFF: tl.constexpr, EXPERT: tl.constexpr):
+    """Where slot s's factor (A: OFF = TAB_A_OFF; B: TAB_B_OFF) of `expert` starts in the
+    arena. Rank 0 (no row of the block has the slot; s == S, past the table, included): the
+    table is not read, and nor is the factor (its tiles are masked by the rank)."""
+    row = tab_ptr + s.to(tl.int64) * TAB_WIDTH
+    live = rank > 0
+    off = tl.load(row + OFF, mask=live, other=0)
+    return w_ptr + off + expert.to(tl.int64) * tl.load(row + EXPERT, mask=live, other=0)
+
+
+@triton.jit
+def _b_row(tab_ptr, s, rank):
+    """Slot s's B row stride (its rank columns are contiguous); as _place for rank 0."""
+    return tl.load(tab_ptr + s.to(tl.int64) * TAB_WIDTH + TAB_B_ROW, mask=rank > 0, other=0)
+
+
+@triton.jit
+def _b_tile(b_s, b_row, offs_n, n_ok, rank, BR: tl.constexpr):
+    """[BR, BN]: B[offs_n, :BR].T of the factor at b_s (row stride b_row), rows past the rank
+    masked off (never read)."""
     offs_r = tl.arange(0, BR)
     return tl.load(
-        b_ptr + s * stride_bs + offs_n[None, :] * stride_bn + offs_r[:, None],
+        b_s + offs_n[None, :].to(tl.int64) * b_row + offs_r[:, None],
         mask=n_ok[None, :] & (offs_r < rank)[:, None],
         other=0.0,
     )
 
 
 @triton.jit
-def _a_tile(a_ptr, s, stride_as, stride_ar, offs_n, n_ok, rank, BR: tl.constexpr):
-    """[BN, BR]: A[s, :BR, offs_n].T, columns past the rank masked off (never read)."""
+def _a_tile(a_s, stride_ar, offs_n, n_ok, rank, BR: tl.constexpr):
+    """[BN, BR]: A[:BR, offs_n].T of the factor at a_s, columns past the rank masked off
+    (never read)."""
     offs_r = tl.arange(0, BR)
     return tl.load(
-        a_ptr + s * stride_as + offs_r[None, :] * stride_ar + offs_n[:, None],
+        a_s + offs_r[None, :] * stride_ar + offs_n[:, None],
         mask=n_ok[:, None] & (offs_r < rank)[None, :],
         other=0.0,
     )
@@ -188,12 +233,13 @@ def down_partial_shrink(
     xa2_ptr,  # [P, BR] fp32, zeroed by pair_shrink for pairs with an enabled slot
     pair,  # [BM]
     h,  # [BM, BN] this program's columns of h, in the dtype h is stored in
-    slot_rows,  # [BM] from lora_rows
-    rank_rows,  # [BM] from lora_rows
+    slot_rows,  # [BM] from module_rows (down's)
+    rank_rows,  # [BM] from module_rows (down's)
     packed,  # block_slots of the rows
-    a_ptr,  # A2 of slot 0 and this block's expert: [R, I] at slot stride stride_as
-    stride_as,
-    stride_ar,
+    w_ptr,  # the arena: slot s's A2 [(E | 1,) 1, r, I] where row s of tab_ptr says
+    tab_ptr,  # [S, TAB_WIDTH] int64: A2's table
+    expert,  # this block's expert
+    I,  # A2's input (h's columns): its rank row stride
     offs_n,
     n_ok,
     S: tl.constexpr,
@@ -205,10 +251,12 @@ def down_partial_shrink(
     come from the other column blocks). Walks the block's slots as expand_rows does."""
     part = tl.zeros((BM, BR), dtype=tl.float32)
     s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
-    at = _a_tile(a_ptr, s, stride_as, stride_ar, offs_n, n_ok, rank, BR)
+    a_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_A_OFF, TAB_A_EXPERT)
+    at = _a_tile(a_s, I, offs_n, n_ok, rank, BR)
     while s < S:
         s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
-        at_next = _a_tile(a_ptr, s_next, stride_as, stride_ar, offs_n, n_ok, rank_next, BR)
+        a_next = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_A_OFF, TAB_A_EXPERT)
+        at_next = _a_tile(a_next, I, offs_n, n_ok, rank_next, BR)
         part = dot(tl.where((slot_rows == s)[:, None], h, 0.0).to(at.dtype), at, part)
         s = s_next
         at = at_next
@@ -225,13 +273,13 @@ def expand_rows(
     acc1,  # [BM, BN] fp32, only with TWO
     xa0,  # [BM, BR] fp32 shrink of each row (zero past its slot's rank)
     xa1,  # [BM, BR] fp32, only with TWO
-    slot_rows,  # [BM] from lora_rows
+    slot_rows,  # [BM] from module_rows (this target's)
     rank_rows,  # [BM]
-    scale_rows,  # [BM]
+    scale_rows,  # [BM] from lora_rows
     packed,  # block_slots of the rows
-    b_ptr,  # B of slot 0 and this block's expert: [out, R]
-    stride_bs,
-    stride_bn,
+    w_ptr,  # the arena: slot s's B [(E | 1,) out, r] where row s of tab_ptr says
+    tab_ptr,  # [S, TAB_WIDTH] int64: B's table
+    expert,  # this block's expert
     offs_n0,
     offs_n1,
     n_ok,
@@ -243,20 +291,25 @@ def expand_rows(
     """acc_i[m] += scaling[s] * xa_i[m] @ B[s, cols_i].T for each row m of slot s, i < 2 if TWO
     (gate and up share the walk). Only the slots the block's rows use are visited, in
     ascending order, and the next slot's tiles are loaded before this slot's dots: each step
-    then waits on one load's latency at most, with no rank or scaling load in the chain."""
+    then waits on the next slot's row of the table and its tiles (two dependent loads), with
+    no rank or scaling load in the chain."""
     xs0 = xa0 * scale_rows[:, None]
     xs1 = xa1 * scale_rows[:, None]
     s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
-    bt0 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n0, n_ok, rank, BR)
+    b_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_B_OFF, TAB_B_EXPERT)
+    b_row = _b_row(tab_ptr, s, rank)
+    bt0 = _b_tile(b_s, b_row, offs_n0, n_ok, rank, BR)
     bt1 = bt0
     if TWO:
-        bt1 = _b_tile(b_ptr, s, stride_bs, stride_bn, offs_n1, n_ok, rank, BR)
+        bt1 = _b_tile(b_s, b_row, offs_n1, n_ok, rank, BR)
     while s < S:
         s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
-        bt0_next = _b_tile(b_ptr, s_next, stride_bs, stride_bn, offs_n0, n_ok, rank_next, BR)
+        b_s = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_B_OFF, TAB_B_EXPERT)
+        b_row = _b_row(tab_ptr, s_next, rank_next)
+        bt0_next = _b_tile(b_s, b_row, offs_n0, n_ok, rank_next, BR)
         bt1_next = bt0_next
         if TWO:
-            bt1_next = _b_tile(b_ptr, s_next, stride_bs, stride_bn, offs_n1, n_ok, rank_next, BR)
+            bt1_next = _b_tile(b_s, b_row, offs_n1, n_ok, rank_next, BR)
         rows_s = (slot_rows == s)[:, None]
         acc0 = dot(tl.where(rows_s, xs0, 0.0).to(bt0.dtype), bt0, acc0)
         if TWO:
@@ -275,17 +328,13 @@ def block_shrink_kernel(
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
     slot_ptr,
     enabled_ptr,
-    rank_ptr,
     any_ptr,
-    a_ptr,  # [S, E, HALVES, R, H]: A13 (HALVES 2) or A2 (1, H its I)
+    w_ptr,  # the arena: slot s's A [(E | 1,) HALVES, r, H]: A13 (HALVES 2) or A2 (1, H its I)
+    tab_ptr,  # [S, TAB_WIDTH] int64: that A's table
     xa_ptr,  # [P, HALVES, BR] fp32 out
     # Sizes and strides (last dims contiguous).
     H,
     stride_xt,
-    stride_as,
-    stride_ae,
-    stride_ai,
-    stride_ar,
     # Meta-parameters.
     K: tl.constexpr,
     S: tl.constexpr,
@@ -299,7 +348,8 @@ def block_shrink_kernel(
     """A shrink for one block of the align: xa[pair, i] = row @ A[s, e, i].T for the rows with
     an enabled slot s (e: the block's expert); the row is x[token] (gate_up's: xa13) or, with
     BLOCK_ROWS, the block's own row of h (down's: xa2, after gate_up). Column c of the
-    [BM, HALVES * BR] product is half c // BR's rank row c % BR."""
+    [BM, HALVES * BR] product is half c // BR's rank row c % BR. Rows whose slot's adapter has
+    no such module are left unwritten (their readers skip them: module_rows)."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     pid = tl.program_id(0)
     expert = tl.load(expert_of_block_ptr + pid)
@@ -322,8 +372,6 @@ def block_shrink_kernel(
     offs_c = tl.arange(0, HALVES * BR)
     half, r = offs_c // BR, offs_c % BR
     offs_k = tl.arange(0, BK)
-    a_e = a_ptr + expert.to(tl.int64) * stride_ae + half[None, :] * stride_ai
-    a_e = a_e + r[None, :] * stride_ar + offs_k[:, None]  # [BK, HALVES * BR]
     rows = pid * BM + offs_m if BLOCK_ROWS else token
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     xa_ptrs = xa_ptr + pair[:, None] * HALVES * BR + offs_c[None, :]
@@ -331,14 +379,21 @@ def block_shrink_kernel(
     # over H would keep its loads from being pipelined: each step then waited on one load's
     # latency)
     for s in tl.static_range(S):
-        if ((present >> s) & 1) != 0:
+        row = tab_ptr + s * TAB_WIDTH
+        rank = tl.load(row + TAB_RANK, mask=((present >> s) & 1) != 0, other=0)
+        if rank > 0:  # a row of the block has the slot, and its adapter the module
             rows_s = slot_rows == s
-            r_ok = r < tl.load(rank_ptr + s)
+            r_ok = r < rank
+            a_e = (
+                w_ptr + tl.load(row + TAB_A_OFF) + expert.to(tl.int64) * tl.load(row + TAB_A_EXPERT)
+            )
+            a_s = a_e + half[None, :] * tl.load(row + TAB_A_SLICE) + r[None, :] * H
+            a_s = a_s + offs_k[:, None]  # [BK, HALVES * BR]
             acc = tl.zeros((BM, HALVES * BR), dtype=tl.float32)
             for k0 in range(0, H, BK):
                 k_ok = offs_k < H - k0
                 xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
-                a = tl.load(a_e + s * stride_as + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+                a = tl.load(a_s + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
                 acc = dot(xt, a, acc)
             tl.store(xa_ptrs, acc, mask=rows_s[:, None])
 
