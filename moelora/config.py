@@ -145,6 +145,15 @@ class EngineConfig:
         "rows get the same bits prefilled whole or in chunks)",
         choices=PREFILL_ATTENTION_BACKENDS,
     )
+    # The kernels a request's numbers pass through choose no tile, split or path by what else
+    # shares the step (kernels/ops.py: triton_ops): the same bits alone or batched, chunked or
+    # not, cache hit or miss. SGLang's --enable-deterministic-inference.
+    enable_deterministic_inference: bool = _flag(
+        False,
+        "the same output bits for a request whatever shares its steps: MoE tiles and decode "
+        "attention fixed for every batch, long first chunks by the Triton kernel; needs "
+        "--projections batch-invariant (SGLang's --enable-deterministic-inference)",
+    )
     load_format: str = _flag(
         "auto",
         "auto: the folder's safetensors; dummy: random weights made on the device, no checkpoint "
@@ -176,6 +185,13 @@ class EngineConfig:
         for name, valid, expected in _CHECKS:
             value = getattr(self, name)
             _check(valid(value), name, value, expected)
+        _check(
+            not self.enable_deterministic_inference or self.projections == "batch-invariant",
+            "projections",
+            self.projections,
+            "'batch-invariant' with enable_deterministic_inference (the others' tiles follow "
+            "the token count)",
+        )
         for name in self.lora_modules:
             _check(
                 bool(name) and name != self.model_name,

@@ -72,6 +72,7 @@ def make_rank_ops(cfg: EngineConfig, shard: Shard, device: torch.device) -> Ops:
         force_reference=cfg.force_reference_kernels,
         projections=cfg.projections,
         prefill_attention_backend=cfg.prefill_attention_backend,
+        deterministic=cfg.enable_deterministic_inference,
         shard=shard,
     )
 

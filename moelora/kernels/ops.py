@@ -89,12 +89,14 @@ def make_ops(
     force_reference: bool = False,
     projections: str = "batch-invariant",
     prefill_attention_backend: str = "cudnn",
+    deterministic: bool = False,
     shard: Shard = SINGLE,
 ) -> Ops:
     """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
     dense projections that `projections` names (see EngineConfig and kernels/linear.py) and the
     attention of long first prefill chunks that `prefill_attention_backend` names, for the
-    model's part `shard`."""
+    model's part `shard`; deterministic: EngineConfig.enable_deterministic_inference's (the
+    reference's bits never follow the batch: on the CPU nothing changes)."""
     for name, value, valid in (
         ("projections", projections, PROJECTIONS),
         ("prefill_attention_backend", prefill_attention_backend, PREFILL_ATTENTION_BACKENDS),
@@ -104,14 +106,22 @@ def make_ops(
     if device.type != "cuda" or force_reference:
         ops = REFERENCE_OPS
     else:
-        ops = triton_ops(projections, prefill_attention_backend)
+        ops = triton_ops(projections, prefill_attention_backend, deterministic=deterministic)
     return ops if shard == SINGLE else replace(ops, shard=shard)
 
 
-def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Ops:
+def triton_ops(
+    projections: str, prefill_attention_backend: str = "cudnn", *, deterministic: bool = False
+) -> Ops:
     """The Triton table with the dense projections EngineConfig.projections names and the
     prefill attention EngineConfig.prefill_attention_backend names. A new table each call: a
-    BatchInvariantLinear keeps what it measured on its engine."""
+    BatchInvariantLinear keeps what it measured on its engine.
+
+    deterministic: no kernel chooses by what shares the step: the fused MoE's tiles and LoRA
+    shrinks fixed (fused.deterministic_config), decode steps' attention by the prefill kernel
+    as in mixed steps (and its o-projection shrink by lora_shrink_split), long first chunks by
+    the Triton kernel whatever prefill_attention_backend says (cuDNN's bits are not those of
+    the same rows as a later chunk)."""
     from moelora.kernels.attention import paged as attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.linear import BatchInvariantLinear
@@ -122,20 +132,27 @@ def triton_ops(projections: str, prefill_attention_backend: str = "cudnn") -> Op
     linear = reference.linear  # cuBLAS
     if projections != "cublas":
         linear = BatchInvariantLinear(skinny=projections == "skinny")
-    dense_from = attention.DENSE_FROM if prefill_attention_backend == "cudnn" else 0
-    paged_attention = functools.partial(attention.paged_attention, dense_from=dense_from)
+    cudnn = prefill_attention_backend == "cudnn" and not deterministic
+    # only where set, so that the default table's partials name what they change
+    exact = {"deterministic": True} if deterministic else {}
+    dense_from = attention.DENSE_FROM if cudnn else 0
+    paged_attention = functools.partial(attention.paged_attention, dense_from=dense_from, **exact)
     paged_attention_o_shrink = functools.partial(
-        attention.paged_attention_o_shrink, dense_from=dense_from
+        attention.paged_attention_o_shrink, dense_from=dense_from, **exact
     )
     return Ops(
-        name=f"triton-{projections}",
+        name=f"triton-{projections}" + ("-deterministic" if deterministic else ""),
         linear=linear,
         route_topk=route_topk,
-        fused_moe=fused_moe,
+        fused_moe=functools.partial(fused_moe, **exact) if deterministic else fused_moe,
         add_lora_=add_lora_,
         paged_attention=paged_attention,
         paged_attention_o_shrink=paged_attention_o_shrink,
-        plan_attention=attention.plan_attention,
+        plan_attention=(
+            functools.partial(attention.plan_attention, **exact)
+            if deterministic
+            else attention.plan_attention
+        ),
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,

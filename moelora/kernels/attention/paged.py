@@ -597,11 +597,17 @@ def attention_work(cu_seqlens_q: torch.Tensor, num_rows: int, block_q: int) -> t
 
 
 def plan_attention(
-    attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+    attn: AttentionMetadata,
+    num_rows: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    *,
+    deterministic: bool = False,
 ) -> AttentionMetadata:
     """The step's attention metadata with its prefill work table (attention_work) at the
-    default tiles, built once for every layer; a decode step's as it is."""
-    if attn.max_query_len <= 1:
+    default tiles, built once for every layer; a decode step's as it is, unless deterministic
+    (its rows then take the prefill kernel too: paged_attention)."""
+    if attn.max_query_len <= 1 and not deterministic:
         return attn
     block_q = prefill_block_q(num_q_heads, num_kv_heads, attn.cu_seqlens_q.device)
     work = attention_work(attn.cu_seqlens_q, num_rows, block_q)
@@ -640,17 +646,29 @@ def paged_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     dense_from: int = 0,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Semantics: causal softmax(q k^T * scale) v over each sequence's paged KV, with GQA;
     window > 0 and sinks [Hq] float32 as reference.paged_attention has them. dense_from > 0:
     prefill chunks from position 0 of at least that many tokens go to cuDNN (dense_runs).
+    deterministic: a decode step's rows take the prefill kernel, as they do in a step with a
+    prefill chunk (no split count that follows the batch size), so a row's bits do not
+    depend on what shares its step.
 
     q: [T, Hq, D]; caches [num_pages, page_size, Hkv, D]; Hq % Hkv == 0. Returns [T, Hq, D].
     Rows of q past cu_seqlens_q[-1] (padding) are returned as zeros. With max_query_len <= 1
     (decode) the launch reads no device value on the host and can be captured in a CUDA graph.
     """
     return launch_paged_attention(
-        q, k_cache, v_cache, attn, scale, window=window, sinks=sinks, dense_from=dense_from
+        q,
+        k_cache,
+        v_cache,
+        attn,
+        scale,
+        window=window,
+        sinks=sinks,
+        dense_from=dense_from,
+        deterministic=deterministic,
     )[0]
 
 
@@ -666,6 +684,7 @@ def paged_attention_o_shrink(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     dense_from: int = 0,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, FoldedLora]:
     """Semantics: see reference.paged_attention_o_shrink: (out, FoldedLora(lora_shrink_split(
     out as [T, Hq*D], lora, info), lora, info)), the o projection's LoRA shrunk from the
@@ -686,6 +705,7 @@ def paged_attention_o_shrink(
         window=window,
         sinks=sinks,
         dense_from=dense_from,
+        deterministic=deterministic,
     )
     if shrunk is None:
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
@@ -707,6 +727,7 @@ def launch_paged_attention(
     window: int = 0,
     sinks: torch.Tensor | None = None,
     dense_from: int = 0,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """paged_attention with the tiles, the decode split count or the output given by the caller;
     returns (out, the shrink partials [T, Hq, 1, R] float32 of the o projection's LoRA `shrink`
@@ -716,7 +737,7 @@ def launch_paged_attention(
     Tests pass a NaN-filled `out` to check that every row is written; benchmarks sweep tiles.
     """
     _check_attention(q, k_cache, v_cache, attn, window, sinks)
-    plan = _plan(q, k_cache, attn, config, num_splits)
+    plan = _plan(q, k_cache, attn, config, num_splits, deterministic=deterministic)
     runs = _cudnn_runs(q, attn, plan, window, sinks, dense_from)
     if runs and sum(L for _, L in runs) == q.shape[0]:  # every row dense: no Triton
         if out is None and len(runs) > 1:
@@ -855,13 +876,16 @@ def _plan(
     attn: AttentionMetadata,
     config: AttentionConfig | None,
     num_splits: int | None,
+    *,
+    deterministic: bool = False,
 ) -> _Plan:
-    """decode_plan's tiles and splits where the caller gives none; prefill never splits."""
+    """decode_plan's tiles and splits where the caller gives none; prefill never splits, and
+    deterministic decode steps take the prefill plan."""
     num_rows, num_q_heads, _ = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_pages = attn.page_table.shape
     group_pad = next_power_of_2(num_q_heads // num_kv_heads)
-    if attn.max_query_len <= 1:
+    if attn.max_query_len <= 1 and not deterministic:
         plan_config, plan_splits = decode_plan(
             num_seqs, num_kv_heads, max_pages * page_size, q.device
         )

@@ -30,6 +30,7 @@ launches as the base MoE and pays only those gathers (and align programs that ex
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -68,6 +69,10 @@ HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAI
 # top-8, not only past the align's PMAX: the pair shrink reads each pair's expert's whole A13,
 # 0.5 GB a layer for a 512-token prompt's 4096 pairs (Qwen3-30B-A3B, rank 16)
 BLOCK_SHRINK_FROM = 2049
+# deterministic inference's tiles (deterministic_config): warpgroup MMAs from 64 rows, and the
+# K depth every tuned bucket of the H200 table takes but its smallest
+DETERMINISTIC_BM = 64
+DETERMINISTIC_BK = 128
 BLOCK_SHRINK_K = 64  # its input chunk
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
 _ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
@@ -517,6 +522,7 @@ class _Lora:
     scaling: torch.Tensor  # .scaling_of_slot
     any_on: torch.Tensor  # .any_enabled
     unused: torch.Tensor  # the one placeholder for a pointer no kernel reads
+    by_block: bool = False  # the shrinks run block by block (_by_block)
 
     @property
     def on(self) -> bool:
@@ -617,9 +623,23 @@ def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Te
     return _Half(True, lora.arena, table, len(lora.out_slices))
 
 
-def _by_block(gate_up_on: bool, P: int, S: int) -> bool:
-    """Whether the shrinks run block by block (_block_shrink) rather than by pair."""
-    return gate_up_on and P >= BLOCK_SHRINK_FROM and S <= 63
+def _by_block(gate_up_on: bool, P: int, S: int, deterministic: bool = False) -> bool:
+    """Whether the shrinks run block by block (_block_shrink) rather than by pair: at every
+    size where deterministic (the pair shrink sums a row otherwise, and down's by atomics)."""
+    return gate_up_on and (deterministic or P >= BLOCK_SHRINK_FROM) and S <= 63
+
+
+def deterministic_config(cfg: MoeConfig) -> MoeConfig:
+    """The tiles of deterministic inference: rows of at least DETERMINISTIC_BM, so every size
+    runs warpgroup MMAs (16 and 32 rows run mma.sync, which rounds a row's sum otherwise),
+    and DETERMINISTIC_BK deep in both GEMMs; only the rows and columns a tile covers follow
+    the token count."""
+    return dataclasses.replace(
+        cfg,
+        block_m=max(cfg.block_m, DETERMINISTIC_BM),
+        block_k=DETERMINISTIC_BK,
+        block_k_down=DETERMINISTIC_BK,
+    )
 
 
 def _lora(
@@ -628,6 +648,7 @@ def _lora(
     info: LoraBatchInfo | None,
     unused: torch.Tensor,
     P: int,
+    deterministic: bool = False,
 ) -> _Lora:
     """Both halves share the batch info; S and the rank tile come from whichever is present:
     the pool's, or where the shrinks run block by block the step's (LoraBatchInfo.rank_tile:
@@ -640,7 +661,8 @@ def _lora(
     on = either is not None
     S = either.num_slots if on else 1
     rank = either.max_rank if on else 16
-    if on and info.rank_tile and _by_block(gate_up.on, P, S):
+    by_block = _by_block(gate_up.on, P, S, deterministic)
+    if on and info.rank_tile and by_block:
         assert info.rank_tile <= rank, (info.rank_tile, rank)
         rank = info.rank_tile
     return _Lora(
@@ -654,6 +676,7 @@ def _lora(
         scaling=info.scaling_of_slot if on else unused,
         any_on=info.any_enabled if on else unused,
         unused=unused,
+        by_block=by_block,
     )
 
 
@@ -676,7 +699,7 @@ def _align(
     K = P // x.shape[0]
     splits = PAIR_SPLITS if P < HALF_SPLITS_FROM else PAIR_SPLITS // 2
     # from BLOCK_SHRINK_FROM pairs the shrink runs block by block after the align instead
-    by_block = _by_block(lora.gate_up.on, P, lora.S)
+    by_block = lora.by_block
     shrink = PairShrink(
         x=x,
         slot=lora.slot,
@@ -892,6 +915,7 @@ def fused_moe(
     b2: torch.Tensor | None = None,
     activation: str = "silu",
     config: MoeConfig | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (silu_and_mul(x[t] @ W13[e].T + d13) @ W2[e].T + d2);
     with b13 [E, 2I], b2 [E, H] and activation as reference.fused_moe has them.
@@ -904,6 +928,8 @@ def fused_moe(
     topk_ids [T, K] int32. lora13: gate_up's factors (slices (I, I) over H inputs, E experts),
     lora2: down's ((H,) over I), in x's dtype, each read through its own table (its own ranks,
     a factor shared by every expert stored once). Returns [T, H]. No host sync: capturable.
+    deterministic: deterministic_config's tiles and the shrinks block by block at every size,
+    so that a row's bits do not follow the token count.
     """
     T, K = x.shape[0], topk_ids.shape[1]
     E, H, I, mxfp4 = _expert_sizes(x, w13, w2, b13, b2)
@@ -916,12 +942,14 @@ def fused_moe(
     if T == 0:
         return out
     cfg = config or default_config(T, E, H, I, K, x.device, mxfp4=mxfp4)
+    if deterministic:  # a row's sums do not follow the token count (deterministic_config)
+        cfg = deterministic_config(cfg)
     assert not mxfp4 or (cfg.block_k % MXFP4_GROUP == 0 == cfg.block_k_down % MXFP4_GROUP), cfg
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
     # branch, compiled even where it never runs, loads slots and flags through its pointers
-    lora = _lora(lora13, lora2, info, unused=ids, P=ids.numel())
+    lora = _lora(lora13, lora2, info, unused=ids, P=ids.numel(), deterministic=deterministic)
     launch = _launch_options(cfg, x.device)
     pairs = _align(x, ids, weights, E, cfg.block_m, lora)
     h = _gate_up(x, w13, pairs, lora, cfg, launch, bias=b13, activation=activation)

@@ -1,0 +1,117 @@
+"""Deterministic inference on the GPU in bf16 (EngineConfig.enable_deterministic_inference,
+issue 42): a request's tokens and logprob bits are those it gets alone, whatever shares its
+steps (batches of 8 to 250 mixed requests), however its prompt is chunked, whether its prefix
+came from the cache, with async scheduling on or off, replayed in graphs or eager.
+
+Skipped without CUDA; run on the device by scripts/gpu-check.
+"""
+
+import random
+
+import hf_fixtures as hf
+import pytest
+import torch
+
+from moelora import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NUM_ADAPTERS = 4
+SHAPE = dict(
+    hidden_size=256,
+    head_dim=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=16,
+    moe_intermediate_size=128,
+)
+PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu-determinism")
+    model = hf.make_model("qwen3_moe", root / "model", seed=7, **SHAPE)
+    adapters = {
+        f"a{i}": str(
+            hf.make_per_expert_adapter(
+                model,
+                root / f"a{i}",
+                seed=200 + i,
+                rank=rank,
+                alpha=2 * rank,
+                arch="qwen3_moe",
+                attention=("q_proj", "k_proj", "v_proj", "o_proj"),
+            )
+        )
+        for i, rank in enumerate((8, 16, 32, 64))
+    }
+    return str(model), adapters
+
+
+def _llm(assets, **kw) -> LLM:
+    model, adapters = assets
+    options = dict(
+        lora_modules=adapters,
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype="bfloat16",
+        max_graph_bs=256,
+        max_num_seqs=256,
+        num_pages=4096,
+        enable_deterministic_inference=True,
+    )
+    return LLM(model, **(options | kw))
+
+
+def _requests(seed: int, n: int, names: list) -> tuple[list[list[int]], list]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(16, 600))] for _ in range(n)]
+    return prompts, [rng.choice(names) for _ in range(n)]
+
+
+def _bits(out) -> tuple:
+    """Tokens and each chosen token's logprob, exactly."""
+    return tuple(out.token_ids), tuple(lp[t] for lp, t in zip(out.logprobs, out.token_ids))
+
+
+def test_probes_alone_equal_probes_in_batches_of_8_to_250(assets):
+    """6 probes alone, then each inside batches of 8, 48, 136 and 250 random mixed requests
+    (prompts of 16 to 600 tokens: prefill chunks and decode batches of every size; prefix
+    caching on, so the batched runs also hit the pages the runs alone left)."""
+    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
+    probes, probe_loras = _requests(1, 6, names)
+    llm = _llm(assets, max_num_batched_tokens=2048)
+    alone = [_bits(llm.generate([p], PARAMS, lora=[lo])[0]) for p, lo in zip(probes, probe_loras)]
+    kept = 0
+    for size in (8, 48, 136, 250):
+        others, other_loras = _requests(size, size - len(probes), names)
+        outs = llm.generate(probes + others, PARAMS, lora=probe_loras + other_loras)
+        kept += sum(_bits(o) == a for o, a in zip(outs, alone))
+    assert kept == 4 * len(probes), f"{kept} of {4 * len(probes)} probes kept their bits"
+
+
+def test_chunked_async_eager_and_cached_equal_whole(assets):
+    """The same 24 requests whole (a budget of 2048 tokens), chunked at 512, with async
+    scheduling off, eager (no graphs), and as prefix-cache hits: the same bits."""
+    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
+    prompts, loras = _requests(3, 24, names)
+    whole = _llm(assets, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    want = [_bits(o) for o in whole.generate(prompts, PARAMS, lora=loras)]
+    whole.close()
+    variants = {
+        "chunked at 512": dict(max_num_batched_tokens=512, enable_prefix_caching=False),
+        "async off": dict(async_scheduling=False, enable_prefix_caching=False),
+        "eager": dict(enforce_eager=True, enable_prefix_caching=False),
+    }
+    for what, kw in variants.items():
+        llm = _llm(assets, **({"max_num_batched_tokens": 2048} | kw))
+        got = [_bits(o) for o in llm.generate(prompts, PARAMS, lora=loras)]
+        llm.close()
+        assert got == want, f"{what}: {sum(g == w for g, w in zip(got, want))} of {len(want)}"
+    cached = _llm(assets, max_num_batched_tokens=2048)
+    cached.generate(prompts, SamplingParams(max_tokens=1), lora=loras)  # their prefixes cached
+    hits = cached.generate(prompts, PARAMS, lora=loras)
+    assert all(o.num_cached_tokens >= 16 for o in hits)
+    got = [_bits(o) for o in hits]
+    assert got == want, f"cache hits: {sum(g == w for g, w in zip(got, want))} of {len(want)}"

@@ -1,0 +1,126 @@
+"""Deterministic inference's kernels (EngineConfig.enable_deterministic_inference), in the
+interpreter in fp32: a row's bits do not follow what shares its step. The interpreter cannot
+show the GPU's instruction shapes (mma.sync against warpgroup MMAs round differently; see
+tests/gpu for bf16 on the device); these cases catch the paths that change with the step here
+too: the MoE LoRA shrinks by pair or by block, the decode attention's split path against the
+prefill kernel's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from lora_cases import batch_info, lora_weights
+from test_paged_attention import make_step
+
+from moelora.config import EngineConfig
+from moelora.errors import ConfigError
+from moelora.kernels import reference
+from moelora.kernels.attention.paged import launch_paged_attention, plan_attention
+from moelora.kernels.moe import fused as module
+from moelora.kernels.moe.fused import fused_moe
+from moelora.kernels.ops import make_ops
+from moelora.step.lora import LoraBatchInfo
+
+H, I, E, K = 64, 32, 8, 2
+
+
+def moe_rows(T: int, seed: int):
+    """T tokens on mixed slots (some base), their routing and both LoRA halves."""
+    torch.manual_seed(seed)
+    x = torch.randn(T, H)
+    w13 = torch.randn(E, 2 * I, H) / H**0.5
+    w2 = torch.randn(E, H, I) / I**0.5
+    topk_weights, topk_ids = reference.route_topk(torch.randn(T, E), K, renormalize=True)
+    info = batch_info(T, "mixed")
+    ranks = info.rank_of_slot
+    lora = dict(
+        lora13=lora_weights(info.num_slots, (E,), 2, 16, H, (I, I), ranks, torch.float32),
+        lora2=lora_weights(info.num_slots, (E,), 1, 16, I, (H,), ranks, torch.float32),
+        info=info,
+    )
+    return (x, w13, w2, topk_weights, topk_ids), lora
+
+
+def rows_of(args, lora, rows: slice):
+    """The same tokens alone: their rows of x and routing, their slots, only their slots on."""
+    x, w13, w2, topk_weights, topk_ids = args
+    info = lora["info"]
+    slots = info.slot_of_token[rows]
+    enabled = torch.zeros_like(info.slot_enabled)
+    for s in slots.tolist():
+        if s >= 0 and info.rank_of_slot[s] > 0:
+            enabled[s] = 1
+    alone = LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, enabled)
+    args = (x[rows], w13, w2, topk_weights[rows], topk_ids[rows])
+    return args, dict(lora, info=alone)
+
+
+def test_moe_rows_alone_and_batched_give_the_same_bits(poison_empty, monkeypatch):
+    """With a block-shrink threshold between the two steps' pair counts (as at 2049 pairs on
+    the GPU), the batched step shrinks block by block and the lone one by pair unless
+    deterministic: then both by block, the same bits. The tiles are deterministic_config's."""
+    monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 12)
+    monkeypatch.setattr(module, "BLOCK_SHRINK_K", 32)
+    args, lora = moe_rows(24, seed=3)
+    batched = fused_moe(*args, **lora, deterministic=True)
+    alone_args, alone_lora = rows_of(args, lora, slice(5, 8))  # 6 pairs: under the threshold
+    alone = fused_moe(*alone_args, **alone_lora, deterministic=True)
+    assert torch.isfinite(batched).all()
+    assert torch.equal(alone, batched[5:8])
+    assert torch.allclose(batched, reference.fused_moe(*args, **lora), rtol=1e-4, atol=1e-5)
+
+
+def test_deterministic_moe_tiles():
+    cfg = module.deterministic_config(module.MoeConfig(block_m=16, block_k=256, block_k_down=64))
+    assert (cfg.block_m, cfg.block_k, cfg.block_k_down) == (64, 128, 128)
+    wide = module.deterministic_config(module.MoeConfig(block_m=128, block_n=32))
+    assert (wide.block_m, wide.block_n, wide.block_k) == (128, 32, 128)  # rows, columns kept
+
+
+def test_decode_rows_alone_and_beside_a_prefill_chunk_give_the_same_bits():
+    """A decode step's rows against the same rows in a step with another sequence's chunk:
+    deterministic, both take the prefill kernel (unsplit, its tiles), the same bits."""
+    q_lens, seq_lens = [17, 1, 1], [50, 300, 45]
+    q, k_cache, v_cache, mixed = make_step(
+        q_lens,
+        seq_lens,
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=16,
+        dtype=torch.float32,
+    )
+    decode = dataclasses.replace(
+        mixed,
+        cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=mixed.seq_lens[1:],
+        page_table=mixed.page_table[1:],
+        slot_mapping=mixed.slot_mapping[17:],
+        max_query_len=1,
+    )
+    scale = 16**-0.5
+    both, _ = launch_paged_attention(q, k_cache, v_cache, mixed, scale, deterministic=True)
+    planned = plan_attention(decode, 2, 4, 2, deterministic=True)
+    assert planned.work is not None  # the decode step's work table, built once for its layers
+    alone, _ = launch_paged_attention(q[17:], k_cache, v_cache, planned, scale, deterministic=True)
+    assert torch.isfinite(alone).all()
+    assert torch.equal(alone, both[17:])
+    expected = reference.paged_attention(
+        q[17:], k_cache.nan_to_num(), v_cache.nan_to_num(), decode, scale
+    )
+    torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_deterministic_table_and_its_config():
+    cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
+    ops = make_ops(cuda, deterministic=True)  # the default backend asks for cuDNN: not taken
+    assert ops.name == "triton-batch-invariant-deterministic"
+    assert ops.fused_moe.keywords == {"deterministic": True}
+    assert ops.paged_attention.keywords == {"dense_from": 0, "deterministic": True}
+    assert ops.paged_attention_o_shrink.keywords == {"dense_from": 0, "deterministic": True}
+    assert ops.plan_attention.keywords == {"deterministic": True}
+    assert make_ops(torch.device("cpu"), deterministic=True).name == "torch"
+    with pytest.raises(ConfigError, match="projections='skinny' is invalid: expected "):
+        EngineConfig(model="demo", projections="skinny", enable_deterministic_inference=True)
