@@ -18,11 +18,14 @@ from moelora.kernels.contracts import RmsNormOp
 from moelora.kernels.ops import REFERENCE_OPS, Ops, triton_ops
 
 KERNELS = [f.name for f in dataclasses.fields(Ops) if callable(getattr(REFERENCE_OPS, f.name))]
+# "deterministic": triton_ops binds it from EngineConfig.enable_deterministic_inference
 TUNING = {
-    "fused_moe": {"config"},  # MoeConfig tiles: tests and bench/tune_moe.py sweep them
+    "fused_moe": {"config", "deterministic"},  # MoeConfig tiles: tests and tune_moe sweep them
     "add_lora_": {"tiles"},  # bench/lora_tiles.py sweeps them
-    "paged_attention": {"dense_from"},  # triton_ops binds it from prefill_attention_backend
-    "paged_attention_o_shrink": {"dense_from"},
+    # dense_from: triton_ops binds it from prefill_attention_backend
+    "paged_attention": {"dense_from", "deterministic"},
+    "paged_attention_o_shrink": {"dense_from", "deterministic"},
+    "plan_attention": {"deterministic"},
 }
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
@@ -78,8 +81,9 @@ def test_the_reference_keeps_the_contract(field):
 @pytest.mark.parametrize("backend", PREFILL_ATTENTION_BACKENDS)
 @pytest.mark.parametrize("projections", PROJECTIONS)
 @pytest.mark.parametrize("field", KERNELS)
-def test_the_triton_table_keeps_the_contract(field, projections, backend):
-    fn = getattr(triton_ops(projections, backend), field)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_triton_table_keeps_the_contract(field, projections, backend, deterministic):
+    fn = getattr(triton_ops(projections, backend, deterministic=deterministic), field)
     assert breaches(fn, contract_of(Ops, field), TUNING.get(field, set())) == []
 
 
