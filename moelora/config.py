@@ -47,9 +47,9 @@ class EngineConfig:
     )
     max_gpu_lora_gb: float | None = _flag(
         None,
-        "GiB of GPU memory for resident adapters, each at its modules' own ranks; the least "
-        "recently used idle one is evicted when a fill needs room; default: max_loras adapters "
-        "with every module at max_lora_rank",
+        "GiB of GPU memory for resident adapters, each at its modules' own ranks; one out of "
+        "its slot stays (taking a slot again costs no copy) until a fill needs room; default: "
+        "max_loras adapters with every module at max_lora_rank",
     )
     max_cpu_loras: int | None = _flag(
         None,

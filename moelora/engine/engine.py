@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class AdapterStats:
     """Where an adapter lives, for a router placing its requests: "gpu" when its current load
-    is in a slot, "cpu" when only in host memory, "disk" when only in its folder (or being
-    read); and its requests in the queues."""
+    is in a slot or its region on the GPU, "cpu" when only in host memory, "disk" when only in
+    its folder (or being read); and its requests in the queues."""
 
     name: str
     level: str
@@ -233,10 +233,12 @@ class Engine:
         for slot, load in self.scheduler.plan_fills(can_fill=can_fill, size_of=size_of):
             adapter, start = host[load], time.perf_counter()
             region = self.slot_table.regions[slot]
-            self.runner.fill_slot(slot, adapter, 0 if region is None else region[0])
-            self._fills += 1
-            self._fill_bytes += adapter.nbytes
-            self._fill_seconds += time.perf_counter() - start
+            copy = not self.slot_table.resident[slot]  # a parked region holds it already
+            self.runner.fill_slot(slot, adapter, 0 if region is None else region[0], copy=copy)
+            if copy:
+                self._fills += 1
+                self._fill_bytes += adapter.nbytes
+                self._fill_seconds += time.perf_counter() - start
         for load, error in failed:
             self._fail_load(load, error)
         self._note_fills_landed()  # a fill just started may be done (on the CPU it always is)
@@ -554,7 +556,7 @@ class Engine:
         )
 
     def _level(self, name: str) -> str:
-        if self.slot_table.slot_of(self.adapters.load_number(name)) is not None:
+        if self.slot_table.on_gpu(self.adapters.load_number(name)):
             return "gpu"
         return "cpu" if self.adapters.level(name) == "host" else "disk"
 

@@ -109,9 +109,9 @@ class Scheduler:
         """(slot, load) for each adapter a waiting request needs that takes an idle slot now;
         the slots are assigned (filling) and the caller starts their copies. can_fill(load):
         its host copy is there (one still read from disk waits, and takes no slot).
-        size_of(load): the arena elements its region takes (asked after can_fill); the
-        adapters of other slots it may take (_takeable) are evicted, in that order, until it
-        fits, or it waits."""
+        size_of(load): the arena elements its region takes (asked after can_fill); parked
+        adapters, then those of the slots it may take (_takeable), are evicted in that order
+        until it fits, or it waits. A parked load takes its slot with its region as it is."""
         if self.slots is None:
             return []
         demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)
@@ -128,8 +128,8 @@ class Scheduler:
             victims = self.slots.room_for(size, slot, takeable[1:])
             if victims is None:
                 continue
-            for victim in victims:  # idle: no request holds them, no step reads them
-                self.slots.evict(self.slots.names[victim])
+            for victim in victims:  # idle or parked: no request holds them, no step reads them
+                self.slots.evict(victim)
             self.slots.assign(slot, load, size)
             fills.append((slot, load))
         return fills

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -182,13 +183,16 @@ class SlotPool:
         keys = [key for key in adapter.modules if key in self.weights]
         return region_layout(adapter.modules, adapter.shared, keys)
 
-    def fill(self, slot: int, adapter, start: int = 0) -> None:
+    def fill(self, slot: int, adapter, start: int = 0, *, copy: bool = True) -> None:
         """Copy a parsed adapter (moelora.lora.adapter.LoraAdapter) into a slot (compact: into
         its region at `start`, which the SlotTable allocated), on the current stream, without
         waiting for the copies (from page-locked host memory they run asynchronously; the
-        caching host allocator keeps the source alive until the copies end)."""
+        caching host allocator keeps the source alive until the copies end). copy=False: the
+        region at `start` holds the adapter already (a parked load): only the slot's table
+        rows, rank and scaling are written."""
+        assert copy or self.compact, "the old layout's slots are fixed: nothing is parked"
         if self.compact:
-            self._fill_region(slot, adapter, start)
+            self._fill_region(slot, adapter, start, copy=copy)
         else:
             self._fill_dense(slot, adapter)
         # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
@@ -197,14 +201,17 @@ class SlotPool:
         self.scaling_of_slot[slot].fill_(adapter.scaling)
         self.host_rank[slot] = adapter.rank
 
-    def _fill_region(self, slot: int, adapter, start: int) -> None:
+    def _fill_region(self, slot: int, adapter, start: int, *, copy: bool = True) -> None:
         """One copy where the adapter comes packed in its region's layout (an adapter in
-        page-locked memory does), one a factor otherwise; then the slot's table rows."""
+        page-locked memory does), one a factor otherwise (none without copy); then the slot's
+        table rows."""
         layout = self._layout(adapter)
         assert start + layout.size <= self.arena.numel(), (start, layout.size)
         region = self.arena[start : start + layout.size]
         packed = adapter.packed
-        if packed is not None and packed.numel() == layout.size:
+        if not copy:
+            pass
+        elif packed is not None and packed.numel() == layout.size:
             region.copy_(packed, non_blocking=True)
         else:
             write_region(region, adapter.modules, layout)
@@ -260,7 +267,11 @@ class SlotTable:
     A slot is free (no name), filling (named, its copy maybe still running on the copy
     stream), or ready. References come from running requests; a slot with references, or one
     filling, is never handed to another load (the step in flight may read it, or a request
-    waits for it). The scheduler picks which idle slot a load takes (it knows the queues)."""
+    waits for it). The scheduler picks which idle slot a load takes (it knows the queues).
+
+    With an arena, a load that leaves its slot keeps its region (parked) until room is needed:
+    max_loras bounds the adapters one step holds, the arena how many stay on the GPU. A parked
+    load that takes a slot again is pointed at its region, with no copy (`resident`)."""
 
     def __init__(self, num_slots: int, arena: RegionAllocator | None = None):
         """arena: where the pool's regions go (None: the old layout, a fixed part a slot)."""
@@ -273,6 +284,10 @@ class SlotTable:
         self.last_used = [0] * num_slots
         self.arena = arena
         self.regions: list[tuple[int, int] | None] = [None] * num_slots  # (start, elements)
+        # loads in no slot whose regions still hold them, least recently parked first
+        self.parked: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
+        # assigned a load that was parked: its region holds it, the fill copies nothing
+        self.resident = [False] * num_slots
         self._clock = itertools.count(1)
 
     def slot_of(self, name: Hashable) -> int | None:
@@ -289,14 +304,20 @@ class SlotTable:
         return sorted(idle, key=lambda s: (self.names[s] is not None, self.last_used[s]))
 
     def assign(self, slot: int, name: Hashable, size: int = 0) -> Hashable | None:
-        """`name` takes the idle `slot` and is filling, in a new region of `size` arena
-        elements (which room_for made room for); returns the load it held."""
+        """`name` takes the idle `slot` and is filling: in its parked region (resident), or in
+        a new one of `size` arena elements (which room_for made room for). The load the slot
+        held is parked with its region; returns it."""
         assert self.refs[slot] == 0 and not self.filling[slot] and name not in self.names
-        self._free_region(slot)
-        if self.arena is not None:
+        region = self.parked.pop(name, None)
+        self.resident[slot] = region is not None
+        if self.names[slot] is not None and self.regions[slot] is not None:
+            self.parked[self.names[slot]] = self.regions[slot]
+        self.regions[slot] = None
+        if self.arena is not None and region is None:
             start = self.arena.allocate(size)
             assert start is not None, (size, self.arena.free_list)
-            self.regions[slot] = (start, size)
+            region = (start, size)
+        self.regions[slot] = region
         evicted, self.names[slot] = self.names[slot], name
         self.filling[slot] = self.unused[slot] = True
         self.last_used[slot] = next(self._clock)
@@ -304,24 +325,27 @@ class SlotTable:
 
     def room_for(
         self, size: int, slot: int, candidates: list[int] | None = None
-    ) -> list[int] | None:
-        """The slots among `candidates` (default: every idle one, least recently used first)
-        whose adapters to evict, in their order, so that a region of `size` fits once they and
-        `slot` (which the new adapter takes) are freed; None where even evicting all of them
-        would not make room (the fill then waits)."""
+    ) -> list[Hashable] | None:
+        """The loads to evict, in this order, so that a region of `size` fits for the load
+        that takes `slot`: parked ones (least recently parked first), then the one `slot`
+        holds, then those of `candidates` (default: every idle slot, least recently used
+        first). None where even evicting all of them would not make room (the fill waits)."""
         if self.arena is None:
             return []
-        freed = [self.regions[slot]] if self.regions[slot] else []
-        victims = []
         candidates = self.idle() if candidates is None else candidates
-        candidates = [s for s in candidates if s != slot and self.regions[s] is not None]
-        if not self.arena.fits_after(size, freed + [self.regions[s] for s in candidates]):
+        holders = list(self.parked.items()) + [
+            (self.names[s], self.regions[s])
+            for s in [slot, *(c for c in candidates if c != slot)]
+            if self.names[s] is not None and self.regions[s] is not None
+        ]
+        if not self.arena.fits_after(size, [region for _, region in holders]):
             return None
-        for s in candidates:
+        victims, freed = [], []
+        for name, region in holders:
             if self.arena.fits_after(size, freed):
                 break
-            victims.append(s)
-            freed.append(self.regions[s])
+            victims.append(name)
+            freed.append(region)
         return victims
 
     def _free_region(self, slot: int) -> None:
@@ -346,13 +370,21 @@ class SlotTable:
         self.refs[slot] -= 1
 
     def evict(self, name: Hashable) -> int | None:
+        """`name` out of the GPU: out of its slot (returned; None if it held none) or of the
+        parked regions, its region freed."""
+        if name in self.parked:
+            self.arena.free(*self.parked.pop(name))
         slot = self.slot_of(name)
         if slot is not None:
             assert self.refs[slot] == 0
             self.names[slot] = None
-            self.filling[slot] = self.unused[slot] = False
+            self.filling[slot] = self.unused[slot] = self.resident[slot] = False
             self._free_region(slot)
         return slot
+
+    def on_gpu(self, name: Hashable) -> bool:
+        """In a slot, or parked with its region."""
+        return name in self.names or name in self.parked
 
     def unused_loads(self) -> set[Hashable]:
         """Loads in slots that no request has taken a reference to since their fill."""

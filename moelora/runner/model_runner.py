@@ -177,15 +177,19 @@ class ModelRunner:
             self.workers.fail(f"a collective failed ({e})")
 
     @torch.inference_mode()
-    def fill_slot(self, slot: int, adapter: LoraAdapter, start: int = 0) -> None:
+    def fill_slot(
+        self, slot: int, adapter: LoraAdapter, start: int = 0, *, copy: bool = True
+    ) -> None:
         """The adapter copied into `slot` (its region at `start` in the compact layout), on
         every rank (each rank its part; several ranks keep the old layout, where regions are
-        fixed)."""
+        fixed). copy=False: the region holds it already (a parked load, one rank): the slot
+        is only pointed at it."""
         if self.workers is not None:
+            assert copy, "several ranks keep the old layout: no region is ever parked"
             self.workers.send(FillSlot(slot, on_host(adapter)))
         part = shard_adapter(adapter, self.shard, self.model.cfg)
         with self._on_copy_stream(slot):
-            self.slot_pool.fill(slot, part, start)
+            self.slot_pool.fill(slot, part, start, copy=copy)
 
     def fill_done(self, slot: int) -> bool:
         """Whether the slot's last fill has landed (on the CPU a fill is done on return)."""

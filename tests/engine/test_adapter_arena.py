@@ -34,8 +34,13 @@ def test_regions_fit_free_and_merge() -> None:
 
 
 def test_a_fuzz_of_fills_and_evictions_leaves_the_free_list_whole() -> None:
+    """Loads take slots, leave them parked (their regions kept) or evicted; a parked load
+    taking a slot again reuses its region. Regions stay disjoint, and every element is free
+    or held by a slot or a parked load."""
     rng = random.Random(3)
     table = SlotTable(4, RegionAllocator(1000))
+    sizes = {name: rng.randrange(1, 250) for name in range(12)}  # an adapter's region size
+    reused = 0
     for step in range(400):
         name = rng.randrange(12)
         slot = table.slot_of(name)
@@ -43,22 +48,24 @@ def test_a_fuzz_of_fills_and_evictions_leaves_the_free_list_whole() -> None:
             table.filled(slot)
             table.evict(name) if rng.random() < 0.5 else table.last_used.__setitem__(slot, step)
             continue
-        size = rng.randrange(1, 500)
-        idle = [s for s in table.idle()]
-        victims = table.room_for(size, idle[0])
-        if victims is None:
-            continue
-        for v in victims:
-            table.evict(table.names[v])
+        size, idle = sizes[name], table.idle()
+        if name not in table.parked:
+            victims = table.room_for(size, idle[0])
+            if victims is None:
+                continue
+            for v in victims:  # loads: parked, the slot's own, idle ones
+                table.evict(v)
         table.assign(idle[0], name, size)
+        reused += table.resident[idle[0]]
         table.filled(idle[0])
-        regions = sorted(r for r in table.regions if r)
+        regions = sorted([r for r in table.regions if r] + list(table.parked.values()))
         assert all(x[0] + x[1] <= y[0] for x, y in zip(regions, regions[1:]))  # disjoint
         held = sum(n for _, n in regions)
         assert held + table.arena.free_elements == 1000
-    for name in [n for n in table.names if n is not None]:
+    assert reused > 10, reused  # parked loads came back without a copy
+    for name in [n for n in table.names if n is not None] + list(table.parked):
         table.evict(name)
-    assert table.arena.free_list == [(0, 1000)]
+    assert table.arena.free_list == [(0, 1000)] and not table.parked
 
 
 def test_room_is_made_from_the_least_recently_used_idle_adapters() -> None:
@@ -67,9 +74,9 @@ def test_room_is_made_from_the_least_recently_used_idle_adapters() -> None:
         table.assign(slot, name, 100)
         table.filled(slot)
     table.acquire("c")  # c runs: never evicted
-    assert table.room_for(100, 1) == []  # b's own region is room enough
+    assert table.room_for(100, 1) == ["b"]  # b's own region is room enough
     # b's region and a's (idle, least recently used) are contiguous: room for 200
-    assert table.room_for(200, 1) == [0]
+    assert table.room_for(200, 1) == ["b", "a"]
     assert table.room_for(300, 1) is None  # c's region is held
 
 

@@ -91,11 +91,11 @@ class Churn:
             self.register(name)
 
     def _guarded(self, write):
-        def checked(slot, *args):
+        def checked(slot, *args, **kwargs):
             for flight in self.engine._flights:  # a slot a step in flight reads is never written
                 assert all(c.request.slot != slot for c in flight.plan.chunks), slot
             self.writes.append(slot)
-            return write(slot, *args)
+            return write(slot, *args, **kwargs)
 
         return checked
 
@@ -163,6 +163,31 @@ def test_a_fuzz_of_adapter_churn_reads_no_slot_being_written_and_leaks_nothing(m
         assert list(churn.results[rid].token_ids) == list(want.token_ids), rid
 
 
+def test_adapters_parked_in_the_arena_take_a_slot_again_without_a_copy(model) -> None:
+    """max_loras bounds the adapters one step holds; the arena how many stay on the GPU. With
+    room for all six in two slots' engine, an adapter that leaves its slot keeps its region,
+    and taking a slot again costs no copy: one fill an adapter, the tokens of all-resident."""
+    names = [f"a{i}" for i in range(len(RANKS))]
+    prompts = _prompts(24, seed=3)
+    loras = [names[i % len(names)] if i % 5 else None for i in range(len(prompts))]
+    answers, fills = {}, {}
+    resident = _llm(model, max_loras=len(names), max_num_seqs=6)
+    arena_gb = resident.engine.slot_pool.arena.nbytes / 2**30  # all six at max_lora_rank
+    for slots in (len(names), 2):
+        llm = resident if slots == len(names) else None
+        llm = llm or _llm(model, max_loras=slots, max_num_seqs=6, max_gpu_lora_gb=arena_gb)
+        for i, name in enumerate(names):
+            llm.engine.add_adapter(_adapter(llm, name, seed=i))
+        outs = llm.generate(prompts, GREEDY, lora=loras)
+        answers[slots] = [o.token_ids for o in outs]
+        stats = llm.engine.stats()
+        fills[slots] = stats.lora_fills
+        assert stats.lora_slot_refs == 0 and stats.kv_pages_used == 0
+        assert {a.name: a.level for a in stats.adapters} == dict.fromkeys(names, "gpu")
+    assert answers[2] == answers[len(names)]
+    assert fills[2] == fills[len(names)] == len(names)  # each copied once, then pointed at
+
+
 def test_folders_read_on_demand_through_one_host_place_equal_all_resident(model, tmp_path):
     folders = {
         f"f{i}": str(
@@ -182,7 +207,8 @@ def test_folders_read_on_demand_through_one_host_place_equal_all_resident(model,
     got = tight.generate(prompts, GREEDY, lora=loras)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     levels = [a.level for a in tight.engine.stats().adapters]
-    assert sorted(levels) == ["cpu", "disk", "gpu"] or sorted(levels) == ["disk", "disk", "gpu"]
+    # one in the slot, others parked beside it in the arena ("gpu") or in the host tier of one
+    assert levels.count("gpu") >= 1 and levels.count("cpu") <= 1, levels
     assert tight.engine.stats().lora_fills >= 3
 
     # a folder removed after registration: its requests end with the error, the others run

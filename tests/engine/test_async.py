@@ -206,11 +206,11 @@ def test_no_slot_is_refilled_under_the_step_in_flight(tiny):
     fill = engine.slot_pool.fill
     fills = []
 
-    def checked_fill(slot, lora, *region):
+    def checked_fill(slot, lora, *region, **kwargs):
         readers = [c.request for step in engine._flights for c in step.plan.chunks]
         assert all(r.slot != slot for r in readers), f"slot {slot} refilled under a step"
         fills.append(lora.name)
-        fill(slot, lora, *region)
+        fill(slot, lora, *region, **kwargs)
 
     engine.slot_pool.fill = checked_fill
     loras = ["a", "b", "a", "b"]
