@@ -9,10 +9,11 @@ passes when its process exits 0 with every token generated; a signal (a segfault
 launch) or an error fails it. `--cycles K` builds and closes the two engines K times in each
 run's one process. `--cold-cache` gives each run a Triton cache of its own, empty, so each
 engine build compiles every kernel in its warm-up (both crashes seen so far came in builds);
-`--no-concurrent-warmup` warms the graph sizes one after another (EngineConfig), for an A/B.
+`--concurrent-warmup` warms every graph size at once, a thread each (EngineConfig), for an A/B
+against the default, one size after another.
 
     PYTHONPATH=. python bench/e2e_loop.py [--runs N] [--cycles K] [--layers L] [--cold-cache]
-        [--no-concurrent-warmup] [--smoke]
+        [--concurrent-warmup] [--smoke]
 
 The figure is a count (runs that passed); each run's build and generate times and its tokens
 per second are printed beside it, with no floor: this is a reliability check, bench/e2e.py
@@ -61,7 +62,7 @@ class Setup:
     rank: int
     enforce_eager: bool = False
     gpu_memory_utilization: float = 0.9
-    concurrent_warmup: bool = True  # EngineConfig.concurrent_warmup
+    concurrent_warmup: bool = False  # EngineConfig.concurrent_warmup
 
 
 FULL = Setup("qwen3-30b-a3b", 48, "cuda", "bfloat16", 256, 512, 128, 256, 8192, RANK)
@@ -169,7 +170,7 @@ def report(setup: Setup, args: argparse.Namespace, runs: list[Run]) -> list[str]
         f"max_graph_bs = {setup.max_num_seqs}, max_num_batched_tokens "
         f"{setup.max_num_batched_tokens}, KV pages by gpu_memory_utilization "
         f"{setup.gpu_memory_utilization}{', eager (no graphs)' if setup.enforce_eager else ''}"
-        f"{'' if setup.concurrent_warmup else ', graph sizes warmed one after another'}",
+        f"{', graph sizes warmed all at once' if setup.concurrent_warmup else ''}",
         f"- Triton's cache: {'a fresh one each run' if args.cold_cache else 'the machine one'}",
         "- build s: LLM() and its adapters; tok/s: output tokens over LLM.generate's seconds",
         "",
@@ -206,7 +207,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, help="output tokens (default 128)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument(
-        "--no-concurrent-warmup", action="store_true", help="graph sizes warmed one at a time"
+        "--concurrent-warmup", action="store_true", help="graph sizes warmed all at once"
     )
     parser.add_argument(
         "--cold-cache", action="store_true", help="each run a fresh TRITON_CACHE_DIR"
@@ -225,7 +226,7 @@ def main() -> None:
     setup = dataclasses.replace(
         setup,
         enforce_eager=args.enforce_eager,
-        concurrent_warmup=not args.no_concurrent_warmup,
+        concurrent_warmup=args.concurrent_warmup,
         **given,
     )
     # a child gets the same setup: each given field, the mode flags, its cycles
@@ -234,7 +235,7 @@ def main() -> None:
         args.setup_argv += ["--" + name.replace("_", "-"), str(value)]
     args.setup_argv += [
         f
-        for f in ("--enforce-eager", "--no-concurrent-warmup", "--smoke")
+        for f in ("--enforce-eager", "--concurrent-warmup", "--smoke")
         if getattr(args, f[2:].replace("-", "_"))
     ]
     if args.child:

@@ -84,10 +84,13 @@ class EngineConfig:
         "leaves of it",
     )
     enforce_eager: bool = _flag(False, "run every step eagerly: capture no CUDA graphs")
+    # off by default: Triton's in-process compiles from several threads (its private
+    # AsyncCompileMode) are not known to be safe, and both start-up segfaults seen came from
+    # builds whose kernels were compiling; serial warm-up only costs a cold start its seconds
     concurrent_warmup: bool = _flag(
-        True,
+        False,
         "before capture, run every graph size's first forward at once, a thread each, so their "
-        "kernels compile side by side (--no-concurrent-warmup: one size after another)",
+        "kernels compile side by side on a cold Triton cache (default: one size after another)",
     )
     async_scheduling: bool = _flag(
         True,

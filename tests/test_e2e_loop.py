@@ -13,11 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_the_smoke_loop_passes_and_reports_each_engine(tmp_path: Path) -> None:
-    """With the crash hunt's options: a Triton cache of its own, graph sizes warmed in turn
+    """With the crash hunt's options: a Triton cache of its own, graph sizes warmed all at once
     (on the CPU they change nothing but what the child is told and the report says)."""
     out = tmp_path / "loop.md"
     cmd = [sys.executable, "bench/e2e_loop.py", "--smoke", "--runs", "1", "--cycles", "2"]
-    cmd += ["--cold-cache", "--no-concurrent-warmup"]
+    cmd += ["--cold-cache", "--concurrent-warmup"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
         [*cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True
@@ -27,7 +27,7 @@ def test_the_smoke_loop_passes_and_reports_each_engine(tmp_path: Path) -> None:
     assert "1 of 1 runs passed" in text
     rows = [line for line in text.splitlines() if line.startswith("| 0 | passed |")]
     assert len(rows) == 4  # 2 cycles x (disabled, 8 adapters)
-    assert "graph sizes warmed one after another" in text and "a fresh one each run" in text
+    assert "graph sizes warmed all at once" in text and "a fresh one each run" in text
 
 
 def test_a_run_killed_by_a_signal_fails_and_names_it() -> None:

@@ -263,7 +263,7 @@ class GraphRunner:
         return [(T, True) for T in self.prefill_sizes] + [(bs, False) for bs in self.sizes]
 
     @torch.inference_mode()
-    def capture(self, *, concurrent_warmup: bool = True) -> None:
+    def capture(self, *, concurrent_warmup: bool = False) -> None:
         """Every graph, after a warm-up forward of each size (concurrent_warmup: all at once,
         a thread each, their kernels compiling side by side; else one after another)."""
         from tqdm import tqdm

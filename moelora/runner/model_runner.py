@@ -81,7 +81,7 @@ class ModelRunner:
         max_prefill_tokens: int = 0,
         max_seqs: int | None = None,
         dense_from: int = 0,
-        concurrent_warmup: bool = True,
+        concurrent_warmup: bool = False,
     ) -> None:
         """Capture a decode graph per batch size up to max_bs, and a prefill graph per token
         count up to max_prefill_tokens (GraphRunner): from now on, steps that fit one replay

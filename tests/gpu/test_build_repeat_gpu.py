@@ -1,9 +1,9 @@
 """What could crash a process while an engine is built, repeated: fresh processes each build an
-engine on the GPU (Triton's first launches of every kernel, from the capture's warm-up threads
-at once, then the graph capture) and generate with adapters; one process builds and closes
-engines again and again. A crash (a signal) fails the test with every thread's Python stack
-(faulthandler). A fresh Triton cache in one of the processes makes it compile everything
-there, concurrently, as a first start on a machine does.
+engine on the GPU (Triton's first launches of every kernel in the capture's warm-up, then the
+graph capture) and generate with adapters; one process builds and closes engines again and
+again. A crash (a signal) fails the test with every thread's Python stack (faulthandler). A
+fresh Triton cache in one of the processes makes it compile everything there, as a first start
+on a machine does.
 
 Skipped without CUDA; run on the device by scripts/gpu-check tests.
 """
