@@ -231,9 +231,10 @@ class Engine:
             return self.slot_pool.region_size(host[load])
 
         for slot, load in self.scheduler.plan_fills(can_fill=can_fill, size_of=size_of):
-            adapter, start = host[load], time.perf_counter()
+            start = time.perf_counter()
             region = self.slot_table.regions[slot]
             copy = not self.slot_table.resident[slot]  # a parked region holds it already
+            adapter = host[load] if copy else None  # a parked load's host copy is not read
             self.runner.fill_slot(slot, adapter, 0 if region is None else region[0], copy=copy)
             if copy:
                 self._fills += 1

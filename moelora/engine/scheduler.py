@@ -108,10 +108,11 @@ class Scheduler:
     ) -> list[tuple[int, Hashable]]:
         """(slot, load) for each adapter a waiting request needs that takes an idle slot now;
         the slots are assigned (filling) and the caller starts their copies. can_fill(load):
-        its host copy is there (one still read from disk waits, and takes no slot).
-        size_of(load): the arena elements its region takes (asked after can_fill); parked
-        adapters, then those of the slots it may take (_takeable), are evicted in that order
-        until it fits, or it waits. A parked load takes its slot with its region as it is."""
+        its host copy is there (one still read from disk waits, and takes no slot); asked
+        only of loads that are not parked. size_of(load): the arena elements its region takes
+        (asked after can_fill); parked adapters, then those of the slots it may take
+        (_takeable), are evicted in that order until it fits, or it waits. A parked load takes
+        its slot with its region as it is: nothing is evicted or read for it."""
         if self.slots is None:
             return []
         demand = Counter(r.lora_load for r in self.waiting if r.lora_load is not None)
@@ -119,13 +120,16 @@ class Scheduler:
         # a window as wide as the slots: asking for more would read adapters from disk (and
         # drop others from host memory) long before a slot could take them
         for load in self._loads_without_slot()[: len(self.slots.names)]:
-            if not can_fill(load):
+            if load not in self.slots.parked and not can_fill(load):
                 continue
             takeable = self._takeable(load, demand)
             if not takeable:
                 continue
-            slot, size = takeable[0], size_of(load)
-            victims = self.slots.room_for(size, slot, takeable[1:])
+            slot, size = takeable[0], 0
+            victims: list[Hashable] | None = []  # parked: its region holds it, no room to make
+            if load not in self.slots.parked:
+                size = size_of(load)
+                victims = self.slots.room_for(size, slot, takeable[1:])
             if victims is None:
                 continue
             for victim in victims:  # idle or parked: no request holds them, no step reads them

@@ -87,6 +87,16 @@ def dense_slot_elements(targets: dict[str, LoraTarget], max_rank: int) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _Held:
+    """What a fill wrote a slot besides the factors: the table rows (compact layout; pinned
+    on CUDA), the rank and the scaling. A slot pointed at the same region again takes these."""
+
+    rows: torch.Tensor | None
+    rank: int
+    scaling: float
+
+
 class SlotPool:
     """The device memory LoRA kernels read: one arena holding every resident adapter, and per
     target a table of where each slot's factors sit in it (step/lora.LoraWeights).
@@ -135,6 +145,8 @@ class SlotPool:
         self.host_rank = [0] * max_loras  # host copy: the runner reads it without a device sync
         # per slot, the rank each target's buffers hold nonzeros to (a dense fill zeroes the rest)
         self._written: list[dict[str, int]] = [{} for _ in range(max_loras)]
+        # by region start: what the last fill there wrote the slot (a parked region's re-take)
+        self._held: dict[int, _Held] = {}
 
     def _dense_views(self, t: LoraTarget, at: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The old layout's a [S, (E,) n, R, in] and b [S, (E,) out, R] of target t in the
@@ -188,30 +200,33 @@ class SlotPool:
         its region at `start`, which the SlotTable allocated), on the current stream, without
         waiting for the copies (from page-locked host memory they run asynchronously; the
         caching host allocator keeps the source alive until the copies end). copy=False: the
-        region at `start` holds the adapter already (a parked load): only the slot's table
-        rows, rank and scaling are written."""
+        region at `start` holds an adapter already (a parked load; `adapter` may be None):
+        the slot is pointed at it with what its own fill recorded, so no host copy is read."""
         assert copy or self.compact, "the old layout's slots are fixed: nothing is parked"
-        if self.compact:
-            self._fill_region(slot, adapter, start, copy=copy)
-        else:
+        if not self.compact:
             self._fill_dense(slot, adapter)
+            held = _Held(None, adapter.rank, adapter.scaling)
+        elif copy:
+            held = self._fill_region(slot, adapter, start)
+            self._held[start] = held
+        else:
+            held = self._held[start]
+            self.tables[:, slot].copy_(held.rows, non_blocking=True)
         # fill_, not item assignment: `t[i] = x` copies x from pageable host memory, which
         # synchronises the stream, so the thread would wait for every copy above
-        self.rank_of_slot[slot].fill_(adapter.rank)
-        self.scaling_of_slot[slot].fill_(adapter.scaling)
-        self.host_rank[slot] = adapter.rank
+        self.rank_of_slot[slot].fill_(held.rank)
+        self.scaling_of_slot[slot].fill_(held.scaling)
+        self.host_rank[slot] = held.rank
 
-    def _fill_region(self, slot: int, adapter, start: int, *, copy: bool = True) -> None:
+    def _fill_region(self, slot: int, adapter, start: int) -> _Held:
         """One copy where the adapter comes packed in its region's layout (an adapter in
-        page-locked memory does), one a factor otherwise (none without copy); then the slot's
-        table rows."""
+        page-locked memory does), one a factor otherwise; then the slot's table rows. Returns
+        what a slot pointed at the region later needs."""
         layout = self._layout(adapter)
         assert start + layout.size <= self.arena.numel(), (start, layout.size)
         region = self.arena[start : start + layout.size]
         packed = adapter.packed
-        if not copy:
-            pass
-        elif packed is not None and packed.numel() == layout.size:
+        if packed is not None and packed.numel() == layout.size:
             region.copy_(packed, non_blocking=True)
         else:
             write_region(region, adapter.modules, layout)
@@ -224,9 +239,11 @@ class SlotPool:
             rows[i, A_OFF], rows[i, B_OFF] = start + p.a_off, start + p.b_off
             rows[i, A_EXPERT], rows[i, B_EXPERT] = p.a_expert, p.b_expert
             rows[i, A_SLICE], rows[i, B_ROW], rows[i, RANK] = R_n * K, R_n, R_n
-        # pin: a pageable source would make this copy synchronous
+        # pin: a pageable source would make this copy synchronous (and a pinned one must not
+        # change while it runs: the rows are never written again)
         rows = rows.pin_memory() if self.tables.is_cuda else rows
         self.tables[:, slot].copy_(rows, non_blocking=True)
+        return _Held(rows, adapter.rank, adapter.scaling)
 
     def _fill_dense(self, slot: int, adapter) -> None:
         """The old layout. Invariant: outside the adapter's modules and ranks a slot holds

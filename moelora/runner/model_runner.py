@@ -178,16 +178,16 @@ class ModelRunner:
 
     @torch.inference_mode()
     def fill_slot(
-        self, slot: int, adapter: LoraAdapter, start: int = 0, *, copy: bool = True
+        self, slot: int, adapter: LoraAdapter | None, start: int = 0, *, copy: bool = True
     ) -> None:
         """The adapter copied into `slot` (its region at `start` in the compact layout), on
         every rank (each rank its part; several ranks keep the old layout, where regions are
-        fixed). copy=False: the region holds it already (a parked load, one rank): the slot
-        is only pointed at it."""
+        fixed). copy=False: the region holds it already (a parked load, one rank; adapter
+        None): the slot is only pointed at it."""
         if self.workers is not None:
             assert copy, "several ranks keep the old layout: no region is ever parked"
             self.workers.send(FillSlot(slot, on_host(adapter)))
-        part = shard_adapter(adapter, self.shard, self.model.cfg)
+        part = shard_adapter(adapter, self.shard, self.model.cfg) if copy else None
         with self._on_copy_stream(slot):
             self.slot_pool.fill(slot, part, start, copy=copy)
 

@@ -221,6 +221,50 @@ def test_folders_read_on_demand_through_one_host_place_equal_all_resident(model,
     assert [o.token_ids for o in outs[1:3]] == [o.token_ids for o in ref]
 
 
+def test_a_parked_adapter_takes_its_slot_again_without_its_host_copy(
+    model, tmp_path, monkeypatch
+) -> None:
+    """Folders through one slot and a host tier of one, with arena room for all three: each
+    folder is read once for serving; an adapter parked in the arena takes the slot again from
+    what its fill recorded, not from its host copy (which the tier of one has dropped: reading
+    it again would read its folder). Tokens equal all-resident's."""
+    import moelora.lora.store as store
+
+    folders = {
+        f"p{i}": str(
+            hf.make_per_expert_adapter(
+                model, tmp_path / f"p{i}", seed=40 + i, rank=2 + 2 * i, alpha=16, arch="qwen3_moe"
+            )
+        )
+        for i in range(3)
+    }
+    prompts = _prompts(18, seed=11)
+    loras = [f"p{i % 3}" for i in range(len(prompts))]
+    roomy = _llm(model, lora_modules=folders, max_loras=3)
+    want = [o.token_ids for o in roomy.generate(prompts, GREEDY, lora=loras)]
+    arena_gb = roomy.engine.slot_pool.arena.nbytes / 2**30
+    reads = []
+    read = store.load_adapter
+    monkeypatch.setattr(
+        store, "load_adapter", lambda name, *a, **k: reads.append(name) or read(name, *a, **k)
+    )
+    tight = _llm(
+        model,
+        lora_modules=folders,
+        max_loras=1,
+        max_cpu_loras=1,
+        max_num_seqs=2,
+        max_gpu_lora_gb=arena_gb,
+    )
+    reads.clear()  # registration reads each folder once to check it
+    got = [o.token_ids for o in tight.generate(prompts, GREEDY, lora=loras)]
+    assert got == want
+    assert sorted(reads) == sorted(folders), reads  # then once for its one fill
+    stats = tight.engine.stats()
+    assert stats.lora_fills == len(folders)  # copied once each, then pointed at
+    assert {a.name: a.level for a in stats.adapters} == dict.fromkeys(folders, "gpu")
+
+
 def test_a_refilled_slot_reads_exactly_its_adapter(model):
     """Fills of one slot by adapters of random ranks over random subsets of the targets, each
     into a region of the arena: after each, every target's table row reads that adapter's
