@@ -1,5 +1,5 @@
 """Multi-head latent attention (DeepSeek) over the paged latent cache: the torch reference, which
-is the CPU path and the oracle of the GPU kernels to come.
+is the CPU path and the oracle of the Triton kernel (kernels/attention/mla.py).
 
 The cache holds, per token, the normed latent c (kv_lora_rank values) and the rotated key k_pe
 (qk_rope_head_dim values) that all heads share. kv_b_proj's weight W [Hh (N + V), L] expands c
@@ -8,7 +8,8 @@ form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores a
 q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
 kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
 latent space on either side: the base path is never expanded, and a row without an enabled slot
-costs it nothing.
+costs it nothing. The absorption and the LoRA are small matmuls kept in torch (absorbed_attention);
+the attention over the cache in the latent space (latent_attention) is the part a kernel replaces.
 
 Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim,
 L = kv_lora_rank, K = a sequence's KV length, S = adapter slots, r = max LoRA rank.
@@ -16,6 +17,7 @@ L = kv_lora_rank, K = a sequence's KV length, S = adapter slots, r = max LoRA ra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +51,29 @@ def mla_attention(
     factors A [1, r, L], B [Hh (N + V), r] (LoraWeights.factors).
     Returns [T, Hh, V] in q_nope's dtype; rows past cu_seqlens_q[-1] (padding) are zeros.
     """
+    args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
+    return absorbed_attention(latent_attention, *args, lora=lora, info=info)
+
+
+# latent_attention's signature: (q_lat, q_pe, latent_cache, rope_cache, attn, scale) -> o_lat
+LatentAttention = Callable[..., torch.Tensor]
+
+
+def absorbed_attention(
+    core: LatentAttention,
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_b: torch.Tensor,
+    scale: float,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
+    """mla_attention with its attention in the latent space computed by `core`, which keeps
+    latent_attention's contract: the Triton kernel's table passes its own."""
     T, Hh, N = q_nope.shape
     w = kv_b.float().view(Hh, -1, kv_b.shape[1])  # [Hh, N + V, L]
     slots = _enabled_slots(lora, info, T, Hh)
@@ -56,7 +81,7 @@ def mla_attention(
     for rows, a, b, scaling in slots:
         # q_nope . (B_k A c) = ((q_nope B_k) A) . c
         q_lat[rows] += scaling * torch.einsum("thn,hnr,rl->thl", q_nope[rows].float(), b[:, :N], a)
-    o_lat = _latent_attention(q_lat, q_pe.float(), latent_cache, rope_cache, attn, scale)
+    o_lat = core(q_lat, q_pe.float(), latent_cache, rope_cache, attn, scale)
     out = torch.einsum("thl,hvl->thv", o_lat, w[:, N:])
     for rows, a, b, scaling in slots:
         out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, N:])
@@ -85,7 +110,7 @@ def _enabled_slots(
     return found
 
 
-def _latent_attention(
+def latent_attention(
     q_lat: torch.Tensor,
     q_pe: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -95,7 +120,7 @@ def _latent_attention(
 ) -> torch.Tensor:
     """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
     over the sequence's cached (c, k_pe). q_lat [T, Hh, L], q_pe [T, Hh, R] float32.
-    Returns [T, Hh, L] float32."""
+    Returns [T, Hh, L] float32; rows past cu_seqlens_q[-1] (padding) are zeros."""
     out = torch.zeros_like(q_lat)
     page_size = latent_cache.shape[1]
     cu = attn.cu_seqlens_q.tolist()

@@ -1,0 +1,210 @@
+"""Triton latent attention (kernels/attention/mla.py) on the GPU at DeepSeek-V3's sizes, and under a
+CUDA graph.
+
+bf16 caches against the fp32 torch reference (kernels/mla.py): relative error of the whole
+output <= 1e-2. The latent and rope caches are views of one buffer, as the engine keeps them;
+cache slots that no sequence may read are NaN, so an out-of-range read shows up.
+Legend: B = sequences, T = tokens, Hh = heads, L = kv_lora_rank, R = qk_rope_head_dim,
+N / V = qk_nope / v head dims.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (see kernels/conftest)
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from cuda_graphs import capture  # noqa: E402
+
+from moelora.kernels import mla  # noqa: E402
+from moelora.kernels.attention import mla as mla_triton  # noqa: E402
+from moelora.step.batch import AttentionMetadata  # noqa: E402
+from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
+
+L, R, N, V, PAGE = 512, 64, 128, 128, 16
+SCALE = (N + R) ** -0.5
+MAX_LEN = 1024
+
+
+def make_cache(
+    seq_lens: list[int], *, max_pages: int | None = None, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(latent [P, PAGE, 1, L], rope [P, PAGE, 1, R] bf16 views of one buffer, page_table [B, P]
+    over random pages, the spare page every unused entry names): random data in every
+    sequence's slots, NaN elsewhere."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages_needed = [-(-s // PAGE) for s in seq_lens]
+    max_pages = max_pages or max(pages_needed) + 1
+    num_pages = sum(pages_needed) + 1
+    perm = torch.randperm(num_pages, generator=g, device="cuda").to(torch.int32)
+    spare = int(perm[-1])
+    page_table = torch.full((len(seq_lens), max_pages), spare, dtype=torch.int32, device="cuda")
+    valid = torch.zeros(num_pages * PAGE, dtype=torch.bool, device="cuda")
+    used = 0
+    for b, (n_pages, kv_len) in enumerate(zip(pages_needed, seq_lens, strict=True)):
+        page_table[b, :n_pages] = perm[used : used + n_pages]
+        valid[slots_of(page_table[b], kv_len)] = True
+        used += n_pages
+    cache = torch.randn(num_pages, PAGE, 1, L + R, generator=g, device="cuda", dtype=torch.bfloat16)
+    cache.view(-1, L + R)[~valid] = float("nan")
+    return cache[..., :L], cache[..., L:], page_table, spare
+
+
+def slots_of(pages: torch.Tensor, kv_len: int) -> torch.Tensor:
+    pos = torch.arange(kv_len, device=pages.device)
+    return pages.long()[pos // PAGE] * PAGE + pos % PAGE
+
+
+def metadata(q_lens: list[int], seq_lens: list[int], page_table, pad_rows: int = 0):
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    num_rows = int(cu[-1]) + pad_rows
+    return AttentionMetadata(
+        cu_seqlens_q=cu.cuda(),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        page_table=page_table,
+        slot_mapping=torch.full((num_rows,), -1, dtype=torch.int64, device="cuda"),
+        max_query_len=max(q_lens),
+    )
+
+
+def queries(rows: int, heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_lat [T, Hh, L] and q_pe [T, Hh, R] float32, as mla_attention passes them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(rows, heads, d, generator=g, device="cuda") for d in (L, R))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-6))
+
+
+def assert_close_to_reference(out, q_lat, q_pe, latent, rope, attn) -> None:
+    expected = mla.latent_attention(q_lat.float(), q_pe.float(), latent, rope, attn, SCALE)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert rel_err(out, expected) <= 1e-2
+    assert (out[int(attn.cu_seqlens_q[-1]) :] == 0).all(), "padded rows are not zero"
+
+
+def run_case(q_lens, seq_lens, heads, *, pad_rows=0, q_dtype=torch.float32, seed=0) -> None:
+    latent, rope, page_table, _ = make_cache(seq_lens, seed=seed)
+    attn = metadata(q_lens, seq_lens, page_table, pad_rows)
+    q_lat, q_pe = queries(attn.slot_mapping.shape[0], heads, seed)
+    q_lat, q_pe = q_lat.to(q_dtype), q_pe.to(q_dtype)
+    out = mla_triton.latent_attention(q_lat, q_pe, latent, rope, attn, SCALE)
+    assert_close_to_reference(out, q_lat, q_pe, latent, rope, attn)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("B", [1, 64])  # B = 1 splits the range (the combine), 64 does not
+def test_decode(B, heads):
+    seq_lens = torch.randint(1, MAX_LEN + 1, (B,), generator=torch.Generator().manual_seed(B))
+    seq_lens[0] = MAX_LEN
+    run_case([1] * B, seq_lens.tolist(), heads, pad_rows=1, seed=B)
+
+
+def test_decode_queries_in_bf16():
+    seq_lens = [MAX_LEN, 17, 300, 1]
+    run_case([1] * 4, seq_lens, 128, pad_rows=1, q_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([2048], [2048]), ([1000, 1, 300, 0, 77], [1000, 1024, 1300, 0, 77])],
+    ids=["prompt-2048", "chunked-mixed"],
+)
+def test_prefill(q_lens, seq_lens, heads):
+    run_case(q_lens, seq_lens, heads, pad_rows=5)
+
+
+@pytest.mark.parametrize("heads,graph_bs", [(16, 1), (128, 64)])  # split and not
+def test_decode_cuda_graph_replay(heads, graph_bs):
+    """Capture decode once, then replay with new lengths, page tables, queries and padding
+    written in place into the captured buffers: every replay equals the eager call on the same
+    inputs and is close to the reference."""
+    max_pages = MAX_LEN // PAGE
+    latent, rope, page_table, spare = make_cache([MAX_LEN] * graph_bs, max_pages=max_pages)
+    attn = metadata([1] * graph_bs, [MAX_LEN] * graph_bs, page_table)
+    q_lat, q_pe = queries(graph_bs, heads, seed=1)
+
+    def step():
+        return mla_triton.latent_attention(q_lat, q_pe, latent, rope, attn, SCALE)
+
+    graph, out = capture(step)
+    gen = torch.Generator().manual_seed(4)
+    num_pages = latent.shape[0]
+    for trial in range(4):
+        num_real = max(1, graph_bs - 5 * trial) if graph_bs > 1 else 1
+        lens = torch.randint(1, MAX_LEN + 1, (num_real,), generator=gen).tolist()
+        lens += [0] * (graph_bs - num_real)
+        # odd trials give padded sequences a q row, even ones none (rows past cu[-1])
+        q_lens = [1] * graph_bs if trial % 2 else [1] * num_real + [0] * (graph_bs - num_real)
+        table = torch.full((graph_bs, max_pages), spare, dtype=torch.int32)
+        pages = torch.randperm(num_pages, generator=gen)
+        pages = pages[pages != spare][: num_real * max_pages].view(num_real, max_pages)
+        table[:num_real] = pages.to(torch.int32)
+        cu = torch.zeros(graph_bs + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(q_lens).cumsum(0)
+        attn.seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        attn.page_table.copy_(table)
+        attn.cu_seqlens_q.copy_(cu)
+        q_lat.normal_()
+        q_pe.normal_()
+        latent.normal_()  # every slot readable now: the table changes which ones are read
+        rope.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step()), f"trial {trial}: the replay differs from eager"
+        assert_close_to_reference(out, q_lat, q_pe, latent, rope, attn)
+        assert (out[num_real:] == 0).all(), f"trial {trial}: padded rows are not zero"
+
+
+def lora_inputs(slots: list[int], heads: int, rank: int = 16):
+    """kv_b [Hh (N + V), L] bf16, its LoRA over 3 slots (slot 1 disabled) and the step's info."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda")
+
+    out = heads * (N + V)
+    kv_b = (randn(out, L) / L**0.5).bfloat16()
+    a, b = (randn(3, 1, rank, L) / L**0.5).bfloat16(), (randn(3, out, rank) * 0.3).bfloat16()
+    info = LoraBatchInfo(
+        torch.tensor(slots, dtype=torch.int32, device="cuda"),
+        torch.tensor([rank] * 3, dtype=torch.int32, device="cuda"),
+        torch.tensor([0.5, 2.0, 1.5], device="cuda"),
+        torch.tensor([1, 0, 1], dtype=torch.int32, device="cuda"),
+    )
+    return kv_b, LoraWeights.dense(a, b, (out,)), info
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_mla_attention_end_to_end(with_lora):
+    """The Triton table's mla_attention against the reference's, both bf16 in and out: a decode
+    row, an extend and a prompt, on two adapters, the base and a disabled slot."""
+    heads, q_lens, seq_lens = 16, [1, 100, 513], [1000, 300, 513]
+    latent, rope, page_table, _ = make_cache(seq_lens, seed=9)
+    attn = metadata(q_lens, seq_lens, page_table, pad_rows=2)
+    T = attn.slot_mapping.shape[0]
+    seq_slots = [0, NO_SLOT, 2]
+    slots = [s for s, n in zip(seq_slots, q_lens, strict=True) for _ in range(n)]
+    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - len(slots)), heads)
+    g = torch.Generator(device="cuda").manual_seed(10)
+    q_nope, q_pe = (
+        torch.randn(T, heads, d, generator=g, device="cuda", dtype=torch.bfloat16) for d in (N, R)
+    )
+    options = dict(lora=lora, info=info) if with_lora else {}
+    args = (q_nope, q_pe, latent, rope, attn, kv_b, SCALE)
+    got = mla_triton.mla_attention(*args, **options)
+    expected = mla.mla_attention(*args, **options)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, expected) <= 1e-2
+    assert (got[sum(q_lens) :] == 0).all()

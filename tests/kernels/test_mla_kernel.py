@@ -1,0 +1,186 @@
+"""Triton latent attention (kernels/attention/mla.py) vs the torch reference (kernels/mla.py), in
+the interpreter (conftest sets it), float32 and float16 on small shapes.
+
+Every case builds fresh random latent and rope caches as the engine lays them out (views of one
+buffer, side by side), behind random non-contiguous page tables wider than needed; cache slots
+that no sequence may read are NaN, and so are padded query rows, so a read out of range shows
+up. poison_empty makes every torch.empty NaN: a row or partial left unwritten shows up too.
+Legend: B = sequences, T = tokens, Hh = heads, L = latent size, R = rope size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton decorates the kernels
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moelora.kernels import mla  # noqa: E402
+from moelora.kernels.attention import mla as mla_triton  # noqa: E402
+from moelora.kernels.attention.paged import attention_work  # noqa: E402
+from moelora.step.batch import AttentionMetadata  # noqa: E402
+from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
+
+L, R = 64, 16
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+@dataclasses.dataclass
+class Step:
+    q_lat: torch.Tensor  # [T, Hh, L]
+    q_pe: torch.Tensor  # [T, Hh, R]
+    latent_cache: torch.Tensor  # [P, page_size, 1, L]
+    rope_cache: torch.Tensor  # [P, page_size, 1, R]
+    attn: AttentionMetadata
+    scale: float = 0.15
+
+
+def make_step(
+    q_lens: list[int],
+    seq_lens: list[int],
+    *,
+    heads: int = 4,
+    page_size: int = 4,
+    dtype: torch.dtype = torch.float32,
+    pad_rows: int = 2,
+    seed: int = 0,
+) -> Step:
+    """Sequences own random pages of a shared pool (the table's tail: a spare page); every cache
+    slot past a sequence's length is NaN, as are the query rows of padding."""
+    g = torch.Generator().manual_seed(seed)
+    pages_needed = [-(-s // page_size) for s in seq_lens]
+    max_pages = max(max(pages_needed), 1) + 1
+    num_pages = sum(pages_needed) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    page_table = torch.full((len(q_lens), max_pages), int(perm[-1]), dtype=torch.int32)
+    cache = torch.full((num_pages, page_size, 1, L + R), float("nan"), dtype=dtype)
+    used = 0
+    for b, (n_pages, kv_len) in enumerate(zip(pages_needed, seq_lens, strict=True)):
+        pages = perm[used : used + n_pages]
+        used += n_pages
+        page_table[b, :n_pages] = pages.to(torch.int32)
+        pos = torch.arange(kv_len)
+        slots = pages.long()[pos // page_size] * page_size + pos % page_size
+        cache.view(-1, L + R)[slots] = torch.randn(kv_len, L + R, generator=g).to(dtype)
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    T = int(cu[-1])
+    q_lat, q_pe = (torch.randn(T + pad_rows, heads, d, generator=g) for d in (L, R))
+    q_lat[T:], q_pe[T:] = float("nan"), float("nan")
+    attn = AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        page_table=page_table,
+        slot_mapping=torch.full((T + pad_rows,), -1, dtype=torch.int64),
+        max_query_len=max(q_lens),
+    )
+    return Step(q_lat, q_pe, cache[..., :L], cache[..., L:], attn)
+
+
+def check(step: Step, dtype: torch.dtype = torch.float32, **options) -> torch.Tensor:
+    """The kernel's output (q in `dtype`) against the reference's (q rounded to it, in float32);
+    padded rows exactly zero. options: latent_attention's config and num_splits."""
+    q_lat, q_pe = step.q_lat.to(dtype), step.q_pe.to(dtype)
+    caches = (step.latent_cache, step.rope_cache)
+    expected = mla.latent_attention(q_lat.float(), q_pe.float(), *caches, step.attn, step.scale)
+    got = mla_triton.latent_attention(q_lat, q_pe, *caches, step.attn, step.scale, **options)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert torch.isfinite(got).all(), "a row was left unwritten or read NaN past seq_len"
+    torch.testing.assert_close(got, expected, **TOL[step.latent_cache.dtype])
+    assert (got[int(step.attn.cu_seqlens_q[-1]) :] == 0).all(), "padded rows are not zero"
+    return got
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+@pytest.mark.parametrize("heads,page_size", [(4, 4), (20, 16)])  # (20: two head blocks, masked)
+def test_decode(poison_empty, num_splits, heads, page_size):
+    seq_lens = [1, 4, 5, 17, 33, 2]
+    step = make_step([1] * 6, seq_lens, heads=heads, page_size=page_size, seed=heads)
+    check(step, num_splits=num_splits)
+
+
+def test_decode_default_plan_splits():
+    """The interpreter's default decode plan splits few sequences (decode_splits), and keeps
+    one program per (sequence, head block) for many."""
+    config = mla_triton.INTERPRETER_CONFIG
+    assert mla_triton.decode_splits(2, 1, 64, config, torch.device("cpu")) > 1
+    assert mla_triton.decode_splits(8, 1, 64, config, torch.device("cpu")) == 1
+
+
+def test_decode_with_padded_sequences(poison_empty):
+    """A captured batch's shape: sequences without a token (q_len 0, seq_len 0) after the real
+    ones, and rows past cu_seqlens_q[-1]."""
+    step = make_step([1, 1, 0, 0], [9, 3, 0, 0], pad_rows=3, seed=1)
+    check(step, num_splits=2)
+
+
+def test_decode_float16(poison_empty):
+    step = make_step([1] * 3, [7, 21, 12], dtype=torch.float16, seed=2)
+    check(step, num_splits=2)
+    check(step, torch.float16, num_splits=2)  # q in the caches' dtype too
+
+
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_prefill(poison_empty, page_size, planned):
+    """Prompts and chunks of different lengths, 1 included, some after a cached prefix
+    (seq_len > q_len); planned: the step's work table given, at the kernel's query blocks
+    (else each launch builds its own, as with a table planned for other tiles)."""
+    q_lens, seq_lens = [5, 1, 17, 9, 2], [5, 1, 30, 16, 2]
+    step = make_step(q_lens, seq_lens, page_size=page_size, seed=page_size)
+    if planned:
+        block_q = mla_triton.INTERPRETER_CONFIG.block_m // 2  # 4 heads in blocks of 2
+        work = attention_work(step.attn.cu_seqlens_q, step.q_lat.shape[0], block_q)
+        step.attn = dataclasses.replace(step.attn, work=work, work_block_q=block_q)
+    check(step)
+
+
+def test_prefill_float16(poison_empty):
+    step = make_step([6, 11], [6, 19], dtype=torch.float16, page_size=16, seed=3)
+    check(step, torch.float16)
+
+
+def test_mixed(poison_empty):
+    """Decode rows and prefill chunks in one step, with a sequence without tokens between."""
+    step = make_step([1, 6, 1, 0, 3], [20, 6, 9, 0, 11], pad_rows=1, seed=4)
+    check(step)
+
+
+def lora_inputs(slots: list[int], Hh: int, N: int, V: int, r: int, seed: int):
+    """kv_b [Hh (N + V), L], its LoRA over 3 slots (slot 1 disabled) and the step's info."""
+    g = torch.Generator().manual_seed(seed)
+    kv_b = torch.randn(Hh * (N + V), L, generator=g) / L**0.5
+    a = torch.randn(3, 1, r, L, generator=g) / L**0.5
+    lora = LoraWeights.dense(a, torch.randn(3, Hh * (N + V), r, generator=g) * 0.3, (Hh * (N + V),))
+    info = LoraBatchInfo(
+        torch.tensor(slots, dtype=torch.int32),
+        torch.tensor([r, r, r], dtype=torch.int32),
+        torch.tensor([0.5, 2.0, 1.5]),
+        torch.tensor([1, 0, 1], dtype=torch.int32),
+    )
+    return kv_b, lora, info
+
+
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_mla_attention_end_to_end(poison_empty, with_lora):
+    """The Triton table's mla_attention (absorption and LoRA in torch around the kernel) against
+    the reference's, on an extend, a decode and a prompt with two adapters, a base row and a
+    disabled slot, and padded rows."""
+    Hh, N, V = 4, 16, 12
+    q_lens, seq_lens, seq_slots = [3, 1, 7], [9, 5, 7], [0, NO_SLOT, 2]
+    step = make_step(q_lens, seq_lens, heads=Hh, seed=6)
+    T = step.q_lat.shape[0]
+    slots = [s for s, n in zip(seq_slots, q_lens, strict=True) for _ in range(n)]
+    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - len(slots)), Hh, N, V, 4, seed=7)
+    options = dict(lora=lora, info=info) if with_lora else {}
+    g = torch.Generator().manual_seed(8)
+    q_nope = torch.randn(T, Hh, N, generator=g)
+    args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
+    expected = mla.mla_attention(*args, **options)
+    got = mla_triton.mla_attention(*args, **options)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert (got[sum(q_lens) :] == 0).all()
