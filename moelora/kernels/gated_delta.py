@@ -1,6 +1,7 @@
 """Gated DeltaNet's kernels (Qwen3-Next, Qwen3.5; layers/linear_attention.py): the short causal
 conv over each request's window, the gated delta rule over each request's state, and the gated
 RMSNorm. Torch references, the CPU path; the arithmetic is transformers' torch fallback's.
+Their Triton kernels, the same contract: kernels/linear_attention/.
 
 Legend: T = tokens, B = sequences, S = state slots (+1 spare), C = conv channels, W = conv
 taps, Hk = q/k heads, H = value heads, K = key head dim, V = value head dim.

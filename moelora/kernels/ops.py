@@ -126,6 +126,7 @@ def triton_ops(
     from moelora.kernels.attention.mla import mla_attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.linear import BatchInvariantLinear
+    from moelora.kernels.linear_attention import conv, delta_rule, gated_norm
     from moelora.kernels.lora import add_lora_
     from moelora.kernels.moe.fused import fused_moe
     from moelora.kernels.moe.routing import route_topk
@@ -160,10 +161,10 @@ def triton_ops(
         # the latent attention's kernel, the absorption and kv_b's LoRA in torch around it; models
         # with MLA are still refused with this table (models/model.py) until tests/gpu pass
         mla_attention=mla_attention,
-        # no Triton kernel for gated DeltaNet: hybrid models are refused with this table too
-        causal_conv1d=gated_delta.causal_conv1d,
-        gated_delta_rule=gated_delta.gated_delta_rule,
-        rms_norm_gated=gated_delta.rms_norm_gated,
+        # models/model.py refuses hybrid models with this table until these pass on a device
+        causal_conv1d=conv.causal_conv1d,
+        gated_delta_rule=delta_rule.gated_delta_rule,
+        rms_norm_gated=gated_norm.rms_norm_gated,
         keeps_mxfp4=True,
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables

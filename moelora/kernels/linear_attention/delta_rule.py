@@ -1,0 +1,194 @@
+"""gated_delta.gated_delta_rule in Triton: the gated delta rule over each request's state, in
+its fused recurrent form, for decode and prefill alike.
+
+Algorithm. One program per (sequence, value head, block of BLOCK_V value columns) holds its
+[K, BLOCK_V] tile of the state in float32 registers, loaded from the sequence's slot (zeros
+from position 0), and walks the sequence's tokens in order: q and k L2-normed (those of the
+q/k head that serves this value head among H // Hk), q scaled by K ** -0.5, S = exp(g) S,
+S += k (beta (v - k^T S))^T, o = S^T q, as the reference's token loop does, so a request's
+numbers do not depend on how its prompt was chunked. The tile goes back to the slot after the
+last token. A prefill chunk's tokens thus run one after another: the chunked (blocked) form a
+prefill kernel would take (gated_delta.chunked_delta_rule is its reference) is not here yet.
+Graphs and padding: see sequences.py.
+
+Legend: T = tokens, B = sequences, S = state slots, Hk = q/k heads, H = value heads,
+K = key head dim, V = value head dim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from moelora.kernels.gated_delta import _L2_EPS
+from moelora.kernels.linear_attention.sequences import sequence, step_sequences, zero_padded_rows
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv, next_power_of_2
+
+if TYPE_CHECKING:
+    from moelora.step.batch import AttentionMetadata
+
+# fla's fused recurrent tiles: narrow V blocks, many programs even at one sequence
+DELTA_BLOCK_V = 8
+DELTA_WARPS = 1
+
+
+@triton.jit
+def _unit(x, eps):
+    """x / sqrt(|x|^2 + eps), in float32: the reference's _l2norm."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + eps)
+
+
+@triton.jit
+def _gated_delta_rule_kernel(
+    # Pointers.
+    q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
+    k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
+    v_ptr,  # [T, H, V], strided by stride_vt, stride_vh, V contiguous
+    g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
+    beta_ptr,  # [T, H], strided by stride_bt, stride_bh
+    state_ptr,  # [S, H, K, V] float32 contiguous: read, then written for the batch's slots
+    out_ptr,  # [T, H, V] contiguous, v's dtype
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    seq_lens_ptr,  # [B] int32
+    state_slots_ptr,  # [B] int32
+    # Sizes and strides.
+    num_seqs,
+    num_rows,
+    H,
+    K,
+    V,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    scale,  # K ** -0.5
+    eps,  # of the q/k L2 norm
+    # Meta-parameters.
+    GROUPS: tl.constexpr,  # H // Hk: value heads per q/k head
+    BLOCK_K: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    # -- map the program to its sequence, value head and value columns --
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok, v_ok = offs_k < K, offs_v < V
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    out_head = out_ptr + h * V + offs_v  # + row * H * V
+    zero_padded_rows(out_head, v_ok, b, cu_seqlens_q_ptr, num_seqs, num_rows, H * V)
+    start, n, continues, slot = sequence(b, cu_seqlens_q_ptr, seq_lens_ptr, state_slots_ptr)
+    if n == 0:
+        return  # a padded sequence: its slot stays as it is
+
+    # -- the state tile [BLOCK_K, BLOCK_V] in float32, zeros from position 0 --
+    s_ptrs = state_ptr + ((slot * H + h) * K + offs_k[:, None]) * V + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=tile_ok & continues, other=0.0)
+    q_head = q_ptr + (h // GROUPS) * stride_qh + offs_k
+    k_head = k_ptr + (h // GROUPS) * stride_kh + offs_k
+    v_head = v_ptr + h * stride_vh + offs_v
+
+    # -- the tokens in order, each a decode step --
+    for i in range(0, n):
+        t64 = (start + i).to(tl.int64)
+        q = tl.load(q_head + t64 * stride_qt, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_head + t64 * stride_kt, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_head + t64 * stride_vt, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh)
+        beta = tl.load(beta_ptr + t64 * stride_bt + h * stride_bh).to(tl.float32)
+        q = _unit(q, eps) * scale
+        k = _unit(k, eps)
+        s = s * tl.exp(g)
+        remembered = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]: what the state gives for k
+        delta = (v - remembered) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(out_head + t64 * H * V, o.to(out_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(s_ptrs, s, mask=tile_ok)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    attn: AttentionMetadata,
+) -> torch.Tensor:
+    """Semantics: see gated_delta.gated_delta_rule: the delta rule per sequence from its slot's
+    state (zeros at position 0), the slot then holding the state after its last token. Padded
+    rows (past cu_seqlens_q[-1]) are zeros, and sequences with no rows leave their slots as
+    they are.
+
+    q, k: [T, Hk, K] (each serves H // Hk value heads, in order); v: [T, H, V]; the last dim
+    of each contiguous, rows and heads may be strided; g (log decay, float32), beta: [T, H];
+    state: [S, H, K, V] float32 contiguous, written in place. Returns [T, H, V] contiguous in
+    v's dtype. Reads no device value on the host: a graph can capture it."""
+    T, Hk, K = q.shape
+    H, V = v.shape[1:]
+    B = step_sequences(attn)
+    _check_delta_inputs(q, k, v, g, beta, state)
+    out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
+    if T == 0:
+        return out
+    block_v = min(DELTA_BLOCK_V, next_power_of_2(V))
+    _gated_delta_rule_kernel[(B, H, cdiv(V, block_v))](
+        q_ptr=q,
+        k_ptr=k,
+        v_ptr=v,
+        g_ptr=g,
+        beta_ptr=beta,
+        state_ptr=state,
+        out_ptr=out,
+        cu_seqlens_q_ptr=attn.cu_seqlens_q,
+        seq_lens_ptr=attn.seq_lens,
+        state_slots_ptr=attn.state_slots,
+        num_seqs=B,
+        num_rows=T,
+        H=H,
+        K=K,
+        V=V,
+        **_strides("q", q),
+        **_strides("k", k),
+        **_strides("v", v),
+        **_strides("g", g),
+        **_strides("b", beta),
+        scale=K**-0.5,
+        eps=_L2_EPS,
+        GROUPS=H // Hk,
+        BLOCK_K=next_power_of_2(K),
+        BLOCK_V=block_v,
+        num_warps=DELTA_WARPS,
+        enable_fp_fusion=False,
+        **pdl_kwargs(v.device),
+    )
+    return out
+
+
+def _check_delta_inputs(q, k, v, g, beta, state) -> None:
+    """gated_delta_rule's shapes, dtypes and layouts (see its docstring)."""
+    T, Hk, K = q.shape
+    H, V = v.shape[1:]
+    assert k.shape == q.shape and v.shape[0] == T and H % Hk == 0, (q.shape, k.shape, v.shape)
+    assert g.shape == beta.shape == (T, H) and g.dtype == torch.float32, (g.shape, beta.shape)
+    assert state.shape[1:] == (H, K, V) and state.dtype == torch.float32, state.shape
+    assert state.is_contiguous(), state.stride()
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1, (q.stride(), k.stride(), v.stride())
+
+
+def _strides(name: str, t: torch.Tensor) -> dict[str, int]:
+    """stride_{name}t and stride_{name}h: t's token and head strides."""
+    return {f"stride_{name}t": t.stride(0), f"stride_{name}h": t.stride(1)}

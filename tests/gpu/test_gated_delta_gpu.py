@@ -1,0 +1,226 @@
+"""Triton gated DeltaNet kernels (kernels/linear_attention/) on the GPU at Qwen3-Next's
+sizes, against the torch references on the GPU, and a decode step under a CUDA graph.
+
+bf16 activations; conv windows in bf16, delta-rule states in float32. The conv and the gated
+norm round where the references do, so only another float32 summation order can flip a
+rounding: <= 1% of elements differ, the relative error of the whole output <= 1e-2, and the
+conv windows written back (copies of inputs) are bit equal. The delta rule's bf16 output:
+relative error <= 1e-2; its float32 states within rtol = atol = 1e-3 (another order of the K
+sums, and Triton's exp, over up to a few thousand tokens). A fresh sequence's slot holds NaN
+(were it read, it would show); the slots outside the batch keep their bits.
+Legend: T = tokens, B = sequences, S = state slots, C = conv channels, W = conv taps, Hk = q/k
+heads, H = value heads, K / V = key / value head dim.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # before any kernel module is imported (see kernels/conftest)
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+pytest.importorskip("triton")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+from cuda_graphs import capture  # noqa: E402
+from lora_cases import rel_err  # noqa: E402
+
+from moelora.kernels import gated_delta  # noqa: E402
+from moelora.kernels.linear_attention.conv import causal_conv1d  # noqa: E402
+from moelora.kernels.linear_attention.delta_rule import gated_delta_rule  # noqa: E402
+from moelora.kernels.linear_attention.gated_norm import rms_norm_gated  # noqa: E402
+from moelora.step.batch import AttentionMetadata  # noqa: E402
+
+DEV = "cuda"
+Hk, H, K, V, W = 16, 32, 128, 128, 4  # Qwen3-Next
+C = 2 * Hk * K + H * V
+EPS = 1e-6
+BF16 = torch.bfloat16
+CASES = {  # (tokens, starts at position 0) of each sequence
+    "decode-1": [(1, False)],
+    "decode-1-fresh": [(1, True)],
+    "decode-64": [(1, b % 4 == 0) for b in range(64)],
+    "prefill-4096": [(1, True), (3, False), (700, True), (3392, False)],
+}
+
+
+def make_attn(q_lens: list[int], seq_lens: list[int], slots: list[int]) -> AttentionMetadata:
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        cu.to(DEV),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEV),
+        torch.zeros(len(q_lens), 1, dtype=torch.int32, device=DEV),
+        torch.zeros(int(cu[-1]), dtype=torch.int64, device=DEV),
+        max(q_lens),
+        state_slots=torch.tensor(slots, dtype=torch.int32, device=DEV),
+    )
+
+
+@dataclass(frozen=True)
+class Step:
+    attn: AttentionMetadata
+    rows: int
+    slots: list[int]  # of the batch's sequences, permuted
+    fresh_slots: list[int]  # of those starting at position 0
+    num_slots: int  # S: the batch's, one outside it and the spare
+
+
+def make_step(case: str, seed: int) -> Step:
+    seqs = CASES[case]
+    B, S = len(seqs), len(seqs) + 2
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(S - 1, generator=gen)[:B].tolist()
+    before = torch.randint(1, 1000, (B,), generator=gen).tolist()
+    seq_lens = [n if fresh else n + m for (n, fresh), m in zip(seqs, before)]
+    attn = make_attn([n for n, _ in seqs], seq_lens, slots)
+    fresh_slots = [s for s, (_, fresh) in zip(slots, seqs) if fresh]
+    return Step(attn, sum(n for n, _ in seqs), slots, fresh_slots, S)
+
+
+def random_states(step: Step, shape: tuple[int, ...], dtype: torch.dtype, gen) -> torch.Tensor:
+    states = torch.randn(step.num_slots, *shape, generator=gen, device=DEV).to(dtype)
+    states[step.fresh_slots] = float("nan")
+    return states
+
+
+def assert_others_kept(after: torch.Tensor, before: torch.Tensor, step: Step) -> None:
+    others = [s for s in range(step.num_slots) if s not in step.slots]
+    assert torch.equal(after[others], before[others])
+
+
+def assert_rounds_alike(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    differ = (out != ref).float().mean().item()
+    assert differ <= 1e-2, f"{differ:.2%} of elements differ"
+    assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_causal_conv1d_matches_reference(case):
+    step = make_step(case, seed=1)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    rows = torch.randn(step.rows, C + H * V, generator=gen, device=DEV).to(BF16)
+    x = rows[:, :C]  # q|k|v of in_proj's rows, z beside them
+    weight = torch.randn(C, W, generator=gen, device=DEV).to(BF16)
+    before = random_states(step, (C, W - 1), BF16, gen)
+    conv_state, want_state = before.clone(), before.clone()
+    out = causal_conv1d(x, weight, conv_state, step.attn)
+    want = gated_delta.causal_conv1d(x, weight, want_state, step.attn)
+    assert_rounds_alike(out, want)
+    assert torch.equal(conv_state[step.slots], want_state[step.slots])
+    assert_others_kept(conv_state, before, step)
+
+
+def delta_inputs(T: int, gen: torch.Generator):
+    """q, k [T, Hk, K], v [T, H, V] inside the conv's output rows, g (float32), beta [T, H]."""
+    qkv = torch.randn(T, C, generator=gen, device=DEV).to(BF16)
+    q, k, v = qkv.split([Hk * K, Hk * K, H * V], dim=-1)
+    g = -torch.rand(T, H, generator=gen, device=DEV) * 0.3  # long memories drift the most
+    beta = torch.randn(T, 2 * H, generator=gen, device=DEV).to(BF16)[:, :H].sigmoid()
+    return q.reshape(T, Hk, K), k.reshape(T, Hk, K), v.reshape(T, H, V), g, beta
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gated_delta_rule_matches_reference(case):
+    step = make_step(case, seed=2)
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    args = delta_inputs(step.rows, gen)
+    before = random_states(step, (H, K, V), torch.float32, gen)
+    state, want_state = before.clone(), before.clone()
+    out = gated_delta_rule(*args, state, step.attn)
+    want = gated_delta.gated_delta_rule(*args, want_state, step.attn)
+    assert out.shape == want.shape and out.dtype == BF16
+    assert rel_err(out, want) <= 1e-2
+    torch.testing.assert_close(state[step.slots], want_state[step.slots], rtol=1e-3, atol=1e-3)
+    assert_others_kept(state, before, step)
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_rms_norm_gated_matches_reference(T):
+    gen = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T * H, V, generator=gen, device=DEV).to(BF16)
+    gate = torch.randn(T * H, 2 * V, generator=gen, device=DEV).to(BF16)[:, V:]  # rows strided
+    weight = (1 + 0.5 * torch.randn(V, generator=gen, device=DEV)).to(BF16)
+    out = rms_norm_gated(x, gate, weight, EPS)
+    assert_rounds_alike(out, gated_delta.rms_norm_gated(x, gate, weight, EPS))
+
+
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """A captured decode step's inputs at B sequences, written in place before each replay."""
+
+    attn: AttentionMetadata
+    x: torch.Tensor  # [B, C]
+    weight: torch.Tensor  # [C, W]
+    g: torch.Tensor  # [B, H] float32
+    beta: torch.Tensor  # [B, H]
+    z: torch.Tensor  # [B H, V]
+    norm_weight: torch.Tensor  # [V]
+    conv_state: torch.Tensor  # [S, C, W - 1]
+    state: torch.Tensor  # [S, H, K, V] float32
+
+    def step(self) -> tuple[torch.Tensor, ...]:
+        """The layer's three kernels: conv, delta rule over the conv's q|k|v, gated norm."""
+        B = self.x.shape[0]
+        y = causal_conv1d(self.x, self.weight, self.conv_state, self.attn)
+        q, k, v = y.split([Hk * K, Hk * K, H * V], dim=-1)
+        qkv = q.reshape(B, Hk, K), k.reshape(B, Hk, K), v.reshape(B, H, V)
+        o = gated_delta_rule(*qkv, self.g, self.beta, self.state, self.attn)
+        return y, o, rms_norm_gated(o.reshape(B * H, V), self.z, self.norm_weight, EPS)
+
+
+def decode_buffers(B: int, S: int, seed: int) -> DecodeBuffers:
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    seqs = torch.arange(B, dtype=torch.int32)
+    attn = make_attn([1] * B, [5] * B, seqs.tolist())
+
+    def randn(*shape, dtype=BF16):
+        return torch.randn(*shape, generator=gen, device=DEV).to(dtype)
+
+    return DecodeBuffers(
+        attn=attn,
+        x=randn(B, C),
+        weight=randn(C, W),
+        g=-torch.rand(B, H, generator=gen, device=DEV),
+        beta=randn(B, H).sigmoid(),
+        z=randn(B * H, V),
+        norm_weight=randn(V),
+        conv_state=randn(S, C, W - 1),
+        state=randn(S, H, K, V, dtype=torch.float32),
+    )
+
+
+def test_decode_step_replays_in_a_cuda_graph():
+    """The decode step captured at B = 64, replayed with new slots (permuted), lengths (some
+    sequences fresh), inputs and states, and a padded tail as the graph runner writes it (4
+    sequences with no rows, seq_len 0, the spare slot): the eager call's bits, zeros in the
+    padded rows, the spare slot untouched."""
+    B, real, S = 64, 60, 64 + 2
+    spare = S - 1
+    buf = decode_buffers(B, S, seed=1)
+    graph, outs = capture(buf.step)
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.arange(B + 1, dtype=torch.int32).clamp(max=real)
+    seq_lens = torch.randint(1, 1000, (B,), generator=gen, dtype=torch.int32)
+    seq_lens[::5], seq_lens[real:] = 1, 0
+    slots = torch.cat([torch.randperm(spare, generator=gen)[:real], torch.full((B - real,), spare)])
+    buf.attn.cu_seqlens_q.copy_(cu)
+    buf.attn.seq_lens.copy_(seq_lens)
+    buf.attn.state_slots.copy_(slots)
+    new = decode_buffers(B, S, seed=2)  # other values, the same shapes
+    for name in ("x", "g", "beta", "z", "conv_state", "state"):
+        getattr(buf, name).copy_(getattr(new, name))
+    graph.replay()
+    got = [t.clone() for t in (*outs, buf.conv_state, buf.state)]
+    buf.conv_state.copy_(new.conv_state)
+    buf.state.copy_(new.state)
+    want = [*buf.step(), buf.conv_state, buf.state]
+    for name, a, b in zip(("conv", "delta", "norm", "conv_state", "state"), got, want):
+        assert torch.equal(a, b), name
+    assert not got[0][real:].any() and not got[1][real:].any()
+    assert torch.equal(got[3][spare], new.conv_state[spare])
+    assert torch.equal(got[4][spare], new.state[spare])

@@ -1,0 +1,212 @@
+"""Triton gated DeltaNet kernels (kernels/linear_attention/) against their torch references
+(kernels/gated_delta.py), in the interpreter.
+
+Every state slot starts random, the slots of sequences that start at position 0 included (the
+kernels must ignore what those hold), and the batch's sequences sit in permuted slots. Inputs
+are the strided views the layer passes (layers/linear_attention.py): the conv's input a slice
+of in_proj's output, q, k and v heads inside the conv's output, g and beta column slices.
+Checked: the outputs' real rows; the slots the batch writes; every other slot bit for bit as it
+was. A padded batch (as a captured step has it: more sequences with no rows, seq_len 0, the
+spare slot, and rows past cu_seqlens_q[-1]) returns zeros in the padded rows and leaves the
+spare slot as it was; its real rows are the unpadded batch's.
+Legend: T = tokens, B = sequences, S = state slots, C = conv channels, W = conv taps,
+Hk = q/k heads, H = value heads, K / V = key / value head dim, D = norm width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moelora.kernels import gated_delta
+from moelora.kernels.linear_attention.conv import causal_conv1d
+from moelora.kernels.linear_attention.delta_rule import gated_delta_rule
+from moelora.kernels.linear_attention.gated_norm import rms_norm_gated
+from moelora.step.batch import AttentionMetadata
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
+STATE_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 states, summed in another order
+# (tokens, starts at position 0) of each sequence
+CASES = {
+    "decode": [(1, True), (1, False), (1, False), (1, True)],
+    "prefill": [(5, True), (1, False), (2, False), (9, False), (1, True)],
+    "mixed": [(1, False), (7, True), (1, True), (3, False)],
+}
+C, W = 300, 4  # channels over several blocks at either tile, not a multiple of one
+Hk, K, V = 2, 12, 20  # K padded to its block, V over several blocks, the last partial
+
+
+def _attn(q_lens: list[int], seq_lens: list[int], slots: list[int], rows: int):
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        cu,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        torch.zeros(len(q_lens), 1, dtype=torch.int32),
+        torch.zeros(rows, dtype=torch.int64),
+        max(q_lens),
+        state_slots=torch.tensor(slots, dtype=torch.int32),
+    )
+
+
+@dataclass(frozen=True)
+class Batch:
+    attn: AttentionMetadata  # what the kernel is given
+    real: AttentionMetadata  # the same without padding: what the reference is given
+    rows: int  # real rows; attn may have more
+    slots: list[int]  # the real sequences' slots
+    num_slots: int  # S: the slots, one outside the batch, the spare last
+
+
+def make_batch(case: str, *, padded: bool, seed: int) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    seqs = CASES[case]
+    B, S = len(seqs), len(seqs) + 2
+    slots = torch.randperm(S - 1, generator=gen)[:B].tolist()
+    q_lens = [n for n, _ in seqs]
+    before = torch.randint(1, 9, (B,), generator=gen).tolist()
+    seq_lens = [n + (0 if fresh else m) for (n, fresh), m in zip(seqs, before)]
+    rows = sum(q_lens)
+    real = _attn(q_lens, seq_lens, slots, rows)
+    if not padded:
+        return Batch(real, real, rows, slots, S)
+    # a decode graph has a row a sequence; a prefill graph more rows than sequences
+    extra = 2 if case == "decode" else 5
+    spare = [S - 1, S - 1]
+    attn = _attn([*q_lens, 0, 0], [*seq_lens, 0, 0], [*slots, *spare], rows + extra)
+    return Batch(attn, real, rows, slots, S)
+
+
+def assert_slots(after: torch.Tensor, want: torch.Tensor, before: torch.Tensor, batch: Batch):
+    """The batch's slots hold the reference's states; every other slot is as it was."""
+    for s in range(batch.num_slots):
+        if s in batch.slots:
+            torch.testing.assert_close(after[s], want[s], **STATE_TOL)
+        else:
+            assert torch.equal(after[s], before[s]), f"slot {s} is not the batch's"
+
+
+def assert_close(out: torch.Tensor, want: torch.Tensor):
+    """Within TOL; in float16 also the same bits almost everywhere: the kernels round where the
+    references do, so only another float32 summation order can flip a rounding (a rounding
+    left out or added flips a quarter of them)."""
+    torch.testing.assert_close(out, want, **TOL[out.dtype])
+    if out.dtype == torch.float16:
+        assert (out != want).sum() <= max(1, out.numel() // 100)
+
+
+def assert_rows(out: torch.Tensor, want: torch.Tensor, batch: Batch):
+    """The real rows are the reference's; the padded ones zeros (not the NaN torch.empty gave)."""
+    assert_close(out[: batch.rows], want)
+    assert torch.equal(out[batch.rows :], torch.zeros_like(out[batch.rows :]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_causal_conv1d_matches_reference(poison_empty, case, padded, dtype):
+    batch = make_batch(case, padded=padded, seed=len(case))
+    T = batch.attn.slot_mapping.shape[0]
+    wide = torch.randn(T, C + 24, dtype=dtype)
+    x = wide[:, 8 : 8 + C]  # a slice of in_proj's output: rows strided
+    weight = torch.randn(C, W, dtype=dtype)
+    before = torch.randn(batch.num_slots, C, W - 1, dtype=dtype)
+    conv_state, want_state = before.clone(), before.clone()
+    want = gated_delta.causal_conv1d(x[: batch.rows], weight, want_state, batch.real)
+    out = causal_conv1d(x, weight, conv_state, batch.attn)
+    assert out.shape == (T, C) and out.dtype == dtype and out.is_contiguous()
+    assert_rows(out, want, batch)
+    assert_slots(conv_state, want_state, before, batch)
+
+
+def delta_inputs(T: int, H: int, dtype: torch.dtype, gen: torch.Generator):
+    """q, k [T, Hk, K], v [T, H, V] inside one conv output row; g (float32), beta [T, H] as
+    column slices."""
+    width = 2 * Hk * K + H * V
+    qkv = torch.randn(T, width, generator=gen).to(dtype)
+    q, k, v = qkv.split([Hk * K, Hk * K, H * V], dim=-1)
+    g = -torch.rand(T, 2 * H, generator=gen)[:, H:] * 0.5  # log decays <= 0
+    beta = torch.rand(T, 2 * H, generator=gen).to(dtype)[:, :H]
+    return q.reshape(T, Hk, K), k.reshape(T, Hk, K), v.reshape(T, H, V), g, beta
+
+
+def run_delta(batch: Batch, groups: int, dtype: torch.dtype, seed: int):
+    """(kernel's out, reference's out, state after, reference's state, state before)."""
+    gen = torch.Generator().manual_seed(seed)
+    H = Hk * groups
+    T = batch.attn.slot_mapping.shape[0]
+    q, k, v, g, beta = delta_inputs(T, H, dtype, gen)
+    before = torch.randn(batch.num_slots, H, K, V, generator=gen)
+    state, want_state = before.clone(), before.clone()
+    real = [t[: batch.rows] for t in (q, k, v, g, beta)]
+    want = gated_delta.gated_delta_rule(*real, want_state, batch.real)
+    out = gated_delta_rule(q, k, v, g, beta, state, batch.attn)
+    assert out.shape == (T, H, V) and out.dtype == dtype and out.is_contiguous()
+    return out, want, state, want_state, before
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gated_delta_rule_matches_reference(poison_empty, case, padded, groups):
+    batch = make_batch(case, padded=padded, seed=len(case) + groups)
+    out, want, state, want_state, before = run_delta(batch, groups, torch.float32, seed=groups)
+    assert_rows(out, want, batch)
+    assert_slots(state, want_state, before, batch)
+
+
+def test_gated_delta_rule_in_float16(poison_empty):
+    """float16 q, k, v and beta (out in float16, the state in float32)."""
+    batch = make_batch("mixed", padded=True, seed=3)
+    out, want, state, want_state, before = run_delta(batch, 2, torch.float16, seed=3)
+    assert_rows(out, want, batch)
+    assert_slots(state, want_state, before, batch)
+
+
+# a sequence of 11 tokens prefilled whole, or as a first chunk, an extend and a decode step
+CHUNKINGS = [[11], [4, 6, 1]]
+
+
+def run_in_chunks(chunks, x, weight, conv_state, delta_args, state) -> list[torch.Tensor]:
+    """The conv and the delta rule over one sequence (in slot 1) a chunk at a time: their
+    outputs, then the states they leave."""
+    convs, deltas, done = [], [], 0
+    for n in chunks:
+        rows = slice(done, done + n)
+        attn = _attn([n], [done + n], [1], n)
+        convs.append(causal_conv1d(x[rows], weight, conv_state, attn))
+        deltas.append(gated_delta_rule(*(t[rows] for t in delta_args), state, attn))
+        done += n
+    return [torch.cat(convs), torch.cat(deltas), conv_state, state]
+
+
+def test_chunking_changes_no_bit():
+    """The conv's and the delta rule's outputs and final states are the same bits whether the
+    sequence comes whole or in chunks (the token loop; the same taps at either tile)."""
+    gen = torch.Generator().manual_seed(11)
+    x, weight = torch.randn(11, C, generator=gen), torch.randn(C, W, generator=gen)
+    delta_args = delta_inputs(11, 2 * Hk, torch.float32, gen)
+    conv0 = torch.randn(3, C, W - 1, generator=gen)
+    state0 = torch.randn(3, 2 * Hk, K, V, generator=gen)
+    whole, parts = (
+        run_in_chunks(chunks, x, weight, conv0.clone(), delta_args, state0.clone())
+        for chunks in CHUNKINGS
+    )
+    for name, a, b in zip(("conv", "delta", "conv_state", "state"), whole, parts):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("N", [1, 7, 33])
+@pytest.mark.parametrize("D", [24, 64])
+def test_rms_norm_gated_matches_reference(poison_empty, dtype, N, D):
+    gen = torch.Generator().manual_seed(N * D)
+    wide = torch.randn(N, D + 16, generator=gen).to(dtype)
+    x = torch.randn(N, D, generator=gen).to(dtype)
+    gate = wide[:, 16:]  # a slice of z's rows: strided
+    weight = (1 + 0.5 * torch.randn(D, generator=gen)).to(dtype)
+    out = rms_norm_gated(x, gate, weight, 1e-6)
+    want = gated_delta.rms_norm_gated(x, gate, weight, 1e-6)
+    assert out.shape == (N, D) and out.dtype == dtype and out.is_contiguous()
+    assert_close(out, want)
