@@ -34,8 +34,13 @@ def test_a_random_lora_is_served_like_a_loaded_one(folder: Path) -> None:
     assert llm.list_loras() == ["r1", "r1-again", "r2"]
     outs = llm.generate([PROMPT] * 4, PARAMS, lora=[None, "r1", "r1-again", "r2"])
     base, r1, r1_again, r2 = (out.logprobs for out in outs)
-    assert r1 == r1_again  # the seed fixes the weights
-    assert r1 != base and r2 != r1  # and they change what the model computes
+    assert outs[1].token_ids == outs[2].token_ids
+    assert r1 != base and r2 != r1  # they change what the model computes
+    # the seed fixes the weights: the same bits in the same batch (each alone here; which
+    # requests share a step depends on which adapters are resident, and the CPU's matmuls
+    # round by the batch's size)
+    alone = [llm.generate([PROMPT], PARAMS, lora=name)[0].logprobs for name in ("r1", "r1-again")]
+    assert alone[0] == alone[1]
     llm.unload_lora("r1-again")
     assert llm.list_loras() == ["r1", "r2"]
 
