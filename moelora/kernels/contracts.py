@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from moelora.kernels.fp8_block import Fp8Weight
     from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
     from moelora.step.batch import AttentionMetadata
     from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
@@ -45,8 +46,8 @@ class FusedMoeOp(Protocol):
     def __call__(
         self,
         x: torch.Tensor,
-        w13: torch.Tensor | Mxfp4Weight,
-        w2: torch.Tensor | Mxfp4Weight,
+        w13: torch.Tensor | Mxfp4Weight | Fp8Weight,
+        w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         *,

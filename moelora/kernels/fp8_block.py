@@ -4,10 +4,13 @@ block at a ragged edge is cut short, so the scale grid is [ceil(N / 128), ceil(K
 
 The torch quantize and dequantize here are the CPU path (weights dequantized once at load), the
 online quantization's recipe and the tests' oracle; FP8 kernels are to read the same codes and
-scales. Legend: N = rows (out), K = columns (in), BN x BK = the block (128 x 128).
+scales: Fp8Weight holds them for the fused MoE (kernels/moe/fp8.py). Legend: N = rows (out),
+K = columns (in), BN x BK = the block (128 x 128).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -73,3 +76,35 @@ def quantize_fp8_block(w: torch.Tensor, block=FP8_BLOCK) -> tuple[torch.Tensor, 
     scaled = x / _per_element(scale_inv, n, k, block)
     # a rounding of w / (amax / 448) may pass 448, and e4m3fn has no infinity: saturate
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale_inv
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """The experts of one MoE linear, [E, N, K] in moelora's layout (w13 [E, 2I, H], w2
+    [E, H, I]), kept in block FP8 for the fused MoE (kernels/moe/fp8.py reads the tiles):
+
+      codes [E, N, K] float8_e4m3fn;
+      scale_inv [E, ceil(N / 128), ceil(K / 128)] float32: expert e's element (n, k) is
+        codes[e, n, k] * scale_inv[e, n // 128, k // 128].
+    """
+
+    codes: torch.Tensor
+    scale_inv: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert self.codes.dim() == 3 and self.codes.dtype == FP8_DTYPE, self.codes.dtype
+        assert self.scale_inv.dtype == torch.float32, self.scale_inv.dtype
+        shape = fp8_scale_shape(self.codes.shape)
+        assert tuple(self.scale_inv.shape) == shape, (self.codes.shape, self.scale_inv.shape)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[E, N, K]: the shape of the weight it stands for."""
+        return tuple(self.codes.shape)
+
+    def is_contiguous(self) -> bool:
+        return self.codes.is_contiguous() and self.scale_inv.is_contiguous()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[E, N, K] in dtype (dequantize_fp8_block)."""
+        return dequantize_fp8_block(self.codes, self.scale_inv, dtype)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from moelora.kernels.fp8_block import Fp8Weight
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
@@ -108,9 +109,12 @@ def dequantize_mxfp4(
     return out.reshape(*lead, G * 2 * B)
 
 
-def dense_experts(w: torch.Tensor | Mxfp4Weight, dtype: torch.dtype) -> torch.Tensor:
+def dense_experts(w: torch.Tensor | Mxfp4Weight | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: w [E, N, K] as a tensor: packed experts dequantized (dequantize_mxfp4) to
-    dtype, in the GPU layout too (Mxfp4Weight.release_blocks), a tensor as it is."""
+    dtype, in the GPU layout too (Mxfp4Weight.release_blocks), block-FP8 ones too
+    (fp8_block.dequantize_fp8_block), a tensor as it is."""
+    if isinstance(w, Fp8Weight):
+        return w.dequantize(dtype)
     if not isinstance(w, Mxfp4Weight):
         return w
     E, N, K = w.shape
@@ -224,8 +228,8 @@ def _expert_delta(
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor | Mxfp4Weight,
-    w2: torch.Tensor | Mxfp4Weight,
+    w13: torch.Tensor | Mxfp4Weight | Fp8Weight,
+    w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -248,7 +252,7 @@ def fused_moe(
     LoraWeights' table (LoraWeights.factors; a module absent from the slot's adapter adds
     nothing): A13 [E, 2, r, H], B13 [E, 2I, r]; A2 [E, 1, r, I], B2 [E, H, r], r the module's
     own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
-    [E, H]. Returns [T, H]. Packed MXFP4 experts are dequantized to x's dtype first.
+    [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first.
     """
     act = ACTIVATIONS[activation]
     w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)

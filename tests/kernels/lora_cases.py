@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from moelora.kernels.fp8_block import FP8_BLOCK, Fp8Weight, fp8_scale_shape, quantize_fp8_block
 from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
 from moelora.step.lora import (
     A_EXPERT,
@@ -104,6 +105,19 @@ def mxfp4_weight(
     low, high = scales
     scale_bytes = torch.randint(low, high + 1, (E, N, K // 32), generator=g, dtype=torch.uint8)
     return Mxfp4Weight(blocks.to(device), scale_bytes.to(device)).with_small_scales()
+
+
+def fp8_weight(E: int, N: int, K: int, octaves: float, device: str = "cpu") -> Fp8Weight:
+    """Block-FP8 experts [E, N, K] quantized from random weights of about 1/sqrt(K), each
+    128 x 128 block scaled by its own 2^u, u uniform in [-octaves / 2, octaves / 2]: blocks of
+    different magnitudes, so a tile scaled by another block's scale is far off."""
+    rows, cols = fp8_scale_shape((N, K))
+    magnitude = 2.0 ** (octaves * (torch.rand(E, rows, cols, device=device) - 0.5))
+    block_n = torch.arange(N, device=device) // FP8_BLOCK[0]
+    block_k = torch.arange(K, device=device) // FP8_BLOCK[1]
+    w = torch.randn(E, N, K, device=device) / K**0.5
+    w *= magnitude[:, block_n][:, :, block_k]
+    return Fp8Weight(*quantize_fp8_block(w))
 
 
 def batch_info(T: int, spread: str, device: str = "cpu", num_slots: int = 8) -> LoraBatchInfo:

@@ -42,6 +42,7 @@ DTYPES = {
     torch.int64: "i64",
     torch.bool: "i1",
     torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "maxnreg")
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
@@ -270,6 +271,7 @@ def _launch_moe() -> None:
     ids = torch.randint(0, E, (T, K), dtype=torch.int32)
     fused_moe(x, w13, w2, weights, ids, lora13=l13, lora2=l2, info=info, config=config)
     _launch_mxfp4_moe()
+    _launch_fp8_moe()
 
 
 def _launch_mxfp4_moe() -> None:
@@ -299,6 +301,36 @@ def _launch_mxfp4_moe() -> None:
         ids = torch.randint(0, E, (T, K), dtype=torch.int32)
         lora = dict(lora13=l13, lora2=l2, info=info)
         fused_moe(x, w13, w2, weights, ids, **lora, config=cfg, **oss)
+
+
+def _launch_fp8_moe() -> None:
+    """Block-FP8 experts (no tuned table yet) at the bf16 table's tiles that fit them (BK
+    dividing 128; TMA is off for FP8), at the default tiles and the deterministic ones, LoRA
+    off and on."""
+    from lora_cases import batch_info, fp8_weight, lora_weights
+
+    from moelora.kernels.moe.fp8 import fp8_tiles_fit
+    from moelora.kernels.moe.fused import fused_moe
+
+    E, Hm, Im, K = 128, 256, 128, 8
+    w13, w2 = fp8_weight(E, 2 * Im, Hm, 2), fp8_weight(E, Hm, Im, 2)
+    fits = [
+        (T, cfg)
+        for T, cfg in _moe_configs()
+        if fp8_tiles_fit(cfg.block_k) and fp8_tiles_fit(cfg.block_k_down)
+    ]
+    cases = [(T, cfg, False) for T, cfg in fits] + [(1, None, False), (64, None, True)]
+    for T, config, deterministic in cases:
+        info = batch_info(T, "mixed")
+        l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, BF16)
+        l2 = lora_weights(S, (E,), 1, R, Im, (Hm,), info.rank_of_slot, BF16)
+        x, weights = torch.randn(T, Hm, dtype=BF16), torch.rand(T, K)
+        ids = torch.randint(0, E, (T, K), dtype=torch.int32)
+        lora = dict(lora13=l13, lora2=l2, info=info)
+        for with_lora in ({}, lora):
+            fused_moe(
+                x, w13, w2, weights, ids, **with_lora, config=config, deterministic=deterministic
+            )
 
 
 def main() -> None:

@@ -71,9 +71,9 @@ def config_file(device_name: str) -> Path:
     return CONFIG_DIR / f"fused_moe_{device_name.replace(' ', '_')}.json"
 
 
-def shape_key(E: int, H: int, I: int, K: int, mxfp4: bool = False) -> str:
-    """MXFP4 experts have their own tiles: their main loop is another kernel's."""
-    return f"E={E},H={H},I={I},K={K}" + (",mxfp4" if mxfp4 else "")
+def shape_key(E: int, H: int, I: int, K: int, mxfp4: bool = False, fp8: bool = False) -> str:
+    """MXFP4 and block-FP8 experts have their own tiles: their main loops are other kernels'."""
+    return f"E={E},H={H},I={I},K={K}" + (",mxfp4" if mxfp4 else "") + (",fp8" if fp8 else "")
 
 
 @functools.cache
@@ -82,12 +82,20 @@ def _load_configs(path: Path) -> dict:
 
 
 def default_config(
-    T: int, E: int, H: int, I: int, K: int, device: torch.device, *, mxfp4: bool = False
+    T: int,
+    E: int,
+    H: int,
+    I: int,
+    K: int,
+    device: torch.device,
+    *,
+    mxfp4: bool = False,
+    fp8: bool = False,
 ) -> MoeConfig:
     """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
     if device.type == "cuda":
         table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
-            shape_key(E, H, I, K, mxfp4), {}
+            shape_key(E, H, I, K, mxfp4, fp8), {}
         )
         if table:
             buckets = sorted(int(m) for m in table)
@@ -99,7 +107,15 @@ def default_config(
 
 
 def save_configs(
-    device_name: str, E: int, H: int, I: int, K: int, table: dict, *, mxfp4: bool = False
+    device_name: str,
+    E: int,
+    H: int,
+    I: int,
+    K: int,
+    table: dict,
+    *,
+    mxfp4: bool = False,
+    fp8: bool = False,
 ) -> Path:
     """Write {M bucket: MoeConfig} for one shape into the device's JSON (for bench/tune_moe),
     keeping the shape's other buckets."""
@@ -107,7 +123,7 @@ def save_configs(
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     # merged into the shape's table: tuning some buckets keeps the others
-    entry = data.setdefault(shape_key(E, H, I, K, mxfp4), {})
+    entry = data.setdefault(shape_key(E, H, I, K, mxfp4, fp8), {})
     entry.update({str(m): asdict(cfg) for m, cfg in table.items()})
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     _load_configs.cache_clear()

@@ -18,7 +18,10 @@ architectures compile kernels without them. Its MXFP4 experts (mxfp4_layout.Mxfp
 stay packed: with the MXFP4 constexpr both GEMMs take their main loop from mxfp4.py, which loads
 [BK/2, BN] code bytes and [BK/32, BN] scale bytes a tile, expands them to x's dtype in registers
 and feeds the same tl.dot; the epilogues (LoRA, biases, activation) are the same code. BK is then
-a multiple of 32, and so are H and I (the format's groups).
+a multiple of 32, and so are H and I (the format's groups). Block-FP8 experts
+(fp8_block.Fp8Weight) likewise stay e4m3 codes: with the FP8 constexpr the main loops come from
+fp8.py, which feeds the code tiles in x's dtype to the same tl.dot and applies each 128 x 128
+block's scale to the partial product of its 128-deep slice of K; BK then divides 128.
 
 The LoRA deltas are added to the fp32 accumulators before the activation / the routing
 weight. Each shrink is done once per pair (moe_lora: x @ A13.T by extra programs of the align
@@ -40,9 +43,11 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora.kernels.dot import dot
+from moelora.kernels.fp8_block import Fp8Weight
 from moelora.kernels.lora import rank_block
 from moelora.kernels.moe.align import PairShrink, launch_align, num_blocks
 from moelora.kernels.moe.config import MoeConfig, default_config
+from moelora.kernels.moe.fp8 import down_fp8_loop, fp8_tiles_fit, gate_up_fp8_loop
 from moelora.kernels.moe.lora import (
     PAIR_SPLITS,
     block_shrink_kernel,
@@ -116,8 +121,8 @@ def _block_rows(pid_m, sorted_pair_ptr, expert_of_block_ptr, BM: tl.constexpr):
 def _gate_up_kernel(
     # Pointers: activations, weights, output, the align's blocks.
     x_ptr,  # [T, H]
-    w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8
-    w13_scale_ptr,  # [E, 2I, H/32] uint8, only with MXFP4
+    w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8; with FP8 its codes
+    w13_scale_ptr,  # [E, 2I, H/32] uint8 with MXFP4; [E, 2I/128, H/128] float32 with FP8
     w13_desc,  # TMA descriptor of w13 as [E*2I, H], tiles [BN, BK]; only with TMA
     h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
@@ -154,6 +159,7 @@ def _gate_up_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
+    FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     BM: tl.constexpr,
@@ -205,6 +211,23 @@ def _gate_up_kernel(
             BK=BK,
             EXPAND=MXFP4_EXPAND,
             SUB_K=MXFP4_SUB_K,
+        )
+    elif FP8:
+        acc_g, acc_u = gate_up_fp8_loop(
+            x_ptr=x_ptr,
+            x_rows=x_rows,
+            row_ok=row_ok,
+            w_e=w_e,
+            s_e=w13_scale_ptr + expert.to(tl.int64) * stride_se,
+            offs_n=offs_n,
+            n_ok=n_ok,
+            H=H,
+            I=I,
+            stride_wn=stride_wn,
+            stride_sn=stride_sn,
+            BM=BM,
+            BN=BN,
+            BK=BK,
         )
     elif TMA:
         # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
@@ -325,8 +348,8 @@ def _gate_up_kernel(
 def _down_kernel(
     # Pointers: activations, weights, output, routing, the align's blocks.
     h_ptr,  # [NB*BM, I], block rows
-    w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8
-    w2_scale_ptr,  # [E, H, I/32] uint8, only with MXFP4
+    w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8; with FP8 its codes
+    w2_scale_ptr,  # [E, H, I/32] uint8 with MXFP4; [E, H/128, I/128] float32 with FP8
     h_desc,  # TMA descriptors, only with TMA: h [NB*BM, I] in tiles [BM, BK],
     w2_desc,  # ... and w2 as [E*H, I] in tiles [BN, BK]
     out_ptr,  # [P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair
@@ -360,6 +383,7 @@ def _down_kernel(
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
+    FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
     TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -403,6 +427,22 @@ def _down_kernel(
             BK=BK,
             EXPAND=MXFP4_EXPAND,
             SUB_K=MXFP4_SUB_K,
+        )
+    elif FP8:
+        acc = down_fp8_loop(
+            h_ptr=h_ptr,
+            h_offs=h_offs,
+            row_ok=row_ok,
+            w_e=w2_ptr + expert.to(tl.int64) * stride_we,
+            s_e=w2_scale_ptr + expert.to(tl.int64) * stride_se,
+            offs_n=offs_n,
+            n_ok=n_ok,
+            I=I,
+            stride_wn=stride_wn,
+            stride_sn=stride_sn,
+            BM=BM,
+            BN=BN,
+            BK=BK,
         )
     elif TMA:
         # the block's rows of h are contiguous: its padding rows are read unmasked (their
@@ -531,8 +571,9 @@ class _Lora:
 
 @dataclass(frozen=True)
 class _Experts:
-    """One expert weight as a launch takes it: a tensor [E, N, K], or MXFP4 code bytes
-    [E, N, K/2] and scale bytes [E, N, K/32] (the scales `unused` for a tensor)."""
+    """One expert weight as a launch takes it: a tensor [E, N, K], MXFP4 code bytes
+    [E, N, K/2] and scale bytes [E, N, K/32], or block-FP8 codes [E, N, K] and scales
+    [E, N/128, K/128] (the scales `unused` for a tensor)."""
 
     w: torch.Tensor
     scales: torch.Tensor
@@ -545,6 +586,7 @@ class _Experts:
     expand: int
     sub_k: int = 0  # the PTX expansions' sub-tile depth (MoeConfig.mxfp4_sub_k)
     tma: bool = False  # tiles through TMA descriptors (_tma)
+    fp8: bool = False  # block-FP8 codes and scales
 
     def launch_args(self, name: str, block: tuple[int, int]) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -562,12 +604,20 @@ class _Experts:
             "MXFP4": self.mxfp4,
             "MXFP4_EXPAND": self.expand,
             "MXFP4_SUB_K": self.sub_k,
+            "FP8": self.fp8,
         }
 
 
 def _experts(
-    w: torch.Tensor | Mxfp4Weight, unused: torch.Tensor, x: torch.Tensor, cfg: MoeConfig
+    w: torch.Tensor | Mxfp4Weight | Fp8Weight,
+    unused: torch.Tensor,
+    x: torch.Tensor,
+    cfg: MoeConfig,
 ) -> _Experts:
+    if isinstance(w, Fp8Weight):  # no TMA: the code tiles are pointer loads
+        c, s = w.codes, w.scale_inv
+        strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
+        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
@@ -761,7 +811,7 @@ def _block_shrink(
     )
 
 
-def _tma(cfg: MoeConfig, w: torch.Tensor | Mxfp4Weight) -> bool:
+def _tma(cfg: MoeConfig, w: torch.Tensor) -> bool:
     """Whether the GEMMs take their tiles through TMA descriptors: MoeConfig.tma, for weights
     in x's dtype at 16-byte addresses whose rows are whole 16-byte units (the descriptors'
     alignment rules)."""
@@ -786,7 +836,7 @@ def _order(NB: int, num_n: int, cfg: MoeConfig) -> tuple[tuple[int, ...], dict]:
 
 def _gate_up(
     x: torch.Tensor,
-    w13: torch.Tensor | Mxfp4Weight,
+    w13: torch.Tensor | Mxfp4Weight | Fp8Weight,
     pairs: _Pairs,
     lora: _Lora,
     cfg: MoeConfig,
@@ -840,7 +890,7 @@ def _gate_up(
 
 def _down(
     h: torch.Tensor,
-    w2: torch.Tensor | Mxfp4Weight,
+    w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     pairs: _Pairs,
     lora: _Lora,
     cfg: MoeConfig,
@@ -902,8 +952,8 @@ def _sum_topk(pair_out: torch.Tensor, out: torch.Tensor, K: int) -> None:
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor | Mxfp4Weight,
-    w2: torch.Tensor | Mxfp4Weight,
+    w13: torch.Tensor | Mxfp4Weight | Fp8Weight,
+    w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -923,8 +973,8 @@ def fused_moe(
     With sum_topk=False it returns the K weighted rows [T, K, H] unsummed (reference.sum_rows
     of them is out): the next rms_norm adds them, one launch fewer.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype, or both Mxfp4Weight with H
-    and I multiples of 32, expanded to x's dtype a tile at a time); topk_weights [T, K] float32;
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I] (contiguous, x's dtype; or both Mxfp4Weight, H and
+    I multiples of 32, or both Fp8Weight, read a tile at a time); topk_weights [T, K] float32;
     topk_ids [T, K] int32. lora13: gate_up's factors (slices (I, I) over H inputs, E experts),
     lora2: down's ((H,) over I), in x's dtype, each read through its own table (its own ranks,
     a factor shared by every expert stored once). Returns [T, H]. No host sync: capturable.
@@ -932,7 +982,7 @@ def fused_moe(
     so that a row's bits do not follow the token count.
     """
     T, K = x.shape[0], topk_ids.shape[1]
-    E, H, I, mxfp4 = _expert_sizes(x, w13, w2, b13, b2)
+    E, H, I, kind = _expert_sizes(x, w13, w2, b13, b2)
     assert topk_ids.shape == topk_weights.shape == (T, K), (topk_ids.shape, topk_weights.shape)
     assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
     assert activation in ACTIVATIONS, activation
@@ -941,10 +991,12 @@ def fused_moe(
     out = torch.empty(T, H, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    cfg = config or default_config(T, E, H, I, K, x.device, mxfp4=mxfp4)
+    cfg = config or default_config(
+        T, E, H, I, K, x.device, mxfp4=kind == "mxfp4", fp8=kind == "fp8"
+    )
     if deterministic:  # a row's sums do not follow the token count (deterministic_config)
         cfg = deterministic_config(cfg)
-    assert not mxfp4 or (cfg.block_k % MXFP4_GROUP == 0 == cfg.block_k_down % MXFP4_GROUP), cfg
+    _check_tiles(cfg, kind)
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
@@ -960,26 +1012,38 @@ def fused_moe(
     return out
 
 
+def _kind(w: torch.Tensor | Mxfp4Weight | Fp8Weight) -> str:
+    """How the GEMMs read an expert weight: "mxfp4", "fp8" or "dense"."""
+    return "mxfp4" if isinstance(w, Mxfp4Weight) else "fp8" if isinstance(w, Fp8Weight) else "dense"
+
+
 def _expert_sizes(
     x: torch.Tensor,
-    w13: torch.Tensor | Mxfp4Weight,
-    w2: torch.Tensor | Mxfp4Weight,
+    w13: torch.Tensor | Mxfp4Weight | Fp8Weight,
+    w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     b13: torch.Tensor | None,
     b2: torch.Tensor | None,
-) -> tuple[int, int, int, bool]:
-    """(E, H, I, whether the experts are MXFP4) of w13 [E, 2I, H] and w2 [E, H, I], checked
-    against each other, x [T, H] and the biases."""
+) -> tuple[int, int, int, str]:
+    """(E, H, I, the experts' _kind, the same for both) of w13 [E, 2I, H] and w2 [E, H, I],
+    checked against each other, x [T, H] and the biases."""
     H = x.shape[1]
     E, I2, _ = w13.shape
     I = I2 // 2
     assert w13.shape == (E, 2 * I, H) and w2.shape == (E, H, I), (x.shape, w13.shape, w2.shape)
     assert w13.is_contiguous() and w2.is_contiguous() and x.stride(1) == 1
-    mxfp4 = isinstance(w13, Mxfp4Weight)
-    assert isinstance(w2, Mxfp4Weight) == mxfp4, (type(w13), type(w2))
-    assert not mxfp4 or (H % MXFP4_GROUP == 0 and I % MXFP4_GROUP == 0), (H, I)
+    kind = _kind(w13)
+    assert _kind(w2) == kind, (type(w13), type(w2))
+    assert kind != "mxfp4" or (H % MXFP4_GROUP == 0 and I % MXFP4_GROUP == 0), (H, I)
     for bias, shape in ((b13, (E, 2 * I)), (b2, (E, H))):
         assert bias is None or (bias.shape == shape and bias.is_contiguous()), (shape, bias)
-    return E, H, I, mxfp4
+    return E, H, I, kind
+
+
+def _check_tiles(cfg: MoeConfig, kind: str) -> None:
+    """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128."""
+    depths = (cfg.block_k, cfg.block_k_down)
+    assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
+    assert kind != "fp8" or all(fp8_tiles_fit(bk) for bk in depths), cfg
 
 
 def _check_lora(

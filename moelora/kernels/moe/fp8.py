@@ -1,0 +1,120 @@
+"""The fused MoE's main loops over block-FP8 experts (fp8_block.Fp8Weight), weight-only: the
+activations stay in x's dtype (kernels/moe/fused.py takes these loops where its FP8 flag is set).
+
+A tile of e4m3 codes [BK, BN] is loaded and converted to x's dtype (exact: every e4m3 value is
+an fp16 and a bf16 value) and fed to the same tl.dot as the dense loop. The block scales are
+not applied to the tile but to its product: for each 128-deep slice of K (one block of scales
+along K) the loop sums x @ codes over the slice's BK-deep tiles into a partial [BM, BN], then
+adds partial * scale to the accumulator, scale [BN] the block of each column's own row
+(n // 128: a tile's columns may straddle blocks, and gate's and up's halves of w13 need not
+start at one). So BK divides 128, and the weights are never rounded: the sums are of code *
+scale exactly, where the torch reference (dequantize_fp8_block to x's dtype, then a matmul)
+rounds each weight once; the two differ by that rounding and by the order of the sums.
+"""
+
+import triton
+import triton.language as tl
+
+from moelora.kernels.dot import dot
+from moelora.kernels.fp8_block import FP8_BLOCK
+
+SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of scales
+SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of scales
+
+
+def fp8_tiles_fit(block_k: int) -> bool:
+    """Whether BK-deep tiles fit the loops: each within one block of scales along K."""
+    return block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
+
+
+@triton.jit
+def _col_scales(s_e, rows, k0, n_ok, stride_sn):
+    """[BN] float32: the scales of rows (int64 [BN]) in the block of scales at K offset k0."""
+    return tl.load(s_e + (rows // SCALE_N) * stride_sn + k0 // SCALE_K, mask=n_ok, other=0.0)
+
+
+@triton.jit
+def _codes(ptrs, k_ok, n_ok, dtype: tl.constexpr):
+    """A [BK, BN] code tile in dtype; masked codes read as 0."""
+    return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
+def gate_up_fp8_loop(
+    x_ptr,
+    x_rows,  # [BM] int64 offsets of the block's token rows in x
+    row_ok,
+    w_e,  # expert e's codes [2I, H] float8_e4m3fn
+    s_e,  # expert e's scales [ceil(2I / 128), ceil(H / 128)] float32
+    offs_n,
+    n_ok,
+    H,
+    I,
+    stride_wn,
+    stride_sn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
+    block rows times gate's columns offs_n (rows offs_n of W13) and up's (rows I + offs_n)."""
+    offs_k = tl.arange(0, BK)
+    rows_g = offs_n.to(tl.int64)
+    rows_u = rows_g + I
+    wg0 = w_e + rows_g[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    wu0 = w_e + rows_u[None, :] * stride_wn + offs_k[:, None]
+    acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, H, SCALE_K):
+        part_g = tl.zeros((BM, BN), dtype=tl.float32)
+        part_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SCALE_K // BK):
+            ks = k0 + s * BK
+            k_ok = offs_k < H - ks
+            xt = tl.load(
+                x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
+            part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
+        acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
+        acc_u += part_u * _col_scales(s_e, rows_u, k0, n_ok, stride_sn)[None, :]
+    return acc_g, acc_u
+
+
+@triton.jit
+def down_fp8_loop(
+    h_ptr,
+    h_offs,  # [BM] int64 offsets of the block's rows in h
+    row_ok,
+    w_e,  # expert e's codes [H, I] float8_e4m3fn
+    s_e,  # expert e's scales [ceil(H / 128), ceil(I / 128)] float32
+    offs_n,
+    n_ok,
+    I,
+    stride_wn,
+    stride_sn,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
+    down's columns offs_n."""
+    offs_k = tl.arange(0, BK)
+    rows = offs_n.to(tl.int64)
+    w0 = w_e + rows[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, I, SCALE_K):
+        part = tl.zeros((BM, BN), dtype=tl.float32)
+        for s in tl.static_range(SCALE_K // BK):
+            ks = k0 + s * BK
+            k_ok = offs_k < I - ks
+            ht = tl.load(
+                h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
+                mask=row_ok[:, None] & k_ok[None, :],
+                other=0.0,
+            )
+            part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
+        acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
+    return acc
