@@ -23,10 +23,14 @@ if TYPE_CHECKING:
 class FamilyFixtures:
     """Each arch's model (fixtures.make_model) and its two adapters: a, PEFT rank 8
     (fixtures.peft_adapter, experts by target_parameters); b, per-expert keys of rank 4
-    (fixtures.per_expert_adapter). options: every engine's (CPU, fp32 besides)."""
+    (fixtures.per_expert_adapter). options: every engine's (fp32 on `device` besides: the
+    session's --moelora-device)."""
 
-    def __init__(self, root: Path, fixtures: ModuleType, **options: object) -> None:
+    def __init__(
+        self, root: Path, fixtures: ModuleType, device: str = "cpu", **options: object
+    ) -> None:
         self.root, self.fixtures, self.options = root, fixtures, options
+        self.device = device
         self._paths: dict[str, Path] = {}
         self._llms: dict[str, LLM] = {}
 
@@ -51,7 +55,11 @@ class FamilyFixtures:
         loras = {name: str(path) for name, path in self.adapters(arch).items()}
         options = {**self.options, **kwargs}
         llm = LLM(
-            str(self.model(arch)), lora_modules=loras, device="cpu", dtype="float32", **options
+            str(self.model(arch)),
+            lora_modules=loras,
+            device=self.device,
+            dtype="float32",
+            **options,
         )
         if not kwargs:
             self._llms[arch] = llm

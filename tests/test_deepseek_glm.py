@@ -29,9 +29,13 @@ MAX_LORA_RANK = 8
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> FamilyFixtures:
+def fx(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> FamilyFixtures:
     return FamilyFixtures(
-        tmp_path_factory.mktemp("deepseek_glm"), mf, max_loras=2, max_lora_rank=MAX_LORA_RANK
+        tmp_path_factory.mktemp("deepseek_glm"),
+        mf,
+        request.config.getoption("--moelora-device"),
+        max_loras=2,
+        max_lora_rank=MAX_LORA_RANK,
     )
 
 

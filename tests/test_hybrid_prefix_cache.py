@@ -28,10 +28,11 @@ LONG = [(37 * i + 11) % 250 + 1 for i in range(90)]
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> FamilyFixtures:
+def fx(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> FamilyFixtures:
     return FamilyFixtures(
         tmp_path_factory.mktemp("hybrid_prefix"),
         qf,
+        request.config.getoption("--moelora-device"),
         max_loras=2,
         max_lora_rank=8,
         max_num_seqs=MAX_NUM_SEQS,

@@ -32,10 +32,11 @@ LONG_PROMPT = [(37 * i + 11) % 250 + 1 for i in range(90)]
 
 
 @pytest.fixture(scope="module")
-def fx(tmp_path_factory: pytest.TempPathFactory) -> FamilyFixtures:
+def fx(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> FamilyFixtures:
     return FamilyFixtures(
         tmp_path_factory.mktemp("qwen3_next"),
         qf,
+        request.config.getoption("--moelora-device"),
         max_loras=2,
         max_lora_rank=MAX_LORA_RANK,
         max_num_seqs=MAX_NUM_SEQS,
@@ -311,7 +312,9 @@ def test_the_gpu_kernel_table_and_several_ranks_refuse_them(fx: FamilyFixtures) 
     for arch in qf.ARCHS:
         mc, _ = read_model_config(str(fx.model(arch)))
         check_kernels(mc, REFERENCE_OPS)
-        with pytest.raises(ModelConfigError, match=r"gated DeltaNet linear attention has no GPU"):
+        with pytest.raises(
+            ModelConfigError, match=r"gated DeltaNet linear attention has not passed its GPU tests"
+        ):
             check_kernels(mc, dataclasses.replace(REFERENCE_OPS, name="triton-x"))
         two = dataclasses.replace(REFERENCE_OPS, shard=Shard(rank=0, size=2))
         with pytest.raises(ModelConfigError, match=r"tensor_parallel_size=2 is not supported"):
