@@ -136,7 +136,9 @@ def _around_model(
         _log_hybrid(cfg, mc, num_pages, num_snapshots)
     scheduler = Scheduler(config, pages, table, states, snapshots)
     runner = _runner(cfg, model, pool, num_pages, workers, (num_states, num_snapshots))
-    _capture_graphs(cfg, runner, model.ops, max_model_len, num_pages)
+    # a hybrid model's padded sequences name the spare state slot (state_cache.py: num_states)
+    spare_state = num_states if mc.linear_attention is not None else None
+    _capture_graphs(cfg, runner, model.ops, max_model_len, num_pages, spare_state)
     adapters = AdapterRegistry(cfg, mc, model.shard, pool)
     for name, path in cfg.lora_modules.items():
         adapters.load(name, path)
@@ -327,7 +329,12 @@ def _runner(
 
 
 def _capture_graphs(
-    cfg: EngineConfig, runner: ModelRunner, ops: Ops, max_model_len: int, num_pages: int
+    cfg: EngineConfig,
+    runner: ModelRunner,
+    ops: Ops,
+    max_model_len: int,
+    num_pages: int,
+    spare_state: int | None = None,
 ) -> None:
     """The runner's CUDA graphs, where they can run: on CUDA, with Triton kernels, on one rank
     (graphs would have to capture the collectives on every rank: not yet, so eager)."""
@@ -352,4 +359,5 @@ def _capture_graphs(
         max_seqs=cfg.max_num_seqs,
         dense_from=DENSE_FROM if cfg.prefill_attention_backend == "cudnn" else 0,
         concurrent_warmup=cfg.concurrent_warmup,
+        spare_state=spare_state,
     )

@@ -99,6 +99,9 @@ class GraphBuffers:
     max_pages: int
     max_loras: int
     spare_page: int
+    # a hybrid model's: the state slot padded sequences name (None: no state slots); the
+    # kernels touch no state of a sequence without rows, so it is never read or written
+    spare_state: int | None = None
     turn: int = 0  # the twin the last copy used
 
     @classmethod
@@ -111,10 +114,13 @@ class GraphBuffers:
         device,
         *,
         max_seqs: int | None = None,
+        spare_state: int | None = None,
     ):
-        """max_seqs: sequences a step may have (default max_tokens: decode steps only)."""
+        """max_seqs: sequences a step may have (default max_tokens: decode steps only);
+        spare_state: a hybrid model's spare state slot (its steps carry state slots)."""
         max_seqs = max_tokens if max_seqs is None else max_seqs
         n32 = (max_seqs + 1) + max_seqs + max_tokens + max_loras + 1 + max_seqs * max_pages
+        n32 += max_seqs if spare_state is not None else 0
         pin = torch.cuda.is_available()
         self = cls(
             i64=torch.zeros(3, max_tokens, dtype=torch.int64, device=device),
@@ -127,6 +133,7 @@ class GraphBuffers:
             max_pages=max_pages,
             max_loras=max_loras,
             spare_page=spare_page,
+            spare_state=spare_state,
         )
         self._pad(self.host_i64[0], self.host_i32[0], 0, 0)
         self.i64.copy_(self.host_i64[0])
@@ -135,7 +142,9 @@ class GraphBuffers:
 
     def _views(self, i64: torch.Tensor, i32: torch.Tensor) -> dict[str, torch.Tensor]:
         T, B, pages, loras = self.max_tokens, self.max_seqs, self.max_pages, self.max_loras
-        cu, seq, slot, enabled, any_on, table = i32.split([B + 1, B, T, loras, 1, B * pages])
+        states = B if self.spare_state is not None else 0
+        parts = i32.split([B + 1, B, T, loras, 1, B * pages, states])
+        cu, seq, slot, enabled, any_on, table, state_slots = parts
         return dict(
             input_ids=i64[0],
             positions=i64[1],
@@ -146,6 +155,7 @@ class GraphBuffers:
             slot_enabled=enabled,
             any_enabled=any_on,
             page_table=table.view(B, pages),
+            state_slots=state_slots if states else None,
         )
 
     def forward_batch(
@@ -166,6 +176,7 @@ class GraphBuffers:
             slot_enabled=v["slot_enabled"],
             max_query_len=tokens if prefill else 1,
             any_enabled=v["any_enabled"],
+            state_slots=None if v["state_slots"] is None else v["state_slots"][:seqs],
         )
         return forward_batch(rows, pool)
 
@@ -196,6 +207,9 @@ class GraphBuffers:
             v["any_enabled"][0] = int(batch.slot_enabled.any())
         width = batch.page_table.shape[1]
         v["page_table"][:B, :width] = batch.page_table
+        assert (batch.state_slots is None) == (v["state_slots"] is None), "hybrid: state slots"
+        if batch.state_slots is not None:
+            v["state_slots"][:B] = batch.state_slots
         self.i64.copy_(host_i64, non_blocking=True)
         self.i32.copy_(host_i32, non_blocking=True)
         if prev_tokens is not None:
@@ -206,7 +220,7 @@ class GraphBuffers:
 
     def _pad(self, i64: torch.Tensor, i32: torch.Tensor, T: int, B: int) -> None:
         """Rows from T on: no KV stored, no adapter; sequences from B on: no query rows, no KV,
-        the spare page."""
+        the spare page (and the spare state slot)."""
         v = self._views(i64, i32)
         v["input_ids"][T:] = 0
         v["positions"][T:] = 0
@@ -217,6 +231,8 @@ class GraphBuffers:
         v["slot_enabled"][:] = 0
         v["any_enabled"][:] = 0
         v["page_table"][B:] = self.spare_page
+        if v["state_slots"] is not None:
+            v["state_slots"][B:] = self.spare_state
 
 
 class GraphRunner:
@@ -234,11 +250,13 @@ class GraphRunner:
         max_prefill_tokens: int = 0,
         max_seqs: int | None = None,
         dense_from: int = 0,
+        spare_state: int | None = None,
     ):
         """max_prefill_tokens: the largest prefill step captured (0: prefill steps run eager);
         max_seqs: the most sequences a step has (default max_bs); dense_from > 0: prefill steps
         with a first chunk of that many tokens stay eager (their attention is cuDNN's, which
-        reads the chunk lengths on the host: dense_runs)."""
+        reads the chunk lengths on the host: dense_runs); spare_state: a hybrid model's spare
+        state slot (GraphBuffers)."""
         self.forward, self.pool, self.device = forward, pool, device
         self.sizes = graph_batch_sizes(max_bs)
         self.prefill_sizes = prefill_graph_sizes(max_prefill_tokens)
@@ -250,6 +268,7 @@ class GraphRunner:
             spare_page,
             device,
             max_seqs=max(max_bs, max_seqs or max_bs),
+            spare_state=spare_state,
         )
         # (size, STREAM_IDX, prefill) -> the graph and its output: decode graphs by batch
         # size, prefill graphs by tokens

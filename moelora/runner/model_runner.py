@@ -82,10 +82,12 @@ class ModelRunner:
         max_seqs: int | None = None,
         dense_from: int = 0,
         concurrent_warmup: bool = False,
+        spare_state: int | None = None,
     ) -> None:
         """Capture a decode graph per batch size up to max_bs, and a prefill graph per token
         count up to max_prefill_tokens (GraphRunner): from now on, steps that fit one replay
-        it. max_pages: pages per sequence; spare_page: the page padded rows point at."""
+        it. max_pages: pages per sequence; spare_page: the page padded rows point at;
+        spare_state: the state slot padded sequences name (a hybrid model's)."""
         self.graphs = GraphRunner(
             self.forward,
             self.slot_pool,
@@ -96,6 +98,7 @@ class ModelRunner:
             max_prefill_tokens=max_prefill_tokens,
             max_seqs=max_seqs,
             dense_from=dense_from,
+            spare_state=spare_state,
         )
         self.graphs.capture(concurrent_warmup=concurrent_warmup)
 

@@ -1,5 +1,7 @@
 """The static graph inputs on CPU: a batch is written in place and the rest becomes padding."""
 
+import dataclasses
+
 import torch
 
 from moelora.runner.graph_runner import GraphBuffers
@@ -62,3 +64,23 @@ def test_any_enabled_follows_the_batch():
         assert batch.to_device(torch.device("cpu"), pool).lora.any_enabled.tolist() == [expect]
         graph_info = buffers.forward_batch(8, pool).lora  # what a captured graph reads
         assert graph_info.any_enabled.data_ptr() == views["any_enabled"].data_ptr()
+
+
+def test_a_hybrid_models_state_slots_are_written_and_padded_with_the_spare():
+    """A hybrid model's steps carry each sequence's recurrent-state slot: the batch's come
+    first, the padded sequences name the spare slot (their kernels touch no state), and a
+    smaller batch after a larger one leaves none of its slots behind."""
+    buffers = GraphBuffers.init(
+        max_tokens=16, max_pages=8, max_loras=4, spare_page=99, device="cpu", spare_state=7
+    )
+    assert buffers.forward_batch(8, pool=None).attn.state_slots.tolist() == [7] * 8
+    big = dataclasses.replace(host_batch(11, 5), state_slots=torch.arange(11).int() % 7)
+    small = dataclasses.replace(host_batch(3, 2), state_slots=torch.tensor([4, 0, 2]).int())
+    buffers.copy_from(big)
+    buffers.copy_from(small)
+    fb = buffers.forward_batch(8, pool=None)
+    assert fb.attn.state_slots.tolist() == [4, 0, 2] + [7] * 5
+    assert fb.attn.page_table[3:].eq(99).all()  # the other parts are where they were
+    assert torch.equal(fb.attn.seq_lens[:3], small.seq_lens)
+    plain = GraphBuffers.init(max_tokens=16, max_pages=8, max_loras=4, spare_page=99, device="cpu")
+    assert plain.forward_batch(8, pool=None).attn.state_slots is None
