@@ -362,7 +362,7 @@ class ModelConfig:
     # block-FP8 weights (kernels/fp8_block.py): "none"; "checkpoint" (the quantization_config
     # says fp8: e4m3 codes with a weight_scale_inv per 128x128 block); "online" (a bf16 or
     # float32 checkpoint's experts and projections block-quantized at load, --quantization fp8).
-    # Until FP8 kernels exist the loader dequantizes them to the model's dtype, on CUDA too.
+    # The loader dequantizes them to the model's dtype, all but the experts where experts_fp8.
     weights_fp8: str
     # What the DeepSeek family and GLM-4.5 add (models/deepseek.py, models/glm4_moe.py); the
     # defaults are every other architecture's.
@@ -380,9 +380,14 @@ class ModelConfig:
     linear_attention: LinearAttentionConfig | None = None
     attn_output_gate: bool = False
     zero_centred_norm: bool = False
+    # the experts of a weights_fp8 model are held as codes and block scales
+    # (kernels/fp8_block.Fp8Weight): the engine sets it where its kernels take them so and one
+    # rank holds them (engine/build.py), else they are dequantized at load like the rest
+    experts_fp8: bool = False
 
     def __post_init__(self) -> None:
         assert self.activation in ("silu", "swiglu_oai"), self.activation
+        assert not self.experts_fp8 or self.weights_fp8 != "none", self.weights_fp8
         assert self.experts_layout in ("gate_up_rows", "interleaved_in_out"), self.experts_layout
         assert len(self.sliding_layers) == self.num_layers, self.sliding_layers
         assert self.weights_fp8 in ("none", "checkpoint", "online"), self.weights_fp8

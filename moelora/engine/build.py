@@ -20,9 +20,11 @@ from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_wor
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
 from moelora.engine.state_cache import StateSlots, StateSnapshots, slot_bytes
 from moelora.errors import ModelConfigError
+from moelora.kernels.fp8_block import FP8_BLOCK
 from moelora.kernels.ops import Ops
 from moelora.lora.arena import RegionAllocator
 from moelora.lora.slots import SlotPool, SlotTable
+from moelora.models.loader import stores_fused_experts
 from moelora.models.model import MoeCausalLM
 from moelora.models.quantization import with_quantization
 from moelora.models.registry import read_model_config
@@ -43,7 +45,8 @@ _GPU_RESERVE = 2 << 30  # bytes kept free on the GPU for activations and graphs
 class EngineParts:
     """What an engine steps with."""
 
-    model_config: ModelConfig  # experts_mxfp4 only where the kernel table keeps them packed
+    # experts_mxfp4 and experts_fp8 only where the kernel table keeps them packed
+    model_config: ModelConfig
     shard: Shard  # rank 0's part of the model (SINGLE on one rank)
     workers: Workers | None  # ranks 1..N-1 (None on one rank)
     model: MoeCausalLM
@@ -68,11 +71,13 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
     mc, hf = read_model_config(cfg.model)
     mc = with_quantization(mc, cfg.quantization, cfg.torch_device)
     max_len = requested_max_len(cfg, mc)
-    # made before the shard is known: whether these kernels keep MXFP4 experts packed decides
-    # the model config, which the divisibility check and every other rank build from
+    # made before the shard is known: whether these kernels keep MXFP4 or FP8 experts packed
+    # decides the model config, which the divisibility check and every other rank build from
     ops = make_rank_ops(cfg, SINGLE, cfg.torch_device)
     if mc.experts_mxfp4 and not ops.keeps_mxfp4:
         mc = replace(mc, experts_mxfp4=False)
+    if keeps_fp8_experts(cfg, mc, ops):
+        mc = replace(mc, experts_fp8=True)
     workers = None
     if cfg.tensor_parallel_size > 1:
         check_divides(mc, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
@@ -94,6 +99,22 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
         cfg.page_size,
     )
     return parts
+
+
+def keeps_fp8_experts(cfg: EngineConfig, mc: ModelConfig, ops: Ops) -> bool:
+    """Whether the model holds its block-FP8 experts as codes and scales (ModelConfig.experts_fp8):
+    the kernels take them so, one rank holds them all (no shard cuts a block), and w13's gate
+    and up rows fit the one grid of scales the fused MoE reads over [2I, H]: I a multiple of
+    128, where gate's blocks end before up's begin, or gate and up quantized together (a fused
+    checkpoint's gate_up_proj, dummy weights). A per-expert checkpoint with I not a multiple
+    of 128 has a block of scales that gate and up would share: dequantized at load instead."""
+    if mc.weights_fp8 == "none" or not ops.keeps_fp8 or cfg.tensor_parallel_size > 1:
+        return False
+    if mc.experts_layout != "gate_up_rows" or not any(mc.sparse_layers):
+        return False
+    if mc.moe_intermediate_size % FP8_BLOCK[0] == 0 or cfg.load_format == "dummy":
+        return True
+    return stores_fused_experts(cfg.model)
 
 
 def requested_max_len(cfg: EngineConfig, mc: ModelConfig) -> int:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from moelora.config import ModelConfig
+from moelora.kernels.fp8_block import FP8_DTYPE, Fp8Weight, fp8_scale_shape
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
 from moelora.kernels.reference import silu_and_mul
@@ -52,11 +53,14 @@ class SparseMoE(nn.Module):
         kw = dict(dtype=dtype, device=device)
         self.num_local_experts = E
         self.gate = nn.Parameter(torch.empty(E_all, H, **kw), requires_grad=False)  # router
-        self.w13: nn.Parameter | Mxfp4Weight
-        self.w2: nn.Parameter | Mxfp4Weight
+        self.w13: nn.Parameter | Mxfp4Weight | Fp8Weight
+        self.w2: nn.Parameter | Mxfp4Weight | Fp8Weight
         if cfg.experts_mxfp4:
             self.w13 = self._packed("w13", (E, 2 * I, H), device)
             self.w2 = self._packed("w2", (E, H, I), device)
+        elif cfg.experts_fp8:
+            self.w13 = self._fp8("w13", (E, 2 * I, H), device)
+            self.w2 = self._fp8("w2", (E, H, I), device)
         else:
             self.w13 = nn.Parameter(torch.empty(E, 2 * I, H, **kw), requires_grad=False)
             self.w2 = nn.Parameter(torch.empty(E, H, I, **kw), requires_grad=False)
@@ -92,6 +96,18 @@ class SparseMoE(nn.Module):
         self.register_parameter(f"{name}_blocks", blocks)
         self.register_parameter(f"{name}_scales", scales)
         return Mxfp4Weight(blocks, scales)
+
+    def _fp8(self, name: str, shape: tuple[int, int, int], device) -> Fp8Weight:
+        """Block-FP8 experts of `shape` [E, N, K]: parameters NAME_codes and NAME_scale_inv
+        (what the loader fills and counts), held together as the Fp8Weight the fused MoE takes.
+        One grid of scales covers w13's [2I, H], gate's rows then up's (kernels/moe/fp8.py)."""
+        codes = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+        scales = torch.empty(fp8_scale_shape(shape), dtype=torch.float32, device=device)
+        codes = nn.Parameter(codes, requires_grad=False)
+        scales = nn.Parameter(scales, requires_grad=False)
+        self.register_parameter(f"{name}_codes", codes)
+        self.register_parameter(f"{name}_scale_inv", scales)
+        return Fp8Weight(codes, scales)
 
     def settle_packed(self) -> None:
         """Once the MXFP4 bytes are loaded: record whether their scales are small enough for

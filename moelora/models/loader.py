@@ -3,7 +3,8 @@
 Names are canonicalised once (Mixtral's block_sparse_moe/w1/w3/w2 become mlp/gate/up/down), so
 one table serves every architecture. Experts may be stored per expert or as fused 3D tensors.
 Quantized weights are dequantized on the way in: MXFP4 experts here (unless the model keeps them
-packed), block-FP8 weights in models/quantization.py.
+packed), block-FP8 weights in models/quantization.py (but for experts the model keeps in FP8,
+whose codes and scales go to its Fp8Weight's parameters).
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from pathlib import Path
 import torch
 
 from moelora.errors import ModelConfigError
+from moelora.kernels.fp8_block import FP8_BLOCK, FP8_DTYPE, FP8_MAX
 from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
 from moelora.kernels.reference import dequantize_mxfp4
 from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.models.model import MoeCausalLM
-from moelora.models.quantization import fp8_weights
+from moelora.models.quantization import SCALE_SUFFIX, fp8_weights
 
 _ALIASES = [
     (re.compile(r"\.block_sparse_moe\."), ".mlp."),
@@ -62,6 +64,8 @@ _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _MLA_A = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
 _MLA_OWN = ("q_b_proj", "kv_b_proj", "q_a_layernorm", "kv_a_layernorm")
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
+# one kept-FP8 expert's weights (kernels/fp8_block.Fp8Weight): gate's and up's halves of w13
+_FP8_EXPERT = {"gate_proj.weight": 0, "up_proj.weight": 1, "down_proj.weight": None}
 
 
 def canonical_name(name: str) -> str:
@@ -82,6 +86,25 @@ def safetensors_files(model_path: str) -> list[Path]:
     if not files:
         raise ModelConfigError(f"{model_path}: no *.safetensors file found")
     return files
+
+
+def stores_fused_experts(model_path: str) -> bool:
+    """Whether the checkpoint stores its experts fused (experts.gate_up_proj), by its tensors'
+    names: the index's, or the files' headers (no tensor is read)."""
+    return any(key.endswith(".experts.gate_up_proj") for key in checkpoint_keys(model_path))
+
+
+def checkpoint_keys(model_path: str) -> list[str]:
+    from safetensors import safe_open
+
+    index = Path(model_path) / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    keys: list[str] = []
+    for f in safetensors_files(model_path):
+        with safe_open(str(f), framework="pt") as fh:
+            keys.extend(fh.keys())
+    return keys
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,7 +146,8 @@ def dequantized(
 def load_weights(model: MoeCausalLM, model_path: str) -> None:
     """Copy every checkpoint tensor into its place; refuse unknown, misshapen or missing ones.
     MXFP4 experts are dequantized to the model's dtype on the way, unless the model keeps them
-    packed (ModelConfig.experts_mxfp4); block-FP8 weights always are (models/quantization.py)."""
+    packed (ModelConfig.experts_mxfp4); block-FP8 weights too, unless they are experts the
+    model keeps in FP8 (ModelConfig.experts_fp8, models/quantization.py)."""
     filled: dict[int, int] = {}  # id(parameter) -> elements written
     for target, source in placed_tensors(model, model_path):
         target.copy_(source)
@@ -140,7 +164,8 @@ def placed_tensors(
     the meta device: its views then say where each tensor goes (models/shard.py)."""
     dtype, packed = model.embed_tokens.dtype, model.cfg.experts_mxfp4
     tensors = iter_tensors(safetensors_files(model_path))
-    tensors = fp8_weights(tensors, model.cfg.weights_fp8, dtype, model_path)
+    mode, keep = model.cfg.weights_fp8, model.cfg.experts_fp8
+    tensors = fp8_weights(tensors, mode, dtype, model_path, keep_experts=keep)
     for key, tensor in dequantized(tensors, dtype, packed=packed):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
@@ -255,6 +280,8 @@ def _expert_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
     I = mlp.w2.shape[2]
     if mlp.cfg.experts_layout == "interleaved_in_out":
         return _interleaved_targets(mlp, parts, t)
+    if mlp.cfg.experts_fp8:
+        return _fp8_targets(mlp, parts, t)
     if parts == ["gate_up_proj"]:
         return [(mlp.w13, t)]
     if parts == ["down_proj"]:
@@ -307,6 +334,38 @@ def _packed_targets(mlp: SparseMoE, name: str, t: torch.Tensor | Mxfp4Weight):
     return [(mlp.w2.blocks, t.blocks), (mlp.w2.scales, t.scales)]
 
 
+def _fp8_targets(mlp: SparseMoE, parts: list[str], t: torch.Tensor):
+    """Block-FP8 experts kept as codes and scales (ModelConfig.experts_fp8): a tensor of codes
+    into the rows of Fp8Weight.codes its bf16 twin would fill (fused ones as they are: [E, 2I, H]
+    and [E, H, I], moelora's layout), its X_scale_inv into the same blocks' rows of scale_inv.
+    A per-expert gate and up each fill their half of w13's grid, which starts on a block."""
+    name = ".".join(parts)
+    scales = name.endswith(SCALE_SUFFIX)
+    name = name.removesuffix(SCALE_SUFFIX)
+    w13, w2 = mlp.w13, mlp.w2
+    w13, w2 = (w13.scale_inv, w2.scale_inv) if scales else (w13.codes, w2.codes)
+    if not scales and t.dtype != FP8_DTYPE:
+        raise ModelConfigError(
+            f"checkpoint weight 'experts.{name}' is {t.dtype}: expected float8_e4m3fn codes "
+            f"with a {SCALE_SUFFIX}, as the model keeps its experts in block FP8"
+        )
+    e, _, rest = name.partition(".")
+    if name in ("gate_up_proj", "down_proj"):
+        return [(w13 if name == "gate_up_proj" else w2, t)]
+    if not e.isdigit() or int(e) >= w13.shape[0] or rest not in _FP8_EXPERT:
+        return None
+    if rest == "down_proj.weight":
+        return [(w2[int(e)], t)]
+    if mlp.w2.shape[2] % FP8_BLOCK[0]:  # engine/build.py keeps these from such a model
+        raise ModelConfigError(
+            f"checkpoint weight 'experts.{name}': gate and up stored apart, expert intermediate "
+            f"size {mlp.w2.shape[2]} not a multiple of {FP8_BLOCK[0]}: their blocks cannot share "
+            "the fused MoE's one grid of scales"
+        )
+    half, s = w13.shape[1] // 2, _FP8_EXPERT[rest]
+    return [(w13[int(e), s * half : (s + 1) * half], t)]
+
+
 def _deinterleave(t: torch.Tensor, *, dim: int) -> torch.Tensor:
     """Alternate entries along dim (gate, up, gate, up, ...) -> all gates, then all ups."""
     n = t.shape[dim]
@@ -350,6 +409,12 @@ def fill_dummy(model: MoeCausalLM, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
+        elif p.dtype == FP8_DTYPE:  # FP8 experts' codes, one expert at a time: e4m3's range
+            for codes in p:
+                full = torch.empty(codes.shape, device=codes.device)
+                codes.copy_(full.uniform_(-FP8_MAX, FP8_MAX, generator=gen))
+        elif name.endswith(SCALE_SUFFIX):  # their scales: weights within +-0.02 as the rest
+            p.fill_(0.02 / FP8_MAX)
         elif name.endswith("_blocks"):  # MXFP4 experts, made packed: every code
             p.random_(0, 256, generator=gen)
         elif name.endswith("_scales"):  # 2^-8 .. 2^-6 times codes of mean size 2.25: ~0.02

@@ -10,9 +10,12 @@ lm_head, whatever a release lists in modules_to_not_convert) is read as it is. `
 fp8` block-quantizes a bf16 or float32 checkpoint's experts and projections at load by the same
 recipe, so the model is its block-quantized twin.
 
-Until FP8 kernels exist, FP8 weights are dequantized at load to the model's dtype: on the CPU (the
-reference path, bit for bit as transformers reads them) and, as the correct fallback, on CUDA
-(which then holds them in bf16).
+The experts stay block-FP8 where the engine's kernels take them so (ModelConfig.experts_fp8,
+engine/build.py: one rank, w13's halves on the grid the fused MoE reads): their codes and scales
+pass through here, a checkpoint's as stored and online ones quantized, into the model's
+Fp8Weight (layers/moe.py). Every other FP8 weight, and the experts elsewhere, are dequantized at
+load to the model's dtype: on the CPU (the reference path, bit for bit as transformers reads
+them) and, as the correct fallback, on CUDA (which then holds them in bf16).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ _ONLINE = re.compile(
     r"|experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
     r"|experts\.(gate_up_proj|down_proj)"
     r"|mlp\.(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight)$"
+)
+# the routed experts' weights (per expert, Mixtral's w1/w3/w2, or fused): what a model with
+# ModelConfig.experts_fp8 takes as codes and scales
+_EXPERTS = re.compile(
+    r"\.experts\.(\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight|gate_up_proj|down_proj)$"
 )
 
 
@@ -105,26 +113,35 @@ def with_quantization(
         if mc.weights_fp8 == "none":
             mc = replace(mc, weights_fp8="online")
     if mc.weights_fp8 != "none" and device.type == "cuda":
-        # no FP8 kernels yet: dequantizing at load is the correct fallback, at bf16's memory
+        # no FP8 GEMM for the projections: dequantizing at load is the correct fallback
         log.warning(
-            "block-FP8 weights (%s) are dequantized to the model's dtype at load: FP8 kernels "
-            "are not implemented yet, so they take bf16 memory on the GPU",
+            "block-FP8 weights (%s): attention's projections and the dense and shared experts' "
+            "MLPs are dequantized to the model's dtype at load (bf16 memory on the GPU); the "
+            "routed experts stay FP8 where the kernels keep them (one rank), dequantized too "
+            "otherwise",
             mc.weights_fp8,
         )
     return mc
 
 
 def fp8_weights(
-    tensors: Iterator[tuple[str, torch.Tensor]], mode: str, dtype: torch.dtype, where: str
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    mode: str,
+    dtype: torch.dtype,
+    where: str,
+    *,
+    keep_experts: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model takes them, by ModelConfig.weights_fp8 (`mode`):
     block-FP8 pairs dequantized to dtype ("checkpoint"), the experts and projections quantized
-    and dequantized again ("online"); a float8 tensor is refused unless the config says fp8."""
+    and dequantized again ("online"); a float8 tensor is refused unless the config says fp8.
+    keep_experts (ModelConfig.experts_fp8): the routed experts come out as (X, codes) and
+    (X_scale_inv, float32 scales) instead, checked or quantized by the same rules."""
     if mode == "checkpoint":
-        return _dequantized(tensors, dtype, where)
+        return _dequantized(tensors, dtype, where, keep_experts=keep_experts)
     checked = _without_fp8(tensors, where)
     if mode == "online":
-        return _round_tripped(checked, dtype)
+        return _round_tripped(checked, dtype, keep_experts=keep_experts)
     return checked
 
 
@@ -137,10 +154,14 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 def _dequantized(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, where: str
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    where: str,
+    *,
+    keep_experts: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(X, codes) and (X_scale_inv, scales), in either order and any shards -> (X, X
-    dequantized to dtype); every other tensor as it is."""
+    dequantized to dtype), or, for kept experts, both checked; every other tensor as it is."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors:
         if key.endswith(SCALE_SUFFIX):
@@ -154,7 +175,12 @@ def _dequantized(
         pair[kind] = t
         if len(pair) == 2:
             del waiting[base]
-            yield base, _dequantize_pair(base, pair["codes"], pair["scales"], dtype, where)
+            codes, scales = _checked_pair(base, pair["codes"], pair["scales"], where)
+            if keep_experts and _EXPERTS.search(base):
+                yield base, codes
+                yield base + SCALE_SUFFIX, scales.to(torch.float32)
+            else:
+                yield base, dequantize_fp8_block(codes, scales, dtype)
     for base, pair in waiting.items():
         if "codes" in pair:
             raise ModelConfigError(
@@ -166,9 +192,10 @@ def _dequantized(
         )
 
 
-def _dequantize_pair(
-    base: str, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, where: str
-) -> torch.Tensor:
+def _checked_pair(
+    base: str, codes: torch.Tensor, scales: torch.Tensor, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) as they came, once they are e4m3 codes with a float scale per block."""
     if codes.dtype != FP8_DTYPE:
         raise ModelConfigError(
             f"{where}: checkpoint weight {base!r} is {_dtype_name(codes)}: expected "
@@ -192,7 +219,7 @@ def _dequantize_pair(
             f"expected {expected}: one scale per 128x128 block of {base!r} "
             f"{tuple(codes.shape)}"
         )
-    return dequantize_fp8_block(codes, scales, dtype)
+    return codes, scales
 
 
 def _without_fp8(
@@ -209,12 +236,18 @@ def _without_fp8(
 
 
 def _round_tripped(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, *, keep_experts: bool
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The experts and projections block-quantized as stored (a per-expert checkpoint's gate and
     up each on their own, a fused one's gate_up whole, as a release quantizes that layout) and
-    dequantized to dtype; every other tensor as it is."""
+    dequantized to dtype, or, for kept experts, (X, codes) and (X_scale_inv, scales) as a
+    block-FP8 checkpoint stores them; every other tensor as it is."""
     for key, t in tensors:
-        if _ONLINE.search(key) and t.is_floating_point():
-            t = dequantize_fp8_block(*quantize_fp8_block(t), dtype)
-        yield key, t
+        if not (_ONLINE.search(key) and t.is_floating_point()):
+            yield key, t
+        elif keep_experts and _EXPERTS.search(key):
+            codes, scales = quantize_fp8_block(t)
+            yield key, codes
+            yield key + SCALE_SUFFIX, scales
+        else:
+            yield key, dequantize_fp8_block(*quantize_fp8_block(t), dtype)
