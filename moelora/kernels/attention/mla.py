@@ -38,7 +38,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention.paged import LOG2_E, attention_work
+from moelora.kernels.attention.paged import (
+    LOG2_E,
+    MAX_SPLITS,
+    PROGRAMS_PER_SM,
+    _split_len,
+    attention_work,
+)
 from moelora.kernels.mla import absorbed_attention
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
@@ -70,15 +76,6 @@ PREFILL_CONFIG = MlaConfig(block_h=16, block_m=32, block_n=32, num_warps=8, num_
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast; prefill heads
 # in blocks of 2 so that small tests have several head blocks.
 INTERPRETER_CONFIG = MlaConfig(block_h=2, block_m=16, block_n=16, num_warps=1, num_stages=1)
-MAX_SPLITS = 64
-PROGRAMS_PER_SM = 4  # a split decode aims at this many programs per multiprocessor
-
-
-@triton.jit
-def _split_len(kv_len, num_splits, BLOCK_N: tl.constexpr):
-    # Both kernels must agree on this: whole tiles, at least one, so seq_len 0 has no splits.
-    per_split = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(per_split, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_rows"])  # one compile for all batch sizes
