@@ -63,7 +63,7 @@ class Hot:
     name: str
     path: str
     loaded: bool = False
-    draining: bool = False  # an unload was refused (409): no new request picks it
+    draining: bool = False  # an unload is under way (or was refused, 409): no new request picks it
     unloads_begun: int = 0  # a request sent before an unload began may get 404: expected
     ever_loaded: bool = False
 
@@ -448,6 +448,9 @@ async def load_hot(t: Traffic) -> None:
 async def unload_hot(t: Traffic) -> None:
     hot = t.hot
     hot.unloads_begun += 1
+    # no request picks it from here on: one picked while the unload is on its way would carry
+    # this count, and its 404 would look unexpected
+    hot.draining = True
     # its requests sent before the deadline, each answered within request_timeout
     give_up = max(t.deadline, time.monotonic()) + t.profile.request_timeout
     while True:
@@ -456,7 +459,6 @@ async def unload_hot(t: Traffic) -> None:
             break
         t.tally.outcomes["adapter ops", "4xx expected"] += 1
         t.tally.events["unload refused 409 (in use)"] += 1
-        hot.draining = True
         if time.monotonic() > give_up:
             t.tally.problem("unload: still 409 after its requests had time to drain", r.text)
             hot.draining = False
@@ -464,7 +466,8 @@ async def unload_hot(t: Traffic) -> None:
         await asyncio.sleep(0.2)
     if classify(t, "adapter ops", r, None) == "2xx":
         t.tally.events["unload"] += 1
-        hot.loaded = hot.draining = False
+        hot.loaded = False
+    hot.draining = False
 
 
 async def sampler(t: Traffic) -> None:
