@@ -313,11 +313,14 @@ def run_workload(
     n, vocab = setup.requests, engine.model_config.vocab_size
     which = adapter_of_requests(w, n, s=setup.zipf_s, seed=setup.seed)
     loras = [names[j] for j in which]
-    warm = random_prompts(vocab, setup.warm_requests, setup.input_len, seed=setup.seed + 2)
+    # a tagged pass draws other prompts: the same ones would hit the pages the untagged pass's
+    # prefix cache keeps, and the two passes would no longer be the same workload
+    seed = setup.seed + (100 if tag else 0)
+    warm = random_prompts(vocab, setup.warm_requests, setup.input_len, seed=seed + 2)
     warm_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     warm_requests = [(f"{w.key}{tag}-warm-{i}", p, loras[i]) for i, p in enumerate(warm)]
     drive(engine, dataclasses.replace(setup, request_rate=None), warm_requests, warm_params)
-    prompts = random_prompts(vocab, n, setup.input_len, seed=setup.seed + 3)
+    prompts = random_prompts(vocab, n, setup.input_len, seed=seed + 3)
     params = SamplingParams(max_tokens=setup.output_len, temperature=0, ignore_eos=True)
     requests = [(f"{w.key}{tag}-{i}", p, loras[i]) for i, p in enumerate(prompts)]
     before = engine.stats()
@@ -618,8 +621,14 @@ def result_line(r: Result) -> str:
     return (
         f"{r.workload.key:>8}: {r.tok_s:9.1f} output tok/s, TTFT p99 "
         f"{ms(percentile(r.trace.ttft_s, 99))} ms, longest step {ms(max(r.trace.step_s))} ms, "
-        f"{r.fills.lora_fills} fills"
+        f"{r.fills.lora_fills} fills; longest steps (index: ms) {longest_steps(r.trace.step_s)}"
     )
+
+
+def longest_steps(step_s: tuple[float, ...], k: int = 3) -> str:
+    """The k longest step() calls by index, so a lone slow step can be told from slow steps."""
+    order = sorted(range(len(step_s)), key=lambda i: -step_s[i])[:k]
+    return ", ".join(f"{i}: {ms(step_s[i])}" for i in sorted(order))
 
 
 def percentile(values: tuple[float, ...], q: float) -> float | None:
@@ -655,8 +664,8 @@ def report(setup: Setup, run: Run, seconds: float) -> list[str]:
         f"{setup.output_len} out), greedy, ignore_eos, {arrival}, run by Engine.step() until "
         f"all finish, after a warm-up of {setup.warm_requests} other prompts (2 tokens each) on "
         f"the same adapters (and, for {setup.workloads[0].key}, an untimed pass of the whole "
-        "workload first: kernels compile); cycle: request i on adapter i % N; zipf: adapter "
-        "drawn with "
+        "workload first on other prompts: kernels compile); cycle: request i on adapter i % N; "
+        "zipf: adapter drawn with "
         f"P(j) ~ 1 / (j + 1)^{setup.zipf_s:g} (seed {setup.seed})",
         f"- adapters: random weights on attention and every expert, {setup.distinct} distinct "
         "ones per rank drawn into host memory and page-locked once; a workload's N names are "

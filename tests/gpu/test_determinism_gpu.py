@@ -24,6 +24,7 @@ SHAPE = dict(
     num_key_value_heads=2,
     num_experts=16,
     moe_intermediate_size=128,
+    max_position_embeddings=1024,  # prompts of up to 600 tokens and their outputs
 )
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
 
