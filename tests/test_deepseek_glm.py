@@ -3,7 +3,7 @@ tokens equal, logprobs within 1e-4 (models and adapters: mla_fixtures.py). Then 
 parts must keep: the grouped routing equals transformers' routers, the MLA reference equals
 attention over the expanded keys and values, the latent cache holds 576 values a token for V3,
 chunked prefill, prefix-cache hits and preemption change nothing, MTP layers are skipped at
-load, several ranks refuse them, and so does the config reading what
+load, the GPU kernel table and several ranks refuse them, and so does the config reading what
 is not served, naming the field."""
 
 from __future__ import annotations
@@ -333,7 +333,7 @@ def test_the_softmax_scale_is_transformers(shape: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("arch", mf.ARCHS)
-def test_several_ranks_refuse_them(fx: FamilyFixtures, arch: str) -> None:
+def test_the_gpu_kernel_table_and_several_ranks_refuse_them(fx: FamilyFixtures, arch: str) -> None:
     from moelora.errors import ConfigError, ModelConfigError
     from moelora.kernels.ops import REFERENCE_OPS
     from moelora.models.model import check_kernels
@@ -343,7 +343,8 @@ def test_several_ranks_refuse_them(fx: FamilyFixtures, arch: str) -> None:
 
     mc, _ = read_model_config(str(fx.model(arch)))
     check_kernels(mc, REFERENCE_OPS)
-    check_kernels(mc, dataclasses.replace(REFERENCE_OPS, name="triton-x"))  # one rank: served
+    with pytest.raises(ModelConfigError, match=rf"{arch} is not supported on triton-x kernels"):
+        check_kernels(mc, dataclasses.replace(REFERENCE_OPS, name="triton-x"))
     two = dataclasses.replace(REFERENCE_OPS, shard=Shard(rank=0, size=2))
     with pytest.raises(ModelConfigError, match=r"tensor_parallel_size=2 is not supported"):
         check_kernels(mc, two)

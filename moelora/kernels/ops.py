@@ -148,13 +148,18 @@ def triton_ops(
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
-        # the latent attention's kernel, the absorption and kv_b's LoRA in torch around it
+        # the latent attention's kernel, the absorption and kv_b's LoRA in torch around it; models
+        # with MLA are still refused with this table (models/model.py) until their engines pass
+        # the family tests on a device (the kernels alone passed tests/gpu)
         mla_attention=mla_attention,
+        # models/model.py refuses hybrid models with this table until their engines pass the
+        # family tests on a device
         causal_conv1d=conv.causal_conv1d,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
         keeps_mxfp4=True,
-        # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py)
+        # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py); tests/test_fp8.py and
+        # test_fp8_kept.py pass on --moelora-device=cuda with it
         keeps_fp8=True,
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables

@@ -78,18 +78,25 @@ class MoeCausalLM(nn.Module):
 
 
 def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
-    """What the ranks cannot run yet: MLA, grouped routing and partial rotary (the DeepSeek
-    family, GLM-4.5) and gated DeltaNet (Qwen3-Next, Qwen3.5) run on one rank only (their
-    shards are not written)."""
-    needs = one_rank_only(cfg)
+    """What the kernel table and the ranks cannot run yet: MLA, grouped routing and partial
+    rotary (the DeepSeek family, GLM-4.5) and gated DeltaNet (Qwen3-Next, Qwen3.5) run on the
+    torch reference kernels, on one rank, until their engines on the Triton table have passed
+    the family tests on a device (--moelora-device=cuda); their kernels alone pass tests/gpu."""
+    needs = reference_only(cfg)
+    if needs and ops.name != "torch":
+        raise ModelConfigError(
+            f"{cfg.arch} is not supported on {ops.name} kernels: its {', '.join(needs)} has "
+            "not passed its GPU tests yet; expected device='cpu' (or "
+            "force_reference_kernels=True)"
+        )
     if needs and ops.shard.size > 1:
         raise ModelConfigError(
             f"tensor_parallel_size={ops.shard.size} is not supported for {cfg.arch}: expected 1"
         )
 
 
-def one_rank_only(cfg: ModelConfig) -> list[str]:
-    """What of cfg only one rank runs for now."""
+def reference_only(cfg: ModelConfig) -> list[str]:
+    """What of cfg only the torch reference kernels on one rank run for now."""
     parts = (
         ("multi-head latent attention", cfg.mla is not None),
         ("grouped routing", cfg.routing is not None),
