@@ -53,7 +53,9 @@ class FamilyFixtures:
         if arch in self._llms and not kwargs:
             return self._llms[arch]
         loras = {name: str(path) for name, path in self.adapters(arch).items()}
-        options = {**self.options, **kwargs}
+        # several engines live at once on a GPU: no sizing from free memory
+        sized = {"num_pages": 64} if self.device != "cpu" else {}
+        options = {**sized, **self.options, **kwargs}
         llm = LLM(
             str(self.model(arch)),
             lora_modules=loras,

@@ -274,6 +274,14 @@ def fp8_engines(bank: FixtureBank):
     return get
 
 
+def dense(w) -> torch.Tensor:
+    """An engine's experts as float32 on the CPU: where the GPU's kernels keep block-FP8
+    experts as codes and scales (Fp8Weight), dequantized as the kernels read them."""
+    from moelora.kernels.reference import dense_experts
+
+    return dense_experts(w, torch.float32).cpu()
+
+
 @pytest.mark.parametrize("arch,layout", CASES)
 def test_engine_weights_are_transformers_dequantized(bank, fp8_engines, arch, layout) -> None:
     """The engine's experts and q/k/v are the weights transformers dequantized, to the bit."""
@@ -283,8 +291,8 @@ def test_engine_weights_are_transformers_dequantized(bank, fp8_engines, arch, la
     for i, layer in enumerate(model.layers):
         prefix = f"model.layers.{i}"
         experts = f"{prefix}.mlp.experts"
-        assert torch.equal(layer.mlp.w13.cpu(), ref[f"{experts}.gate_up_proj"]), i
-        assert torch.equal(layer.mlp.w2.cpu(), ref[f"{experts}.down_proj"]), i
+        assert torch.equal(dense(layer.mlp.w13), ref[f"{experts}.gate_up_proj"]), i
+        assert torch.equal(dense(layer.mlp.w2), ref[f"{experts}.down_proj"]), i
         qkv = [ref[f"{prefix}.self_attn.{p}_proj.weight"] for p in "qkv"]
         assert torch.equal(layer.self_attn.qkv_proj.weight.cpu(), torch.cat(qkv)), i
         assert not torch.equal(ref[f"{experts}.down_proj"], plain[f"{experts}.down_proj"])
@@ -335,7 +343,7 @@ def test_ragged_blocks_load_on_the_release_grid(bank: FixtureBank) -> None:
             assert scales.shape[1:] == ((3, 1) if name == "gate_up_proj" else (1, 2))
             per_element = scales.repeat_interleave(128, 1).repeat_interleave(128, 2)
             want = codes.float() * per_element[:, : codes.shape[1], : codes.shape[2]]
-            assert torch.equal(param.cpu(), want), key
+            assert torch.equal(dense(param), want), key
 
 
 # ---------------------------------------------------------------------------------------------

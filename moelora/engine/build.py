@@ -370,6 +370,15 @@ def _capture_graphs(
         return
     if ops.name == "torch":
         return
+    if runner.model.cfg.mla is not None and cfg.enable_lora:
+        # kernels/mla.absorbed_attention finds the step's kv_b_proj slots on the host, which a
+        # capture cannot hold
+        log.warning(
+            "%s with enable_lora runs every step eagerly: kv_b_proj's LoRA under absorbed "
+            "MLA is not capturable yet",
+            runner.model.cfg.arch,
+        )
+        return
     from moelora.kernels.attention.paged import DENSE_FROM  # Triton: CUDA only
 
     runner.capture_graphs(

@@ -149,16 +149,18 @@ def triton_ops(
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
         # the latent attention's kernel, the absorption and kv_b's LoRA in torch around it; models
-        # with MLA are still refused with this table (models/model.py) until tests/gpu pass
+        # with MLA are still refused with this table (models/model.py) until their engines pass
+        # the family tests on a device (the kernels alone passed tests/gpu)
         mla_attention=mla_attention,
-        # models/model.py refuses hybrid models with this table until these pass on a device
+        # models/model.py refuses hybrid models with this table until their engines pass the
+        # family tests on a device
         causal_conv1d=conv.causal_conv1d,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
         keeps_mxfp4=True,
-        # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py), but those loops have not
-        # passed tests/gpu on a device yet: kept off until they do
-        keeps_fp8=False,
+        # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py); tests/test_fp8.py and
+        # test_fp8_kept.py pass on --moelora-device=cuda with it
+        keeps_fp8=True,
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,

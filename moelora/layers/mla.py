@@ -75,7 +75,7 @@ class MlaAttention(nn.Module):
         latent, k_pe = kv.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)[0]
         latent_cache, rope_cache = kv_cache
-        q_pe, _ = self.ops.rope_store_kv(
+        q_pe, k_pe = self.ops.rope_store_kv(
             self._rope_order(q_pe),
             self._rope_order(k_pe).view(T, 1, -1),
             batch.positions,
@@ -84,11 +84,8 @@ class MlaAttention(nn.Module):
             None,
             None,
             self.cfg.rms_norm_eps,
-            v=latent.view(T, 1, -1),  # the latent is the "value" the cache keeps
-            k_cache=rope_cache,
-            v_cache=latent_cache,
-            slot_mapping=batch.attn.slot_mapping,
         )
+        store_latent(latent, k_pe.view(T, -1), latent_cache, rope_cache, batch.attn.slot_mapping)
         out = self.ops.mla_attention(
             q_nope,
             q_pe,
@@ -106,6 +103,21 @@ class MlaAttention(nn.Module):
         """x [..., R] with DeepSeek's adjacent rotary pairs made halves, which the rotate-half
         tables rotate as transformers does (q and k alike: their dot products are unchanged)."""
         return x if self.rope_order is None else x[..., self.rope_order]
+
+
+def store_latent(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Token t's latent [T, L] and rotated key [T, R] into cache slot slot_mapping[t]. A row
+    not stored (slot -1) lands in the last row of the spare last page, which no sequence reads
+    unmasked: no host read, so a graph captures it (the kernels' store_kv takes K and V of one
+    size; here the two differ)."""
+    latent_cache.flatten(0, 1)[slot_mapping, 0] = latent.to(latent_cache.dtype)
+    rope_cache.flatten(0, 1)[slot_mapping, 0] = k_pe.to(rope_cache.dtype)
 
 
 def _deinterleaved(size: int) -> torch.Tensor:

@@ -80,8 +80,8 @@ class MoeCausalLM(nn.Module):
 def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
     """What the kernel table and the ranks cannot run yet: MLA, grouped routing and partial
     rotary (the DeepSeek family, GLM-4.5) and gated DeltaNet (Qwen3-Next, Qwen3.5) run on the
-    torch reference kernels, on one rank, until their Triton paths (kernels/attention/mla.py,
-    kernels/linear_attention/) have passed tests/gpu on a device."""
+    torch reference kernels, on one rank, until their engines on the Triton table have passed
+    the family tests on a device (--moelora-device=cuda); their kernels alone pass tests/gpu."""
     needs = reference_only(cfg)
     if needs and ops.name != "torch":
         raise ModelConfigError(
