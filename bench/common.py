@@ -29,11 +29,17 @@ from pathlib import Path
 import torch
 
 from moelora import LLM
-from moelora.config import EngineConfig
+from moelora.config import EngineConfig, ModelConfig
 from moelora.engine.engine import Engine
+from moelora.kernels.fp8_block import fp8_block_bytes
 from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
 from moelora.lora.adapter import random_adapter
-from moelora.models.shapes import MXFP4_QUANTIZATION, shape_config, write_config_folder
+from moelora.models.shapes import (
+    FP8_QUANTIZATION,
+    MXFP4_QUANTIZATION,
+    shape_config,
+    write_config_folder,
+)
 from moelora.sampling_params import SamplingParams
 from moelora.step.batch import HostBatch
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights
@@ -348,14 +354,20 @@ def random_weights_llm(
     return llm, names
 
 
-def model_folder(layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False) -> str:
+def model_folder(
+    layers: int | None, shape: str = "qwen3-30b-a3b", *, mxfp4: bool = False, fp8: bool = False
+) -> str:
     """A model folder holding only the named shape's config.json (moelora.models.shapes), with
     `layers` layers (None: the shape's own): the engine fills the weights at random
     (load_format="dummy"). mxfp4: with the GPT-OSS release's quantization_config, so a CUDA
-    engine makes the experts packed MXFP4."""
+    engine makes the experts packed MXFP4; fp8: with the block-FP8 one, so an engine whose
+    kernels keep FP8 experts makes them e4m3 codes and scales (experts_held says which)."""
+    assert not (mxfp4 and fp8), "one format of the experts"
     config = shape_config(shape, num_layers=layers)
     if mxfp4:
         config["quantization_config"] = dict(MXFP4_QUANTIZATION)
+    if fp8:
+        config["quantization_config"] = dict(FP8_QUANTIZATION)
     return str(write_config_folder(config, tempfile.mkdtemp(prefix=f"moelora-{shape}-")))
 
 
@@ -420,21 +432,17 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep
 def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
     """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
 
-    Experts: each distinct expert a layer routes to, once, in bf16 or, packed, in MXFP4 (code
-    and scale bytes). LoRA: per active slot the attention A/B at the real rank, and per distinct
-    (slot, expert) pair that expert's A/B.
+    Weights: weight_bytes, the experts touched counted from the batch's real routing. LoRA: per
+    active slot the attention A/B at the real rank, and per distinct (slot, expert) pair that
+    expert's A/B.
     """
     mc, elem, r = engine.model_config, 2, RANK
     H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
-    expert = mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I) if mc.experts_mxfp4 else 3 * H * I * elem
     qkv = mc.q_size + 2 * mc.kv_size
-    slots = step.inputs.slot_of_token.long().to(DEV) if engine.config.enable_lora else None
-    attn = (H * qkv + mc.q_size * H) * elem
-    model, lora = mc.vocab_size * H * elem, 0  # the lm_head (the embedding reads B rows only)
-    for ids in step.routed_experts():
-        model += attn + E * H * elem + int(ids.unique().numel()) * expert
-        if slots is None:
-            continue
+    routed = step.routed_experts()
+    model, lora = weight_bytes(mc, [int(ids.unique().numel()) for ids in routed]), 0
+    for ids in routed if engine.config.enable_lora else ():
+        slots = step.inputs.slot_of_token.long().to(ids.device)
         active = slots >= 0
         pairs = (slots[:, None] * E + ids.long())[active].unique().numel()
         lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
@@ -445,6 +453,60 @@ def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
         kv_tokens = int((seq_lens.clamp(max=mc.sliding_window) if sliding else seq_lens).sum())
         model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem
     return model, lora
+
+
+def weight_bytes(mc: ModelConfig, experts_touched: list[int]) -> int:
+    """Weight bytes a decode step reads at least once, experts_touched[j] distinct routed experts
+    in the j-th MoE layer: the lm_head (the embedding reads B rows only), every layer's
+    attention projections (counted as GQA's), and a layer's dense MLP or its router, shared
+    expert and those experts (expert_bytes). All but the routed experts are bf16: a block-FP8
+    model dequantizes its other weights at load."""
+    H, elem = mc.hidden_size, 2
+    assert len(experts_touched) == sum(mc.sparse_layers), (experts_touched, mc.sparse_layers)
+    attention = (H * (mc.q_size + 2 * mc.kv_size) + mc.q_size * H) * elem
+    dense = 3 * H * mc.intermediate_size * elem
+    router_and_shared = (mc.num_experts * H + 3 * H * mc.shared_expert_intermediate_size) * elem
+    total = mc.vocab_size * H * elem + mc.num_layers * attention
+    total += (mc.num_layers - len(experts_touched)) * dense
+    return total + sum(router_and_shared + n * expert_bytes(mc) for n in experts_touched)
+
+
+def expert_bytes(mc: ModelConfig) -> int:
+    """Bytes of one routed expert, w13 [2I, H] and w2 [H, I], as the model holds them: packed
+    MXFP4 (codes and scales); block FP8 (a byte a code, a float32 scale per 128x128 block of
+    w13's one grid and of w2's, as kernels/fp8_block.Fp8Weight holds them); else bf16."""
+    H, I = mc.hidden_size, mc.moe_intermediate_size
+    if mc.experts_mxfp4:
+        return mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I)
+    if mc.experts_fp8:
+        return fp8_block_bytes(2 * I, H) + fp8_block_bytes(H, I)
+    return 3 * H * I * 2
+
+
+def experts_held(mc: ModelConfig) -> str:
+    """How a built engine holds its routed experts (its resolved ModelConfig), for a result's
+    title: read from the engine, so that a figure is never labelled FP8 where its kernels did
+    not keep FP8 experts, or it ran on several ranks (it holds them in the model's dtype)."""
+    if mc.experts_fp8:
+        return "FP8 experts (block 128x128)"
+    if mc.experts_mxfp4:
+        return "MXFP4 experts"
+    if mc.weights_fp8 != "none":
+        return "block-FP8 model, experts dequantized at load (not kept FP8)"
+    return "bf16 experts"
+
+
+def built_experts(mc: ModelConfig) -> str:
+    """experts_held(mc) of an engine just built, printed as a note too where a block-FP8 model's
+    experts were dequantized."""
+    held = experts_held(mc)
+    if mc.weights_fp8 != "none" and not mc.experts_fp8:
+        print(
+            f"note: {held}: the engine's kernels do not keep FP8 experts, or it runs on several "
+            "ranks; its figures are those of experts in the model's dtype",
+            flush=True,
+        )
+    return held
 
 
 def time_step(step: PlannedStep, *, eager: bool, device: str = DEV) -> float:

@@ -9,6 +9,11 @@ experts touched are counted from the batch's real routing.
 
     PYTHONPATH=. python bench/decode.py [--shape gpt-oss-20b] [--layers 48] [--batches 1 8 64]
     PYTHONPATH=. python bench/decode.py --shape gpt-oss-120b --mxfp4  # experts packed MXFP4
+    PYTHONPATH=. python bench/decode.py --fp8  # experts block-FP8, where the kernels keep them
+
+--fp8 writes the block-FP8 quantization_config into the shape's config (glm-4.5-air-fp8 has it
+already). The title says how the engine holds the experts (common.built_experts): where its
+kernels do not keep FP8 experts they are dequantized to bf16 at load, and the run says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from common import (
     RANK,
     adapters_of,
     add_random_adapters,
+    built_experts,
     capture_seconds,
     copy_bandwidth,
     decode_batch,
@@ -41,6 +47,13 @@ from moelora.kernels.pdl import pdl_kwargs
 from moelora.models.shapes import SHAPES
 
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
+# the weights' dtypes, by how the engine holds the experts (experts_held)
+DTYPES = {
+    "bf16 experts": "bf16",
+    "MXFP4 experts": "bf16, the experts MXFP4 (packed; the floor counts their bytes)",
+    "FP8 experts (block 128x128)": "bf16, the experts block FP8 (e4m3 codes and a float32 scale "
+    "per 128x128 block; the floor counts both)",
+}
 
 
 def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, batches):
@@ -60,7 +73,7 @@ def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_to
             engine.abort_request(request_id)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, help="default: the shape's own")
@@ -68,11 +81,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
-    parser.add_argument(
+    experts = parser.add_mutually_exclusive_group()
+    experts.add_argument(
         "--mxfp4",
         action="store_true",
         help="the release's MXFP4 quantization_config in the shape's config (gpt-oss shapes): "
         "random experts made packed on the GPU, the floor counting their MXFP4 bytes",
+    )
+    experts.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the block-FP8 quantization_config in the shape's config: random experts made e4m3 "
+        "codes with a float32 scale per 128x128 block where the kernels keep them FP8 (else "
+        "dequantized to bf16, as the result says), the floor counting codes and scales",
     )
     parser.add_argument(
         "--projections",
@@ -80,22 +101,26 @@ def parse_args() -> argparse.Namespace:
         default="batch-invariant",
         help="EngineConfig.projections",
     )
-    args = parser.parse_args()
-    if args.mxfp4 and SHAPES[args.shape].get("model_type") != "gpt_oss":
+    args = parser.parse_args(argv)
+    gpt_oss = SHAPES[args.shape].get("model_type") == "gpt_oss"
+    if args.mxfp4 and not gpt_oss:
         parser.error(f"--mxfp4 is for the gpt-oss shapes, not --shape {args.shape}")
+    if args.fp8 and gpt_oss:
+        parser.error("--fp8 is not for the gpt-oss shapes (their experts are MXFP4: --mxfp4)")
     return args
 
 
 def main() -> None:
     args = parse_args()
     eager = not args.no_eager
-    folder = model_folder(args.layers, args.shape, mxfp4=args.mxfp4)
+    folder = model_folder(args.layers, args.shape, mxfp4=args.mxfp4, fp8=args.fp8)
     bw = copy_bandwidth()
-    rows, capture = [], {}
+    rows, capture, held = [], {}, set()
     t0 = time.perf_counter()
     if "disabled" in args.cases:
         engine = make_engine(folder, lora=False, projections=args.projections)
         capture["disabled"] = capture_seconds(engine)
+        held.add(built_experts(engine.model_config))
         measure(engine, "disabled", [], bw, rows, eager, args.batches)
         del engine
         gc.collect()
@@ -104,28 +129,26 @@ def main() -> None:
     if lora_cases:
         engine = make_engine(folder, lora=True, projections=args.projections)
         capture["lora"] = capture_seconds(engine)
+        held.add(built_experts(engine.model_config))
         names = add_random_adapters(engine, MAX_LORAS)
         for case in lora_cases:
             eager_too = eager and case == "base-only"
             measure(engine, case, names, bw, rows, eager_too, args.batches)
     print(f"total {time.perf_counter() - t0:.0f} s")
-    lines = report(args, bw, rows, capture)
+    lines = report(args, bw, rows, capture, " / ".join(sorted(held)))
     write_result("decode", lines, args.out)
     print("\n".join(lines))
 
 
-def report(args, bw: float, rows: list, capture: dict) -> list[str]:
-    weights = "random weights, MXFP4 experts" if args.mxfp4 else "random weights"
+def report(args, bw: float, rows: list, capture: dict, held: str) -> list[str]:
+    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
     lines = result_header(f"Decode step, {args.shape} shape ({weights})", bw)
     pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
     (off, off_warm), (on, on_warm) = capture.get("disabled", (0, 0)), capture.get("lora", (0, 0))
     max_bs = max(DECODE_BATCHES)
-    dtypes = (
-        "bf16, the experts MXFP4 (packed; the floor counts their bytes)" if args.mxfp4 else "bf16"
-    )
     lines += [
         f"- layers: {args.layers or 'all'} of {SHAPES[args.shape]['num_hidden_layers']}; "
-        f"{dtypes}; "
+        f"{DTYPES.get(held, f'bf16; {held}')}; "
         f"{CONTEXT} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras {MAX_LORAS}, adapters on q/k/v/o and every expert's "
         "gate/up/down",

@@ -21,9 +21,13 @@ whole engine, async scheduling on and off, on a Qwen3-30B-A3B shape with random 
 Each LoRA setting's engine is built twice in this one process, async_scheduling on, then off
 (graphs captured once per engine), and everything is measured on each.
 
-    PYTHONPATH=. python bench/e2e.py [--quick | --smoke] [--layers N] [--out PATH] [--no-structured]
+    PYTHONPATH=. python bench/e2e.py [--quick | --smoke] [--layers N] [--fp8] [--out PATH]
+        [--no-structured]
 
 --quick: B = 1 and 64, one 64 x (512 in, 128 out) workload, LoRA disabled and 8 distinct.
+--fp8: the shape's config with the block-FP8 quantization_config: the experts e4m3 codes and a
+float32 scale per 128x128 block where the engine's kernels keep them FP8, else dequantized to
+bf16 at load, as the result's title says (common.built_experts); the floor counts them as held.
 --smoke: the tiny demo shape on the CPU, a few steps: shows that the script runs end to end;
 its figures mean nothing (written to a temporary file unless --out).
 """
@@ -45,6 +49,7 @@ from common import (
     MAX_LORAS,
     RANK,
     adapters_of,
+    built_experts,
     capture_seconds,
     copy_bandwidth,
     floor_bytes,
@@ -237,6 +242,7 @@ class Build:
     async_on: bool
     seconds: float  # LLM(...) and its random adapters
     capture: tuple[float, float]  # graph capture s, of it the warm-up s
+    experts: str  # how the engine holds the experts (common.built_experts)
 
 
 # ---- engines ----------------------------------------------------------------------------
@@ -439,7 +445,8 @@ def run(setup: Setup, folder: str, bw: float | None):
             start = time.perf_counter()
             llm, names = build(setup, folder, lora=lora, async_on=async_on)
             seconds = time.perf_counter() - start
-            builds.append(Build(lora, async_on, seconds, capture_seconds(llm.engine)))
+            experts = built_experts(llm.engine.model_config)
+            builds.append(Build(lora, async_on, seconds, capture_seconds(llm.engine), experts))
             print(f"engine lora={lora} async={async_on}: built in {seconds:.1f} s", flush=True)
             for case in cases:
                 for B in setup.batches:
@@ -483,7 +490,9 @@ def print_throughput(row: Throughput) -> None:
 def report(setup: Setup, bw: float | None, results, seconds: float) -> list[str]:
     tpots, throughputs, builds, structured = results
     title = "End to end: TPOT and offline throughput, async scheduling on and off"
-    lines = result_header(f"{title}, {setup.shape} shape (random weights)", bw, device=setup.device)
+    held = " / ".join(sorted({b.experts for b in builds})) or "bf16 experts"
+    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
+    lines = result_header(f"{title}, {setup.shape} shape ({weights})", bw, device=setup.device)
     lines += [
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; engines "
         f"built with LLM(load_format='dummy'): max_num_seqs = max_graph_bs = "
@@ -566,6 +575,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--workloads", nargs="+", metavar="NxINxOUT", help="e.g. 256x512x128 (default: both)"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="block-FP8 experts where the kernels keep them"
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     parser.add_argument(
         "--no-structured", action="store_true", help="skip the structured-outputs batches"
@@ -588,7 +600,7 @@ def main() -> None:
         workloads = tuple(Workload(*map(int, w.split("x"))) for w in args.workloads)
         setup = dataclasses.replace(setup, workloads=workloads)
     start = time.perf_counter()
-    folder = model_folder(setup.layers, setup.shape)
+    folder = model_folder(setup.layers, setup.shape, fp8=args.fp8)
     bw = copy_bandwidth() if setup.device.startswith("cuda") else None
     results = run(setup, folder, bw)
     seconds = time.perf_counter() - start

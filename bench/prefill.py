@@ -19,11 +19,15 @@ random weights.
 Prefix caching is off: every prompt is computed whole.
 
     PYTHONPATH=.:bench python bench/prefill.py [--lengths N ...] [--layers N] [--profile]
-        [--pdl] [--smoke] [--out PATH]
+        [--pdl] [--fp8] [--smoke] [--out PATH]
 
 --profile: also the per-kernel GPU time of one 4096-token prefill, per layer (torch.profiler).
   It turns programmatic dependent launch off for the whole run unless --pdl is given: with it
   on, a kernel that starts early is charged its wait for the one before.
+--fp8: the shape's config with the block-FP8 quantization_config: the experts e4m3 codes and a
+  float32 scale per 128x128 block where the engine's kernels keep them FP8, else dequantized to
+  bf16 at load, as the result's title says (common.built_experts). The floor stays the bf16
+  matmul's.
 --smoke: the tiny demo shape on the CPU: shows that the script runs; its figures mean nothing.
 """
 
@@ -43,6 +47,7 @@ from common import (
     MAX_LORAS,
     RANK,
     adapters_of,
+    built_experts,
     matmul_flops_per_s,
     model_folder,
     result_header,
@@ -177,11 +182,13 @@ def random_prompts(gen: torch.Generator, vocab: int, count: int, length: int) ->
 
 
 def measure(setup: Setup, folder: str, flops_per_s: float, *, profile: bool):
-    rows, tables = [], []
+    """(rows, kernel tables, how the engines held the experts: common.built_experts)."""
+    rows, tables, held = [], [], set()
     gen = torch.Generator().manual_seed(0)
     for lora in (False, True):
         llm, names = build(setup, folder, lora=lora)
         engine, cfg = llm.engine, llm.engine.model_config
+        held.add(built_experts(cfg))
         vocab = cfg.vocab_size
         cases = [c for c in CASES if (c != "disabled") == lora]
         rows += ttft_rows(
@@ -203,7 +210,7 @@ def measure(setup: Setup, folder: str, flops_per_s: float, *, profile: bool):
         gc.collect()
         if setup.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return rows, tables
+    return rows, tables, " / ".join(sorted(held))
 
 
 def ttft_rows(engine: Engine, setup: Setup, cases, names, gen, flops_per_s) -> list[Row]:
@@ -277,9 +284,11 @@ def pdl_state() -> str:
     return "on (kernels/pdl.py)"
 
 
-def report(setup: Setup, rows: list[Row], tables, flops_per_s: float, seconds: float):
+def report(setup: Setup, results, flops_per_s: float, seconds: float):
+    rows, tables, held = results
     title = f"Prefill: TTFT and prefill throughput beside the compute floor, {setup.shape} shape"
-    lines = result_header(f"{title} (random weights)", None, device=setup.device)
+    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
+    lines = result_header(f"{title} ({weights})", None, device=setup.device)
     lines += [
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; LLM("
         f"load_format='dummy', max_num_batched_tokens {setup.max_num_batched_tokens}, "
@@ -340,6 +349,9 @@ def main() -> None:
     parser.add_argument(
         "--profile-tokens", type=int, default=4096, help="tokens of --profile's prefill"
     )
+    parser.add_argument(
+        "--fp8", action="store_true", help="block-FP8 experts where the kernels keep them"
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     if args.profile and not args.pdl:
@@ -358,10 +370,10 @@ def main() -> None:
     )
     start = time.perf_counter()
     flops_per_s = matmul_flops_per_s(setup.device)
-    folder = model_folder(setup.layers, setup.shape)
+    folder = model_folder(setup.layers, setup.shape, fp8=args.fp8)
     profile = args.profile and setup.device.startswith("cuda")
-    rows, tables = measure(setup, folder, flops_per_s, profile=profile)
-    lines = report(setup, rows, tables, flops_per_s, time.perf_counter() - start)
+    results = measure(setup, folder, flops_per_s, profile=profile)
+    lines = report(setup, results, flops_per_s, time.perf_counter() - start)
     write_result("prefill", lines, args.out, smoke=args.smoke)
     print("\n".join(lines))
 

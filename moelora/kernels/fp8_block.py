@@ -26,6 +26,12 @@ def fp8_scale_shape(shape: tuple[int, ...] | torch.Size, block=FP8_BLOCK) -> tup
     return (*lead, -(-n // block[0]), -(-k // block[1]))
 
 
+def fp8_block_bytes(n: int, k: int) -> int:
+    """Bytes of an [n, k] weight in block FP8: a byte a code, a float32 scale per block."""
+    rows, cols = fp8_scale_shape((n, k))
+    return n * k + 4 * rows * cols
+
+
 def _per_element(scale: torch.Tensor, n: int, k: int, block) -> torch.Tensor:
     """[..., ceil(N / BN), ceil(K / BK)] -> [..., N, K]: each block's scale on its elements."""
     rows = scale.repeat_interleave(block[0], dim=-2)[..., :n, :]

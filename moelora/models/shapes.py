@@ -17,6 +17,12 @@ engines from these, so a figure can be reproduced without downloading a model.
 - glm-4.5-air: zai-org/GLM-4.5-Air (128 experts, top-8, hidden 4096, 96 query and 8 KV heads of
   128, half of each head rotated) at 24 of its 46 layers: the whole model does not fit on one
   H200 in bf16 (shape_config(num_layers=46) gives the release's depth);
+- glm-4.5-air-fp8: GLM-4.5-Air whole (46 layers, 106B parameters) with FP8_QUANTIZATION as its
+  quantization_config: the largest MoE of the served families that one H200 holds only in FP8
+  (experts kept block-FP8, the rest bf16: 114 GB of weights; bf16: 214 GB). No Qwen3-MoE,
+  Mixtral, Qwen2-MoE or OLMoE release falls between: Qwen3-235B-A22B needs 235 GB in FP8,
+  Mixtral-8x22B 146 GB (no room left for a KV cache), and the others fit in bf16. An engine
+  that does not keep the experts FP8 (ModelConfig.experts_fp8) makes them bf16: too big;
 - qwen3.5-moe-35b-a3b: Qwen3.5-35B-A3B's text model (40 layers, three gated DeltaNet to one
   gated attention, 256 experts, top-8, a gated shared expert, hidden 2048, expert intermediate
   512), transformers' Qwen3_5MoeTextConfig defaults;
@@ -173,6 +179,11 @@ MXFP4_QUANTIZATION: Mapping[str, object] = MappingProxyType(
         ],
     )
 )
+# the block-FP8 quantization_config of Qwen3-*-FP8 (models/quantization.py reads it): e4m3 codes,
+# a float32 scale per 128x128 block, activations quantized at run time
+FP8_QUANTIZATION: Mapping[str, object] = MappingProxyType(
+    dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic", weight_block_size=[128, 128])
+)
 # deepseek-ai/DeepSeek-V2-Lite's config.json (its auto_map and torch_dtype left out)
 DEEPSEEK_V2_LITE: Mapping[str, object] = MappingProxyType(
     dict(
@@ -290,6 +301,14 @@ GLM_4_5_AIR: Mapping[str, object] = MappingProxyType(
     )
 )
 
+GLM_4_5_AIR_FP8: Mapping[str, object] = MappingProxyType(
+    {
+        **GLM_4_5_AIR,
+        "num_hidden_layers": 46,
+        "quantization_config": dict(FP8_QUANTIZATION),
+    }
+)
+
 
 def _qwen3_next(arch: str, model_type: str, **differs: object) -> Mapping[str, object]:
     """The hybrid Qwen shapes: transformers 5.17's default config of each class (three gated
@@ -355,6 +374,7 @@ SHAPES: Mapping[str, Mapping[str, object]] = MappingProxyType(
         "deepseek-v2-lite": DEEPSEEK_V2_LITE,
         "moonlight-16b-a3b": MOONLIGHT_16B_A3B,
         "glm-4.5-air": GLM_4_5_AIR,
+        "glm-4.5-air-fp8": GLM_4_5_AIR_FP8,
         "qwen3.5-moe-35b-a3b": QWEN3_5_MOE_35B_A3B,
         "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     }
