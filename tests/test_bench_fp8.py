@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fp8_kept import keeping_llm
+from test_fp8_kept import table_llm
 
 from moelora import LLM, SamplingParams
 from moelora.models.registry import read_model_config
@@ -50,7 +50,7 @@ def test_an_fp8_folder_builds_kept_experts_and_floors_count_codes_and_scales(ban
     common, _ = bench
     folder = common.model_folder(None, "tiny-qwen3-moe", fp8=True)
     assert read_model_config(folder)[0].weights_fp8 == "checkpoint"
-    llm = keeping_llm(bank, Path(folder), {}, load_format="dummy")
+    llm = table_llm(bank, Path(folder), {}, True, load_format="dummy")
     engine, mc = llm.engine, llm.engine.model_config
     assert mc.experts_fp8 and isinstance(engine.model.layers[0].mlp.w13, Fp8Weight)
     assert common.experts_held(mc) == "FP8 experts (block 128x128)"
