@@ -64,6 +64,9 @@ class Ops:
     # the part of the model this process holds and the collectives between the parts (NCCL or
     # gloo are kernels too): layers size themselves and reduce through it
     shard: Shard = SINGLE
+    # deterministic inference: nothing a row sums follows what shares its step, the lm_head
+    # included (the model's logits take `linear`, not cuBLAS, whose kernel follows the rows)
+    deterministic: bool = False
 
 
 REFERENCE_OPS = Ops(
@@ -140,6 +143,7 @@ def triton_ops(
         linear = BatchInvariantLinear(skinny=projections == "skinny")
     return Ops(
         name=f"triton-{projections}" + ("-deterministic" if deterministic else ""),
+        deterministic=deterministic,
         linear=linear,
         route_topk=route_topk,
         fused_moe=functools.partial(fused_moe, deterministic=True) if deterministic else fused_moe,

@@ -74,7 +74,8 @@ class MoeCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[N, V] float32 logits of hidden [N, H]; on a rank other than 0, None (its part went
         to rank 0)."""
-        return self.shard.gather_vocab(F.linear(hidden, self.lm_head).float(), self.cfg.vocab_size)
+        linear = self.ops.linear if self.ops.deterministic else F.linear  # Ops.deterministic
+        return self.shard.gather_vocab(linear(hidden, self.lm_head).float(), self.cfg.vocab_size)
 
 
 def check_kernels(cfg: ModelConfig, ops: Ops) -> None:

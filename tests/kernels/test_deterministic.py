@@ -124,3 +124,32 @@ def test_the_deterministic_table_and_its_config():
     assert make_ops(torch.device("cpu"), deterministic=True).name == "torch"
     with pytest.raises(ConfigError, match="projections='skinny' is invalid: expected "):
         EngineConfig(model="demo", projections="skinny", enable_deterministic_inference=True)
+
+
+def test_the_logits_take_the_tables_linear_where_deterministic() -> None:
+    """The lm_head goes through Ops.linear (batch-invariant) with the mode on; F.linear (cuBLAS
+    on the GPU, whose kernel follows how many rows are sampled) otherwise. The table of an
+    engine with the flag says so."""
+    from types import SimpleNamespace
+
+    from moelora.kernels.ops import REFERENCE_OPS
+    from moelora.models.model import MoeCausalLM
+
+    calls = []
+
+    def spy(x, w, bias=None):
+        calls.append(x.shape[0])
+        return reference.linear(x, w, bias)
+
+    hidden, lm_head = torch.randn(5, 16), torch.randn(40, 16)
+    for deterministic in (False, True):
+        ops = dataclasses.replace(REFERENCE_OPS, linear=spy, deterministic=deterministic)
+        model = SimpleNamespace(ops=ops, lm_head=lm_head, shard=REFERENCE_OPS.shard)
+        model.cfg = SimpleNamespace(vocab_size=40)
+        got = MoeCausalLM.compute_logits(model, hidden)
+        torch.testing.assert_close(got, hidden @ lm_head.T)
+    assert calls == [5]
+    from moelora.kernels.ops import triton_ops
+
+    flags = [triton_ops("batch-invariant", deterministic=d).deterministic for d in (False, True)]
+    assert flags == [False, True]
