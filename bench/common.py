@@ -31,6 +31,7 @@ import torch
 from moelora import LLM
 from moelora.config import EngineConfig, ModelConfig
 from moelora.engine.engine import Engine
+from moelora.engine.state_cache import slot_bytes
 from moelora.kernels.fp8_block import fp8_block_bytes
 from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
 from moelora.lora.adapter import random_adapter
@@ -430,43 +431,84 @@ def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep
 
 
 def floor_bytes(engine: Engine, step: PlannedStep) -> tuple[int, int]:
-    """(model + KV bytes, LoRA bytes) that one decode step must read at least once.
+    """(model + KV + state bytes, LoRA bytes) that one decode step must move at least once.
 
-    Weights: weight_bytes, the experts touched counted from the batch's real routing. LoRA: per
-    active slot the attention A/B at the real rank, and per distinct (slot, expert) pair that
-    expert's A/B.
+    Weights: weight_bytes, the experts touched counted from the batch's real routing. KV: each
+    paged layer's keys and values (a sliding layer's window only; an MLA layer's latent and
+    rotary key), read. State (gated DeltaNet layers): each sequence's slot, read and written.
+    LoRA: per active slot each attention projection's A/B at the real rank (attention_shapes),
+    and per distinct (slot, expert) pair that expert's A/B.
     """
     mc, elem, r = engine.model_config, 2, RANK
     H, I, E = mc.hidden_size, mc.moe_intermediate_size, mc.num_experts
-    qkv = mc.q_size + 2 * mc.kv_size
     routed = step.routed_experts()
     model, lora = weight_bytes(mc, [int(ids.unique().numel()) for ids in routed]), 0
-    for ids in routed if engine.config.enable_lora else ():
-        slots = step.inputs.slot_of_token.long().to(ids.device)
-        active = slots >= 0
-        pairs = (slots[:, None] * E + ids.long())[active].unique().numel()
-        lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
+    slots = step.inputs.slot_of_token.long()
+    active = slots >= 0
+    if engine.config.enable_lora:
+        shapes = [shape for layer in range(mc.num_layers) for shape in attention_shapes(mc, layer)]
         n_slots = int(slots[active].unique().numel())
-        lora += n_slots * (3 * r * H + qkv * r + r * mc.q_size + H * r) * elem
-    seq_lens = step.inputs.seq_lens.long()
-    for sliding in mc.sliding_layers:  # a sliding layer reads its window's keys only
+        lora += n_slots * sum(r * (n_in + n_out) * elem for n_in, n_out in shapes)
+    for ids in routed if engine.config.enable_lora else ():
+        on = active.to(ids.device)
+        pairs = (slots.to(ids.device)[:, None] * E + ids.long())[on].unique().numel()
+        lora += pairs * (2 * r * H + 2 * I * r + r * I + H * r) * elem
+    return model + cache_bytes(mc, step.inputs.seq_lens.long()), lora
+
+
+def cache_bytes(mc: ModelConfig, seq_lens: torch.Tensor) -> int:
+    """What a decode step of sequences of seq_lens reads of the paged caches and moves of the
+    recurrent states (read and written back), bf16 caches, float32 delta-rule states."""
+    total, elem = 0, 2
+    for layer, sliding in enumerate(mc.sliding_layers):
+        if mc.is_linear(layer):
+            continue
         kv_tokens = int((seq_lens.clamp(max=mc.sliding_window) if sliding else seq_lens).sum())
-        model += kv_tokens * 2 * mc.num_kv_heads * mc.head_dim * elem
-    return model, lora
+        per_token = mc.mla.cache_size if mc.mla is not None else 2 * mc.kv_size
+        total += kv_tokens * per_token * elem
+    return total + 2 * len(seq_lens) * slot_bytes(mc, torch.bfloat16)
+
+
+def attention_shapes(mc: ModelConfig, layer: int) -> list[tuple[int, int]]:
+    """(in, out) of each projection of `layer`'s attention (or gated DeltaNet) that a LoRA may
+    target: GQA's q, k, v, o (q twice as wide with Qwen3-Next's output gate); MLA's q_a and
+    q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj and o; gated DeltaNet's input projections
+    (fused or apart, as the checkpoint has them) and out_proj."""
+    H, la, mla = mc.hidden_size, mc.linear_attention, mc.mla
+    if mc.is_linear(layer):
+        kd, vd, nv = la.key_dim, la.value_dim, la.num_v_heads
+        ins = (
+            [(H, 2 * kd + 2 * vd), (H, 2 * nv)]
+            if la.grouped_projections
+            else [(H, la.conv_dim), (H, vd), (H, nv), (H, nv)]
+        )
+        return [*ins, (vd, H)]
+    if mla is not None:
+        heads = mc.num_heads
+        q = [(H, mla.q_lora_rank), (mla.q_lora_rank, heads * mla.qk_head_dim)]
+        q = q if mla.q_lora_rank else [(H, heads * mla.qk_head_dim)]
+        kv_b = (mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim))
+        return [*q, (H, mla.cache_size), kv_b, (heads * mla.v_head_dim, H)]
+    q_out = 2 * mc.q_size if mc.attn_output_gate else mc.q_size
+    return [(H, q_out), (H, mc.kv_size), (H, mc.kv_size), (mc.q_size, H)]
 
 
 def weight_bytes(mc: ModelConfig, experts_touched: list[int]) -> int:
     """Weight bytes a decode step reads at least once, experts_touched[j] distinct routed experts
     in the j-th MoE layer: the lm_head (the embedding reads B rows only), every layer's
-    attention projections (counted as GQA's), and a layer's dense MLP or its router, shared
-    expert and those experts (expert_bytes). All but the routed experts are bf16: a block-FP8
-    model dequantizes its other weights at load."""
+    attention projections (attention_shapes; a gated DeltaNet layer's conv too), and a layer's
+    dense MLP or its router, shared expert and those experts (expert_bytes). All but the routed
+    experts are bf16: a block-FP8 model dequantizes its other weights at load."""
     H, elem = mc.hidden_size, 2
     assert len(experts_touched) == sum(mc.sparse_layers), (experts_touched, mc.sparse_layers)
-    attention = (H * (mc.q_size + 2 * mc.kv_size) + mc.q_size * H) * elem
     dense = 3 * H * mc.intermediate_size * elem
     router_and_shared = (mc.num_experts * H + 3 * H * mc.shared_expert_intermediate_size) * elem
-    total = mc.vocab_size * H * elem + mc.num_layers * attention
+    total = mc.vocab_size * H * elem
+    for layer in range(mc.num_layers):
+        total += sum(n_in * n_out for n_in, n_out in attention_shapes(mc, layer)) * elem
+        if mc.is_linear(layer):
+            la = mc.linear_attention
+            total += la.conv_dim * la.conv_kernel * elem
     total += (mc.num_layers - len(experts_touched)) * dense
     return total + sum(router_and_shared + n * expert_bytes(mc) for n in experts_touched)
 
