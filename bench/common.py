@@ -31,7 +31,6 @@ import torch
 from moelora import LLM
 from moelora.config import EngineConfig, ModelConfig
 from moelora.engine.engine import Engine
-from moelora.engine.state_cache import slot_bytes
 from moelora.kernels.fp8_block import fp8_block_bytes
 from moelora.kernels.moe.mxfp4_layout import mxfp4_bytes
 from moelora.lora.adapter import random_adapter
@@ -466,7 +465,7 @@ def cache_bytes(mc: ModelConfig, seq_lens: torch.Tensor) -> int:
         kv_tokens = int((seq_lens.clamp(max=mc.sliding_window) if sliding else seq_lens).sum())
         per_token = mc.mla.cache_size if mc.mla is not None else 2 * mc.kv_size
         total += kv_tokens * per_token * elem
-    return total + 2 * len(seq_lens) * slot_bytes(mc, torch.bfloat16)
+    return total + 2 * len(seq_lens) * mc.state_slot_bytes(torch.bfloat16)
 
 
 def attention_shapes(mc: ModelConfig, layer: int) -> list[tuple[int, int]]:
@@ -491,6 +490,45 @@ def attention_shapes(mc: ModelConfig, layer: int) -> list[tuple[int, int]]:
         return [*q, (H, mla.cache_size), kv_b, (heads * mla.v_head_dim, H)]
     q_out = 2 * mc.q_size if mc.attn_output_gate else mc.q_size
     return [(H, q_out), (H, mc.kv_size), (H, mc.kv_size), (mc.q_size, H)]
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Non-embedding parameters one token goes through: each layer's attention projections
+    (attention_shapes) and a gated DeltaNet layer's conv, then its dense MLP, or its router,
+    top-k experts and shared expert."""
+    H = cfg.hidden_size
+    moe = H * cfg.num_experts + cfg.top_k * 3 * H * cfg.moe_intermediate_size
+    moe += 3 * H * cfg.shared_expert_intermediate_size
+    dense = 3 * H * cfg.intermediate_size
+    total = 0
+    for layer, sparse in enumerate(cfg.sparse_layers):
+        total += sum(n_in * n_out for n_in, n_out in attention_shapes(cfg, layer))
+        if cfg.is_linear(layer):
+            total += cfg.linear_attention.conv_dim * cfg.linear_attention.conv_kernel
+        total += moe if sparse else dense
+    return total
+
+
+def prefill_flops(cfg: ModelConfig, lengths: list[int]) -> float:
+    """FLOPs of prefilling prompts of these lengths, each sampling one token: 2 x active_params
+    a token, causal attention's two products on each attention layer (an MLA layer's over its
+    expanded heads: q.k over qk_head_dim, p.v over v_head_dim), a gated DeltaNet layer's
+    recurrence (a token reads, decays and writes each value head's [dk, dv] state: three
+    products), the lm_head once a prompt."""
+    per_pair, per_token = 0, 0
+    for layer in range(cfg.num_layers):
+        if cfg.is_linear(layer):
+            la = cfg.linear_attention
+            per_token += 3 * 2 * la.num_v_heads * la.head_k_dim * la.head_v_dim
+        elif cfg.mla is not None:
+            m = cfg.mla
+            per_pair += 2 * cfg.num_heads * (m.qk_head_dim + m.v_head_dim)
+        else:
+            per_pair += 2 * 2 * cfg.q_size
+    tokens = sum(lengths)
+    attention = sum(per_pair * t * (t + 1) / 2 for t in lengths) + per_token * tokens
+    lm_head = 2 * cfg.hidden_size * cfg.vocab_size * len(lengths)
+    return 2 * active_params(cfg) * tokens + attention + lm_head
 
 
 def weight_bytes(mc: ModelConfig, experts_touched: list[int]) -> int:

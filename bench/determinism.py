@@ -37,6 +37,7 @@ from common import (
     matmul_flops_per_s,
     model_folder,
     plan_step,
+    prefill_flops,
     random_weights_llm,
     result_header,
     sync,
@@ -45,7 +46,6 @@ from common import (
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import ModelConfig
 from moelora.engine.engine import Engine
 
 BOUND = 1.05  # the issue's: mode on over off, every figure
@@ -149,21 +149,8 @@ def ttft_figures(llm: LLM, setup: Setup, flops_per_s: float) -> Figures:
             sync(setup.device)
             times.append((time.perf_counter() - start) * 1e3)
         values[f"TTFT {L}"] = min(times[1:])
-        floors[f"TTFT {L}"] = prefill_flops(cfg, L) / flops_per_s * 1e3
+        floors[f"TTFT {L}"] = prefill_flops(cfg, [L]) / flops_per_s * 1e3
     return Figures(values, floors)
-
-
-def prefill_flops(cfg: ModelConfig, L: int) -> float:
-    """A prompt's FLOPs: 2 x the parameters a token passes (top-k experts) x tokens, causal
-    attention's two products, the lm_head once."""
-    attention = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-    moe = cfg.hidden_size * cfg.num_experts + cfg.top_k * 3 * cfg.hidden_size * (
-        cfg.moe_intermediate_size
-    )
-    dense = 3 * cfg.hidden_size * cfg.intermediate_size
-    params = sum(attention + (moe if sparse else dense) for sparse in cfg.sparse_layers)
-    scores = 2 * 2 * cfg.q_size * cfg.num_layers * L * (L + 1) / 2
-    return 2 * params * L + scores + 2 * cfg.hidden_size * cfg.vocab_size
 
 
 def throughput_figures(llm: LLM, names: list[str], setup: Setup) -> Figures:

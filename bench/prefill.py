@@ -50,13 +50,14 @@ from common import (
     built_experts,
     matmul_flops_per_s,
     model_folder,
+    prefill_flops,
     result_header,
     sync,
     write_result,
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import PREFILL_ATTENTION_BACKENDS, EngineConfig, ModelConfig
+from moelora.config import PREFILL_ATTENTION_BACKENDS, EngineConfig
 from moelora.engine.engine import Engine
 from moelora.step.batch import pages_for
 
@@ -111,26 +112,6 @@ class Row:
     tokens: int
     seconds: float
     floor_seconds: float
-
-
-def active_params(cfg: ModelConfig) -> int:
-    """Non-embedding parameters one token goes through (top-k experts only)."""
-    attention = cfg.hidden_size * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * cfg.hidden_size
-    moe = cfg.hidden_size * cfg.num_experts + cfg.top_k * 3 * cfg.hidden_size * (
-        cfg.moe_intermediate_size
-    )
-    moe += 3 * cfg.hidden_size * cfg.shared_expert_intermediate_size
-    dense = 3 * cfg.hidden_size * cfg.intermediate_size
-    return sum(attention + (moe if sparse else dense) for sparse in cfg.sparse_layers)
-
-
-def prefill_flops(cfg: ModelConfig, lengths: list[int]) -> float:
-    """FLOPs of prefilling prompts of these lengths, each sampling one token."""
-    dense = 2 * active_params(cfg) * sum(lengths)
-    per_pair = 2 * 2 * cfg.q_size * cfg.num_layers
-    attention = sum(per_pair * t * (t + 1) / 2 for t in lengths)
-    lm_head = 2 * cfg.hidden_size * cfg.vocab_size * len(lengths)
-    return dense + attention + lm_head
 
 
 def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:

@@ -14,6 +14,10 @@ import torch
 
 from moelora.errors import ConfigError
 
+# the delta-rule state is kept in float32 whatever the model's dtype, as transformers and
+# fla keep it: a bfloat16 state would drift over a long sequence
+STATE_DTYPE = torch.float32
+
 # EngineConfig.projections: how the dense projections are computed on CUDA (kernels/linear.py)
 PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 # EngineConfig.prefill_attention_backend: who attends long first prefill chunks on CUDA
@@ -408,6 +412,16 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def state_slot_bytes(self, dtype: torch.dtype) -> int:
+        """One recurrent-state slot across all linear layers: the conv window (in the model's
+        dtype) and the delta-rule state (STATE_DTYPE); 0 without linear layers."""
+        la = self.linear_attention
+        if la is None:
+            return 0
+        per_layer = la.conv_dim * (la.conv_kernel - 1) * dtype.itemsize
+        per_layer += la.num_v_heads * la.head_k_dim * la.head_v_dim * STATE_DTYPE.itemsize
+        return sum(la.layers) * per_layer
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,6 @@ def test_the_named_shapes(tmp_path: Path, name, layers, linear, experts, top_k) 
     conv windows (bf16) and float32 delta-rule states: 30 x (8192 x 3 x 2 + 32 x 128 x 128 x 4)
     bytes, and a KV page only its 10 attention layers'."""
     from moelora.engine.kv_cache import page_bytes
-    from moelora.engine.state_cache import slot_bytes
     from moelora.models.registry import read_model_config
     from moelora.models.shapes import shape_config, write_config_folder
 
@@ -344,5 +343,5 @@ def test_the_named_shapes(tmp_path: Path, name, layers, linear, experts, top_k) 
     assert mc.linear_attention.layers[:4] == (True, True, True, False)
     assert (mc.hidden_size, mc.rotary_dim, mc.shared_expert_intermediate_size) == (2048, 64, 512)
     per_layer = 8192 * 3 * 2 + 32 * 128 * 128 * 4
-    assert slot_bytes(mc, torch.bfloat16) == linear * per_layer
+    assert mc.state_slot_bytes(torch.bfloat16) == linear * per_layer
     assert page_bytes(mc, 16, torch.bfloat16) == (layers - linear) * 16 * 2 * 2 * 256 * 2

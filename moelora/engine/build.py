@@ -18,7 +18,7 @@ from moelora.engine.grammar import Grammars
 from moelora.engine.kv_cache import PageAllocator, allocate_kv_caches, page_bytes
 from moelora.engine.ranks import kv_config, load_model, make_rank_ops, start_workers
 from moelora.engine.scheduler import Scheduler, SchedulerConfig
-from moelora.engine.state_cache import StateSlots, StateSnapshots, slot_bytes
+from moelora.engine.state_cache import StateSlots, StateSnapshots
 from moelora.errors import ModelConfigError
 from moelora.kernels.fp8_block import FP8_BLOCK
 from moelora.kernels.ops import Ops
@@ -139,7 +139,7 @@ def _around_model(
     # hybrid models: one recurrent-state slot per running request and the prefix cache's
     # snapshots, taken before the pages
     num_states, num_snapshots = state_rows(cfg, mc)
-    state_bytes = (num_states + num_snapshots) * slot_bytes(mc, cfg.torch_dtype)
+    state_bytes = (num_states + num_snapshots) * mc.state_slot_bytes(cfg.torch_dtype)
     num_pages = cfg.num_pages or auto_num_pages(
         cfg, kv_config(mc, model.shard), max_len, reserved=state_bytes
     )
@@ -195,7 +195,7 @@ def state_rows(cfg: EngineConfig, mc: ModelConfig) -> tuple[int, int]:
 def _log_hybrid(cfg: EngineConfig, mc: ModelConfig, num_pages: int, num_snapshots: int) -> None:
     """How a hybrid model's cache memory divides between recurrent states (running requests'
     and the prefix cache's snapshots) and KV pages."""
-    per_state = slot_bytes(mc, cfg.torch_dtype)
+    per_state = mc.state_slot_bytes(cfg.torch_dtype)
     log.info(
         "%s: %d recurrent-state slots (max_num_seqs) for %d linear layers take %s; %d KV pages "
         "of %d tokens for %d attention layers take %s",

@@ -33,11 +33,7 @@ from collections.abc import Hashable
 
 import torch
 
-from moelora.config import ModelConfig
-
-# the delta-rule state is kept in float32 whatever the model's dtype, as transformers and
-# fla keep it: a bfloat16 state would drift over a long sequence
-STATE_DTYPE = torch.float32
+from moelora.config import STATE_DTYPE, ModelConfig
 
 
 class StateSlots:
@@ -143,19 +139,6 @@ class StateSnapshots:
     def _drop(self, page_hash: bytes) -> None:
         self._free.append(self._by_hash.pop(page_hash))
         del self._owner_of[page_hash]
-
-
-def slot_bytes(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """One state slot across all linear layers: the conv window (in the model's dtype) and
-    the delta-rule state (float32)."""
-    la = cfg.linear_attention
-    if la is None:
-        return 0
-    elem = torch.tensor([], dtype=dtype).element_size()
-    state_elem = torch.tensor([], dtype=STATE_DTYPE).element_size()
-    per_layer = la.conv_dim * (la.conv_kernel - 1) * elem
-    per_layer += la.num_v_heads * la.head_k_dim * la.head_v_dim * state_elem
-    return sum(la.layers) * per_layer
 
 
 def layer_states(
