@@ -370,9 +370,9 @@ def _capture_graphs(
         return
     if ops.name == "torch":
         return
-    if runner.model.cfg.mla is not None and cfg.enable_lora:
-        # kernels/mla.absorbed_attention finds the step's kv_b_proj slots on the host, which a
-        # capture cannot hold
+    if runner.model.cfg.mla is not None and cfg.enable_lora and not ops.mla_lora_capturable:
+        # the table's kv_b_proj LoRA under absorbed MLA reads the step's slots on the host (the
+        # reference), or has not yet been run under a graph on a device (Ops.mla_lora_capturable)
         log.warning(
             "%s with enable_lora runs every step eagerly: kv_b_proj's LoRA under absorbed "
             "MLA is not capturable yet",

@@ -7,9 +7,11 @@ into head h's no-rope key W_k[h] c and value W_v[h] c. Here the attention runs i
 form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores are q_lat . c +
 q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
 kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
-latent space on either side: the base path is never expanded, and a row without an enabled slot
-costs it nothing. The absorption and the LoRA are small matmuls kept in torch (absorbed_attention);
-the attention over the cache in the latent space (latent_attention) is the part a kernel replaces.
+latent space on either side (lora_q_, lora_out_): the base path is never expanded, and a row
+without an enabled slot costs it nothing. The absorption is small matmuls kept in torch
+(absorbed_attention); the attention over the cache in the latent space (latent_attention) and the
+LoRA corrections, whose torch loops read the step's slots on the host, are the parts the Triton
+table replaces (kernels/attention/mla.py, mla_lora.py).
 
 Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim,
 L = kv_lora_rank, K = a sequence's KV length, S = adapter slots, r = max LoRA rank.
@@ -57,6 +59,8 @@ def mla_attention(
 
 # latent_attention's signature: (q_lat, q_pe, latent_cache, rope_cache, attn, scale) -> o_lat
 LatentAttention = Callable[..., torch.Tensor]
+# lora_q_'s and lora_out_'s: (target, source, lora, info) -> None, the target updated in place
+AbsorbedLora = Callable[[torch.Tensor, torch.Tensor, LoraWeights, LoraBatchInfo], None]
 
 
 def absorbed_attention(
@@ -71,30 +75,58 @@ def absorbed_attention(
     *,
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    lora_q: AbsorbedLora | None = None,
+    lora_out: AbsorbedLora | None = None,
 ) -> torch.Tensor:
     """mla_attention with its attention in the latent space computed by `core`, which keeps
-    latent_attention's contract: the Triton kernel's table passes its own."""
+    latent_attention's contract, and kv_b_proj's LoRA by `lora_q` and `lora_out`, which keep
+    lora_q_'s and lora_out_'s (the default): the Triton table passes its own."""
     T, Hh, N = q_nope.shape
     w = kv_b.float().view(Hh, -1, kv_b.shape[1])  # [Hh, N + V, L]
-    slots = _enabled_slots(lora, info, T, Hh)
+    with_lora = lora is not None and info is not None
     q_lat = torch.einsum("thn,hnl->thl", q_nope.float(), w[:, :N])
-    for rows, a, b, scaling in slots:
-        # q_nope . (B_k A c) = ((q_nope B_k) A) . c
-        q_lat[rows] += scaling * torch.einsum("thn,hnr,rl->thl", q_nope[rows].float(), b[:, :N], a)
+    if with_lora:
+        (lora_q or lora_q_)(q_lat, q_nope, lora, info)
     o_lat = core(q_lat, q_pe.float(), latent_cache, rope_cache, attn, scale)
     out = torch.einsum("thl,hvl->thv", o_lat, w[:, N:])
-    for rows, a, b, scaling in slots:
-        out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, N:])
+    if with_lora:
+        (lora_out or lora_out_)(out, o_lat, lora, info)
     return out.to(q_nope.dtype)
 
 
+def lora_q_(
+    q_lat: torch.Tensor, q_nope: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+) -> None:
+    """Semantics: q_lat[t, h] += scaling[s] * (q_nope[t, h] @ B_k[h]) @ A for each token t
+    whose slot s is enabled and has kv_b_proj's factors A [r, L], B [Hh (N + V), r] (B_k[h]:
+    head h's N rows), so that q_lat . c = q_nope . (W_k + scaling B_k A) c.
+
+    q_lat [T, Hh, L] float32, updated in place; q_nope [T, Hh, N]. Reads the slots on the host
+    (the CPU path; kernels/attention/mla_lora.lora_q_ is the Triton one)."""
+    T, Hh, N = q_nope.shape
+    for rows, a, b, scaling in _enabled_slots(lora, info, T, Hh):
+        q_lat[rows] += scaling * torch.einsum("thn,hnr,rl->thl", q_nope[rows].float(), b[:, :N], a)
+
+
+def lora_out_(
+    out: torch.Tensor, o_lat: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+) -> None:
+    """Semantics: out[t, h] += scaling[s] * (o_lat[t, h] @ A.T) @ B_v[h].T for each token t
+    whose slot s is enabled and has kv_b_proj's factors (B_v[h]: head h's V rows, after its N),
+    so that out = (W_v + scaling B_v A) applied to the weighted latents.
+
+    out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] float32. Reads the slots on the
+    host (the CPU path; kernels/attention/mla_lora.lora_out_ is the Triton one)."""
+    T, Hh, V = out.shape
+    for rows, a, b, scaling in _enabled_slots(lora, info, T, Hh):
+        out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, -V:])
+
+
 def _enabled_slots(
-    lora: LoraWeights | None, info: LoraBatchInfo | None, T: int, heads: int
+    lora: LoraWeights, info: LoraBatchInfo, T: int, heads: int
 ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
     """(rows, A [r, L], B [Hh, N + V, r], scaling) in float32 for each slot enabled
-    for some of the first T tokens; none without LoRA."""
-    if lora is None or info is None:
-        return []
+    for some of the first T tokens."""
     slot_of_row = info.slot_of_token[:T]
     safe = slot_of_row.clamp(min=0).long()
     active = (slot_of_row >= 0) & (info.slot_enabled[safe] != 0)

@@ -67,6 +67,9 @@ class Ops:
     # deterministic inference: nothing a row sums follows what shares its step, the lm_head
     # included (the model's logits take `linear`, not cuBLAS, whose kernel follows the rows)
     deterministic: bool = False
+    # mla_attention with LoRA reads no device value on the host, so a CUDA graph can capture
+    # an MLA engine with enable_lora (engine/build.py runs it eagerly otherwise)
+    mla_lora_capturable: bool = False
 
 
 REFERENCE_OPS = Ops(
@@ -168,6 +171,10 @@ def triton_ops(
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,
+        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_lora.py),
+        # but stays eager until tests/gpu/test_mla_gpu.py's LoRA cases (its graph replay among
+        # them) pass on a device: True then
+        mla_lora_capturable=False,
     )
 
 

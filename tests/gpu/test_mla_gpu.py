@@ -1,5 +1,5 @@
-"""Triton latent attention (kernels/attention/mla.py) on the GPU at DeepSeek-V3's sizes, and under a
-CUDA graph.
+"""Triton latent attention (kernels/attention/mla.py) and kv_b_proj's LoRA around it
+(kernels/attention/mla_lora.py) on the GPU at DeepSeek-V3's sizes, and under a CUDA graph.
 
 bf16 caches against the fp32 torch reference (kernels/mla.py): relative error of the whole
 output <= 1e-2. The latent and rope caches are views of one buffer, as the engine keeps them;
@@ -21,10 +21,13 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from cuda_graphs import capture  # noqa: E402
+from lora_cases import compact_weights, lora_weights  # noqa: E402
 
 from moelora.kernels import mla  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
+from moelora.kernels.attention import mla_lora  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -208,3 +211,92 @@ def test_mla_attention_end_to_end(with_lora):
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, expected) <= 1e-2
     assert (got[sum(q_lens) :] == 0).all()
+
+
+# kv_b_proj's LoRA by the Triton kernels (kernels/attention/mla_lora.py): 4 slots of mixed ranks
+# in a rank-16 pool, compact with NaN gaps between slots; slot 1 disabled.
+LORA_RANKS = [16, 8, 16, 4]
+
+
+def compact_kv_b_lora(heads: int) -> LoraWeights:
+    torch.manual_seed(11)
+    ranks = torch.tensor(LORA_RANKS)
+    dense = lora_weights(4, (), 1, 16, L, (heads * (N + V),), ranks, torch.bfloat16, "cuda")
+    return compact_weights(dense, LORA_RANKS)[0]
+
+
+def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> LoraBatchInfo:
+    """The step's info over buffers spare_rows longer than it (holding slot 0: never read)."""
+    return LoraBatchInfo(
+        torch.tensor(slots + [0] * spare_rows, dtype=torch.int32, device="cuda"),
+        torch.tensor(LORA_RANKS, dtype=torch.int32, device="cuda"),
+        torch.tensor([0.5, 2.0, 1.5, 0.75], device="cuda"),
+        torch.tensor(enabled, dtype=torch.int32, device="cuda"),
+    )
+
+
+@pytest.mark.parametrize("side", ["lora_q_", "lora_out_"])
+def test_lora_kernels_against_loops(side):
+    """Each side's kernel against the torch loop (kernels/mla.py) on the same bf16 factors: the
+    deltas agree to float32 summation order; rows without an enabled slot keep their bits."""
+    heads, T = 16, 200
+    lora = compact_kv_b_lora(heads)
+    g = torch.Generator().manual_seed(12)
+    slots = torch.randint(-1, 4, (T,), generator=g)
+    slots[-3:] = NO_SLOT  # padded rows
+    info = slot_info(slots.tolist(), [1, 0, 1, 1])
+    g = torch.Generator(device="cuda").manual_seed(13)
+    target_dim, source_dim, source_dtype = (
+        (L, N, torch.bfloat16) if side == "lora_q_" else (V, L, torch.float32)
+    )
+    target = torch.randn(T, heads, target_dim, generator=g, device="cuda")
+    source = torch.randn(T, heads, source_dim, generator=g, device="cuda").to(source_dtype)
+    got, expected = target.clone(), target.clone()
+    getattr(mla_lora, side)(got, source, lora, info)
+    getattr(mla, side)(expected, source, lora, info)
+    assert torch.isfinite(got).all()
+    assert rel_err(got - target, expected - target) <= 1e-3
+    untouched = ~((slots == 0) | (slots >= 2)).cuda()
+    assert torch.equal(got[untouched], target[untouched])
+
+
+def test_mla_attention_with_lora_cuda_graph_replay():
+    """Decode with kv_b_proj's LoRA captured with every slot disabled (as the runner captures),
+    then replayed with new slot assignments, flags, scalings, lengths and queries written in
+    place: each replay equals the eager call and is close to the reference."""
+    heads, graph_bs, max_pages = 16, 8, MAX_LEN // PAGE
+    latent, rope, page_table, _ = make_cache([MAX_LEN] * graph_bs, max_pages=max_pages)
+    attn = metadata([1] * graph_bs, [MAX_LEN] * graph_bs, page_table)
+    lora = compact_kv_b_lora(heads)
+    info = slot_info([NO_SLOT] * graph_bs, [0, 0, 0, 0])
+    g = torch.Generator(device="cuda").manual_seed(14)
+    kv_b = (torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5).bfloat16()
+    q_nope = torch.randn(graph_bs, heads, N, device="cuda", dtype=torch.bfloat16)
+    q_pe = torch.randn(graph_bs, heads, R, device="cuda", dtype=torch.bfloat16)
+    args = (q_nope, q_pe, latent, rope, attn, kv_b, SCALE)
+
+    def step():
+        return mla_triton.mla_attention(*args, lora=lora, info=info)
+
+    graph, out = capture(step)
+    gen = torch.Generator().manual_seed(15)
+    for trial in range(4):
+        slots = torch.randint(-1, 4, (graph_bs,), generator=gen)
+        slots[0] = trial % 4  # every slot in turn, the disabled and rank-4 ones included
+        enabled = [int(s in slots.tolist() and s != 1) for s in range(4)]
+        info.slot_of_token[:graph_bs].copy_(slots)
+        info.slot_enabled.copy_(torch.tensor(enabled))
+        info.scaling_of_slot.uniform_(0.5, 2.0)
+        attn.seq_lens.copy_(torch.randint(1, MAX_LEN + 1, (graph_bs,), generator=gen))
+        for t in (q_nope, q_pe, latent, rope):
+            t.normal_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step()), f"trial {trial}: the replay differs from eager"
+        expected = mla.mla_attention(*args, lora=lora, info=info)
+        assert rel_err(out, expected) <= 1e-2, f"trial {trial}"
+        base = mla.mla_attention(*args)
+        with_slot = ((slots == 0) | (slots >= 2)).cuda()
+        if with_slot.any():
+            assert rel_err(out[with_slot], base[with_slot]) > 1e-2, "the LoRA added nothing"

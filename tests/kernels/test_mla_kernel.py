@@ -149,33 +149,38 @@ def test_mixed(poison_empty):
     check(step)
 
 
-def lora_inputs(slots: list[int], Hh: int, N: int, V: int, r: int, seed: int):
-    """kv_b [Hh (N + V), L], its LoRA over 3 slots (slot 1 disabled) and the step's info."""
+def lora_inputs(slots: list[int], Hh: int, N: int, V: int, ranks: list[int], seed: int):
+    """kv_b [Hh (N + V), L], its LoRA over 3 slots of these ranks (slot 1 disabled) in a pool of
+    the largest, and the step's info; values past a slot's rank are random, never read."""
     g = torch.Generator().manual_seed(seed)
+    r = max(ranks)
     kv_b = torch.randn(Hh * (N + V), L, generator=g) / L**0.5
     a = torch.randn(3, 1, r, L, generator=g) / L**0.5
-    lora = LoraWeights.dense(a, torch.randn(3, Hh * (N + V), r, generator=g) * 0.3, (Hh * (N + V),))
+    b = torch.randn(3, Hh * (N + V), r, generator=g) * 0.3
+    lora = LoraWeights.dense(a, b, (Hh * (N + V),), ranks)
     info = LoraBatchInfo(
         torch.tensor(slots, dtype=torch.int32),
-        torch.tensor([r, r, r], dtype=torch.int32),
+        torch.tensor(ranks, dtype=torch.int32),
         torch.tensor([0.5, 2.0, 1.5]),
         torch.tensor([1, 0, 1], dtype=torch.int32),
     )
     return kv_b, lora, info
 
 
-@pytest.mark.parametrize("with_lora", [False, True])
-def test_mla_attention_end_to_end(poison_empty, with_lora):
-    """The Triton table's mla_attention (absorption and LoRA in torch around the kernel) against
-    the reference's, on an extend, a decode and a prompt with two adapters, a base row and a
-    disabled slot, and padded rows."""
+@pytest.mark.parametrize("ranks", [None, [4, 4, 4], [4, 8, 2]], ids=["base", "rank-4", "mixed"])
+def test_mla_attention_end_to_end(poison_empty, ranks):
+    """The Triton table's mla_attention (the absorption in torch, the latent attention and
+    kv_b_proj's LoRA by kernels) against the reference's, on an extend, a decode and a prompt
+    with two adapters, a base row and a disabled slot, and padded rows."""
     Hh, N, V = 4, 16, 12
     q_lens, seq_lens, seq_slots = [3, 1, 7], [9, 5, 7], [0, NO_SLOT, 2]
     step = make_step(q_lens, seq_lens, heads=Hh, seed=6)
     T = step.q_lat.shape[0]
     slots = [s for s, n in zip(seq_slots, q_lens, strict=True) for _ in range(n)]
-    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - len(slots)), Hh, N, V, 4, seed=7)
-    options = dict(lora=lora, info=info) if with_lora else {}
+    kv_b, lora, info = lora_inputs(
+        slots + [NO_SLOT] * (T - len(slots)), Hh, N, V, ranks or [4, 4, 4], seed=7
+    )
+    options = dict(lora=lora, info=info) if ranks else {}
     g = torch.Generator().manual_seed(8)
     q_nope = torch.randn(T, Hh, N, generator=g)
     args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
@@ -184,3 +189,7 @@ def test_mla_attention_end_to_end(poison_empty, with_lora):
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     assert (got[sum(q_lens) :] == 0).all()
+    if ranks:
+        base = mla.mla_attention(*args)
+        assert not torch.allclose(got[:3], base[:3]), "slot 0's LoRA changed nothing"
+        torch.testing.assert_close(got[3], base[3], atol=1e-5, rtol=1e-5)  # the base row

@@ -138,6 +138,7 @@ def _launch_every_op() -> None:
         _launch_norms_and_rotary(T)
     _launch_projections()
     _launch_paged_attention()
+    _launch_mla_lora()
     _launch_moe()
 
 
@@ -240,6 +241,20 @@ def _launch_paged_attention() -> None:
     q = torch.randn(64, HQ, D, dtype=BF16)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG, **oss)
+
+
+def _launch_mla_lora() -> None:
+    """kv_b_proj's LoRA under absorbed MLA, both sides, at DeepSeek-V3's sizes (a rank's 16
+    heads, N = V = 128, L = 512)."""
+    from lora_cases import batch_info, lora_weights
+
+    from moelora.kernels.attention import mla_lora
+
+    T, Hh, N, V, L = 64, 16, 128, 128, 512
+    info = batch_info(T, "mixed")
+    kv_b = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
+    mla_lora.lora_q_(torch.randn(T, Hh, L), torch.randn(T, Hh, N, dtype=BF16), kv_b, info)
+    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info)
 
 
 def _launch_moe() -> None:

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
 the latent space, around which kernels/mla.absorbed_attention keeps the absorption of kv_b_proj
-and its LoRA in torch.
+in torch (its LoRA: mla_lora.py).
 
 Algorithm
 ---------
@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.attention import mla_lora
 from moelora.kernels.attention.paged import (
     LOG2_E,
     MAX_SPLITS,
@@ -328,9 +329,11 @@ def mla_attention(
     info: LoraBatchInfo | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.mla_attention's, with the attention in the latent space by the
-    kernel (latent_attention below)."""
+    kernel (latent_attention below) and kv_b_proj's LoRA by mla_lora's kernels, which read the
+    slots through the table: a decode step reads no device value on the host."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
-    return absorbed_attention(latent_attention, *args, lora=lora, info=info)
+    kernels = dict(lora_q=mla_lora.lora_q_, lora_out=mla_lora.lora_out_)
+    return absorbed_attention(latent_attention, *args, lora=lora, info=info, **kernels)
 
 
 def latent_attention(
