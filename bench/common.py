@@ -576,6 +576,14 @@ def experts_held(mc: ModelConfig) -> str:
     return "bf16 experts"
 
 
+def held_experts(held: set[str]) -> tuple[str, str]:
+    """(how a run's engines held the experts, its title's weights) from their built_experts:
+    "bf16 experts" and "random weights" when nothing was quantized."""
+    joined = " / ".join(sorted(held)) or "bf16 experts"
+    plain = joined == "bf16 experts"
+    return joined, "random weights" if plain else f"random weights, {joined}"
+
+
 def built_experts(mc: ModelConfig) -> str:
     """experts_held(mc) of an engine just built, printed as a note too where a block-FP8 model's
     experts were dequantized."""

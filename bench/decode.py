@@ -35,6 +35,7 @@ from common import (
     copy_bandwidth,
     decode_batch,
     floor_bytes,
+    held_experts,
     make_engine,
     model_folder,
     result_header,
@@ -135,13 +136,13 @@ def main() -> None:
             eager_too = eager and case == "base-only"
             measure(engine, case, names, bw, rows, eager_too, args.batches)
     print(f"total {time.perf_counter() - t0:.0f} s")
-    lines = report(args, bw, rows, capture, " / ".join(sorted(held)))
+    lines = report(args, bw, rows, capture, held)
     write_result("decode", lines, args.out)
     print("\n".join(lines))
 
 
-def report(args, bw: float, rows: list, capture: dict, held: str) -> list[str]:
-    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
+def report(args, bw: float, rows: list, capture: dict, experts: set[str]) -> list[str]:
+    held, weights = held_experts(experts)
     lines = result_header(f"Decode step, {args.shape} shape ({weights})", bw)
     pdl = pdl_kwargs(torch.device("cuda"))["PDL"]
     (off, off_warm), (on, on_warm) = capture.get("disabled", (0, 0)), capture.get("lora", (0, 0))

@@ -53,6 +53,7 @@ from common import (
     capture_seconds,
     copy_bandwidth,
     floor_bytes,
+    held_experts,
     model_folder,
     plan_step,
     random_weights_llm,
@@ -490,8 +491,7 @@ def print_throughput(row: Throughput) -> None:
 def report(setup: Setup, bw: float | None, results, seconds: float) -> list[str]:
     tpots, throughputs, builds, structured = results
     title = "End to end: TPOT and offline throughput, async scheduling on and off"
-    held = " / ".join(sorted({b.experts for b in builds})) or "bf16 experts"
-    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
+    _, weights = held_experts({b.experts for b in builds})
     lines = result_header(f"{title}, {setup.shape} shape ({weights})", bw, device=setup.device)
     lines += [
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; engines "

@@ -48,6 +48,7 @@ from common import (
     RANK,
     adapters_of,
     built_experts,
+    held_experts,
     matmul_flops_per_s,
     model_folder,
     prefill_flops,
@@ -191,7 +192,7 @@ def measure(setup: Setup, folder: str, flops_per_s: float, *, profile: bool):
         gc.collect()
         if setup.device.startswith("cuda"):
             torch.cuda.empty_cache()
-    return rows, tables, " / ".join(sorted(held))
+    return rows, tables, held
 
 
 def ttft_rows(engine: Engine, setup: Setup, cases, names, gen, flops_per_s) -> list[Row]:
@@ -266,9 +267,9 @@ def pdl_state() -> str:
 
 
 def report(setup: Setup, results, flops_per_s: float, seconds: float):
-    rows, tables, held = results
+    rows, tables, experts = results
     title = f"Prefill: TTFT and prefill throughput beside the compute floor, {setup.shape} shape"
-    weights = "random weights" if held == "bf16 experts" else f"random weights, {held}"
+    _, weights = held_experts(experts)
     lines = result_header(f"{title} ({weights})", None, device=setup.device)
     lines += [
         f"- shape: {setup.shape}, {setup.layers or 'all its'} layers, {setup.dtype}; LLM("
