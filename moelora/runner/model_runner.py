@@ -101,6 +101,11 @@ class ModelRunner:
             spare_state=spare_state,
         )
         self.graphs.capture(concurrent_warmup=concurrent_warmup)
+        # the lm_head runs after a replay, outside the graphs: its first call is made here, so
+        # that a batch-invariant linear measures its shape now (that synchronizes), not in a step
+        head = self.model.lm_head
+        with torch.inference_mode():
+            self.model.compute_logits(head.new_zeros(1, head.shape[1]))
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's forward of `batch` over this rank's KV cache: its hidden states [T, H]."""
