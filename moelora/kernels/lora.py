@@ -172,7 +172,8 @@ def active_slots(slot_ptr, token_rows, row_ok, enabled_ptr):
     return tl.where(on != 0, slot, -1)
 
 
-@triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
+# one compile for every batch size (graph capture) and every group of slices
+@triton.jit(do_not_specialize=["T", "SLICE0", "ROW0"])
 def _add_lora_kernel(
     # Pointers.
     y_ptr,  # [T, out], updated in place
@@ -188,6 +189,10 @@ def _add_lora_kernel(
     N0,
     N1,
     N2,
+    # Where this launch's group of slices starts among the module's: its first slice's index
+    # in A, and its first row of B (y_ptr points at that column of the output).
+    SLICE0,
+    ROW0,
     # Strides (last dims contiguous).
     stride_yt,
     stride_xt,
@@ -249,7 +254,8 @@ def _add_lora_kernel(
             rows_g = (slot_rows >= s0) & (slot_rows < s0 + SG)
             # -- shrink: x[rows] @ A[slots of the group].T, [BT, SG*BR] --
             a_j = w_ptr + tl.load(tab_j + TAB_A_OFF, mask=s_ok, other=0)
-            a_j += slice_i * tl.load(tab_j + TAB_A_SLICE, mask=s_ok, other=0) + j_r * K_in
+            a_slice = tl.load(tab_j + TAB_A_SLICE, mask=s_ok, other=0)
+            a_j += (SLICE0 + slice_i) * a_slice + j_r * K_in
             xa = tl.zeros((BT, SG * BR), dtype=tl.float32)
             for k0 in range(0, K_in, BK):
                 k_ok = offs_k < K_in - k0
@@ -274,7 +280,7 @@ def _add_lora_kernel(
                 n_ok = offs_c < slice_size
                 offs_n = slice_start + offs_c
                 bt = tl.load(
-                    b_j[:, None] + offs_n[None, :].to(tl.int64) * b_row[:, None],
+                    b_j[:, None] + (ROW0 + offs_n)[None, :].to(tl.int64) * b_row[:, None],
                     mask=j_ok[:, None] & n_ok[None, :],
                     other=0.0,
                 )  # [SG*BR, BN]
@@ -343,8 +349,8 @@ def add_lora_(
     """Semantics: y[t, slice_i] += scaling[s] * (x[t] @ A[s, i].T) @ B[s, slice_i].T, s = slot[t].
 
     y: [T, out], x: [T, in], same dtype, last dims contiguous; lora's factors read through
-    its table (any layout it describes), n <= 3 slices. In place (one launch for all slices);
-    returns y.
+    its table (any layout it describes), any number of slices. In place (one launch for each
+    3 slices); returns y.
     tiles: BT, CW, BK and any launch options (maxnreg, num_stages) in place of
     add_lora_tiles' (benchmarks sweep them; the default's launch options are dropped).
     """
@@ -352,13 +358,17 @@ def add_lora_(
     n, out = len(lora.out_slices), lora.out_features
     assert y.shape == (T, out) and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
     assert lora.in_features == K_in and lora.num_experts == 0, (lora.in_features, x.shape)
-    assert n <= 3 and lora.arena.dtype == x.dtype, (lora.out_slices, lora.arena.dtype)
+    assert lora.arena.dtype == x.dtype, (lora.arena.dtype, x.dtype)
     assert x.stride(1) == 1 and y.stride(1) == 1 and lora.table.is_contiguous()
     if T == 0:
         return y
-    sizes = list(lora.out_slices) + [0] * (3 - n)
-    meta = _add_lora_meta(T, lora, info, sizes, x.device, tiles)
-    _launch_add_lora(y, x, lora, info, sizes, meta)
+    row0 = 0
+    for slice0 in range(0, n, 3):  # a launch takes 3 slices (Qwen3.5's in_proj has 4)
+        group = list(lora.out_slices[slice0 : slice0 + 3])
+        sizes = group + [0] * (3 - len(group))
+        meta = _add_lora_meta(T, lora, info, sizes, x.device, tiles)
+        _launch_add_lora(y[:, row0:], x, lora, info, sizes, meta, slice0, row0)
+        row0 += sum(group)
     return y
 
 
@@ -390,8 +400,11 @@ def _launch_add_lora(
     info: LoraBatchInfo,
     sizes: list[int],
     meta: dict[str, int],
+    slice0: int = 0,
+    row0: int = 0,
 ) -> None:
-    """One _add_lora_kernel launch for all slices `sizes` (padded to 3 with zeros)."""
+    """One _add_lora_kernel launch for the slices `sizes` (padded to 3 with zeros), the
+    module's slices slice0 on, its output rows row0 on (y starts at row0's column)."""
     T, K_in = x.shape
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
     _add_lora_kernel[grid](
@@ -407,6 +420,8 @@ def _launch_add_lora(
         N0=sizes[0],
         N1=sizes[1],
         N2=sizes[2],
+        SLICE0=slice0,
+        ROW0=row0,
         stride_yt=y.stride(0),
         stride_xt=x.stride(0),
         TW=TABLE_WIDTH,

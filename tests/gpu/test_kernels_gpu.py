@@ -380,8 +380,9 @@ def test_add_lora_prefill_tiles_give_the_same_bits(in_dim, slices):
 @pytest.mark.parametrize("T", [1, 7, 64, 256, 300, 4096])  # past 256: the prefill tiles
 @pytest.mark.parametrize("spread", SPREADS)
 @pytest.mark.parametrize(
-    "in_dim,slices", [(2048, (4096, 512, 512)), (4096, (2048,)), (2048, (768, 768))]
-)  # q|k|v, o, shared-expert gate|up
+    "in_dim,slices",
+    [(2048, (4096, 512, 512)), (4096, (2048,)), (2048, (768, 768)), (2048, (8192, 4096, 32, 32))],
+)  # q|k|v, o, shared-expert gate|up, Qwen3.5's in_proj (qkv|z|b|a)
 def test_add_lora_bf16(T, spread, in_dim, slices):
     info = batch_info(T, spread, DEV)
     ranks = info.rank_of_slot.cpu()
