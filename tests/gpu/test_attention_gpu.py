@@ -142,6 +142,21 @@ def test_decode(seq_lens, page_size):
     run_case([1] * len(seq_lens), seq_lens, page_size, pad_rows=1)
 
 
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([1] * 3, [1, 300, 4096]), ([1] * 64, list(range(64, 4097, 64))), ([512, 1, 0], [2048, 9, 0])],
+    ids=["decode-split", "decode-B64", "prefill"],
+)
+def test_head_dim_256(q_lens, seq_lens):
+    """Qwen3.5's and Qwen3-Next's gated attention (16 q heads, 2 KV heads of 256): the default
+    tiles, fitted to the head (kernels/attention/paged.fit_head_dim), compile and agree."""
+    k_cache, v_cache, page_table, _ = make_cache(seq_lens, 16, kv_heads=2, head_dim=256)
+    attn = metadata(q_lens, seq_lens, page_table, 2)
+    q = torch.randn(attn.slot_mapping.shape[0], 16, 256, device="cuda", dtype=torch.bfloat16)
+    out = paged_attention(q, k_cache, v_cache, attn, 256**-0.5)
+    assert_close_to_reference(out, q, k_cache, v_cache, attn)
+
+
 def test_decode_batch_128():
     seq_lens = torch.randint(1, 8193, (128,), generator=torch.Generator().manual_seed(3))
     run_case([1] * 128, seq_lens.tolist(), 16)

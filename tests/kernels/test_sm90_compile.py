@@ -92,10 +92,13 @@ def compile_sm90(kernel, args, kwargs):
     assert set(bound) == set(params), (kernel.fn.__name__, set(params) ^ set(bound))
     constexprs = {p.name for p in kernel.params if p.is_constexpr}  # launches pass all by keyword
     constexprs |= {p for p in params if bound.get(p, 0) is None}  # the JIT's for None
+    skip = {p.name for p in kernel.params if p.do_not_specialize}
+    # the JIT compiles an integer argument equal to 1 as a constant (unless do_not_specialize):
+    # a last-dim stride of 1 lets loads vectorize and pipeline, which takes shared memory
+    constexprs |= {p for p in params if p not in skip and type(bound[p]) is int and bound[p] == 1}
     signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
     # the alignment the JIT would see: 16-byte-aligned pointers, integers divisible by 16
     # (unless do_not_specialize); without it loads are not vectorized or pipelined
-    skip = {p.name for p in kernel.params if p.do_not_specialize}
     aligned = [
         (i,)
         for i, p in enumerate(params)
@@ -241,6 +244,16 @@ def _launch_paged_attention() -> None:
     q = torch.randn(64, HQ, D, dtype=BF16)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG)
     run(q, cache, cache, prefill, 0.1, config=paged_attention.PREFILL_CONFIG, **oss)
+    # Qwen3.5's gated attention: 16 q heads, 2 KV heads of 256, the tiles fitted to the head
+    cache, fit = torch.zeros(8, 16, 2, 256, dtype=BF16), paged_attention.fit_head_dim
+    for config, num_splits in (
+        (paged_attention.DECODE_CONFIG, 1),
+        (paged_attention.DECODE_SPLIT_CONFIG, 4),
+    ):
+        q = torch.randn(2, 16, 256, dtype=BF16)
+        run(q, cache, cache, decode, 0.1, config=fit(config, 256), num_splits=num_splits)
+    q = torch.randn(64, 16, 256, dtype=BF16)
+    run(q, cache, cache, prefill, 0.1, config=fit(paged_attention.PREFILL_CONFIG, 256))
 
 
 def _launch_mla_lora() -> None:

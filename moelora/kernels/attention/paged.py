@@ -95,6 +95,16 @@ DECODE_SPLIT_CONFIG = AttentionConfig(block_m=16, block_n=64, num_warps=4, num_s
 PREFILL_CONFIG = AttentionConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 # The interpreter runs every program in numpy: small tiles keep CPU tests fast.
 INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1)
+
+
+def fit_head_dim(config: AttentionConfig, head_dim: int) -> AttentionConfig:
+    """config with its KV tile cut in proportion past head_dim 128, where the tables above were
+    tuned: the tile's bytes stay as tuned (at 256, Qwen3.5's and Qwen3-Next's gated attention,
+    the prefill tiles would ask for more shared memory than an H200 block has)."""
+    block_n = max(16, config.block_n * 128 // max(head_dim, 128))
+    return config if block_n == config.block_n else dataclasses.replace(config, block_n=block_n)
+
+
 # Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs): from
 # this length cuDNN gains in every case, LoRA or not; below it a LoRA engine's prefill is bound
 # by its host's launches and need not gain
@@ -881,7 +891,7 @@ def _plan(
 ) -> _Plan:
     """decode_plan's tiles and splits where the caller gives none; prefill never splits, and
     deterministic decode steps take the prefill plan."""
-    num_rows, num_q_heads, _ = q.shape
+    num_rows, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     num_seqs, max_pages = attn.page_table.shape
     group_pad = next_power_of_2(num_q_heads // num_kv_heads)
@@ -890,10 +900,12 @@ def _plan(
             num_seqs, num_kv_heads, max_pages * page_size, q.device
         )
         num_splits = num_splits or plan_splits
+        config = config or fit_head_dim(plan_config, head_dim)
         # One token per sequence: rows are the group's heads, padded to the 16 tl.dot wants.
         grid = (max(num_seqs, num_rows), num_kv_heads, num_splits)
-        return _Plan(config or plan_config, num_splits, True, max(group_pad, 16), 1, grid)
-    config = config or (PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG)
+        return _Plan(config, num_splits, True, max(group_pad, 16), 1, grid)
+    default = PREFILL_CONFIG if q.is_cuda else INTERPRETER_CONFIG
+    config = config or fit_head_dim(default, head_dim)
     block_q = max(config.block_m // group_pad, 1)
     work = attn.work
     if work is None or attn.work_block_q != block_q:  # not planned, or other tiles asked for
