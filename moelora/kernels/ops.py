@@ -171,10 +171,10 @@ def triton_ops(
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,
-        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_lora.py),
-        # but stays eager until tests/gpu/test_mla_gpu.py's LoRA cases (its graph replay among
-        # them) pass on a device: True then
-        mla_lora_capturable=False,
+        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_lora.py):
+        # tests/gpu/test_mla_gpu.py replays it in a graph with new slots, and the DeepSeek and
+        # GLM engines equal transformers+PEFT with their graphs captured
+        mla_lora_capturable=True,
     )
 
 

@@ -79,15 +79,16 @@ class MoeCausalLM(nn.Module):
 
 
 def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
-    """What the kernel table and the ranks cannot run yet: MLA, grouped routing and partial
-    rotary (the DeepSeek family, GLM-4.5) and gated DeltaNet (Qwen3-Next, Qwen3.5) run on the
-    torch reference kernels, on one rank, until their engines on the Triton table have passed
-    the family tests on a device (--moelora-device=cuda); their kernels alone pass tests/gpu."""
+    """What the kernel table and the ranks cannot run yet. MLA, grouped routing, partial rotary
+    and gated DeltaNet (the DeepSeek family, GLM-4.5, Qwen3-Next, Qwen3.5) run on one rank.
+    On the Triton table every architecture runs whose engines passed the transformers+PEFT
+    comparisons on a device (tests run with --moelora-device=cuda); Qwen3-Next's have not:
+    its logprobs with an adapter on every projection sat just past their 1e-4 tolerance."""
     needs = reference_only(cfg)
-    if needs and ops.name != "torch":
+    if cfg.arch == "qwen3_next" and ops.name != "torch":
         raise ModelConfigError(
-            f"{cfg.arch} is not supported on {ops.name} kernels: its {', '.join(needs)} has "
-            "not passed its GPU tests yet; expected device='cpu' (or "
+            f"{cfg.arch} is not supported on {ops.name} kernels: its engine has not passed "
+            "its GPU comparison with transformers yet; expected device='cpu' (or "
             "force_reference_kernels=True)"
         )
     if needs and ops.shard.size > 1:
