@@ -1,11 +1,11 @@
 """Where a decode step's time goes: per-kernel GPU time of graph replays, per layer.
 
-Builds bench/decode.py's Qwen3-30B-A3B shape with few layers, then for each case prints every
-kernel's share of one replay (torch.profiler over bench/common.py's PlannedStep.forward_fn,
-CUDA-graph replays of the forward alone). A diagnostic for choosing what to fuse;
-bench/decode.py is the benchmark of record.
+Builds one of bench/decode.py's shapes (Qwen3-30B-A3B unless --shape) with few layers, then
+for each case prints every kernel's share of one replay (torch.profiler over bench/common.py's
+PlannedStep.forward_fn, CUDA-graph replays of the forward alone). A diagnostic for choosing
+what to fuse; bench/decode.py is the benchmark of record.
 
-    PYTHONPATH=. python bench/profile_step.py --layers 4
+    PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b]
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from common import (
 )
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from moelora.models.shapes import SHAPES
 
 REPLAYS = 20
 
@@ -68,6 +70,7 @@ def print_table(step: PlannedStep, layers: int, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument(
         "--pdl",
         action="store_true",
@@ -77,7 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
-    folder = model_folder(args.layers)
+    folder = model_folder(args.layers, args.shape)
     for lora in (False, True):
         engine = make_engine(folder, lora=lora, max_bs=64)
         cases = [("base", lambda B: [None] * B)]
