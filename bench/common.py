@@ -378,7 +378,10 @@ def make_engine(
     eager: bool = False,
     max_bs: int = max(DECODE_BATCHES),
     projections: str = "batch-invariant",
+    context: int = CONTEXT,
 ) -> Engine:
+    """An engine on the folder's dummy weights for decode steps of up to max_bs sequences of
+    `context` prompt tokens (prefilled in one step, decode_batch)."""
     cfg = EngineConfig(
         model=folder,
         load_format="dummy",
@@ -388,9 +391,9 @@ def make_engine(
         max_lora_rank=RANK if lora else 1,
         max_graph_bs=max_bs,
         max_num_seqs=max_bs,
-        max_num_batched_tokens=max_bs * CONTEXT,
-        max_model_len=CONTEXT + 64,
-        num_pages=max_bs * (CONTEXT + 64) // 16 + 16,
+        max_num_batched_tokens=max_bs * context,
+        max_model_len=context + 64,
+        num_pages=max_bs * (context + 64) // 16 + 16,
         enforce_eager=eager,
         projections=projections,
     )
@@ -414,14 +417,16 @@ def add_random_adapters(engine: Engine, count: int) -> list[str]:
     return names
 
 
-def decode_batch(engine: Engine, B: int, loras: list[str | None]) -> PlannedStep:
-    """Prefill B random prompts, then plan the decode step that follows (not run: abort its
-    requests when done)."""
+def decode_batch(
+    engine: Engine, B: int, loras: list[str | None], context: int = CONTEXT
+) -> PlannedStep:
+    """Prefill B random prompts of `context` tokens, then plan the decode step that follows
+    (not run: abort its requests when done)."""
     gen = torch.Generator().manual_seed(B)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
     for i in range(B):
-        prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen).tolist()
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
         engine.add_request(f"b{B}-{i}", prompt, params, loras[i])
     engine.step()
     step = plan_step(engine)

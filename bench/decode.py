@@ -8,6 +8,7 @@ Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of t
 experts touched are counted from the batch's real routing.
 
     PYTHONPATH=. python bench/decode.py [--shape gpt-oss-20b] [--layers 48] [--batches 1 8 64]
+    PYTHONPATH=. python bench/decode.py --shape moonlight-16b-a3b --context 1024
     PYTHONPATH=. python bench/decode.py --shape gpt-oss-120b --mxfp4  # experts packed MXFP4
     PYTHONPATH=. python bench/decode.py --fp8  # experts block-FP8, where the kernels keep them
 
@@ -57,9 +58,9 @@ DTYPES = {
 }
 
 
-def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, batches):
-    for B in batches:
-        step = decode_batch(engine, B, adapters_of(case, names, B))
+def measure(engine, case: str, names: list[str], bw: float, rows: list, eager_too: bool, args):
+    for B in args.batches:
+        step = decode_batch(engine, B, adapters_of(case, names, B), args.context)
         model_bytes, lora_bytes = floor_bytes(engine, step)
         floor = (model_bytes + lora_bytes) / bw * 1e3
         g = time_step(step, eager=False)
@@ -82,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
+    parser.add_argument(
+        "--context", type=int, default=CONTEXT, help=f"prompt tokens a sequence (default {CONTEXT})"
+    )
     experts = parser.add_mutually_exclusive_group()
     experts.add_argument(
         "--mxfp4",
@@ -119,22 +123,22 @@ def main() -> None:
     rows, capture, held = [], {}, set()
     t0 = time.perf_counter()
     if "disabled" in args.cases:
-        engine = make_engine(folder, lora=False, projections=args.projections)
+        engine = make_engine(folder, lora=False, projections=args.projections, context=args.context)
         capture["disabled"] = capture_seconds(engine)
         held.add(built_experts(engine.model_config))
-        measure(engine, "disabled", [], bw, rows, eager, args.batches)
+        measure(engine, "disabled", [], bw, rows, eager, args)
         del engine
         gc.collect()
         torch.cuda.empty_cache()
     lora_cases = [c for c in CASES[1:] if c in args.cases]
     if lora_cases:
-        engine = make_engine(folder, lora=True, projections=args.projections)
+        engine = make_engine(folder, lora=True, projections=args.projections, context=args.context)
         capture["lora"] = capture_seconds(engine)
         held.add(built_experts(engine.model_config))
         names = add_random_adapters(engine, MAX_LORAS)
         for case in lora_cases:
             eager_too = eager and case == "base-only"
-            measure(engine, case, names, bw, rows, eager_too, args.batches)
+            measure(engine, case, names, bw, rows, eager_too, args)
     print(f"total {time.perf_counter() - t0:.0f} s")
     lines = report(args, bw, rows, capture, held)
     write_result("decode", lines, args.out)
@@ -150,7 +154,7 @@ def report(args, bw: float, rows: list, capture: dict, experts: set[str]) -> lis
     lines += [
         f"- layers: {args.layers or 'all'} of {SHAPES[args.shape]['num_hidden_layers']}; "
         f"{DTYPES.get(held, f'bf16; {held}')}; "
-        f"{CONTEXT} context tokens per sequence; LoRA "
+        f"{args.context} context tokens per sequence; LoRA "
         f"rank {RANK}, max_loras {MAX_LORAS}, adapters on q/k/v/o and every expert's "
         "gate/up/down",
         f"- graph capture: {off:.1f} s (LoRA disabled; {off_warm:.1f} s of it the warm-up, where "
