@@ -18,8 +18,8 @@ random weights.
   a(i % 8) (TTFT: one prompt has one adapter, so "8 distinct" is a throughput case only).
 Prefix caching is off: every prompt is computed whole.
 
-    PYTHONPATH=.:bench python bench/prefill.py [--lengths N ...] [--layers N] [--profile]
-        [--pdl] [--fp8] [--smoke] [--out PATH]
+    PYTHONPATH=.:bench python bench/prefill.py [--shape NAME] [--lengths N ...] [--layers N]
+        [--profile] [--pdl] [--fp8] [--smoke] [--out PATH]
 
 --profile: also the per-kernel GPU time of one 4096-token prefill, per layer (torch.profiler).
   It turns programmatic dependent launch off for the whole run unless --pdl is given: with it
@@ -60,6 +60,7 @@ from common import (
 from moelora import LLM, SamplingParams
 from moelora.config import PREFILL_ATTENTION_BACKENDS, EngineConfig
 from moelora.engine.engine import Engine
+from moelora.models.shapes import SHAPES
 from moelora.step.batch import pages_for
 
 PAGE_SIZE = 16
@@ -307,6 +308,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default=FULL.shape, help=f"default {FULL.shape}"
+    )
     parser.add_argument("--lengths", type=int, nargs="+", help="TTFT prompt lengths")
     parser.add_argument("--profile", action="store_true", help="per-kernel times (CUDA)")
     parser.add_argument(
@@ -340,6 +344,8 @@ def main() -> None:
         # read at the first launch (kernels/pdl.py): the whole run's figures are PDL-off ones
         os.environ["MOELORA_PDL"] = "0"
     setup = SMOKE if args.smoke else FULL
+    if not args.smoke and args.shape != setup.shape:
+        setup = dataclasses.replace(setup, shape=args.shape, layers=None)  # all its layers
     if args.layers:
         setup = dataclasses.replace(setup, layers=args.layers)
     if args.lengths:
