@@ -406,13 +406,19 @@ def capture_seconds(engine: Engine) -> tuple[float, float]:
     return stats.graph_capture_seconds, stats.graph_warm_up_seconds
 
 
-def add_random_adapters(engine: Engine, count: int) -> list[str]:
-    """Register adapters a0, a1, ... of rank RANK on every attention and expert projection."""
-    names = [f"a{i}" for i in range(count)]
+def add_random_adapters(
+    engine: Engine, count: int, *, without: str | None = None, prefix: str = "a"
+) -> list[str]:
+    """Register adapters a0, a1, ... (`prefix`) of rank RANK on every attention and expert
+    projection, or every one but the targets named `without` (e.g. "kv_b": MLA's kv_b_proj)."""
+    names = [f"{prefix}{i}" for i in range(count)]
+    targets = {
+        key: t
+        for key, t in engine.lora_targets.items()
+        if without is None or not key.endswith(f".{without}")
+    }
     for seed, name in enumerate(names):
-        adapter = random_adapter(
-            name, engine.lora_targets, rank=RANK, seed=seed, dtype=DT, device=DEV
-        )
+        adapter = random_adapter(name, targets, rank=RANK, seed=seed, dtype=DT, device=DEV)
         engine.add_adapter(adapter)
     return names
 

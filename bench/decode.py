@@ -2,7 +2,8 @@
 its floor.
 
 Cases: LoRA disabled; LoRA enabled with a base-only batch; one adapter; 8 distinct rank-16
-adapters on attention and experts. Graph replay and eager at B in {1, 8, 32, 64, 128}; each
+adapters on attention and experts; on MLA shapes, 8 others without kv_b_proj's LoRA (the floor
+still counts kv_b's factors: a few hundred KB a step). Graph replay and eager at B in {1, 8, 32, 64, 128}; each
 timed step is the forward and the lm_head (logits), as the floor counts the lm_head's weight.
 Floor = (weights touched + KV read + LoRA weights touched) / copy bandwidth of this run; the
 experts touched are counted from the batch's real routing.
@@ -48,7 +49,10 @@ from moelora.config import PROJECTIONS, graph_batch_sizes
 from moelora.kernels.pdl import pdl_kwargs
 from moelora.models.shapes import SHAPES
 
-CASES = ("disabled", "base-only", "1 adapter", "8 distinct")
+# "8 distinct, no kv_b": MLA shapes only, the same adapters without kv_b_proj's LoRA (what its
+# correction in the latent space costs absorbed decode)
+NO_KV_B = "8 distinct, no kv_b"
+CASES = ("disabled", "base-only", "1 adapter", "8 distinct", NO_KV_B)
 # the weights' dtypes, by how the engine holds the experts (experts_held)
 DTYPES = {
     "bf16 experts": "bf16",
@@ -136,8 +140,13 @@ def main() -> None:
         capture["lora"] = capture_seconds(engine)
         held.add(built_experts(engine.model_config))
         names = add_random_adapters(engine, MAX_LORAS)
+        mla = any(key.endswith(".kv_b") for key in engine.lora_targets)
         for case in lora_cases:
             eager_too = eager and case == "base-only"
+            if case == NO_KV_B:
+                if not mla:
+                    continue  # no kv_b_proj to leave out
+                names = add_random_adapters(engine, MAX_LORAS, without="kv_b", prefix="n")
             measure(engine, case, names, bw, rows, eager_too, args)
     print(f"total {time.perf_counter() - t0:.0f} s")
     lines = report(args, bw, rows, capture, held)
@@ -181,12 +190,16 @@ def report(args, bw: float, rows: list, capture: dict, experts: set[str]) -> lis
 def ratio_table(rows: list, batches: list[int]) -> list[str]:
     """Each LoRA case's graph time over LoRA disabled's, per batch size."""
     graph = {(case, B): g for case, B, g, *_ in rows}
-    lines = ["", "| B | base-only / disabled | 8 distinct / disabled |", "|---:|---:|---:|"]
+    mla = any(case == NO_KV_B for case, *_ in rows)
+    head = "| B | base-only / disabled | 8 distinct / disabled |"
+    lines = ["", head + (" 8 distinct / no kv_b |" if mla else ""), "|---:|---:|---:|"]
+    lines[-1] += "---:|" if mla else ""
     for B in batches:
-        base = graph.get(("disabled", B))
-        ratios = [graph.get((c, B)) for c in ("base-only", "8 distinct")]
-        cells = [f"{r / base:.3f}" if r and base else "" for r in ratios]
-        lines.append(f"| {B} | {cells[0]} | {cells[1]} |")
+        pairs = [("base-only", "disabled"), ("8 distinct", "disabled")]
+        pairs += [("8 distinct", NO_KV_B)] if mla else []
+        ratios = [(graph.get((c, B)), graph.get((d, B))) for c, d in pairs]
+        cells = [f"{r / d:.3f}" if r and d else "" for r, d in ratios]
+        lines.append(f"| {B} | " + " | ".join(cells) + " |")
     return lines
 
 

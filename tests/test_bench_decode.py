@@ -1,0 +1,37 @@
+"""bench/decode.py's ratio table on the CPU: the MLA column (8 distinct over the same without
+kv_b_proj's LoRA) only where that case ran, each cell a graph time over its reference's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def decode(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # as `python bench/decode.py` has it
+    import decode
+
+    return decode
+
+
+def _rows(cases: dict[str, float], B: int = 8) -> list[tuple]:
+    return [(case, B, ms, None, 1.0, 1.0) for case, ms in cases.items()]
+
+
+def test_the_kv_b_column_only_where_its_case_ran(decode):
+    times = {"disabled": 2.0, "base-only": 2.2, "8 distinct": 3.3}
+    plain = decode.ratio_table(_rows(times), [8])
+    assert plain[1] == "| B | base-only / disabled | 8 distinct / disabled |"
+    assert plain[-1] == "| 8 | 1.100 | 1.650 |"
+    mla = decode.ratio_table(_rows({**times, decode.NO_KV_B: 3.0}), [8])
+    assert mla[1].endswith("| 8 distinct / no kv_b |") and mla[2] == "|---:|---:|---:|---:|"
+    assert mla[-1] == "| 8 | 1.100 | 1.650 | 1.100 |"
+
+
+def test_a_missing_case_leaves_its_cell_empty(decode):
+    rows = _rows({"disabled": 2.0, "8 distinct": 3.0}, B=1)
+    assert decode.ratio_table(rows, [1, 64])[-2:] == ["| 1 |  | 1.500 |", "| 64 |  |  |"]
