@@ -98,7 +98,7 @@ def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
 
 
 def reference_only(cfg: ModelConfig) -> list[str]:
-    """What of cfg only the torch reference kernels on one rank run for now."""
+    """What of cfg runs on one rank only for now (tensor parallelism refuses it)."""
     parts = (
         ("multi-head latent attention", cfg.mla is not None),
         ("grouped routing", cfg.routing is not None),
