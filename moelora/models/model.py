@@ -84,7 +84,7 @@ def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
     On the Triton table every architecture runs whose engines passed the transformers+PEFT
     comparisons on a device (tests run with --moelora-device=cuda); Qwen3-Next's have not:
     its logprobs with an adapter on every projection sat just past their 1e-4 tolerance."""
-    needs = reference_only(cfg)
+    needs = one_rank_only(cfg)
     if cfg.arch == "qwen3_next" and ops.name != "torch":
         raise ModelConfigError(
             f"{cfg.arch} is not supported on {ops.name} kernels: its engine has not passed "
@@ -97,7 +97,7 @@ def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
         )
 
 
-def reference_only(cfg: ModelConfig) -> list[str]:
+def one_rank_only(cfg: ModelConfig) -> list[str]:
     """What of cfg runs on one rank only for now (tensor parallelism refuses it)."""
     parts = (
         ("multi-head latent attention", cfg.mla is not None),

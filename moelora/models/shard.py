@@ -16,7 +16,7 @@ import torch
 from moelora.config import ModelConfig
 from moelora.errors import ConfigError
 from moelora.models.loader import check_filled, placed_tensors
-from moelora.models.model import MoeCausalLM, reference_only
+from moelora.models.model import MoeCausalLM, one_rank_only
 from moelora.parallel import Shard
 
 
@@ -27,7 +27,7 @@ def check_divides(cfg: ModelConfig, size: int, *, expert_parallel: bool) -> None
     if size == 1:
         return
     what = f"tensor_parallel_size={size}"
-    if reference_only(cfg):  # before any rank starts (models/model.py refuses it too)
+    if one_rank_only(cfg):  # before any rank starts (models/model.py refuses it too)
         raise ConfigError(f"{what} is not supported for {cfg.arch}: expected 1")
     sizes = [("query heads", "num_attention_heads", cfg.num_heads)]
     if expert_parallel:
