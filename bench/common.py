@@ -427,14 +427,21 @@ def decode_batch(
     engine: Engine, B: int, loras: list[str | None], context: int = CONTEXT
 ) -> PlannedStep:
     """Prefill B random prompts of `context` tokens, then plan the decode step that follows
-    (not run: abort its requests when done)."""
+    (not run: abort its requests when done). A hybrid model with prefix caching prefills in
+    two chunks (the second starts at its state snapshot's page boundary): steps run until
+    every request has its first token."""
     gen = torch.Generator().manual_seed(B)
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
-    for i in range(B):
+    ids = [f"b{B}-{i}" for i in range(B)]
+    for i, rid in enumerate(ids):
         prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
-        engine.add_request(f"b{B}-{i}", prompt, params, loras[i])
-    engine.step()
+        engine.add_request(rid, prompt, params, loras[i])
+    started: set[str] = set()
+    for _ in range(6):  # a step's tokens come with the next step's answer
+        started.update(out.request_id for out in engine.step() if out.token_ids)
+        if len(started) == B:
+            break
     step = plan_step(engine)
     assert len(step.request_ids) == B and step.inputs.num_tokens == B
     return step

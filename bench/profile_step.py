@@ -6,12 +6,17 @@ PlannedStep.forward_fn, CUDA-graph replays of the forward alone). A diagnostic f
 what to fuse; bench/decode.py is the benchmark of record.
 
     PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b]
+        [--trace REGEX]
+
+--trace: also each launch of the kernels whose name matches REGEX in one replay, in launch
+order with its time (which module a slow launch is, by its place in the layer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from collections import defaultdict
 
 import torch
@@ -31,21 +36,33 @@ from moelora.models.shapes import SHAPES
 REPLAYS = 20
 
 
-def kernel_table(step: PlannedStep, layers: int) -> list[tuple[str, float, float]]:
-    """[(kernel, calls per layer, µs per layer)] of the batch's graph replay, largest first."""
+def kernel_events(step: PlannedStep) -> list:
+    """The CUDA kernel events of REPLAYS replays of the batch's graph, in launch order."""
     assert step.uses_graph, "the batch has no graph"
     with torch.inference_mode():
         prof = _profile(step.forward_fn())
         if not any(ev.device_type == DeviceType.CUDA for ev in prof.events()):
             # this profiler does not see inside graphs: the eager forward of the same inputs
             prof = _profile(step.forward_fn(eager=True))
+    events = [ev for ev in prof.events() if ev.device_type == DeviceType.CUDA]
+    return sorted(events, key=lambda ev: ev.time_range.start)
+
+
+def kernel_table(events: list, layers: int) -> list[tuple[str, float, float]]:
+    """[(kernel, calls per layer, µs per layer)] of the events, largest first."""
     total, calls = defaultdict(float), defaultdict(int)
-    for ev in prof.events():
-        if ev.device_type == DeviceType.CUDA:
-            total[ev.name[:60]] += ev.device_time
-            calls[ev.name[:60]] += 1
+    for ev in events:
+        total[ev.name[:60]] += ev.device_time
+        calls[ev.name[:60]] += 1
     per = REPLAYS * layers
     return sorted(((n, calls[n] / per, total[n] / per) for n in total), key=lambda r: -r[2])
+
+
+def print_trace(events: list, pattern: str) -> None:
+    """Each launch of one replay whose kernel matches the pattern, in order, with its µs."""
+    matched = [ev for ev in events if re.search(pattern, ev.name)]
+    for i, ev in enumerate(matched[: len(matched) // REPLAYS]):
+        print(f"    {i:3d}  {ev.device_time:8.2f} µs  {ev.name[:60]}")
 
 
 def _profile(forward):
@@ -59,12 +76,16 @@ def _profile(forward):
     return prof
 
 
-def print_table(step: PlannedStep, layers: int, title: str) -> None:
-    rows = kernel_table(step, layers)
+def print_table(step: PlannedStep, layers: int, title: str, trace: str | None) -> None:
+    events = kernel_events(step)
+    rows = kernel_table(events, layers)
     tot = sum(r[2] for r in rows)
     print(f"\n## {title}: {tot:.1f} µs kernel time per layer")
     for name, c, us in rows[:16]:
         print(f"  {us:7.2f} µs  x{c:4.2f}  {name}")
+    if trace:
+        print(f"  launches matching {trace!r}, one replay:")
+        print_trace(events, trace)
 
 
 def main() -> None:
@@ -77,6 +98,7 @@ def main() -> None:
         help="keep programmatic dependent launch on (its kernels start early and wait inside, "
         "so their times include the wait for the kernel before: off by default)",
     )
+    parser.add_argument("--trace", metavar="REGEX", help="each launch of these kernels, in order")
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
@@ -90,7 +112,7 @@ def main() -> None:
         for case, loras in cases:
             for B in (1, 8, 64):
                 step = decode_batch(engine, B, loras(B))
-                print_table(step, args.layers, f"lora={lora} {case} B={B}")
+                print_table(step, args.layers, f"lora={lora} {case} B={B}", args.trace)
                 for request_id in step.request_ids:
                     engine.abort_request(request_id)
         del engine
