@@ -56,6 +56,16 @@ TAB_WIDTH = tl.constexpr(TABLE_WIDTH)
 
 
 @triton.jit
+def aligned(offset, ALIGN: tl.constexpr):
+    """offset (loaded from a LoRA table), shown to be a multiple of ALIGN (LoraWeights.a_align):
+    what the compiler cannot see in a loaded value, and needs to vectorize and pipeline the
+    loads that start there. Rounding down leaves the value as it is (the invariant holds); a
+    product by a constant is what the alignment analysis reads, where tl.multiple_of on a
+    value returned from a jit function is lost."""
+    return offset // ALIGN * ALIGN
+
+
+@triton.jit
 def lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row):
     """(slot, rank, scaling) of the row's adapter; rank 0 when the row has none enabled. Two
     dependent loads: the slot, then its flag, rank and scaling together."""
@@ -89,6 +99,7 @@ def _lora_shrink_kernel(
     R: tl.constexpr,
     RP: tl.constexpr,
     BK: tl.constexpr,
+    A_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -101,8 +112,8 @@ def _lora_shrink_kernel(
     # the module's own rank and place; rank 0 (the slot's adapter has no such module) still
     # writes its rows, zeros: readers check only the slot
     rank = tl.load(tab_ptr + slot * TW + TAB_RANK)
-    a_slot = w_ptr + tl.load(tab_ptr + slot * TW + TAB_A_OFF)
-    a_slice = tl.load(tab_ptr + slot * TW + TAB_A_SLICE)
+    a_slot = w_ptr + aligned(tl.load(tab_ptr + slot * TW + TAB_A_OFF), A_ALIGN)
+    a_slice = aligned(tl.load(tab_ptr + slot * TW + TAB_A_SLICE), A_ALIGN)
     offs_k = ks * BK + tl.arange(0, BK)
     k_ok = offs_k < K_in
     offs_r = tl.arange(0, RP)
@@ -156,6 +167,7 @@ def lora_shrink_split(x: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo) -
         R=R,
         RP=RP,
         BK=BK,
+        A_ALIGN=lora.a_align,
         num_warps=4,
         **pdl_kwargs(x.device),
     )
@@ -206,6 +218,7 @@ def _add_lora_kernel(
     BN: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
+    A_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -253,8 +266,8 @@ def _add_lora_kernel(
             j_ok = (used > 0) & (j_r < tl.load(tab_j + TAB_RANK, mask=s_ok, other=0))
             rows_g = (slot_rows >= s0) & (slot_rows < s0 + SG)
             # -- shrink: x[rows] @ A[slots of the group].T, [BT, SG*BR] --
-            a_j = w_ptr + tl.load(tab_j + TAB_A_OFF, mask=s_ok, other=0)
-            a_slice = tl.load(tab_j + TAB_A_SLICE, mask=s_ok, other=0)
+            a_j = w_ptr + aligned(tl.load(tab_j + TAB_A_OFF, mask=s_ok, other=0), A_ALIGN)
+            a_slice = aligned(tl.load(tab_j + TAB_A_SLICE, mask=s_ok, other=0), A_ALIGN)
             a_j += (SLICE0 + slice_i) * a_slice + j_r * K_in
             xa = tl.zeros((BT, SG * BR), dtype=tl.float32)
             for k0 in range(0, K_in, BK):
@@ -425,6 +438,7 @@ def _launch_add_lora(
         stride_yt=y.stride(0),
         stride_xt=x.stride(0),
         TW=TABLE_WIDTH,
+        A_ALIGN=lora.a_align,
         **meta,
         **pdl_kwargs(x.device),
     )

@@ -28,6 +28,7 @@ from moelora.step.lora import (
     RANK,
     TABLE_WIDTH,
     LoraWeights,
+    alignment,
 )
 
 
@@ -136,7 +137,8 @@ class SlotPool:
                 a, b, dense_at = self._dense_views(t, dense_at)
             places = (self.arena, self.tables[i])
             shape = (t.out_slices, t.in_features, max_rank, t.num_experts)
-            self.weights[key] = LoraWeights(*places, *shape, a, b)
+            align = self._a_align(t, a)
+            self.weights[key] = LoraWeights(*places, *shape, a, b, align)
             setattr(t.owner, t.attr, self.weights[key])
         if not compact:
             self._dense_tables()
@@ -147,6 +149,17 @@ class SlotPool:
         self._written: list[dict[str, int]] = [{} for _ in range(max_loras)]
         # by region start: what the last fill there wrote the slot (a parked region's re-take)
         self._held: dict[int, _Held] = {}
+
+    def _a_align(self, t: LoraTarget, a: torch.Tensor | None) -> int:
+        """LoraWeights.a_align of target t. Compact: a region starts, and its A factors sit, on
+        ALIGN; A_SLICE and A_EXPERT are multiples of `in` (r * in, n * r * in). The old
+        layout: the dense view's places and strides."""
+        if a is None:
+            return alignment([t.in_features, ALIGN])
+        base = self.arena.storage_offset()
+        places = [a[s].storage_offset() - base for s in range(self.max_loras)]
+        strides = [a.stride(-3), a.stride(1) if t.num_experts else 0]
+        return alignment([t.in_features, *places, *strides])
 
     def _dense_views(self, t: LoraTarget, at: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The old layout's a [S, (E,) n, R, in] and b [S, (E,) out, R] of target t in the
@@ -239,6 +252,8 @@ class SlotPool:
             rows[i, A_OFF], rows[i, B_OFF] = start + p.a_off, start + p.b_off
             rows[i, A_EXPERT], rows[i, B_EXPERT] = p.a_expert, p.b_expert
             rows[i, A_SLICE], rows[i, B_ROW], rows[i, RANK] = R_n * K, R_n, R_n
+            # the kernels' alignment hint holds (LoraWeights.a_align)
+            assert not (start + p.a_off) % w.a_align and not p.a_expert % w.a_align, key
         # pin: a pageable source would make this copy synchronous (and a pinned one must not
         # change while it runs: the rows are never written again)
         rows = rows.pin_memory() if self.tables.is_cuda else rows

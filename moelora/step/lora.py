@@ -7,6 +7,7 @@ captured CUDA graph replays with the new batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,16 @@ class LoraBatchInfo:
 # and the rank are all a reader needs.
 A_OFF, A_EXPERT, A_SLICE, B_OFF, B_EXPERT, B_ROW, RANK = range(7)
 TABLE_WIDTH = 8  # one 64-byte row a slot
+MAX_ALIGN = 8  # elements: one 16-byte vector load of bf16
+
+
+def alignment(values: Iterable[int]) -> int:
+    """The largest power of two up to MAX_ALIGN that divides every value (0 divides by all)."""
+    align = MAX_ALIGN
+    for v in values:
+        while v % align:
+            align //= 2
+    return align
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,11 @@ class LoraWeights:
     a, b: the same factors as dense views [S, (E,) n, R, in] and [S, (E,) out, R] (R =
     max_rank, zeros past a slot's rank), where the pool keeps that layout (kernels not yet
     converted to the table read these); None in the compact layout.
+
+    a_align: every A_OFF, A_EXPERT and A_SLICE the table holds, now or after any fill, is a
+    multiple of it (elements; a power of two up to MAX_ALIGN), and so is `in`. Kernels pass it
+    to the compiler (kernels/lora.aligned): an offset loaded from the table says nothing of
+    its alignment, and without the hint A's loads are one element each and not pipelined.
     """
 
     arena: torch.Tensor  # [N] the pool's one buffer, the model's dtype
@@ -77,6 +93,7 @@ class LoraWeights:
     num_experts: int = 0
     a: torch.Tensor | None = None
     b: torch.Tensor | None = None
+    a_align: int = 1
 
     @classmethod
     def dense(
@@ -101,7 +118,8 @@ class LoraWeights:
             row[A_EXPERT] = a.stride(1) if experts else 0
             row[B_EXPERT] = b.stride(1) if experts else 0
             row[RANK] = R if ranks is None else min(ranks[s], R)
-        return cls(arena, table.to(a.device), out_slices, K, R, experts, a, b)
+        align = alignment([K, *table[:, [A_OFF, A_EXPERT, A_SLICE]].flatten().tolist()])
+        return cls(arena, table.to(a.device), out_slices, K, R, experts, a, b, align)
 
     def dense_views(self, reader: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(a, b) in the old dense layout, for a kernel not yet converted to the table."""

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from moelora.kernels import gated_delta
+from moelora.kernels.linear_attention import conv
 from moelora.kernels.linear_attention.conv import causal_conv1d
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule
 from moelora.kernels.linear_attention.gated_norm import rms_norm_gated
@@ -106,6 +107,20 @@ def assert_rows(out: torch.Tensor, want: torch.Tensor, batch: Batch):
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_causal_conv1d_matches_reference(poison_empty, case, padded, dtype):
+    _conv_case(case, padded, dtype)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_causal_conv1d_splits_a_sequence_over_programs(poison_empty, monkeypatch, case, padded):
+    """Rows split over programs 3 at a time (a 9-token sequence takes three, a 7-token one
+    three, the last partial): the same rows, and the window written once, after its reads."""
+    monkeypatch.setattr(conv, "CONV_SPAN", 3)
+    monkeypatch.setattr(conv, "CONV_SPLITS", 64)
+    _conv_case(case, padded, torch.float32)
+
+
+def _conv_case(case: str, padded: bool, dtype: torch.dtype) -> None:
     batch = make_batch(case, padded=padded, seed=len(case))
     T = batch.attn.slot_mapping.shape[0]
     wide = torch.randn(T, C + 24, dtype=dtype)

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import TAB_A_OFF, TAB_B_OFF, TAB_B_ROW, TAB_RANK, lora_row
+from moelora.kernels.lora import TAB_A_OFF, TAB_B_OFF, TAB_B_ROW, TAB_RANK, aligned, lora_row
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
@@ -46,11 +46,12 @@ A_TILE = 4096  # elements of A a program holds at once: [RP, BLOCK_L]
 
 
 @triton.jit
-def _kv_b_factors(tab_ptr, w_ptr, slot, TW):
+def _kv_b_factors(tab_ptr, w_ptr, slot, TW, A_ALIGN: tl.constexpr):
     """(A's pointer, B's pointer, B's row stride, the module's rank) of an enabled slot, from
-    its row of the table; rank 0: the slot's adapter has no kv_b_proj."""
+    its row of the table; rank 0: the slot's adapter has no kv_b_proj. A's offset is a
+    multiple of A_ALIGN (LoraWeights.a_align)."""
     entry = tab_ptr + slot * TW
-    a_ptr = w_ptr + tl.load(entry + TAB_A_OFF)
+    a_ptr = w_ptr + aligned(tl.load(entry + TAB_A_OFF), A_ALIGN)
     b_ptr = w_ptr + tl.load(entry + TAB_B_OFF)
     return a_ptr, b_ptr, tl.load(entry + TAB_B_ROW), tl.load(entry + TAB_RANK)
 
@@ -83,6 +84,7 @@ def _mla_lora_q_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_L: tl.constexpr,
     RP: tl.constexpr,
+    A_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -91,7 +93,7 @@ def _mla_lora_q_kernel(
     slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
     if rank == 0:
         return
-    a_ptr, b_ptr, b_row, rank = _kv_b_factors(tab_ptr, w_ptr, slot, TW)
+    a_ptr, b_ptr, b_row, rank = _kv_b_factors(tab_ptr, w_ptr, slot, TW, A_ALIGN)
     if rank == 0:
         return
     offs_r = tl.arange(0, RP)
@@ -156,6 +158,7 @@ def _mla_lora_out_kernel(
     BLOCK_V: tl.constexpr,
     BLOCK_L: tl.constexpr,
     RP: tl.constexpr,
+    A_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -164,7 +167,7 @@ def _mla_lora_out_kernel(
     slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
     if rank == 0:
         return
-    a_ptr, b_ptr, b_row, rank = _kv_b_factors(tab_ptr, w_ptr, slot, TW)
+    a_ptr, b_ptr, b_row, rank = _kv_b_factors(tab_ptr, w_ptr, slot, TW, A_ALIGN)
     if rank == 0:
         return
     offs_r = tl.arange(0, RP)
@@ -236,6 +239,7 @@ def lora_q_(
         BLOCK_N=next_power_of_2(N),
         BLOCK_L=block_l,
         RP=RP,
+        A_ALIGN=lora.a_align,
         num_warps=4,
         **pdl_kwargs(q_lat.device),
     )
@@ -278,6 +282,7 @@ def lora_out_(
         BLOCK_V=next_power_of_2(V),
         BLOCK_L=block_l,
         RP=RP,
+        A_ALIGN=lora.a_align,
         num_warps=4,
         **pdl_kwargs(out.device),
     )

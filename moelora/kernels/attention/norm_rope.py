@@ -42,6 +42,7 @@ from moelora.kernels.lora import (
     TAB_B_ROW,
     TAB_RANK,
     TAB_WIDTH,
+    aligned,
     lora_slot,
 )
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
@@ -95,6 +96,7 @@ def _rms_norm_kernel(
     RC: tl.constexpr,
     KS: tl.constexpr,
     KS_PAD: tl.constexpr,
+    A_ALIGN: tl.constexpr,  # the shrink's LoraWeights.a_align
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -136,8 +138,8 @@ def _rms_norm_kernel(
         # the slot's adapter has no such module, and an enabled row's shrink is zeros)
         a_row = a_tab_ptr + slot * TAB_WIDTH
         a_rank = tl.load(a_row + TAB_RANK, mask=rank > 0, other=0)
-        a_slot = a_ptr + tl.load(a_row + TAB_A_OFF, mask=rank > 0, other=0)
-        a_slice = tl.load(a_row + TAB_A_SLICE, mask=rank > 0, other=0)
+        a_slot = a_ptr + aligned(tl.load(a_row + TAB_A_OFF, mask=rank > 0, other=0), A_ALIGN)
+        a_slice = aligned(tl.load(a_row + TAB_A_SLICE, mask=rank > 0, other=0), A_ALIGN)
         offs_j = g * RC + tl.arange(0, RC)
         j_ok = (offs_j % R < a_rank) & (offs_j < NS * R)
         a_j = (offs_j // R) * a_slice + (offs_j % R) * N
@@ -380,6 +382,7 @@ def _launch_rms_norm(
         RC=RC,
         KS=lora.KS,
         KS_PAD=next_power_of_2(lora.KS),
+        A_ALIGN=lora.shrink.a_align if shrink else 1,
         num_warps=num_warps,
         enable_fp_fusion=False,
         **pdl_kwargs(x.device),

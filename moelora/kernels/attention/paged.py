@@ -62,7 +62,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import TAB_A_OFF, TAB_RANK, TAB_WIDTH, lora_shrink_split, lora_slot
+from moelora.kernels.lora import (
+    TAB_A_OFF,
+    TAB_RANK,
+    TAB_WIDTH,
+    aligned,
+    lora_shrink_split,
+    lora_slot,
+)
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
@@ -483,6 +490,7 @@ def _combine_splits_kernel(
     SHRINK: tl.constexpr,
     R: tl.constexpr,
     RP: tl.constexpr,
+    A_ALIGN: tl.constexpr,  # the o projection's LoraWeights.a_align
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -532,7 +540,7 @@ def _combine_splits_kernel(
             a_rank = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_RANK)
             offs_r = tl.arange(0, RP)
             K_in = tl.num_programs(1) * head_dim
-            a_off = tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_A_OFF)
+            a_off = aligned(tl.load(a_tab_ptr + slot * TAB_WIDTH + TAB_A_OFF), A_ALIGN)
             a_head = a_ptr + a_off + pid_hq * head_dim
             a = tl.load(
                 a_head + offs_r[:, None] * K_in + offs_d[None, :],
@@ -1062,6 +1070,7 @@ def _launch_combine(
         SHRINK=on,
         R=R,
         RP=next_power_of_2(R),
+        A_ALIGN=shrink.a_align if on else 1,
         **pdl_kwargs(a.q.device),
     )
     return shrunk

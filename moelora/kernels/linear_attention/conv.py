@@ -42,6 +42,13 @@ class ConvTiles:
 # A decode has one token a sequence: wide channel blocks. Prefill: a tile of tokens.
 CONV_DECODE = ConvTiles(block_t=1, block_c=256, num_warps=4)
 CONV_PREFILL = ConvTiles(block_t=16, block_c=128, num_warps=4)
+# Prefill rows a program takes: a long prompt's tokens are independent of each other (each
+# reads its own W inputs), so they split over programs as its channels do, where one program
+# a channel block would walk the whole prompt alone. At least CONV_SPAN rows a program, and at
+# most CONV_SPLITS programs a sequence and channel block: the grid covers the longest
+# sequence a step may hold (T rows), and in a step of many sequences most would be empty.
+CONV_SPAN = 256
+CONV_SPLITS = 16
 
 
 @triton.jit
@@ -71,6 +78,7 @@ def _causal_conv1d_kernel(
     num_rows,
     C,
     stride_xt,
+    span,  # tokens a program takes: program_id(2) takes rows span * z .. of its sequence
     # Meta-parameters.
     W: tl.constexpr,
     W_PAD: tl.constexpr,  # next_power_of_2(W - 1): lanes of the window
@@ -82,18 +90,20 @@ def _causal_conv1d_kernel(
     # -- map the program to its sequence and channels; padded rows are zeroed first --
     b = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    z = tl.program_id(2)
     c_ok = offs_c < C
     dtype = out_ptr.dtype.element_ty
-    zero_padded_rows(out_ptr + offs_c, c_ok, b, cu_seqlens_q_ptr, num_seqs, num_rows, C)
+    if z == 0:
+        zero_padded_rows(out_ptr + offs_c, c_ok, b, cu_seqlens_q_ptr, num_seqs, num_rows, C)
     start, n, continues, slot = sequence(b, cu_seqlens_q_ptr, seq_lens_ptr, state_slots_ptr)
     if n == 0:
         return  # a padded sequence: its slot stays as it is
     window_ptr = conv_state_ptr + (slot * C + offs_c) * (W - 1)  # [BLOCK_C]
 
     # -- each token's W taps: products rounded to the dtype, summed in tap order in float32 --
-    for t0 in range(0, n, BLOCK_T):
+    for t0 in range(z * span, tl.minimum(z * span + span, n), BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        ok = (offs_t < n)[:, None] & c_ok[None, :]
+        ok = (offs_t < tl.minimum(z * span + span, n))[:, None] & c_ok[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
         for j in tl.static_range(W):
             src = (offs_t + j - (W - 1))[:, None]
@@ -107,7 +117,10 @@ def _causal_conv1d_kernel(
         rows = (start + offs_t).to(tl.int64)[:, None]
         tl.store(out_ptr + rows * C + offs_c[None, :], y.to(dtype), mask=ok)
 
-    # -- the new window, u's last W - 1 entries: read by every lane before any is stored --
+    # -- the new window, u's last W - 1 entries: read by every lane before any is stored, by
+    # the one program that reads the old window (the rows before span, z 0, read it) --
+    if z != 0:
+        return
     offs_w = tl.arange(0, W_PAD)
     w_ok = c_ok[:, None] & (offs_w < W - 1)[None, :]
     src = (n + offs_w - (W - 1))[None, :]
@@ -141,7 +154,10 @@ def causal_conv1d(
         return out
     tiles = CONV_DECODE if attn.max_query_len <= 1 else CONV_PREFILL
     block_c = min(tiles.block_c, next_power_of_2(C))
-    _causal_conv1d_kernel[(B, cdiv(C, block_c))](
+    # the longest sequence has at most T rows (a graph's T: its padded size)
+    span = max(CONV_SPAN, cdiv(T, CONV_SPLITS))
+    assert span >= W - 1, (span, W)  # so that only z 0's rows read the old window
+    _causal_conv1d_kernel[(B, cdiv(C, block_c), cdiv(T, span))](
         x_ptr=x,
         weight_ptr=weight,
         conv_state_ptr=conv_state,
@@ -153,6 +169,7 @@ def causal_conv1d(
         num_rows=T,
         C=C,
         stride_xt=x.stride(0),
+        span=span,
         W=W,
         W_PAD=next_power_of_2(W - 1),
         BLOCK_T=tiles.block_t,

@@ -43,6 +43,21 @@ def _unit(x, eps):
 
 
 @triton.jit
+def _token_inputs(
+    q_head, k_head, v_head, g_head, beta_head, t64, ok, k_ok, v_ok,
+    stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
+):  # fmt: skip
+    """(q, k, v, g, beta) of token t64 in float32 (g as stored); zeros where not ok (past
+    the sequence's last token: loaded ahead, never used)."""
+    q = tl.load(q_head + t64 * stride_qt, mask=k_ok & ok, other=0.0).to(tl.float32)
+    k = tl.load(k_head + t64 * stride_kt, mask=k_ok & ok, other=0.0).to(tl.float32)
+    v = tl.load(v_head + t64 * stride_vt, mask=v_ok & ok, other=0.0).to(tl.float32)
+    g = tl.load(g_head + t64 * stride_gt, mask=ok, other=0.0)
+    beta = tl.load(beta_head + t64 * stride_bt, mask=ok, other=0.0).to(tl.float32)
+    return q, k, v, g, beta
+
+
+@triton.jit
 def _gated_delta_rule_kernel(
     # Pointers.
     q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
@@ -100,14 +115,21 @@ def _gated_delta_rule_kernel(
     k_head = k_ptr + (h // GROUPS) * stride_kh + offs_k
     v_head = v_ptr + h * stride_vh + offs_v
 
-    # -- the tokens in order, each a decode step --
+    # -- the tokens in order, each a decode step; the next token's inputs are loaded before
+    # this one's arithmetic, so that their latency is not in the recurrence's chain --
+    nq, nk, nv, ng, nbeta = _token_inputs(
+        q_head, k_head, v_head, g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
+        start.to(tl.int64), 0 < n, k_ok, v_ok,
+        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
+    )  # fmt: skip
     for i in range(0, n):
         t64 = (start + i).to(tl.int64)
-        q = tl.load(q_head + t64 * stride_qt, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_head + t64 * stride_kt, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_head + t64 * stride_vt, mask=v_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + t64 * stride_gt + h * stride_gh)
-        beta = tl.load(beta_ptr + t64 * stride_bt + h * stride_bh).to(tl.float32)
+        q, k, v, g, beta = nq, nk, nv, ng, nbeta
+        nq, nk, nv, ng, nbeta = _token_inputs(
+            q_head, k_head, v_head, g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
+            t64 + 1, i + 1 < n, k_ok, v_ok,
+            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
+        )  # fmt: skip
         q = _unit(q, eps) * scale
         k = _unit(k, eps)
         s = s * tl.exp(g)

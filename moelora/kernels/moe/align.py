@@ -246,6 +246,7 @@ def align_kernel(
     BR: tl.constexpr,
     BKS: tl.constexpr,
     SPLITS: tl.constexpr,
+    A13_ALIGN: tl.constexpr,
     BM: tl.constexpr,
     E_PAD: tl.constexpr,
     CHUNKED: tl.constexpr,  # past PMAX: counts from align_count_kernel, chunks of CB pairs
@@ -282,6 +283,7 @@ def align_kernel(
                     BR=BR,
                     BKS=BKS,
                     SPLITS=SPLITS,
+                    A_ALIGN=A13_ALIGN,
                 )
     elif CHUNKED:
         _align_chunked(
@@ -386,6 +388,7 @@ class PairShrink:
     BR: int = 16
     BKS: int = 16
     splits: int = 1
+    a13_align: int = 1  # gate_up's LoraWeights.a_align
     programs: int = 0  # NS
     num_warps: int = 0  # the launch runs at least this many warps when programs > 0
 
@@ -443,6 +446,7 @@ def launch_align(
         BR=shrink.BR,
         BKS=shrink.BKS,
         SPLITS=shrink.splits,
+        A13_ALIGN=shrink.a13_align,
         BM=BM,
         E_PAD=next_power_of_2(E),
         **meta,

@@ -162,6 +162,7 @@ def _gate_up_kernel(
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
+    A2_ALIGN: tl.constexpr,  # down's LoraWeights.a_align (its A2 read by the partial shrink)
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -336,6 +337,7 @@ def _gate_up_kernel(
                     BM=BM,
                     BR=BR,
                     PACK=PACK,
+                    A_ALIGN=A2_ALIGN,
                 )
 
 
@@ -545,6 +547,7 @@ class _Half:
     arena: torch.Tensor  # LoraWeights.arena: every slot's factors, where table says
     table: torch.Tensor  # LoraWeights.table [S, TABLE_WIDTH] int64
     slices: int  # A's slices: 2 (gate, up) or 1 (down)
+    a_align: int = 1  # LoraWeights.a_align
 
 
 @dataclass(frozen=True)
@@ -670,7 +673,7 @@ def _half(lora: LoraWeights | None, info: LoraBatchInfo | None, unused: torch.Te
         return _Half(False, unused, unused, 0)
     table = lora.table
     assert table.shape[1] == TABLE_WIDTH and table.is_contiguous(), table.shape
-    return _Half(True, lora.arena, table, len(lora.out_slices))
+    return _Half(True, lora.arena, table, len(lora.out_slices), lora.a_align)
 
 
 def _by_block(gate_up_on: bool, P: int, S: int, deterministic: bool = False) -> bool:
@@ -765,6 +768,7 @@ def _align(
         BR=lora.BR,
         BKS=pair_shrink_block_k(lora.BR, splits),
         splits=splits,
+        a13_align=lora.gate_up.a_align,
         programs=min(P * splits, MAX_SHRINK_PROGRAMS) if lora.on and not by_block else 0,
         num_warps=SHRINK_WARPS,
     )
@@ -806,6 +810,7 @@ def _block_shrink(
         BM=pairs.BM,
         BK=BLOCK_SHRINK_K,
         BR=lora.BR,
+        A_ALIGN=half.a_align,
         num_warps=4 if pairs.BM <= 64 else 8,
         **pdl_kwargs(rows.device),
     )
@@ -878,6 +883,7 @@ def _gate_up(
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
         PACK=lora.PACK,
+        A2_ALIGN=lora.down.a_align,
         BM=pairs.BM,
         BN=cfg.block_n,
         BK=cfg.block_k,

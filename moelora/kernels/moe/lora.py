@@ -48,6 +48,7 @@ from moelora.kernels.lora import (
     TAB_B_ROW,
     TAB_RANK,
     TAB_WIDTH,
+    aligned,
 )
 from moelora.kernels.pdl import pdl_wait
 
@@ -71,6 +72,7 @@ def pair_shrink(
     BR: tl.constexpr,
     BKS: tl.constexpr,
     SPLITS: tl.constexpr,  # jobs a pair: each shrinks 2 * BR / SPLITS of its rows
+    A_ALIGN: tl.constexpr,  # A13's LoraWeights.a_align
 ):
     """xa13[pair, i] = x[token] @ A13[s, e, i].T for the pair's enabled slot s (zeros where
     its adapter has no gate_up module); else nothing.
@@ -94,8 +96,10 @@ def pair_shrink(
                 offs_r = (part * RCH) % BR + tl.arange(0, RCH)
                 row = tab_ptr + slot.to(tl.int64) * TAB_WIDTH
                 r_ok = offs_r < tl.load(row + TAB_RANK)
-                a = w_ptr + tl.load(row + TAB_A_OFF) + half * tl.load(row + TAB_A_SLICE)
-                a = a + expert.to(tl.int64) * tl.load(row + TAB_A_EXPERT) + offs_r[:, None] * H
+                a_off = aligned(tl.load(row + TAB_A_OFF), A_ALIGN)
+                a = w_ptr + a_off + half * aligned(tl.load(row + TAB_A_SLICE), A_ALIGN)
+                a_expert = aligned(tl.load(row + TAB_A_EXPERT), A_ALIGN)
+                a = a + expert.to(tl.int64) * a_expert + offs_r[:, None] * H
                 offs_k = tl.arange(0, BKS)
                 xa = tl.zeros((RCH,), dtype=tl.float32)
                 for k0 in range(0, H, BKS):
@@ -188,14 +192,18 @@ def _walk_next(slot_rows, rank_rows, packed, s, S: tl.constexpr, PACK: tl.conste
 
 
 @triton.jit
-def _place(w_ptr, tab_ptr, s, expert, rank, OFF: tl.constexpr, EXPERT: tl.constexpr):
+def _place(
+    w_ptr, tab_ptr, s, expert, rank, OFF: tl.constexpr, EXPERT: tl.constexpr, ALIGN: tl.constexpr
+):
     """Where slot s's factor (A: OFF = TAB_A_OFF; B: TAB_B_OFF) of `expert` starts in the
-    arena. Rank 0 (no row of the block has the slot; s == S, past the table, included): the
-    table is not read, and nor is the factor (its tiles are masked by the rank)."""
+    arena, its offset and expert stride multiples of ALIGN (kernels/lora.aligned). Rank 0 (no
+    row of the block has the slot; s == S, past the table, included): the table is not read,
+    and nor is the factor (its tiles are masked by the rank)."""
     row = tab_ptr + s.to(tl.int64) * TAB_WIDTH
     live = rank > 0
-    off = tl.load(row + OFF, mask=live, other=0)
-    return w_ptr + off + expert.to(tl.int64) * tl.load(row + EXPERT, mask=live, other=0)
+    off = aligned(tl.load(row + OFF, mask=live, other=0), ALIGN)
+    stride = aligned(tl.load(row + EXPERT, mask=live, other=0), ALIGN)
+    return w_ptr + off + expert.to(tl.int64) * stride
 
 
 @triton.jit
@@ -246,16 +254,17 @@ def down_partial_shrink(
     BM: tl.constexpr,
     BR: tl.constexpr,
     PACK: tl.constexpr,
+    A_ALIGN: tl.constexpr,  # A2's LoraWeights.a_align
 ):
     """xa2[pair] += h[:, cols] @ A2[s, e, :, cols].T, per row's slot (the other columns' shares
     come from the other column blocks). Walks the block's slots as expand_rows does."""
     part = tl.zeros((BM, BR), dtype=tl.float32)
     s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
-    a_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_A_OFF, TAB_A_EXPERT)
+    a_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_A_OFF, TAB_A_EXPERT, A_ALIGN)
     at = _a_tile(a_s, I, offs_n, n_ok, rank, BR)
     while s < S:
         s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
-        a_next = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_A_OFF, TAB_A_EXPERT)
+        a_next = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_A_OFF, TAB_A_EXPERT, A_ALIGN)
         at_next = _a_tile(a_next, I, offs_n, n_ok, rank_next, BR)
         part = dot(tl.where((slot_rows == s)[:, None], h, 0.0).to(at.dtype), at, part)
         s = s_next
@@ -296,7 +305,8 @@ def expand_rows(
     xs0 = xa0 * scale_rows[:, None]
     xs1 = xa1 * scale_rows[:, None]
     s, rank = _walk_next(slot_rows, rank_rows, packed, -1, S, PACK)
-    b_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_B_OFF, TAB_B_EXPERT)
+    # B's rank columns (its tiles' contiguous side) are as many as the rank: no alignment
+    b_s = _place(w_ptr, tab_ptr, s, expert, rank, TAB_B_OFF, TAB_B_EXPERT, 1)
     b_row = _b_row(tab_ptr, s, rank)
     bt0 = _b_tile(b_s, b_row, offs_n0, n_ok, rank, BR)
     bt1 = bt0
@@ -304,7 +314,7 @@ def expand_rows(
         bt1 = _b_tile(b_s, b_row, offs_n1, n_ok, rank, BR)
     while s < S:
         s_next, rank_next = _walk_next(slot_rows, rank_rows, packed, s, S, PACK)
-        b_s = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_B_OFF, TAB_B_EXPERT)
+        b_s = _place(w_ptr, tab_ptr, s_next, expert, rank_next, TAB_B_OFF, TAB_B_EXPERT, 1)
         b_row = _b_row(tab_ptr, s_next, rank_next)
         bt0_next = _b_tile(b_s, b_row, offs_n0, n_ok, rank_next, BR)
         bt1_next = bt0_next
@@ -343,6 +353,7 @@ def block_shrink_kernel(
     BM: tl.constexpr,
     BK: tl.constexpr,
     BR: tl.constexpr,
+    A_ALIGN: tl.constexpr,  # that A's LoraWeights.a_align
     PDL: tl.constexpr,
 ):
     """A shrink for one block of the align: xa[pair, i] = row @ A[s, e, i].T for the rows with
@@ -384,10 +395,11 @@ def block_shrink_kernel(
         if rank > 0:  # a row of the block has the slot, and its adapter the module
             rows_s = slot_rows == s
             r_ok = r < rank
-            a_e = (
-                w_ptr + tl.load(row + TAB_A_OFF) + expert.to(tl.int64) * tl.load(row + TAB_A_EXPERT)
-            )
-            a_s = a_e + half[None, :] * tl.load(row + TAB_A_SLICE) + r[None, :] * H
+            a_off = aligned(tl.load(row + TAB_A_OFF), A_ALIGN)
+            a_expert = aligned(tl.load(row + TAB_A_EXPERT), A_ALIGN)
+            a_slice = aligned(tl.load(row + TAB_A_SLICE), A_ALIGN)
+            a_e = w_ptr + a_off + expert.to(tl.int64) * a_expert
+            a_s = a_e + half[None, :] * a_slice + r[None, :] * H
             a_s = a_s + offs_k[:, None]  # [BK, HALVES * BR]
             acc = tl.zeros((BM, HALVES * BR), dtype=tl.float32)
             for k0 in range(0, H, BK):
