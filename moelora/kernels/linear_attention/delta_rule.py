@@ -44,9 +44,21 @@ def _unit(x, eps):
 
 @triton.jit
 def _token_inputs(
-    q_head, k_head, v_head, g_head, beta_head, t64, ok, k_ok, v_ok,
-    stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
-):  # fmt: skip
+    q_head,
+    k_head,
+    v_head,
+    g_head,
+    beta_head,
+    t64,
+    ok,
+    k_ok,
+    v_ok,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    stride_gt,
+    stride_bt,
+):
     """(q, k, v, g, beta) of token t64 in float32 (g as stored); zeros where not ok (past
     the sequence's last token: loaded ahead, never used)."""
     q = tl.load(q_head + t64 * stride_qt, mask=k_ok & ok, other=0.0).to(tl.float32)
@@ -118,18 +130,40 @@ def _gated_delta_rule_kernel(
     # -- the tokens in order, each a decode step; the next token's inputs are loaded before
     # this one's arithmetic, so that their latency is not in the recurrence's chain --
     nq, nk, nv, ng, nbeta = _token_inputs(
-        q_head, k_head, v_head, g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
-        start.to(tl.int64), 0 < n, k_ok, v_ok,
-        stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
-    )  # fmt: skip
+        q_head,
+        k_head,
+        v_head,
+        g_ptr + h * stride_gh,
+        beta_ptr + h * stride_bh,
+        start.to(tl.int64),
+        0 < n,
+        k_ok,
+        v_ok,
+        stride_qt,
+        stride_kt,
+        stride_vt,
+        stride_gt,
+        stride_bt,
+    )
     for i in range(0, n):
         t64 = (start + i).to(tl.int64)
         q, k, v, g, beta = nq, nk, nv, ng, nbeta
         nq, nk, nv, ng, nbeta = _token_inputs(
-            q_head, k_head, v_head, g_ptr + h * stride_gh, beta_ptr + h * stride_bh,
-            t64 + 1, i + 1 < n, k_ok, v_ok,
-            stride_qt, stride_kt, stride_vt, stride_gt, stride_bt,
-        )  # fmt: skip
+            q_head,
+            k_head,
+            v_head,
+            g_ptr + h * stride_gh,
+            beta_ptr + h * stride_bh,
+            t64 + 1,
+            i + 1 < n,
+            k_ok,
+            v_ok,
+            stride_qt,
+            stride_kt,
+            stride_vt,
+            stride_gt,
+            stride_bt,
+        )
         q = _unit(q, eps) * scale
         k = _unit(k, eps)
         s = s * tl.exp(g)
