@@ -48,7 +48,7 @@ OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl", "maxnreg
 SM90_SHARED = 232448  # bytes of shared memory a block may use on sm_90
 
 
-def _record_launches() -> list:
+def record_launches() -> list:
     """kernel[grid](...) records the launch instead of running it (the kernels themselves stay
     as they are: compiling one reads its module's globals)."""
     from triton.runtime.jit import KernelInterface
@@ -60,7 +60,7 @@ def _record_launches() -> list:
     return launches
 
 
-def _arg_type(value) -> str:
+def arg_type(value) -> str:
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if isinstance(value, TensorDescriptor):
@@ -96,7 +96,7 @@ def compile_sm90(kernel, args, kwargs):
     # the JIT compiles an integer argument equal to 1 as a constant (unless do_not_specialize):
     # a last-dim stride of 1 lets loads vectorize and pipeline, which takes shared memory
     constexprs |= {p for p in params if p not in skip and type(bound[p]) is int and bound[p] == 1}
-    signature = {p: "constexpr" if p in constexprs else _arg_type(bound[p]) for p in params}
+    signature = {p: "constexpr" if p in constexprs else arg_type(bound[p]) for p in params}
     # the alignment the JIT would see: 16-byte-aligned pointers, integers divisible by 16
     # (unless do_not_specialize); without it loads are not vectorized or pipelined
     aligned = [
@@ -134,7 +134,7 @@ BF16 = torch.bfloat16
 H, HQ, HKV, D, R, S = 2048, 32, 4, 128, 16, 8
 
 
-def _launch_every_op() -> None:
+def launch_every_op() -> None:
     """The engine's ops at a Qwen3-30B-A3B layer's sizes (the MoE narrowed in H and I, which
     the kernels take at run time): small batches, one decode and one prefill of each kind."""
     for T in (1, 64, 1024):  # from 1024 tokens the rotary's programs take 8 tokens each
@@ -362,11 +362,11 @@ def _launch_fp8_moe() -> None:
 
 
 def main() -> None:
-    launches = _record_launches()
-    _launch_every_op()
+    launches = record_launches()
+    launch_every_op()
     seen, names, looked_up = set(), set(), set()
     for kernel, args, kwargs in launches:
-        key = (kernel.fn.__name__, repr([_arg_type(a) for a in args]), repr(sorted(kwargs.items())))
+        key = (kernel.fn.__name__, repr([arg_type(a) for a in args]), repr(sorted(kwargs.items())))
         if key not in seen:
             seen.add(key)
             names.add(kernel.fn.__name__)
