@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,8 @@ def test_every_kernel_compiles_for_sm90():
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
     # every kernel module's kernels were launched at least once and compiled
     assert "kernels: " in done.stdout, done.stdout[-4000:]
+    # add_lora_'s A loads are vectorized where its LoraWeights say A is aligned (a_align)
+    assert "A hinted: " in done.stdout, done.stdout[-4000:]
 
 
 # -- the subprocess ------------------------------------------------------------------------------
@@ -381,6 +384,28 @@ def main() -> None:
                     looked_up.add(kernel.fn.__name__)
                     compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
+    print(check_a_alignment_hint(launches))
+
+
+def one_bit_loads(ptx: str) -> tuple[int, int]:
+    """(16-bit global loads of one element, copies into shared memory) in a kernel's PTX."""
+    scalar = re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)
+    return len(scalar), len(re.findall(r"cp\.async\.c[ag]", ptx))
+
+
+def check_a_alignment_hint(launches: list) -> str:
+    """add_lora_'s one-token launch, compiled with LoraWeights.a_align (8 here) and without it
+    (1): A's offsets come from the table, so only the hint lets its tiles load 16 bytes at a
+    time into shared memory; without it each is loaded an element at a time."""
+    kernel, args, kwargs = next(
+        (k, a, kw)
+        for k, a, kw in launches
+        if k.fn.__name__ == "_add_lora_kernel" and kw["T"] == 1 and kw["A_ALIGN"] == 8
+    )
+    hinted = one_bit_loads(compile_sm90(kernel, args, dict(kwargs)).asm["ptx"])
+    plain = one_bit_loads(compile_sm90(kernel, args, dict(kwargs, A_ALIGN=1)).asm["ptx"])
+    assert hinted[0] < plain[0] and hinted[1] > plain[1], (hinted, plain)
+    return f"A hinted: {hinted} (one-element loads, copies), not hinted: {plain}"
 
 
 if __name__ == "__main__":
