@@ -381,7 +381,7 @@ def make_engine(
     context: int = CONTEXT,
 ) -> Engine:
     """An engine on the folder's dummy weights for decode steps of up to max_bs sequences of
-    `context` prompt tokens (prefilled in one step, decode_batch)."""
+    `context` prompt tokens (decode_batch prefills them)."""
     cfg = EngineConfig(
         model=folder,
         load_format="dummy",

@@ -387,7 +387,7 @@ def main() -> None:
     print(check_a_alignment_hint(launches))
 
 
-def one_bit_loads(ptx: str) -> tuple[int, int]:
+def one_element_loads(ptx: str) -> tuple[int, int]:
     """(16-bit global loads of one element, copies into shared memory) in a kernel's PTX."""
     scalar = re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]16\b", ptx)
     return len(scalar), len(re.findall(r"cp\.async\.c[ag]", ptx))
@@ -402,8 +402,8 @@ def check_a_alignment_hint(launches: list) -> str:
         for k, a, kw in launches
         if k.fn.__name__ == "_add_lora_kernel" and kw["T"] == 1 and kw["A_ALIGN"] == 8
     )
-    hinted = one_bit_loads(compile_sm90(kernel, args, dict(kwargs)).asm["ptx"])
-    plain = one_bit_loads(compile_sm90(kernel, args, dict(kwargs, A_ALIGN=1)).asm["ptx"])
+    hinted = one_element_loads(compile_sm90(kernel, args, dict(kwargs)).asm["ptx"])
+    plain = one_element_loads(compile_sm90(kernel, args, dict(kwargs, A_ALIGN=1)).asm["ptx"])
     assert hinted[0] < plain[0] and hinted[1] > plain[1], (hinted, plain)
     return f"A hinted: {hinted} (one-element loads, copies), not hinted: {plain}"
 

@@ -101,9 +101,10 @@ def _causal_conv1d_kernel(
     window_ptr = conv_state_ptr + (slot * C + offs_c) * (W - 1)  # [BLOCK_C]
 
     # -- each token's W taps: products rounded to the dtype, summed in tap order in float32 --
-    for t0 in range(z * span, tl.minimum(z * span + span, n), BLOCK_T):
+    end = tl.minimum(z * span + span, n)  # this program's rows: z * span .. end
+    for t0 in range(z * span, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
-        ok = (offs_t < tl.minimum(z * span + span, n))[:, None] & c_ok[None, :]
+        ok = (offs_t < end)[:, None] & c_ok[None, :]
         acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
         for j in tl.static_range(W):
             src = (offs_t + j - (W - 1))[:, None]

@@ -126,6 +126,8 @@ def _gated_delta_rule_kernel(
     q_head = q_ptr + (h // GROUPS) * stride_qh + offs_k
     k_head = k_ptr + (h // GROUPS) * stride_kh + offs_k
     v_head = v_ptr + h * stride_vh + offs_v
+    g_head = g_ptr + h * stride_gh
+    beta_head = beta_ptr + h * stride_bh
 
     # -- the tokens in order, each a decode step; the next token's inputs are loaded before
     # this one's arithmetic, so that their latency is not in the recurrence's chain --
@@ -133,8 +135,8 @@ def _gated_delta_rule_kernel(
         q_head,
         k_head,
         v_head,
-        g_ptr + h * stride_gh,
-        beta_ptr + h * stride_bh,
+        g_head,
+        beta_head,
         start.to(tl.int64),
         0 < n,
         k_ok,
@@ -152,8 +154,8 @@ def _gated_delta_rule_kernel(
             q_head,
             k_head,
             v_head,
-            g_ptr + h * stride_gh,
-            beta_ptr + h * stride_bh,
+            g_head,
+            beta_head,
             t64 + 1,
             i + 1 < n,
             k_ok,
