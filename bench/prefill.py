@@ -58,7 +58,7 @@ from common import (
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import PREFILL_ATTENTION_BACKENDS, EngineConfig
+from moelora.config import MLA_PREFILL_FORMS, PREFILL_ATTENTION_BACKENDS, EngineConfig
 from moelora.engine.engine import Engine
 from moelora.models.shapes import SHAPES
 from moelora.step.batch import pages_for
@@ -79,6 +79,7 @@ class Setup:
     batch: tuple[int, int]  # throughput: prompts, tokens each
     max_num_batched_tokens: int
     prefill_attention_backend: str = "cudnn"  # EngineConfig's
+    mla_prefill: str = EngineConfig.mla_prefill  # EngineConfig's: MLA shapes only
     max_prefill_graph_tokens: int = EngineConfig.max_prefill_graph_tokens  # 0: all eager
     profile_tokens: int = 4096  # --profile: the prefill whose kernels are timed
 
@@ -136,6 +137,7 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
         page_size=PAGE_SIZE,
         enable_prefix_caching=False,
         prefill_attention_backend=setup.prefill_attention_backend,
+        mla_prefill=setup.mla_prefill,
         max_prefill_graph_tokens=setup.max_prefill_graph_tokens,
     )
     names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
@@ -277,6 +279,7 @@ def report(setup: Setup, results, flops_per_s: float, seconds: float):
         f"load_format='dummy', max_num_batched_tokens {setup.max_num_batched_tokens}, "
         f"max_model_len {setup.max_model_len}, enable_prefix_caching=False, "
         f"prefill_attention_backend={setup.prefill_attention_backend!r}, "
+        f"mla_prefill={setup.mla_prefill!r}, "
         f"max_prefill_graph_tokens={setup.max_prefill_graph_tokens}); LoRA: max_loras "
         f"{MAX_LORAS}, rank {RANK}, on attention and every expert",
         f"- matmul throughput (8192^3 bf16 torch.mm, do_bench median): "
@@ -326,6 +329,12 @@ def main() -> None:
         help="EngineConfig.prefill_attention_backend (default: cudnn)",
     )
     parser.add_argument(
+        "--mla-prefill",
+        choices=MLA_PREFILL_FORMS,
+        default=EngineConfig.mla_prefill,
+        help=f"EngineConfig.mla_prefill, on MLA shapes (default: {EngineConfig.mla_prefill})",
+    )
+    parser.add_argument(
         "--max-prefill-graph-tokens",
         type=int,
         default=EngineConfig.max_prefill_graph_tokens,
@@ -353,6 +362,7 @@ def main() -> None:
     setup = dataclasses.replace(
         setup,
         prefill_attention_backend=args.prefill_attention_backend,
+        mla_prefill=args.mla_prefill,
         max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         profile_tokens=args.profile_tokens,
     )

@@ -22,6 +22,8 @@ STATE_DTYPE = torch.float32
 PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 # EngineConfig.prefill_attention_backend: who attends long first prefill chunks on CUDA
 PREFILL_ATTENTION_BACKENDS = ("cudnn", "triton")
+# EngineConfig.mla_prefill: how an MLA model's prompts attend in their first chunk
+MLA_PREFILL_FORMS = ("absorbed", "expanded")
 LOAD_FORMATS = ("auto", "dummy")
 # EngineConfig.quantization: weights quantized at load (None: as the checkpoint stores them)
 QUANTIZATIONS = ("fp8",)
@@ -151,6 +153,20 @@ class EngineConfig:
         "attention of long first prefill chunks on CUDA: cudnn (fastest) or triton (a prompt's "
         "rows get the same bits prefilled whole or in chunks)",
         choices=PREFILL_ATTENTION_BACKENDS,
+    )
+    # MLA models (DeepSeek): a prompt's first chunk, which has no KV before it, attends
+    # "expanded" (kv_b_proj and its LoRA give its tokens' per-head keys and values, as
+    # transformers does: about a third of the latent form's work at DeepSeek's sizes) or
+    # "absorbed" (in the latent space, as decode rows and later chunks always do: a prompt's
+    # rows then get the same bits prefilled whole or in chunks). Expanded is not the default
+    # yet: its Triton kernel has passed the interpreter's tests and an sm_90 compile, not yet
+    # a device. Deterministic inference always takes absorbed.
+    mla_prefill: str = _flag(
+        "absorbed",
+        "how an MLA model's prompts attend in their first chunk: absorbed (in the latent "
+        "space, as decode does) or expanded (per-head keys and values; less work); "
+        "--enable-deterministic-inference keeps absorbed",
+        choices=MLA_PREFILL_FORMS,
     )
     # The kernels a request's numbers pass through choose no tile, split or path by what else
     # shares the step (kernels/ops.py: triton_ops): the same bits alone or batched, chunked or
@@ -292,6 +308,7 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         lambda v: v in PREFILL_ATTENTION_BACKENDS,
         f"one of {', '.join(PREFILL_ATTENTION_BACKENDS)}",
     ),
+    ("mla_prefill", lambda v: v in MLA_PREFILL_FORMS, f"one of {', '.join(MLA_PREFILL_FORMS)}"),
     ("max_lora_rank", _at_least_1, _AT_LEAST_1),
     ("max_cpu_loras", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("max_cpu_lora_gb", lambda v: v is None or v > 0, "None or a number > 0"),

@@ -111,6 +111,35 @@ def test_chunked_prefill_and_preemption(bank: FixtureBank, fx: FamilyFixtures, a
     assert tight.engine.stats().kv_pages_used == 0
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+def test_expanded_prefill(
+    bank: FixtureBank, fx: FamilyFixtures, arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mla_prefill="expanded": prompts' first chunks attend to their own expanded keys and
+    values (kernels/mla.expanded_attention_, called), later chunks and decode rows absorbed;
+    whole and in 4-token chunks, the latent form's tokens and logprobs, and transformers'."""
+    from moelora.kernels import mla
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return expanded_attention_(*args, **kwargs)
+
+    expanded_attention_ = mla.expanded_attention_
+    monkeypatch.setattr(mla, "expanded_attention_", counted)
+    loras = ["a", None, "b", "a", None]
+    refs = fx.reference(bank, arch, loras)
+    latent = run_greedy(fx.llm(arch), loras)
+    assert not calls
+    expanded = run_greedy(fx.llm(arch, mla_prefill="expanded"), loras)
+    assert calls
+    chunked = run_greedy(fx.llm(arch, mla_prefill="expanded", max_num_batched_tokens=4), loras)
+    for got, what in ((expanded, "expanded"), (chunked, "expanded, chunked")):
+        _assert_same(got, latent)
+        assert_matches(bank, got, refs, hf.PROMPTS, f"{arch} {what}")
+
+
 @pytest.mark.parametrize("arch", mf.ARCHS)
 def test_a_prefix_cache_hit_equals_a_miss(bank: FixtureBank, fx: FamilyFixtures, arch: str) -> None:
     shared = [(7 * i + 3) % 200 + 1 for i in range(37)]

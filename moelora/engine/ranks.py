@@ -73,6 +73,7 @@ def make_rank_ops(cfg: EngineConfig, shard: Shard, device: torch.device) -> Ops:
         projections=cfg.projections,
         prefill_attention_backend=cfg.prefill_attention_backend,
         deterministic=cfg.enable_deterministic_inference,
+        mla_expanded_prefill=cfg.mla_prefill == "expanded",
         shard=shard,
     )
 

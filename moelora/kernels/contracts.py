@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from moelora.kernels.fp8_block import Fp8Weight
+    from moelora.kernels.mla import ExpandedKv
     from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
     from moelora.step.batch import AttentionMetadata
     from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
@@ -179,6 +180,7 @@ class MlaAttentionOp(Protocol):
         *,
         lora: LoraWeights | None = None,
         info: LoraBatchInfo | None = None,
+        expanded: ExpandedKv | None = None,
     ) -> torch.Tensor: ...
 
 

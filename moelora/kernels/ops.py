@@ -70,6 +70,9 @@ class Ops:
     # mla_attention with LoRA reads no device value on the host, so a CUDA graph can capture
     # an MLA engine with enable_lora (engine/build.py runs it eagerly otherwise)
     mla_lora_capturable: bool = False
+    # MLA layers hand prefill steps' own expanded keys and values to mla_attention, for the
+    # prompts' first chunks (EngineConfig.mla_prefill; never with deterministic)
+    mla_expanded_prefill: bool = False
 
 
 REFERENCE_OPS = Ops(
@@ -101,13 +104,15 @@ def make_ops(
     projections: str = "batch-invariant",
     prefill_attention_backend: str = "cudnn",
     deterministic: bool = False,
+    mla_expanded_prefill: bool = False,
     shard: Shard = SINGLE,
 ) -> Ops:
     """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
     dense projections that `projections` names (see EngineConfig and kernels/linear.py) and the
     attention of long first prefill chunks that `prefill_attention_backend` names, for the
     model's part `shard`; deterministic: EngineConfig.enable_deterministic_inference's (the
-    reference's bits never follow the batch: on the CPU nothing changes)."""
+    reference's bits never follow the batch: on the CPU nothing changes, but for MLA's
+    prefill, which mla_expanded_prefill asks for and deterministic keeps absorbed)."""
     for name, value, valid in (
         ("projections", projections, PROJECTIONS),
         ("prefill_attention_backend", prefill_attention_backend, PREFILL_ATTENTION_BACKENDS),
@@ -118,6 +123,7 @@ def make_ops(
         ops = REFERENCE_OPS
     else:
         ops = triton_ops(projections, prefill_attention_backend, deterministic=deterministic)
+    ops = replace(ops, mla_expanded_prefill=mla_expanded_prefill and not deterministic)
     return ops if shard == SINGLE else replace(ops, shard=shard)
 
 

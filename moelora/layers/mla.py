@@ -7,7 +7,9 @@ V = v_head_dim, L = kv_lora_rank, Q = q_lora_rank.
             [L + R]: the two projections that read the hidden state, fused (each its own LoRA)
   q:        q_b_proj(q_a_layernorm(.)) -> [Hh, N + R]: q_nope | q_pe
   kv:       kv_a_layernorm(latent [L]), k_pe [R]: rotated and stored in the cache, 1 "head"
-  attention with kv_b_proj [Hh (N + V), L] and its LoRA inside (ops.mla_attention)
+  attention with kv_b_proj [Hh (N + V), L] and its LoRA inside (ops.mla_attention); in a
+            prefill step also kv_b_proj of the step's own latents, the expanded keys and values
+            that prompts' first chunks attend to (kernels/mla.py)
   o_proj:   [Hh V] -> hidden
 
 Every projection takes its LoRA: q_a_proj and kv_a_proj_with_mqa as the slices of qkv_proj,
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from moelora.config import ModelConfig
+from moelora.kernels.mla import ExpandedKv
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
@@ -45,7 +48,8 @@ class MlaAttention(nn.Module):
             self.q_b_proj = LoraLinear(mla.q_lora_rank, (Hh * mla.qk_head_dim,), ops, **kw)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, ops, **kw)
         kv_b_size = Hh * (mla.qk_nope_head_dim + mla.v_head_dim)
-        # read by the attention whole (its weight, and its LoRA's slot buffers), never called
+        # read by the attention whole (its weight, and its LoRA's slot buffers) in the latent
+        # form; called on the step's latents for the expanded form
         self.kv_b_proj = LoraLinear(mla.kv_lora_rank, (kv_b_size,), ops, **kw)
         self.o_proj = LoraLinear(Hh * mla.v_head_dim, (H,), ops, **kw)
         order = None
@@ -86,6 +90,11 @@ class MlaAttention(nn.Module):
             self.cfg.rms_norm_eps,
         )
         store_latent(latent, k_pe.view(T, -1), latent_cache, rope_cache, batch.attn.slot_mapping)
+        expanded = None
+        if batch.attn.max_query_len > 1 and self.ops.mla_expanded_prefill:
+            kv = self.kv_b_proj(latent, lora).view(T, -1, mla.qk_nope_head_dim + mla.v_head_dim)
+            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+            expanded = ExpandedKv(k_nope, k_pe.view(T, -1), v)
         out = self.ops.mla_attention(
             q_nope,
             q_pe,
@@ -96,6 +105,7 @@ class MlaAttention(nn.Module):
             mla.softmax_scale,
             lora=self.kv_b_proj.lora if lora is not None else None,
             info=lora,
+            expanded=expanded,
         )  # [T, Hh, V]
         return self.o_proj(out.reshape(T, -1), lora)
 

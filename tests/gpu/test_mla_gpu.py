@@ -10,6 +10,7 @@ N / V = qk_nope / v head dims.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from lora_cases import compact_weights, lora_weights  # noqa: E402
 
 from moelora.kernels import mla  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
-from moelora.kernels.attention import mla_lora  # noqa: E402
+from moelora.kernels.attention import mla_expanded, mla_lora  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -300,3 +301,114 @@ def test_mla_attention_with_lora_cuda_graph_replay():
         with_slot = ((slots == 0) | (slots >= 2)).cuda()
         if with_slot.any():
             assert rel_err(out[with_slot], base[with_slot]) > 1e-2, "the LoRA added nothing"
+
+
+# -- The expanded form (kernels/attention/mla_expanded.py): prompts' first chunks --------------
+
+
+def expanded_inputs(T: int, heads: int, seed: int):
+    """q_nope and q_pe (views of one [T, Hh, N + R] bf16 tensor, as the layer splits q) and
+    ExpandedKv (k_nope and v views of kv_b_proj's [T, Hh, N + V] output), at unit scale."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    q, kv = randn(T, heads, N + R), randn(T, heads, N + V)
+    expanded = mla.ExpandedKv(kv[..., :N], randn(T, R), kv[..., N:])
+    return q[..., :N], q[..., N:], expanded
+
+
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize(
+    "q_lens,seq_lens",
+    [([4096], [4096]), ([1000, 1, 300, 0, 77, 129], [1000, 1024, 300, 0, 90, 129])],
+    ids=["prompt-4096", "mixed"],
+)
+def test_expanded_attention(q_lens, seq_lens, heads):
+    """The kernel against the reference (fp32 math over the same bf16 inputs): the prompts'
+    first chunks (seq_len == q_len) within 1e-2 relative error, every other row untouched."""
+    attn = metadata(q_lens, seq_lens, torch.zeros(len(q_lens), 1, dtype=torch.int32), 3)
+    T = attn.slot_mapping.shape[0]
+    q_nope, q_pe, expanded = expanded_inputs(T, heads, seed=len(q_lens))
+    got = torch.full((T, heads, V), 7.0, dtype=torch.bfloat16, device="cuda")
+    mla_expanded.expanded_attention_(got, q_nope, q_pe, expanded, attn, SCALE)
+    want = torch.full((T, heads, V), 7.0, dtype=torch.float32, device="cuda")
+    mla.expanded_attention_(want, q_nope, q_pe, expanded, attn, SCALE)
+    first = torch.zeros(T, dtype=torch.bool, device="cuda")
+    cu = attn.cu_seqlens_q.tolist()
+    for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        first[cu[b] : cu[b] + n] = n == s
+    assert torch.isfinite(got).all()
+    assert rel_err(got[first], want[first]) <= 1e-2
+    assert (got[~first] == 7.0).all(), "a row outside the prompts' first chunks was written"
+
+
+def test_mla_attention_forms_agree():
+    """A prefill step with a prompt's first chunk, an extend and a decode row, with kv_b_proj's
+    LoRA: the Triton table given the expanded keys and values (kv_b_proj and its LoRA of each
+    row's latent, as the layer computes them) is close to the reference's latent form."""
+    heads, q_lens, seq_lens, seq_slots = 16, [513, 100, 1], [513, 300, 1000], [0, 2, NO_SLOT]
+    latent, rope, page_table, _ = make_cache(seq_lens, seed=16)
+    attn = metadata(q_lens, seq_lens, page_table, pad_rows=2)
+    T = attn.slot_mapping.shape[0]
+    slots = [s for s, n in zip(seq_slots, q_lens, strict=True) for _ in range(n)]
+    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - len(slots)), heads)
+    rows = torch.cat(
+        [slots_of(page_table[b], s)[s - n :] for b, (n, s) in enumerate(zip(q_lens, seq_lens))]
+    )
+    c = latent.reshape(-1, L)[rows].float()
+    kv = c @ kv_b.float().T
+    for s in (0, 2):
+        mine = torch.tensor(slots, device="cuda") == s
+        a, b = (f.float() for f in lora.factors(s))
+        kv[mine] += info.scaling_of_slot[s] * (c[mine] @ a[0].T) @ b.T
+    kv = torch.cat([kv, kv.new_zeros(2, kv.shape[1])]).bfloat16().view(T, heads, N + V)
+    k_pe = torch.cat([rope.reshape(-1, R)[rows], rope.new_zeros(2, R)])
+    expanded = mla.ExpandedKv(kv[..., :N], k_pe, kv[..., N:])
+    g = torch.Generator(device="cuda").manual_seed(17)
+    q_nope, q_pe = (
+        torch.randn(T, heads, d, generator=g, device="cuda", dtype=torch.bfloat16) for d in (N, R)
+    )
+    args = (q_nope, q_pe, latent, rope, attn, kv_b, SCALE)
+    got = mla_triton.mla_attention(*args, lora=lora, info=info, expanded=expanded)
+    expected = mla.mla_attention(*args, lora=lora, info=info)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, expected) <= 2e-2
+    assert (got[sum(q_lens) :] == 0).all()
+
+
+def test_expanded_attention_cuda_graph_replay():
+    """A prefill step captured once, then replayed with new chunk lengths (first chunks and
+    extends, so the work table changes), new queries, keys and values written in place: each
+    replay equals the eager call."""
+    heads, T, B = 16, 1024, 4
+    attn = metadata([256] * B, [256] * B, torch.zeros(B, 1, dtype=torch.int32))
+    q_nope, q_pe, expanded = expanded_inputs(T, heads, seed=18)
+    out = torch.zeros(T, heads, V, dtype=torch.bfloat16, device="cuda")
+    work = mla_triton.attention_work(attn.cu_seqlens_q, T, mla_expanded.CONFIG.block_q)
+    attn = dataclasses.replace(attn, work=work, work_block_q=mla_expanded.CONFIG.block_q)
+
+    def step():
+        out.zero_()
+        mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, attn, SCALE)
+        return out
+
+    graph, captured = capture(step)
+    gen = torch.Generator().manual_seed(19)
+    for trial in range(4):
+        q_lens = torch.randint(1, T // B + 1, (B,), generator=gen)
+        seq_lens = q_lens + (torch.arange(B) % 2) * trial  # odd sequences extend from trial > 0
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = q_lens.cumsum(0)
+        attn.cu_seqlens_q.copy_(cu)
+        attn.seq_lens.copy_(seq_lens)
+        attn.work.copy_(
+            mla_triton.attention_work(attn.cu_seqlens_q, T, mla_expanded.CONFIG.block_q)
+        )
+        for t in (q_nope, q_pe, *expanded):
+            t.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = captured.clone()
+        assert torch.equal(replayed, step()), f"trial {trial}: the replay differs from eager"

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 
 from moelora.kernels import mla  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
+from moelora.kernels.attention import mla_expanded  # noqa: E402
 from moelora.kernels.attention.paged import attention_work  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
@@ -138,6 +139,23 @@ def test_prefill(poison_empty, page_size, planned):
     check(step)
 
 
+def test_prefill_skips_first_chunks(poison_empty):
+    """skip_first_chunks: the sequences whose chunk is their whole KV (the expanded form's)
+    come back zero from both, the rest as without it."""
+    q_lens, seq_lens = [5, 3, 1, 17], [5, 9, 1, 30]
+    step = make_step(q_lens, seq_lens, page_size=4, seed=13)
+    caches = (step.latent_cache, step.rope_cache)
+    whole = mla.latent_attention(step.q_lat, step.q_pe, *caches, step.attn, step.scale)
+    kept = torch.ones(whole.shape[0], dtype=torch.bool)
+    kept[0:5], kept[8:9] = False, False
+    for table in (mla, mla_triton):
+        got = table.latent_attention(
+            step.q_lat, step.q_pe, *caches, step.attn, step.scale, skip_first_chunks=True
+        )
+        assert (got[~kept] == 0).all()
+        torch.testing.assert_close(got[kept], whole[kept], **TOL[torch.float32])
+
+
 def test_prefill_float16(poison_empty):
     step = make_step([6, 11], [6, 19], dtype=torch.float16, page_size=16, seed=3)
     check(step, torch.float16)
@@ -167,11 +185,14 @@ def lora_inputs(slots: list[int], Hh: int, N: int, V: int, ranks: list[int], see
     return kv_b, lora, info
 
 
+@pytest.mark.parametrize("expanded", [False, True])
 @pytest.mark.parametrize("ranks", [None, [4, 4, 4], [4, 8, 2]], ids=["base", "rank-4", "mixed"])
-def test_mla_attention_end_to_end(poison_empty, ranks):
+def test_mla_attention_end_to_end(poison_empty, ranks, expanded):
     """The Triton table's mla_attention (the absorption in torch, the latent attention and
     kv_b_proj's LoRA by kernels) against the reference's, on an extend, a decode and a prompt
-    with two adapters, a base row and a disabled slot, and padded rows."""
+    with two adapters, a base row and a disabled slot, and padded rows. expanded: the prompt
+    attends to its own expanded keys and values (expanded_kv), in both tables; the result is
+    the latent form's too."""
     Hh, N, V = 4, 16, 12
     q_lens, seq_lens, seq_slots = [3, 1, 7], [9, 5, 7], [0, NO_SLOT, 2]
     step = make_step(q_lens, seq_lens, heads=Hh, seed=6)
@@ -184,12 +205,120 @@ def test_mla_attention_end_to_end(poison_empty, ranks):
     g = torch.Generator().manual_seed(8)
     q_nope = torch.randn(T, Hh, N, generator=g)
     args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
+    latent_form = mla.mla_attention(*args, **options)
+    if expanded:
+        kv = expanded_kv(step, kv_b, lora if ranks else None, info, V)
+        options["expanded"] = kv._replace(k_nope=kv.k_nope.clone(), v=kv.v.clone())
+        for t in (options["expanded"].k_nope, options["expanded"].v):
+            t[:4] = float("nan")  # the extend's and the decode's rows: the latent form's
     expected = mla.mla_attention(*args, **options)
     got = mla_triton.mla_attention(*args, **options)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(expected, latent_form, atol=1e-5, rtol=1e-5)
     assert (got[sum(q_lens) :] == 0).all()
     if ranks:
         base = mla.mla_attention(*args)
         assert not torch.allclose(got[:3], base[:3]), "slot 0's LoRA changed nothing"
+        assert not torch.allclose(got[4:11], base[4:11]), "slot 2's LoRA changed nothing"
         torch.testing.assert_close(got[3], base[3], atol=1e-5, rtol=1e-5)  # the base row
+
+
+@pytest.mark.parametrize("chunks", [None, ((0, 4), (0, 7))], ids=["captured", "host-known"])
+def test_mla_attention_first_chunks_only(poison_empty, chunks):
+    """A step of prompts' first chunks only: with the chunks known on the host the latent form
+    is skipped whole (only_first_chunks), else its kernel skips them; either way both tables
+    give the latent form's result, and padded rows are zero."""
+    Hh, N, V = 4, 16, 12
+    step = make_step([4, 7], [4, 7], heads=Hh, seed=9)
+    step.attn = dataclasses.replace(step.attn, chunks=chunks)
+    T = step.q_lat.shape[0]
+    kv_b, lora, info = lora_inputs(
+        [2] * 4 + [0] * 7 + [NO_SLOT] * (T - 11), Hh, N, V, [4, 4, 4], 10
+    )
+    q_nope = torch.randn(T, Hh, N, generator=torch.Generator().manual_seed(12))
+    args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
+    options = dict(lora=lora, info=info, expanded=expanded_kv(step, kv_b, lora, info, V))
+    assert mla.only_first_chunks(step.attn) == (chunks is not None)
+    latent_form = mla.mla_attention(*args, lora=lora, info=info)
+    for table in (mla, mla_triton):
+        got = table.mla_attention(*args, **options)
+        torch.testing.assert_close(got, latent_form, atol=1e-5, rtol=1e-5)
+        assert (got[11:] == 0).all()
+
+
+# -- The expanded form: a prompt's first chunk attends to its own expanded keys and values ------
+
+
+def expanded_inputs(T: int, Hh: int, N: int, V: int, dtype: torch.dtype, seed: int):
+    """q_nope, q_pe and ExpandedKv for T rows as the layer lays them out: q_nope and q_pe views
+    of one [T, Hh, N + R] tensor (q_pe's own tensor in the layer), k_nope and v views of
+    kv_b_proj's [T, Hh, N + V] output."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, Hh, N + R, generator=g).to(dtype)
+    kv = torch.randn(T, Hh, N + V, generator=g).to(dtype)
+    k_pe = torch.randn(T, R, generator=g).to(dtype)
+    q_nope, q_pe = q.split([N, R], dim=-1)
+    k_nope, v = kv.split([N, V], dim=-1)
+    return q_nope, q_pe, mla.ExpandedKv(k_nope, k_pe, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("planned", [False, True])
+def test_expanded_attention(poison_empty, dtype, planned):
+    """Prompts whose chunk is their whole KV (1 row; 5; 17 and 40: several query blocks and
+    both kinds of key tile) beside an extend, a decode row and an empty sequence: the kernel
+    writes the prompts' rows as the reference does and leaves every other row as it was. The
+    rows the kernel may not read (the other sequences', padding) are NaN."""
+    q_lens, seq_lens = [5, 3, 1, 17, 0, 1, 40], [5, 9, 1, 17, 0, 6, 40]
+    Hh, N, V, pad = 3, 16, 12, 2
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    T = int(cu[-1])
+    q_nope, q_pe, kv = expanded_inputs(T + pad, Hh, N, V, dtype, seed=11)
+    fresh = torch.zeros(T + pad, dtype=torch.bool)
+    for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
+        fresh[int(cu[b]) : int(cu[b]) + n] = n == s
+    for t in (*kv, q_nope, q_pe):
+        t[~fresh] = float("nan")
+    attn = AttentionMetadata(
+        cu_seqlens_q=cu,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        page_table=torch.zeros(len(q_lens), 1, dtype=torch.int32),  # the form reads no cache
+        slot_mapping=torch.full((T + pad,), -1, dtype=torch.int64),
+        max_query_len=max(q_lens),
+    )
+    block_q = mla_expanded.INTERPRETER_CONFIG.block_q
+    if planned:
+        work = attention_work(cu, T + pad, block_q)
+        attn = dataclasses.replace(attn, work=work, work_block_q=block_q)
+    expected = torch.full((T + pad, Hh, V), 7.0, dtype=dtype)
+    mla.expanded_attention_(expected, q_nope, q_pe, kv, attn, 0.2)
+    got = torch.full((T + pad, Hh, V), 7.0, dtype=dtype)
+    mla_expanded.expanded_attention_(got, q_nope, q_pe, kv, attn, 0.2)
+    assert torch.isfinite(got[fresh]).all()
+    assert (got[~fresh] == 7.0).all(), "a row outside the prompts' first chunks was written"
+    torch.testing.assert_close(got, expected, **TOL[dtype])
+
+
+def expanded_kv(step: Step, kv_b, lora, info, V: int) -> mla.ExpandedKv:
+    """What the layer hands the attention: kv_b_proj with its LoRA applied to every row's
+    latent (read back from the cache at the row's position), and the row's rotated key."""
+    cu, lens = step.attn.cu_seqlens_q.tolist(), step.attn.seq_lens.tolist()
+    page_size, T = step.latent_cache.shape[1], step.q_lat.shape[0]
+    Hh = step.q_lat.shape[1]
+    c, k_pe = torch.zeros(T, L), torch.zeros(T, R)
+    for b, kv_len in enumerate(lens):
+        for j, row in enumerate(range(cu[b], cu[b + 1])):
+            pos = kv_len - (cu[b + 1] - cu[b]) + j
+            page = int(step.attn.page_table[b, pos // page_size])
+            c[row] = step.latent_cache[page, pos % page_size, 0]
+            k_pe[row] = step.rope_cache[page, pos % page_size, 0]
+    kv = c @ kv_b.T
+    if lora is not None:
+        for row in range(cu[-1]):
+            s = int(info.slot_of_token[row])
+            if s != NO_SLOT and info.slot_enabled[s]:
+                a, b = lora.factors(s)
+                kv[row] += info.scaling_of_slot[s] * (b @ (a[0] @ c[row]))
+    k_nope, v = kv.view(T, Hh, -1).split([kv.shape[1] // Hh - V, V], dim=-1)
+    return mla.ExpandedKv(k_nope, k_pe, v)

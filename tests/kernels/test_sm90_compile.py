@@ -144,6 +144,7 @@ def launch_every_op() -> None:
         _launch_norms_and_rotary(T)
     _launch_projections()
     _launch_paged_attention()
+    _launch_mla()
     _launch_mla_lora()
     _launch_moe()
 
@@ -257,6 +258,52 @@ def _launch_paged_attention() -> None:
         run(q, cache, cache, decode, 0.1, config=fit(config, 256), num_splits=num_splits)
     q = torch.randn(64, 16, 256, dtype=BF16)
     run(q, cache, cache, prefill, 0.1, config=fit(paged_attention.PREFILL_CONFIG, 256))
+
+
+def _launch_mla() -> None:
+    """MLA at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, R = 64, L = 512): the latent
+    form's decode (split and not) and prefill (its first chunks skipped or not), and the
+    expanded form of a prefill step."""
+    from moelora.kernels.attention import mla, mla_expanded
+    from moelora.kernels.mla import ExpandedKv
+    from moelora.step.batch import AttentionMetadata
+
+    Hh, N, V, Rr, L = 16, 128, 128, 64, 512
+    cache = torch.zeros(8, 16, 1, L + Rr, dtype=BF16)
+    latent, rope = cache[..., :L], cache[..., L:]
+
+    def metadata(q_lens: list[int]) -> AttentionMetadata:
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        table = torch.zeros(len(q_lens), 8, dtype=torch.int32)
+        slots = torch.zeros(int(cu[-1]), dtype=torch.int64)
+        return AttentionMetadata(cu, cu[1:] + 3, table, slots, max(q_lens))
+
+    decode, prefill = metadata([1, 1]), metadata([64, 33])
+    q_lat, q_pe = torch.randn(2, Hh, L), torch.randn(2, Hh, Rr)
+    for num_splits in (1, 4):
+        config = mla.DECODE_CONFIG
+        mla.latent_attention(
+            q_lat, q_pe, latent, rope, decode, 0.1, config=config, num_splits=num_splits
+        )
+    q_lat, q_pe = torch.randn(97, Hh, L), torch.randn(97, Hh, Rr)
+    for skip in (False, True):
+        mla.latent_attention(
+            q_lat,
+            q_pe,
+            latent,
+            rope,
+            prefill,
+            0.1,
+            skip_first_chunks=skip,
+            config=mla.PREFILL_CONFIG,
+        )
+    q = torch.randn(97, Hh, N + Rr, dtype=BF16)
+    kv = torch.randn(97, Hh, N + V, dtype=BF16)
+    expanded = ExpandedKv(kv[..., :N], torch.randn(97, Rr, dtype=BF16), kv[..., N:])
+    out = torch.empty(97, Hh, V, dtype=BF16)
+    q_nope, q_pe = q[..., :N], q[..., N:]
+    config = mla_expanded.CONFIG
+    mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, prefill, 0.1, config=config)
 
 
 def _launch_mla_lora() -> None:

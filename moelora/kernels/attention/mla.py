@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
 the latent space, around which kernels/mla.absorbed_attention keeps the absorption of kv_b_proj
-in torch (its LoRA: mla_lora.py).
+in torch (its LoRA: mla_lora.py). Prompts' first chunks attend in the expanded form instead
+(mla_expanded.py): mla_attention runs both, each skipping the other's sequences.
 
 Algorithm
 ---------
@@ -31,6 +32,7 @@ S = splits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -38,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import mla_lora
+from moelora.kernels.attention import mla_expanded, mla_lora
 from moelora.kernels.attention.paged import (
     LOG2_E,
     MAX_SPLITS,
@@ -46,7 +48,7 @@ from moelora.kernels.attention.paged import (
     _split_len,
     attention_work,
 )
-from moelora.kernels.mla import absorbed_attention
+from moelora.kernels.mla import ExpandedKv, absorbed_attention, only_first_chunks
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
@@ -128,6 +130,7 @@ def _mla_attention_kernel(
     SPLIT: tl.constexpr,
     ZERO_TAIL: tl.constexpr,
     WORK: tl.constexpr,  # prefill: the grid is (head blocks, work entries)
+    SKIP_FIRST_CHUNKS: tl.constexpr,  # sequences with seq_len == q_len: the expanded form's
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -177,6 +180,9 @@ def _mla_attention_kernel(
     pid_m = tl.cdiv(q_len, BLOCK_Q) - 1 - from_last  # decode: 0, or -1 for a sequence without
     if pid_m < 0:
         return
+    if SKIP_FIRST_CHUNKS:
+        if seq_len == q_len:
+            return  # its rows stay zero (prefill output is zeroed)
 
     # -- Rows: (token, head) -------------------------------------------------------------------
     offs_m = tl.arange(0, BLOCK_M)
@@ -327,13 +333,22 @@ def mla_attention(
     *,
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    expanded: ExpandedKv | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.mla_attention's, with the attention in the latent space by the
-    kernel (latent_attention below) and kv_b_proj's LoRA by mla_lora's kernels, which read the
-    slots through the table: a decode step reads no device value on the host."""
+    kernel (latent_attention below), kv_b_proj's LoRA by mla_lora's kernels, which read the
+    slots through the table (a decode step reads no device value on the host), and the
+    expanded form by mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
-    kernels = dict(lora_q=mla_lora.lora_q_, lora_out=mla_lora.lora_out_)
-    return absorbed_attention(latent_attention, *args, lora=lora, info=info, **kernels)
+    if expanded is not None and only_first_chunks(attn):
+        out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
+    else:
+        core = functools.partial(latent_attention, skip_first_chunks=expanded is not None)
+        kernels = dict(lora_q=mla_lora.lora_q_, lora_out=mla_lora.lora_out_)
+        out = absorbed_attention(core, *args, lora=lora, info=info, **kernels)
+    if expanded is not None:
+        mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
+    return out
 
 
 def latent_attention(
@@ -344,11 +359,13 @@ def latent_attention(
     attn: AttentionMetadata,
     scale: float,
     *,
+    skip_first_chunks: bool = False,
     config: MlaConfig | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
-    over the sequence's cached (c, k_pe), as kernels/mla.latent_attention.
+    over the sequence's cached (c, k_pe), as kernels/mla.latent_attention (skip_first_chunks
+    likewise: the rows of sequences with seq_len == q_len zero, in a prefill step).
 
     q_lat [T, Hh, L], q_pe [T, Hh, R] float32 or the caches' dtype (the dots run in the caches'
     dtype); latent_cache [P, page_size, 1, L], rope_cache [P, page_size, 1, R] (views of one
@@ -370,7 +387,7 @@ def latent_attention(
         part_out = torch.empty(B, Hh, plan.num_splits, L, dtype=out.dtype, device=out.device)
         part_lse = torch.empty(B, Hh, plan.num_splits, dtype=out.dtype, device=out.device)
     launch = _Launch(q_lat, q_pe, latent_cache, rope_cache, attn, scale, out, part_out, part_lse)
-    _launch_attention(launch, plan)
+    _launch_attention(launch, plan, skip_first_chunks=skip_first_chunks)
     if plan.num_splits > 1:
         _launch_combine(launch, plan)
     return out
@@ -472,8 +489,9 @@ class _Launch(NamedTuple):
     part_lse: torch.Tensor
 
 
-def _launch_attention(a: _Launch, plan: _Plan) -> None:
+def _launch_attention(a: _Launch, plan: _Plan, *, skip_first_chunks: bool = False) -> None:
     """One _mla_attention_kernel launch over plan.grid."""
+    assert not (skip_first_chunks and plan.decode), "a decode step has no expanded form"
     num_rows, num_heads, latent_dim = a.q_lat.shape
     c, r = a.latent_cache, a.rope_cache
     _mla_attention_kernel[plan.grid](
@@ -520,6 +538,7 @@ def _launch_attention(a: _Launch, plan: _Plan) -> None:
         SPLIT=plan.num_splits > 1,
         ZERO_TAIL=plan.decode,
         WORK=plan.work is not None,
+        SKIP_FIRST_CHUNKS=skip_first_chunks,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else None,
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,
