@@ -58,7 +58,12 @@ from common import (
 )
 
 from moelora import LLM, SamplingParams
-from moelora.config import MLA_PREFILL_FORMS, PREFILL_ATTENTION_BACKENDS, EngineConfig
+from moelora.config import (
+    LINEAR_ATTENTION_PREFILLS,
+    MLA_PREFILL_FORMS,
+    PREFILL_ATTENTION_BACKENDS,
+    EngineConfig,
+)
 from moelora.engine.engine import Engine
 from moelora.models.shapes import SHAPES
 from moelora.step.batch import pages_for
@@ -80,6 +85,7 @@ class Setup:
     max_num_batched_tokens: int
     prefill_attention_backend: str = "cudnn"  # EngineConfig's
     mla_prefill: str = EngineConfig.mla_prefill  # EngineConfig's: MLA shapes only
+    linear_attention_prefill: str = EngineConfig.linear_attention_prefill  # hybrid shapes only
     max_prefill_graph_tokens: int = EngineConfig.max_prefill_graph_tokens  # 0: all eager
     profile_tokens: int = 4096  # --profile: the prefill whose kernels are timed
 
@@ -138,6 +144,7 @@ def build(setup: Setup, folder: str, *, lora: bool) -> tuple[LLM, list[str]]:
         enable_prefix_caching=False,
         prefill_attention_backend=setup.prefill_attention_backend,
         mla_prefill=setup.mla_prefill,
+        linear_attention_prefill=setup.linear_attention_prefill,
         max_prefill_graph_tokens=setup.max_prefill_graph_tokens,
     )
     names = [f"a{i}" for i in range(MAX_LORAS)] if lora else []
@@ -280,6 +287,7 @@ def report(setup: Setup, results, flops_per_s: float, seconds: float):
         f"max_model_len {setup.max_model_len}, enable_prefix_caching=False, "
         f"prefill_attention_backend={setup.prefill_attention_backend!r}, "
         f"mla_prefill={setup.mla_prefill!r}, "
+        f"linear_attention_prefill={setup.linear_attention_prefill!r}, "
         f"max_prefill_graph_tokens={setup.max_prefill_graph_tokens}); LoRA: max_loras "
         f"{MAX_LORAS}, rank {RANK}, on attention and every expert",
         f"- matmul throughput (8192^3 bf16 torch.mm, do_bench median): "
@@ -307,7 +315,7 @@ def report(setup: Setup, results, flops_per_s: float, seconds: float):
     return lines
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU")
     parser.add_argument("--layers", type=int, help="layers of the shape (default: all)")
@@ -335,6 +343,13 @@ def main() -> None:
         help=f"EngineConfig.mla_prefill, on MLA shapes (default: {EngineConfig.mla_prefill})",
     )
     parser.add_argument(
+        "--linear-attention-prefill",
+        choices=LINEAR_ATTENTION_PREFILLS,
+        default=EngineConfig.linear_attention_prefill,
+        help="EngineConfig.linear_attention_prefill, on hybrid shapes (default: "
+        f"{EngineConfig.linear_attention_prefill})",
+    )
+    parser.add_argument(
         "--max-prefill-graph-tokens",
         type=int,
         default=EngineConfig.max_prefill_graph_tokens,
@@ -348,7 +363,11 @@ def main() -> None:
         "--fp8", action="store_true", help="block-FP8 experts where the kernels keep them"
     )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if args.profile and not args.pdl:
         # read at the first launch (kernels/pdl.py): the whole run's figures are PDL-off ones
         os.environ["MOELORA_PDL"] = "0"
@@ -363,6 +382,7 @@ def main() -> None:
         setup,
         prefill_attention_backend=args.prefill_attention_backend,
         mla_prefill=args.mla_prefill,
+        linear_attention_prefill=args.linear_attention_prefill,
         max_prefill_graph_tokens=args.max_prefill_graph_tokens,
         profile_tokens=args.profile_tokens,
     )

@@ -24,6 +24,8 @@ PROJECTIONS = ("batch-invariant", "skinny", "cublas")
 PREFILL_ATTENTION_BACKENDS = ("cudnn", "triton")
 # EngineConfig.mla_prefill: how an MLA model's prompts attend in their first chunk
 MLA_PREFILL_FORMS = ("absorbed", "expanded")
+# EngineConfig.linear_attention_prefill: how gated DeltaNet layers run a prefill chunk
+LINEAR_ATTENTION_PREFILLS = ("recurrent", "chunked")
 LOAD_FORMATS = ("auto", "dummy")
 # EngineConfig.quantization: weights quantized at load (None: as the checkpoint stores them)
 QUANTIZATIONS = ("fp8",)
@@ -168,6 +170,20 @@ class EngineConfig:
         "--enable-deterministic-inference keeps absorbed",
         choices=MLA_PREFILL_FORMS,
     )
+    # Hybrid models (Qwen3-Next, Qwen3.5): a gated DeltaNet layer runs a prefill chunk
+    # "recurrent" (token by token, as decode does: a prompt's rows get the same bits however
+    # it is chunked) or "chunked" (blocks of 64 tokens, a triangular solve in each: the serial
+    # chain is the blocks, not the tokens). Chunked is not the default yet: its Triton kernels
+    # have passed the interpreter's tests and an sm_90 compile, not yet a device. The CPU
+    # references and deterministic inference always run recurrent.
+    linear_attention_prefill: str = _flag(
+        "recurrent",
+        "how gated DeltaNet layers (Qwen3-Next, Qwen3.5) run prefill chunks on CUDA: "
+        "recurrent (token by token, the same bits however a prompt is chunked) or chunked "
+        "(blocks of 64 tokens; less serial work); --enable-deterministic-inference keeps "
+        "recurrent",
+        choices=LINEAR_ATTENTION_PREFILLS,
+    )
     # The kernels a request's numbers pass through choose no tile, split or path by what else
     # shares the step (kernels/ops.py: triton_ops): the same bits alone or batched, chunked or
     # not, cache hit or miss. SGLang's --enable-deterministic-inference.
@@ -309,6 +325,11 @@ _CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
         f"one of {', '.join(PREFILL_ATTENTION_BACKENDS)}",
     ),
     ("mla_prefill", lambda v: v in MLA_PREFILL_FORMS, f"one of {', '.join(MLA_PREFILL_FORMS)}"),
+    (
+        "linear_attention_prefill",
+        lambda v: v in LINEAR_ATTENTION_PREFILLS,
+        f"one of {', '.join(LINEAR_ATTENTION_PREFILLS)}",
+    ),
     ("max_lora_rank", _at_least_1, _AT_LEAST_1),
     ("max_cpu_loras", _none_or_at_least_1, _NONE_OR_AT_LEAST_1),
     ("max_cpu_lora_gb", lambda v: v is None or v > 0, "None or a number > 0"),

@@ -74,6 +74,7 @@ def make_rank_ops(cfg: EngineConfig, shard: Shard, device: torch.device) -> Ops:
         prefill_attention_backend=cfg.prefill_attention_backend,
         deterministic=cfg.enable_deterministic_inference,
         mla_expanded_prefill=cfg.mla_prefill == "expanded",
+        chunked_delta_rule=cfg.linear_attention_prefill == "chunked",
         shard=shard,
     )
 

@@ -105,6 +105,7 @@ def make_ops(
     prefill_attention_backend: str = "cudnn",
     deterministic: bool = False,
     mla_expanded_prefill: bool = False,
+    chunked_delta_rule: bool = False,
     shard: Shard = SINGLE,
 ) -> Ops:
     """Triton kernels for CUDA tensors unless forced to the reference (for debugging), with the
@@ -112,7 +113,9 @@ def make_ops(
     attention of long first prefill chunks that `prefill_attention_backend` names, for the
     model's part `shard`; deterministic: EngineConfig.enable_deterministic_inference's (the
     reference's bits never follow the batch: on the CPU nothing changes, but for MLA's
-    prefill, which mla_expanded_prefill asks for and deterministic keeps absorbed)."""
+    prefill, which mla_expanded_prefill asks for and deterministic keeps absorbed);
+    chunked_delta_rule: the Triton delta rule takes its block form for prefill steps
+    (EngineConfig.linear_attention_prefill; never with deterministic)."""
     for name, value, valid in (
         ("projections", projections, PROJECTIONS),
         ("prefill_attention_backend", prefill_attention_backend, PREFILL_ATTENTION_BACKENDS),
@@ -123,6 +126,9 @@ def make_ops(
         ops = REFERENCE_OPS
     else:
         ops = triton_ops(projections, prefill_attention_backend, deterministic=deterministic)
+        if chunked_delta_rule and not deterministic:
+            chunked = functools.partial(ops.gated_delta_rule, chunked=True)
+            ops = replace(ops, gated_delta_rule=chunked)
     ops = replace(ops, mla_expanded_prefill=mla_expanded_prefill and not deterministic)
     return ops if shard == SINGLE else replace(ops, shard=shard)
 

@@ -16,7 +16,7 @@ from test_paged_attention import make_step
 
 from moelora.config import EngineConfig
 from moelora.errors import ConfigError
-from moelora.kernels import reference
+from moelora.kernels import gated_delta, reference
 from moelora.kernels.attention.paged import launch_paged_attention, plan_attention
 from moelora.kernels.moe import fused as module
 from moelora.kernels.moe.fused import fused_moe
@@ -124,6 +124,30 @@ def test_the_deterministic_table_and_its_config():
     assert make_ops(torch.device("cpu"), deterministic=True).name == "torch"
     with pytest.raises(ConfigError, match="projections='skinny' is invalid: expected "):
         EngineConfig(model="demo", projections="skinny", enable_deterministic_inference=True)
+
+
+def test_the_prefill_forms_and_their_configs():
+    """linear_attention_prefill="chunked" binds the Triton delta rule's chunked=True and
+    mla_prefill="expanded" sets Ops.mla_expanded_prefill; deterministic keeps neither; the
+    references' delta rule has no block form (the CPU always runs the token loop); a value
+    outside the choices is refused by name."""
+    from moelora.engine.ranks import make_rank_ops
+    from moelora.parallel import SINGLE
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    asked = dict(mla_prefill="expanded", linear_attention_prefill="chunked")
+    ops = make_rank_ops(EngineConfig(model="demo", **asked), SINGLE, cuda)
+    assert ops.gated_delta_rule.keywords == {"chunked": True} and ops.mla_expanded_prefill
+    exact = EngineConfig(model="demo", enable_deterministic_inference=True, **asked)
+    ops = make_rank_ops(exact, SINGLE, cuda)
+    assert not hasattr(ops.gated_delta_rule, "keywords") and not ops.mla_expanded_prefill
+    default = make_rank_ops(EngineConfig(model="demo"), SINGLE, cuda)
+    assert not hasattr(default.gated_delta_rule, "keywords") and not default.mla_expanded_prefill
+    ops = make_rank_ops(EngineConfig(model="demo", **asked), SINGLE, cpu)
+    assert ops.gated_delta_rule is gated_delta.gated_delta_rule and ops.mla_expanded_prefill
+    for field in asked:
+        with pytest.raises(ConfigError, match=f"{field}='blocked' is invalid: expected one of"):
+            EngineConfig(model="demo", **{field: "blocked"})
 
 
 def test_the_logits_take_the_tables_linear_where_deterministic() -> None:

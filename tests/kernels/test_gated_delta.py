@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from moelora.kernels import gated_delta
-from moelora.kernels.linear_attention import conv
+from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule
 from moelora.kernels.linear_attention.conv import causal_conv1d
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule
 from moelora.kernels.linear_attention.gated_norm import rms_norm_gated
@@ -146,7 +146,7 @@ def delta_inputs(T: int, H: int, dtype: torch.dtype, gen: torch.Generator):
     return q.reshape(T, Hk, K), k.reshape(T, Hk, K), v.reshape(T, H, V), g, beta
 
 
-def run_delta(batch: Batch, groups: int, dtype: torch.dtype, seed: int):
+def run_delta(batch: Batch, groups: int, dtype: torch.dtype, seed: int, chunked: bool = False):
     """(kernel's out, reference's out, state after, reference's state, state before)."""
     gen = torch.Generator().manual_seed(seed)
     H = Hk * groups
@@ -156,7 +156,7 @@ def run_delta(batch: Batch, groups: int, dtype: torch.dtype, seed: int):
     state, want_state = before.clone(), before.clone()
     real = [t[: batch.rows] for t in (q, k, v, g, beta)]
     want = gated_delta.gated_delta_rule(*real, want_state, batch.real)
-    out = gated_delta_rule(q, k, v, g, beta, state, batch.attn)
+    out = gated_delta_rule(q, k, v, g, beta, state, batch.attn, chunked=chunked)
     assert out.shape == (T, H, V) and out.dtype == dtype and out.is_contiguous()
     return out, want, state, want_state, before
 
@@ -177,6 +177,67 @@ def test_gated_delta_rule_in_float16(poison_empty):
     out, want, state, want_state, before = run_delta(batch, 2, torch.float16, seed=3)
     assert_rows(out, want, batch)
     assert_slots(state, want_state, before, batch)
+
+
+CHUNKED_TOL = dict(rtol=1e-4, atol=1e-4)  # the block form against the token loop, float32
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("case", ["prefill", "mixed"])
+def test_chunked_gated_delta_rule_matches_reference(
+    poison_empty, monkeypatch, case, padded, groups
+):
+    """chunked=True: a prefill step in blocks of 4 tokens (the interpreter's; the 9- and 7-token
+    chunks take three and two, the last partial) equals the token loop up to float rounding,
+    outputs and slots, padded rows zero, other slots untouched; the block kernels ran."""
+    launched = []
+    chunked = delta_chunked.chunked_gated_delta_rule
+
+    def counted(*args, **kwargs):
+        launched.append(1)
+        return chunked(*args, **kwargs)
+
+    monkeypatch.setattr(delta_rule, "chunked_gated_delta_rule", counted)
+    batch = make_batch(case, padded=padded, seed=len(case) + groups)
+    out, want, state, want_state, before = run_delta(
+        batch, groups, torch.float32, seed=groups, chunked=True
+    )
+    assert launched
+    torch.testing.assert_close(out[: batch.rows], want, **CHUNKED_TOL)
+    assert torch.equal(out[batch.rows :], torch.zeros_like(out[batch.rows :]))
+    for s in range(batch.num_slots):
+        if s in batch.slots:
+            torch.testing.assert_close(state[s], want_state[s], **CHUNKED_TOL)
+        else:
+            assert torch.equal(state[s], before[s]), f"slot {s} is not the batch's"
+
+
+def test_chunked_gated_delta_rule_in_float16(poison_empty):
+    batch = make_batch("prefill", padded=True, seed=5)
+    out, want, state, want_state, _ = run_delta(batch, 2, torch.float16, seed=5, chunked=True)
+    torch.testing.assert_close(out[: batch.rows], want, rtol=3e-3, atol=3e-3)
+    for s in batch.slots:
+        torch.testing.assert_close(state[s], want_state[s], **CHUNKED_TOL)
+
+
+def test_chunked_form_reference_matches_the_token_loop():
+    """gated_delta.chunked_delta_rule (the block kernels' reference, blocks of CHUNK) over a
+    sequence of 150 tokens from a random state equals the token loop."""
+    gen = torch.Generator().manual_seed(21)
+    L, H = 150, 2
+    q, k = (gated_delta._l2norm(torch.randn(L, H, K, generator=gen)) for _ in range(2))
+    q = q * K**-0.5
+    v = torch.randn(L, H, V, generator=gen)
+    g, beta = -torch.rand(L, H, generator=gen) * 0.5, torch.rand(L, H, generator=gen)
+    s0 = torch.randn(H, K, V, generator=gen)
+    out, s = gated_delta.chunked_delta_rule(q, k, v, g, beta, s0)
+    want_s, want = s0, []
+    for t in range(L):
+        want_s, o = gated_delta._delta_step(want_s, q[t], k[t], v[t], g[t], beta[t])
+        want.append(o)
+    torch.testing.assert_close(out, torch.stack(want), **CHUNKED_TOL)
+    torch.testing.assert_close(s, want_s, **CHUNKED_TOL)
 
 
 # a sequence of 11 tokens prefilled whole, or as a first chunk, an extend and a decode step

@@ -26,6 +26,7 @@ TUNING = {
     "paged_attention": {"dense_from", "deterministic"},
     "paged_attention_o_shrink": {"dense_from", "deterministic"},
     "plan_attention": {"deterministic"},
+    "gated_delta_rule": {"chunked"},  # make_ops binds it from linear_attention_prefill
 }
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 

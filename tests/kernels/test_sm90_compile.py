@@ -146,6 +146,7 @@ def launch_every_op() -> None:
     _launch_paged_attention()
     _launch_mla()
     _launch_mla_lora()
+    _launch_linear_attention()
     _launch_moe()
 
 
@@ -304,6 +305,44 @@ def _launch_mla() -> None:
     q_nope, q_pe = q[..., :N], q[..., N:]
     config = mla_expanded.CONFIG
     mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, prefill, 0.1, config=config)
+
+
+def _launch_linear_attention() -> None:
+    """Gated DeltaNet at Qwen3.5-MoE's sizes (16 q/k heads, 32 value heads, K = V = 128, a
+    4-tap conv over 8192 channels): the conv, the delta rule's token loop and its block form,
+    the gated norm, at decode and prefill."""
+    from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule, gated_norm
+    from moelora.step.batch import AttentionMetadata
+
+    Hk, Hv, Kd, Vd, Cc, W = 16, 32, 128, 128, 8192, 4
+    state = torch.zeros(9, Hv, Kd, Vd)
+    conv_state = torch.zeros(9, Cc, W - 1, dtype=BF16)
+    for q_lens in ([1, 1], [300, 33]):
+        cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+        T = int(cu[-1])
+        attn = AttentionMetadata(
+            cu,
+            cu[1:] + 3,
+            torch.zeros(2, 1, dtype=torch.int32),
+            torch.zeros(T, dtype=torch.int64),
+            max(q_lens),
+            state_slots=torch.tensor([1, 2], dtype=torch.int32),
+        )
+        conv.causal_conv1d(
+            torch.randn(T, Cc, dtype=BF16), torch.randn(Cc, W, dtype=BF16), conv_state, attn
+        )
+        qkv = torch.randn(T, 2 * Hk * Kd + Hv * Vd, dtype=BF16)
+        q, k, v = qkv.split([Hk * Kd, Hk * Kd, Hv * Vd], dim=-1)
+        args = (q.view(T, Hk, Kd), k.view(T, Hk, Kd), v.view(T, Hv, Vd))
+        g, beta = torch.rand(T, Hv), torch.rand(T, Hv, dtype=BF16)
+        delta_rule.gated_delta_rule(*args, g, beta, state, attn)
+        if T > 2:
+            config = delta_chunked.CONFIG
+            delta_chunked.chunked_gated_delta_rule(*args, g, beta, state, attn, config=config)
+        x = torch.randn(T * Hv, Vd, dtype=BF16)
+        gated_norm.rms_norm_gated(
+            x, torch.randn(T * Hv, Vd, dtype=BF16), torch.randn(Vd, dtype=BF16), 1e-6
+        )
 
 
 def _launch_mla_lora() -> None:

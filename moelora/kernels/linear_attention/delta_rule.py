@@ -7,8 +7,8 @@ from position 0), and walks the sequence's tokens in order: q and k L2-normed (t
 q/k head that serves this value head among H // Hk), q scaled by K ** -0.5, S = exp(g) S,
 S += k (beta (v - k^T S))^T, o = S^T q, as the reference's token loop does, so a request's
 numbers do not depend on how its prompt was chunked. The tile goes back to the slot after the
-last token. A prefill chunk's tokens thus run one after another: the chunked (blocked) form a
-prefill kernel would take (gated_delta.chunked_delta_rule is its reference) is not here yet.
+last token. A prefill chunk's tokens thus run one after another, unless the caller asks for
+the block form (delta_chunked.py).
 Graphs and padding: see sequences.py.
 
 Legend: T = tokens, B = sequences, S = state slots, Hk = q/k heads, H = value heads,
@@ -24,7 +24,14 @@ import triton
 import triton.language as tl
 
 from moelora.kernels.gated_delta import _L2_EPS
-from moelora.kernels.linear_attention.sequences import sequence, step_sequences, zero_padded_rows
+from moelora.kernels.linear_attention.delta_chunked import chunked_gated_delta_rule
+from moelora.kernels.linear_attention.sequences import (
+    check_delta_inputs,
+    sequence,
+    step_sequences,
+    strides,
+    zero_padded_rows,
+)
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 
@@ -185,6 +192,8 @@ def gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
     attn: AttentionMetadata,
+    *,
+    chunked: bool = False,
 ) -> torch.Tensor:
     """Semantics: see gated_delta.gated_delta_rule: the delta rule per sequence from its slot's
     state (zeros at position 0), the slot then holding the state after its last token. Padded
@@ -194,11 +203,12 @@ def gated_delta_rule(
     q, k: [T, Hk, K] (each serves H // Hk value heads, in order); v: [T, H, V]; the last dim
     of each contiguous, rows and heads may be strided; g (log decay, float32), beta: [T, H];
     state: [S, H, K, V] float32 contiguous, written in place. Returns [T, H, V] contiguous in
-    v's dtype. Reads no device value on the host: a graph can capture it."""
-    T, Hk, K = q.shape
-    H, V = v.shape[1:]
-    B = step_sequences(attn)
-    _check_delta_inputs(q, k, v, g, beta, state)
+    v's dtype. Reads no device value on the host: a graph can capture it. chunked: a prefill
+    step takes the block form (delta_chunked.py), equal up to float rounding."""
+    if chunked and attn.max_query_len > 1:
+        return chunked_gated_delta_rule(q, k, v, g, beta, state, attn)
+    check_delta_inputs(q, k, v, g, beta, state)
+    (T, Hk, K), (H, V), B = q.shape, v.shape[1:], step_sequences(attn)
     out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
         return out
@@ -219,11 +229,11 @@ def gated_delta_rule(
         H=H,
         K=K,
         V=V,
-        **_strides("q", q),
-        **_strides("k", k),
-        **_strides("v", v),
-        **_strides("g", g),
-        **_strides("b", beta),
+        **strides("q", q),
+        **strides("k", k),
+        **strides("v", v),
+        **strides("g", g),
+        **strides("b", beta),
         scale=K**-0.5,
         eps=_L2_EPS,
         GROUPS=H // Hk,
@@ -234,19 +244,3 @@ def gated_delta_rule(
         **pdl_kwargs(v.device),
     )
     return out
-
-
-def _check_delta_inputs(q, k, v, g, beta, state) -> None:
-    """gated_delta_rule's shapes, dtypes and layouts (see its docstring)."""
-    T, Hk, K = q.shape
-    H, V = v.shape[1:]
-    assert k.shape == q.shape and v.shape[0] == T and H % Hk == 0, (q.shape, k.shape, v.shape)
-    assert g.shape == beta.shape == (T, H) and g.dtype == torch.float32, (g.shape, beta.shape)
-    assert state.shape[1:] == (H, K, V) and state.dtype == torch.float32, state.shape
-    assert state.is_contiguous(), state.stride()
-    assert q.stride(2) == k.stride(2) == v.stride(2) == 1, (q.stride(), k.stride(), v.stride())
-
-
-def _strides(name: str, t: torch.Tensor) -> dict[str, int]:
-    """stride_{name}t and stride_{name}h: t's token and head strides."""
-    return {f"stride_{name}t": t.stride(0), f"stride_{name}h": t.stride(1)}

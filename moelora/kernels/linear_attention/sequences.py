@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import triton
 import triton.language as tl
 
@@ -52,3 +53,19 @@ def step_sequences(attn: AttentionMetadata) -> int:
     B = attn.state_slots.shape[0]
     assert attn.cu_seqlens_q.shape == (B + 1,) and attn.seq_lens.shape == (B,), B
     return B
+
+
+def check_delta_inputs(q, k, v, g, beta, state) -> None:
+    """gated_delta_rule's shapes, dtypes and layouts (see its docstring)."""
+    T, Hk, K = q.shape
+    H, V = v.shape[1:]
+    assert k.shape == q.shape and v.shape[0] == T and H % Hk == 0, (q.shape, k.shape, v.shape)
+    assert g.shape == beta.shape == (T, H) and g.dtype == torch.float32, (g.shape, beta.shape)
+    assert state.shape[1:] == (H, K, V) and state.dtype == torch.float32, state.shape
+    assert state.is_contiguous(), state.stride()
+    assert q.stride(2) == k.stride(2) == v.stride(2) == 1, (q.stride(), k.stride(), v.stride())
+
+
+def strides(name: str, t: torch.Tensor) -> dict[str, int]:
+    """stride_{name}t and stride_{name}h: t's token and head strides."""
+    return {f"stride_{name}t": t.stride(0), f"stride_{name}h": t.stride(1)}
