@@ -59,13 +59,18 @@ class ChunkedConfig:
     block_v: int  # value columns a _blocks_kernel program
     num_warps: int
     num_stages: int  # of _blocks_kernel's loop over blocks: its loads of the next ones
+    # tl.dot's: tf32 tensor cores on the GPU (float32 dots by FMA spill heavily at these
+    # tiles: bench/compile_audit.py); exact float32 in the interpreter
+    dot_precision: str
 
 
 # First cut, not yet run on a GPU: fla's block of 64 tokens; 32 value columns give 4 programs a
 # value head, so one sequence of Qwen3.5's 32 heads fills 128 multiprocessors.
-CONFIG = ChunkedConfig(chunk=CHUNK, block_v=32, num_warps=8, num_stages=2)
+CONFIG = ChunkedConfig(chunk=CHUNK, block_v=32, num_warps=8, num_stages=2, dot_precision="tf32")
 # The interpreter runs every program in numpy: blocks of 4 give short test chunks several.
-INTERPRETER_CONFIG = ChunkedConfig(chunk=4, block_v=8, num_warps=1, num_stages=1)
+INTERPRETER_CONFIG = ChunkedConfig(
+    chunk=4, block_v=8, num_warps=1, num_stages=1, dot_precision="ieee"
+)
 
 
 @triton.jit
@@ -283,9 +288,7 @@ def chunked_gated_delta_rule(
         GROUPS=H // Hk,
         C=config.chunk,
         BLOCK_K=max(next_power_of_2(K), 16),
-        # tf32 tensor cores on the GPU (float32 dots by FMA spill heavily at these tiles:
-        # bench/compile_audit.py); exact float32 in the interpreter
-        DOT_PRECISION="tf32" if v.is_cuda else "ieee",
+        DOT_PRECISION=config.dot_precision,
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
