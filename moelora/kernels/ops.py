@@ -129,7 +129,8 @@ def make_ops(
         if chunked_delta_rule and not deterministic:
             chunked = functools.partial(ops.gated_delta_rule, chunked=True)
             ops = replace(ops, gated_delta_rule=chunked)
-    ops = replace(ops, mla_expanded_prefill=mla_expanded_prefill and not deterministic)
+    if mla_expanded_prefill and not deterministic:
+        ops = replace(ops, mla_expanded_prefill=True)
     return ops if shard == SINGLE else replace(ops, shard=shard)
 
 
