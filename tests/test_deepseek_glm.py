@@ -140,12 +140,20 @@ def test_expanded_prefill(
         assert_matches(bank, got, refs, hf.PROMPTS, f"{arch} {what}")
 
 
-@pytest.mark.parametrize("arch", mf.ARCHS)
-def test_a_prefix_cache_hit_equals_a_miss(bank: FixtureBank, fx: FamilyFixtures, arch: str) -> None:
+@pytest.mark.parametrize(
+    "arch,mla_prefill",
+    [*((arch, "absorbed") for arch in mf.ARCHS), ("deepseek_v3", "expanded")],
+)
+def test_a_prefix_cache_hit_equals_a_miss(
+    bank: FixtureBank, fx: FamilyFixtures, arch: str, mla_prefill: str
+) -> None:
+    """A miss prefills each prompt from position 0 (with mla_prefill="expanded", in the
+    expanded form); a hit extends the cached pages (the latent form): the same tokens and
+    logprobs, and transformers'."""
     shared = [(7 * i + 3) % 200 + 1 for i in range(37)]
     prompts = [shared + [11, 12, 13], shared + [50], shared + [90, 91]]
     loras = ["a", None, "b"]
-    llm = fx.llm(arch, page_size=16)
+    llm = fx.llm(arch, page_size=16, mla_prefill=mla_prefill)
     miss = run_greedy(llm, loras, prompts, max_tokens=4)
     assert [o.num_cached_tokens for o in miss] == [0, 0, 0]
     hit = run_greedy(llm, loras, prompts, max_tokens=4)
