@@ -109,7 +109,12 @@ class PlanAttentionOp(Protocol):
     """reference.plan_attention: once a step, before the layers (models/model.py)."""
 
     def __call__(
-        self, attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+        self,
+        attn: AttentionMetadata,
+        num_rows: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
     ) -> AttentionMetadata: ...
 
 

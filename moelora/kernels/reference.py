@@ -325,7 +325,7 @@ def attention_work(cu_seqlens_q: torch.Tensor, num_rows: int, block_q: int) -> t
 
 
 def plan_attention(
-    attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int
+    attn: AttentionMetadata, num_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int
 ) -> AttentionMetadata:
     """Semantics: the step's attention metadata for every layer's attention: here attn as it
     is (the reference attention walks the sequences itself)."""

@@ -63,7 +63,9 @@ class MoeCausalLM(nn.Module):
         """Returns the final hidden states [T, H] (normed). kv_caches: per layer its paged K
         and V, or a gated DeltaNet layer's recurrent states (engine/state_cache.py)."""
         heads = (self.shard.heads(self.cfg.num_heads), self.shard.kv_heads(self.cfg.num_kv_heads))
-        attn = self.ops.plan_attention(batch.attn, batch.input_ids.shape[0], *heads)
+        attn = self.ops.plan_attention(
+            batch.attn, batch.input_ids.shape[0], *heads, self.cfg.head_dim
+        )
         if attn is not batch.attn:  # a prefill step's work table
             batch = dataclasses.replace(batch, attn=attn)
         x, residual = self.shard.embed(batch.input_ids, self.embed_tokens), None

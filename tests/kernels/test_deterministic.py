@@ -102,7 +102,7 @@ def test_decode_rows_alone_and_beside_a_prefill_chunk_give_the_same_bits():
     )
     scale = 16**-0.5
     both, _ = launch_paged_attention(q, k_cache, v_cache, mixed, scale, deterministic=True)
-    planned = plan_attention(decode, 2, 4, 2, deterministic=True)
+    planned = plan_attention(decode, 2, 4, 2, 16, deterministic=True)
     assert planned.work is not None  # the decode step's work table, built once for its layers
     alone, _ = launch_paged_attention(q[17:], k_cache, v_cache, planned, scale, deterministic=True)
     assert torch.isfinite(alone).all()

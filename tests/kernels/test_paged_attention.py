@@ -318,7 +318,7 @@ def test_prefill_planned_for_a_larger_step(dtype, heads):
         dtype=dtype,
         pad_rows=11,
     )
-    planned = plan_attention(attn, q.shape[0], heads[0], heads[1])
+    planned = plan_attention(attn, q.shape[0], heads[0], heads[1], q.shape[-1])
     assert planned.work is not None and planned.work_block_q > 0
     check_attention(q, k_cache, v_cache, planned)
     out = paged_attention(q, k_cache, v_cache, planned, q.shape[-1] ** -0.5)
@@ -513,3 +513,20 @@ def test_the_engine_sends_long_first_chunks_to_cudnn_unless_asked():
         assert ops.paged_attention_o_shrink.keywords == {"dense_from": dense_from}
     with pytest.raises(ValueError, match="prefill_attention_backend='flash' is invalid"):
         make_ops(cuda, prefill_attention_backend="flash")
+
+
+def test_tiles_fit_a_head_of_256():
+    """Past head_dim 128 the prefill tiles' KV tile and rows are cut in proportion (their
+    bytes as tuned; 256 rows of a 256-wide accumulator spilled for sm_90), and the step's plan
+    takes the same query blocks as the launch, so every layer reuses its work table."""
+    from moelora.kernels.attention import paged
+
+    config = paged.PREFILL_CONFIG
+    assert paged.fit_head_dim(config, 128) is config
+    fitted = paged.fit_head_dim(config, 256)
+    assert (fitted.block_m, fitted.block_n) == (config.block_m // 2, config.block_n // 2)
+    cuda = torch.device("cuda")  # prefill_block_q reads the type only
+    assert paged.prefill_block_q(16, 2, 256, cuda) == fitted.block_m // 8
+    assert paged.prefill_block_q(32, 4, 128, cuda) == config.block_m // 8
+    decode = paged.DECODE_CONFIG
+    assert paged.fit_head_dim(decode, 256).block_m == decode.block_m  # 16 rows at least

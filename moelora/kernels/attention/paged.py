@@ -105,11 +105,16 @@ INTERPRETER_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_st
 
 
 def fit_head_dim(config: AttentionConfig, head_dim: int) -> AttentionConfig:
-    """config with its KV tile cut in proportion past head_dim 128, where the tables above were
-    tuned: the tile's bytes stay as tuned (at 256, Qwen3.5's and Qwen3-Next's gated attention,
-    the prefill tiles would ask for more shared memory than an H200 block has)."""
+    """config with its KV tile and its rows cut in proportion past head_dim 128, where the
+    tables above were tuned: the tiles' bytes stay as tuned (at 256, Qwen3.5's and Qwen3-Next's
+    gated attention, the prefill tiles would ask for more shared memory than an H200 block has,
+    and 256 rows' accumulator more registers than a thread has: it spilled, compiled for
+    sm_90). Cutting the rows changes no row's sums: they follow the KV tiles only."""
     block_n = max(16, config.block_n * 128 // max(head_dim, 128))
-    return config if block_n == config.block_n else dataclasses.replace(config, block_n=block_n)
+    block_m = max(16, config.block_m * 128 // max(head_dim, 128))
+    if (block_m, block_n) == (config.block_m, config.block_n):
+        return config
+    return dataclasses.replace(config, block_m=block_m, block_n=block_n)
 
 
 # Prefill chunks from position 0 of at least this many tokens go to cuDNN (dense_runs): from
@@ -583,10 +588,13 @@ def _attention_work_kernel(
         tl.store(work_ptr + p + offs, tl.full([SEQS], -1, tl.int32), mask=p + offs < num_entries)
 
 
-def prefill_block_q(num_q_heads: int, num_kv_heads: int, device: torch.device) -> int:
-    """Query tokens a prefill program takes at the default tiles (rows = tokens x the padded
-    group of query heads)."""
+def prefill_block_q(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+) -> int:
+    """Query tokens a prefill program takes at the default tiles for head_dim (rows = tokens x
+    the padded group of query heads)."""
     config = PREFILL_CONFIG if device.type == "cuda" else INTERPRETER_CONFIG
+    config = fit_head_dim(config, head_dim)
     return max(config.block_m // next_power_of_2(num_q_heads // num_kv_heads), 1)
 
 
@@ -619,15 +627,16 @@ def plan_attention(
     num_rows: int,
     num_q_heads: int,
     num_kv_heads: int,
+    head_dim: int,
     *,
     deterministic: bool = False,
 ) -> AttentionMetadata:
     """The step's attention metadata with its prefill work table (attention_work) at the
-    default tiles, built once for every layer; a decode step's as it is, unless deterministic
-    (its rows then take the prefill kernel too: paged_attention)."""
+    default tiles for head_dim, built once for every layer; a decode step's as it is, unless
+    deterministic (its rows then take the prefill kernel too: paged_attention)."""
     if attn.max_query_len <= 1 and not deterministic:
         return attn
-    block_q = prefill_block_q(num_q_heads, num_kv_heads, attn.cu_seqlens_q.device)
+    block_q = prefill_block_q(num_q_heads, num_kv_heads, head_dim, attn.cu_seqlens_q.device)
     work = attention_work(attn.cu_seqlens_q, num_rows, block_q)
     return dataclasses.replace(attn, work=work, work_block_q=block_q)
 
