@@ -117,8 +117,11 @@ def test_expanded_prefill(
 ) -> None:
     """mla_prefill="expanded": prompts' first chunks attend to their own expanded keys and
     values (kernels/mla.expanded_attention_, called), later chunks and decode rows absorbed;
-    whole and in 4-token chunks, the latent form's tokens and logprobs, and transformers'."""
+    whole and in 4-token chunks, the latent form's tokens and logprobs, and transformers'.
+    Then with every extend expanded (layers/mla.expands made true: at these sizes few are
+    worth it), each chunk's whole KV read back from the cache, and on a prefix-cache hit."""
     from moelora.kernels import mla
+    from moelora.layers import mla as mla_layer
 
     calls = []
 
@@ -135,9 +138,31 @@ def test_expanded_prefill(
     expanded = run_greedy(fx.llm(arch, mla_prefill="expanded"), loras)
     assert calls
     chunked = run_greedy(fx.llm(arch, mla_prefill="expanded", max_num_batched_tokens=4), loras)
-    for got, what in ((expanded, "expanded"), (chunked, "expanded, chunked")):
+    monkeypatch.setattr(mla_layer, "expands", lambda prefix, tokens, cfg: True)
+    extends = run_greedy(fx.llm(arch, mla_prefill="expanded", max_num_batched_tokens=4), loras)
+    cases = ((expanded, "expanded"), (chunked, "expanded, chunked"), (extends, "extends"))
+    for got, what in cases:
         _assert_same(got, latent)
         assert_matches(bank, got, refs, hf.PROMPTS, f"{arch} {what}")
+    shared = [(7 * i + 3) % 200 + 1 for i in range(37)]
+    prompts = [shared + [11, 12, 13], shared + [50]]
+    llm = fx.llm(arch, page_size=16, mla_prefill="expanded")
+    miss = run_greedy(llm, ["a", "b"], prompts, max_tokens=4)
+    hit = run_greedy(llm, ["a", "b"], prompts, max_tokens=4)
+    assert [o.num_cached_tokens for o in hit] == [32, 32]
+    _assert_same(hit, miss)
+
+
+def test_the_expanded_form_is_taken_where_it_is_less_work() -> None:
+    """layers/mla.expands at Moonlight's sizes: a long extend expands, a short one after a
+    long prefix does not."""
+    from moelora.config import MlaConfig
+    from moelora.layers.mla import expands
+
+    dims = dict(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    cfg = MlaConfig(q_lora_rank=0, softmax_scale=0.1, rope_interleave=False, **dims)
+    assert expands(4096, 4096, cfg) and expands(64, 300, cfg)
+    assert not expands(8192, 16, cfg) and not expands(16384, 128, cfg)
 
 
 @pytest.mark.parametrize(

@@ -13,13 +13,13 @@ without an enabled slot costs it nothing. The absorption is small matmuls kept i
 LoRA corrections, whose torch loops read the step's slots on the host, are the parts the Triton
 table replaces (kernels/attention/mla.py, mla_lora.py).
 
-A prefill step also has its rows' own keys and values in the expanded form (ExpandedKv: the layer
-applies kv_b_proj and its LoRA to the step's latents, as transformers does). A sequence whose
-chunk is its whole KV (seq_len == q_len: a prompt's first chunk) attends to them instead
-(expanded_attention_): N + R wide scores and V wide values, where the latent form's are L + R
-and L wide (a third of the work at DeepSeek's sizes). A sequence with KV before its chunk (an
-extend, a decode row) stays in the latent form, whose cache already holds its prefix. The two
-forms are equal in exact arithmetic.
+A prefill step may also have keys and values in the expanded form (ExpandedKv: the layer applies
+kv_b_proj and its LoRA to latents, as transformers does): N + R wide scores and V wide values,
+where the latent form's are L + R and L wide (a third of the work at DeepSeek's sizes). A
+sequence given all its keys so attends to them (expanded_attention_); the others stay in the
+latent form. In a captured step those are the step's own rows, so a prompt's first chunk
+(seq_len == q_len) attends expanded; an eager step may also expand a long extend's cached
+prefix (layers/mla.py decides by the work). The two forms are equal in exact arithmetic.
 
 Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim, V = v_head_dim,
 L = kv_lora_rank, K = a sequence's KV length, S = adapter slots, r = max LoRA rank.
@@ -40,12 +40,18 @@ if TYPE_CHECKING:
 
 
 class ExpandedKv(NamedTuple):
-    """A prefill step's rows' own keys and values: kv_b_proj (with its LoRA) of each row's
-    latent, split per head, and the row's rotated key."""
+    """Keys and values in the expanded form: kv_b_proj (with its LoRA) of latents, split per
+    head, and their rotated keys. Sequence b's are rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1]
+    - 1, its positions from 0; it attends expanded iff they are all its keys (seq_lens[b] of
+    them), else (none) in the latent form. A captured step passes its own rows and
+    cu_seqlens_q: its prompts' first chunks attend expanded."""
 
-    k_nope: torch.Tensor  # [T, Hh, N]
-    k_pe: torch.Tensor  # [T, R]
-    v: torch.Tensor  # [T, Hh, V]
+    k_nope: torch.Tensor  # [K, Hh, N]
+    k_pe: torch.Tensor  # [K, R]
+    v: torch.Tensor  # [K, Hh, V]
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+    # known on the host: every sequence with rows attends expanded (nothing for the latent form)
+    every: bool = False
 
 
 def mla_attention(
@@ -70,26 +76,20 @@ def mla_attention(
     [P, page_size, 1, R] (this step's tokens already stored); kv_b [Hh (N + V), L], head h's
     rows N no-rope key then V value; slot s's lora
     factors A [1, r, L], B [Hh (N + V), r] (LoraWeights.factors).
-    expanded: the step's own keys and values (a prefill step): the sequences whose chunk is
-    their whole KV attend to them (expanded_attention_), the others in the latent form.
+    expanded: keys and values in the expanded form (a prefill step): the sequences given all
+    their keys attend to them (expanded_attention_), the others in the latent form.
     Returns [T, Hh, V] in q_nope's dtype; rows past cu_seqlens_q[-1] (padding) are zeros.
     """
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
-    if expanded is not None and only_first_chunks(attn):
+    if expanded is not None and expanded.every:
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
     else:
-        core = functools.partial(latent_attention, skip_first_chunks=expanded is not None)
+        skip = None if expanded is None else expanded.cu_seqlens_k
+        core = functools.partial(latent_attention, skip_expanded=skip)
         out = absorbed_attention(core, *args, lora=lora, info=info)
     if expanded is not None:
         expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out
-
-
-def only_first_chunks(attn: AttentionMetadata) -> bool:
-    """Whether the host knows that every sequence of the step attends in the expanded form
-    (each chunk starts at position 0): the latent form then has nothing to do. A captured
-    step's chunks are not known (None)."""
-    return attn.chunks is not None and all(start == 0 for start, _ in attn.chunks)
 
 
 def expanded_attention_(
@@ -100,25 +100,25 @@ def expanded_attention_(
     attn: AttentionMetadata,
     scale: float,
 ) -> None:
-    """Semantics: for each sequence whose chunk is its whole KV (seq_len == q_len), its rows
-    out[t, h] = causal softmax(scale * (q_nope[t, h] . k_nope[j, h] + q_pe[t, h] . k_pe[j]))
-    @ v[., h] over the chunk's own rows j; every other row of out is left as it is.
-
-    out [T, Hh, V], written in place; q_nope [T, Hh, N], q_pe [T, Hh, R] rotated; kv's rows
-    are the step's rows."""
-    cu = attn.cu_seqlens_q.tolist()
+    """Semantics: for each sequence given all its keys in kv (ExpandedKv), its rows out[t, h] =
+    causal softmax(scale * (q_nope[t, h] . k_nope[j, h] + q_pe[t, h] . k_pe[j])) @ v[j, h]
+    over its key rows j (positions 0 .. the row's own); every other row of out is left as it
+    is. out [T, Hh, V], written in place; q_nope [T, Hh, N], q_pe [T, Hh, R] rotated."""
+    cu_q, cu_k = attn.cu_seqlens_q.tolist(), kv.cu_seqlens_k.tolist()
     heads = q_nope.shape[1]
     for b, kv_len in enumerate(attn.seq_lens.tolist()):
-        start, end = cu[b], cu[b + 1]
-        if end == start or kv_len != end - start:
+        start, end, first = cu_q[b], cu_q[b + 1], cu_k[b]
+        if end == start or cu_k[b + 1] - first != kv_len:
             continue
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1).float()
-        k_pe = kv.k_pe[start:end, None].expand(-1, heads, -1)
-        k = torch.cat([kv.k_nope[start:end], k_pe], dim=-1).float()
+        keys = slice(first, first + kv_len)
+        k_pe = kv.k_pe[keys, None].expand(-1, heads, -1)
+        k = torch.cat([kv.k_nope[keys], k_pe], dim=-1).float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        pos = torch.arange(kv_len, device=q.device)
-        scores.masked_fill_(pos[None, None, :] > pos[None, :, None], float("-inf"))
-        o = torch.einsum("hqk,khv->qhv", scores.softmax(-1), kv.v[start:end].float())
+        q_pos = torch.arange(kv_len - (end - start), kv_len, device=q.device)
+        k_pos = torch.arange(kv_len, device=q.device)
+        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        o = torch.einsum("hqk,khv->qhv", scores.softmax(-1), kv.v[keys].float())
         out[start:end] = o.to(out.dtype)
 
 
@@ -215,19 +215,20 @@ def latent_attention(
     attn: AttentionMetadata,
     scale: float,
     *,
-    skip_first_chunks: bool = False,
+    skip_expanded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
     over the sequence's cached (c, k_pe). q_lat [T, Hh, L], q_pe [T, Hh, R] float32.
     Returns [T, Hh, L] float32; rows past cu_seqlens_q[-1] (padding) are zeros, and so are the
-    rows of sequences whose chunk is their whole KV with skip_first_chunks (the expanded form
-    attends to them)."""
+    rows of the sequences that skip_expanded (ExpandedKv.cu_seqlens_k) gives all their keys:
+    the expanded form attends to them."""
     out = torch.zeros_like(q_lat)
     page_size = latent_cache.shape[1]
     cu = attn.cu_seqlens_q.tolist()
+    expanded = [0] * len(cu) if skip_expanded is None else skip_expanded.diff().tolist()
     for b, kv_len in enumerate(attn.seq_lens.tolist()):
         start, end = cu[b], cu[b + 1]
-        if end == start or (skip_first_chunks and kv_len == end - start):
+        if end == start or (skip_expanded is not None and expanded[b] == kv_len):
             continue
         pages = attn.page_table[b, : -(-kv_len // page_size)].long()
         c = latent_cache[pages].flatten(0, 1)[:kv_len, 0].float()  # [K, L]

@@ -18,16 +18,19 @@ q_b_proj (or q_proj), kv_b_proj (inside the attention), o_proj.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
-from moelora.config import ModelConfig
+from moelora.config import MlaConfig, ModelConfig
 from moelora.kernels.mla import ExpandedKv
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
-from moelora.step.batch import ForwardBatch
+from moelora.step.batch import AttentionMetadata, ForwardBatch
+from moelora.step.lora import LoraBatchInfo
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not the
 # config's rms_norm_eps
@@ -92,9 +95,7 @@ class MlaAttention(nn.Module):
         store_latent(latent, k_pe.view(T, -1), latent_cache, rope_cache, batch.attn.slot_mapping)
         expanded = None
         if batch.attn.max_query_len > 1 and self.ops.mla_expanded_prefill:
-            kv = self.kv_b_proj(latent, lora).view(T, -1, mla.qk_nope_head_dim + mla.v_head_dim)
-            k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
-            expanded = ExpandedKv(k_nope, k_pe.view(T, -1), v)
+            expanded = self._expanded(latent, k_pe.view(T, -1), kv_cache, batch)
         out = self.ops.mla_attention(
             q_nope,
             q_pe,
@@ -108,6 +109,44 @@ class MlaAttention(nn.Module):
             expanded=expanded,
         )  # [T, Hh, V]
         return self.o_proj(out.reshape(T, -1), lora)
+
+    def _expanded(
+        self,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+    ) -> ExpandedKv:
+        """A prefill step's keys and values in the expanded form (kernels/mla.py): its own rows'
+        (its prompts' first chunks attend to them), or, in an eager step with an extend worth
+        expanding (expands), every expanded sequence's whole KV, its prefix read back from the
+        cache."""
+        attn, lora = batch.attn, batch.lora
+        chunks = attn.chunks or ()
+        extends = [start > 0 and expands(start, n, self.mla) for start, n in chunks]
+        if not any(extends):
+            every = bool(chunks) and all(start == 0 for start, _ in chunks)
+            return self._expand(latent, k_pe, lora, attn.cu_seqlens_q, every)
+        assert len(chunks) == attn.page_table.shape[0], (len(chunks), attn.page_table.shape)
+        rows = _whole_kv_rows(latent, k_pe, kv_cache, attn, lora, extends)
+        every = all(start == 0 or on for (start, _), on in zip(chunks, extends, strict=True))
+        return self._expand(*rows, every)
+
+    def _expand(
+        self,
+        latent: torch.Tensor,
+        k_pe: torch.Tensor,
+        lora: LoraBatchInfo | None,
+        cu_seqlens_k: torch.Tensor,
+        every: bool,
+    ) -> ExpandedKv:
+        """kv_b_proj (with its LoRA) of latent [K, L], split per head, beside k_pe [K, R]."""
+        mla = self.mla
+        kv = self.kv_b_proj(latent, lora).view(
+            latent.shape[0], -1, mla.qk_nope_head_dim + mla.v_head_dim
+        )
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        return ExpandedKv(k_nope, k_pe, v, cu_seqlens_k, every)
 
     def _rope_order(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., R] with DeepSeek's adjacent rotary pairs made halves, which the rotate-half
@@ -128,6 +167,51 @@ def store_latent(
     size; here the two differ)."""
     latent_cache.flatten(0, 1)[slot_mapping, 0] = latent.to(latent_cache.dtype)
     rope_cache.flatten(0, 1)[slot_mapping, 0] = k_pe.to(rope_cache.dtype)
+
+
+def expands(prefix: int, tokens: int, mla: MlaConfig) -> bool:
+    """Whether a chunk of `tokens` after `prefix` cached ones costs less in the expanded form
+    (kv_b_proj over all prefix + tokens latents, then (N + R)- and V-wide products) than in the
+    latent form ((L + R)- and L-wide products, and the queries' absorption), counted in
+    multiply-adds a head."""
+    L, N, V = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim
+    R = mla.qk_rope_head_dim
+    pairs = tokens * prefix + tokens * (tokens + 1) // 2
+    expanded = (prefix + tokens) * L * (N + V) + pairs * (N + R + V)
+    latent = pairs * (2 * L + R) + tokens * (N + V) * L
+    return expanded < latent
+
+
+def _whole_kv_rows(
+    latent: torch.Tensor,
+    k_pe: torch.Tensor,
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    attn: AttentionMetadata,
+    lora: LoraBatchInfo | None,
+    extends: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, LoraBatchInfo | None, torch.Tensor]:
+    """(latents [K, L], rotary keys [K, R], the LoRA info of those rows, cu_seqlens_k [B + 1])
+    of every sequence whose chunk starts at 0 (its rows) or that extends (its prefix from the
+    cache, then its rows), in sequence order; the others get no rows. An eager step's: the
+    chunks are read on the host."""
+    latent_cache, rope_cache = (c.flatten(0, 1)[:, 0] for c in kv_cache)
+    page_size = kv_cache[0].shape[1]
+    latents, keys, slots, kv_lens, row = [], [], [], [0], 0
+    for b, ((start, n), extend) in enumerate(zip(attn.chunks, extends, strict=True)):
+        on = n > 0 and (start == 0 or extend)
+        kv_lens.append(kv_lens[-1] + (start + n if on else 0))
+        if on:
+            pos = torch.arange(start, device=latent.device)
+            cached = attn.page_table[b].long()[pos // page_size] * page_size + pos % page_size
+            latents += [latent_cache[cached].to(latent.dtype), latent[row : row + n]]
+            keys += [rope_cache[cached].to(k_pe.dtype), k_pe[row : row + n]]
+            if lora is not None:  # the prefix's rows take the sequence's slot
+                slot = lora.slot_of_token[row : row + n]
+                slots += [slot[:1].expand(start), slot]
+        row += n
+    info = None if lora is None else dataclasses.replace(lora, slot_of_token=torch.cat(slots))
+    cu = torch.tensor(kv_lens, dtype=torch.int32, device=latent.device)
+    return torch.cat(latents), torch.cat(keys), info, cu
 
 
 def _deinterleaved(size: int) -> torch.Tensor:

@@ -306,42 +306,55 @@ def test_mla_attention_with_lora_cuda_graph_replay():
 # -- The expanded form (kernels/attention/mla_expanded.py): prompts' first chunks --------------
 
 
-def expanded_inputs(T: int, heads: int, seed: int):
+def expanded_inputs(T: int, heads: int, cu_seqlens_k: torch.Tensor, seed: int):
     """q_nope and q_pe (views of one [T, Hh, N + R] bf16 tensor, as the layer splits q) and
-    ExpandedKv (k_nope and v views of kv_b_proj's [T, Hh, N + V] output), at unit scale."""
+    ExpandedKv over cu_seqlens_k's rows (k_nope and v views of kv_b_proj's [K, Hh, N + V]
+    output), at unit scale."""
     g = torch.Generator(device="cuda").manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    q, kv = randn(T, heads, N + R), randn(T, heads, N + V)
-    expanded = mla.ExpandedKv(kv[..., :N], randn(T, R), kv[..., N:])
+    K = int(cu_seqlens_k[-1])
+    q, kv = randn(T, heads, N + R), randn(K, heads, N + V)
+    expanded = mla.ExpandedKv(kv[..., :N], randn(K, R), kv[..., N:], cu_seqlens_k)
     return q[..., :N], q[..., N:], expanded
 
 
 @pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize(
-    "q_lens,seq_lens",
-    [([4096], [4096]), ([1000, 1, 300, 0, 77, 129], [1000, 1024, 300, 0, 90, 129])],
+    "q_lens,seq_lens,given",
+    [
+        ([4096], [4096], [True]),
+        (
+            [1000, 1, 300, 0, 77, 129, 2000],
+            [1000, 1024, 300, 0, 90, 129, 4000],
+            [True, False, True, False, False, True, True],
+        ),
+    ],
     ids=["prompt-4096", "mixed"],
 )
-def test_expanded_attention(q_lens, seq_lens, heads):
-    """The kernel against the reference (fp32 math over the same bf16 inputs): the prompts'
-    first chunks (seq_len == q_len) within 1e-2 relative error, every other row untouched."""
+def test_expanded_attention(q_lens, seq_lens, given, heads):
+    """The kernel against the reference (fp32 math over the same bf16 inputs): the sequences
+    given all their keys (prompts' first chunks, an extend of 2000 after 2000) within 1e-2
+    relative error, every other row untouched."""
     attn = metadata(q_lens, seq_lens, torch.zeros(len(q_lens), 1, dtype=torch.int32), 3)
     T = attn.slot_mapping.shape[0]
-    q_nope, q_pe, expanded = expanded_inputs(T, heads, seed=len(q_lens))
+    kv_lens = torch.tensor([s if on else 0 for s, on in zip(seq_lens, given, strict=True)])
+    cu_k = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu_k[1:] = kv_lens.cumsum(0)
+    q_nope, q_pe, expanded = expanded_inputs(T, heads, cu_k.cuda(), seed=len(q_lens))
     got = torch.full((T, heads, V), 7.0, dtype=torch.bfloat16, device="cuda")
     mla_expanded.expanded_attention_(got, q_nope, q_pe, expanded, attn, SCALE)
     want = torch.full((T, heads, V), 7.0, dtype=torch.float32, device="cuda")
     mla.expanded_attention_(want, q_nope, q_pe, expanded, attn, SCALE)
     first = torch.zeros(T, dtype=torch.bool, device="cuda")
     cu = attn.cu_seqlens_q.tolist()
-    for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        first[cu[b] : cu[b] + n] = n == s
+    for b, (n, on) in enumerate(zip(q_lens, given, strict=True)):
+        first[cu[b] : cu[b] + n] = on
     assert torch.isfinite(got).all()
     assert rel_err(got[first], want[first]) <= 1e-2
-    assert (got[~first] == 7.0).all(), "a row outside the prompts' first chunks was written"
+    assert (got[~first] == 7.0).all(), "a row of a sequence not given its keys was written"
 
 
 def test_mla_attention_forms_agree():
@@ -365,7 +378,7 @@ def test_mla_attention_forms_agree():
         kv[mine] += info.scaling_of_slot[s] * (c[mine] @ a[0].T) @ b.T
     kv = torch.cat([kv, kv.new_zeros(2, kv.shape[1])]).bfloat16().view(T, heads, N + V)
     k_pe = torch.cat([rope.reshape(-1, R)[rows], rope.new_zeros(2, R)])
-    expanded = mla.ExpandedKv(kv[..., :N], k_pe, kv[..., N:])
+    expanded = mla.ExpandedKv(kv[..., :N], k_pe, kv[..., N:], attn.cu_seqlens_q)
     g = torch.Generator(device="cuda").manual_seed(17)
     q_nope, q_pe = (
         torch.randn(T, heads, d, generator=g, device="cuda", dtype=torch.bfloat16) for d in (N, R)
@@ -384,7 +397,7 @@ def test_expanded_attention_cuda_graph_replay():
     replay equals the eager call."""
     heads, T, B = 16, 1024, 4
     attn = metadata([256] * B, [256] * B, torch.zeros(B, 1, dtype=torch.int32))
-    q_nope, q_pe, expanded = expanded_inputs(T, heads, seed=18)
+    q_nope, q_pe, expanded = expanded_inputs(T, heads, attn.cu_seqlens_q, seed=18)
     out = torch.zeros(T, heads, V, dtype=torch.bfloat16, device="cuda")
     work = mla_triton.attention_work(attn.cu_seqlens_q, T, mla_expanded.CONFIG.block_q)
     attn = dataclasses.replace(attn, work=work, work_block_q=mla_expanded.CONFIG.block_q)

@@ -139,18 +139,20 @@ def test_prefill(poison_empty, page_size, planned):
     check(step)
 
 
-def test_prefill_skips_first_chunks(poison_empty):
-    """skip_first_chunks: the sequences whose chunk is their whole KV (the expanded form's)
-    come back zero from both, the rest as without it."""
+def test_prefill_skips_expanded(poison_empty):
+    """skip_expanded (ExpandedKv.cu_seqlens_k): the sequences it gives all their keys (a
+    prompt's first chunk, an extend, a one-token prompt) come back zero from both tables, the
+    one it gives none (an extend) as without it."""
     q_lens, seq_lens = [5, 3, 1, 17], [5, 9, 1, 30]
     step = make_step(q_lens, seq_lens, page_size=4, seed=13)
     caches = (step.latent_cache, step.rope_cache)
     whole = mla.latent_attention(step.q_lat, step.q_pe, *caches, step.attn, step.scale)
+    cu_k = torch.tensor([0, 5, 14, 15, 15], dtype=torch.int32)
     kept = torch.ones(whole.shape[0], dtype=torch.bool)
-    kept[0:5], kept[8:9] = False, False
+    kept[:9] = False
     for table in (mla, mla_triton):
         got = table.latent_attention(
-            step.q_lat, step.q_pe, *caches, step.attn, step.scale, skip_first_chunks=True
+            step.q_lat, step.q_pe, *caches, step.attn, step.scale, skip_expanded=cu_k
         )
         assert (got[~kept] == 0).all()
         torch.testing.assert_close(got[kept], whole[kept], **TOL[torch.float32])
@@ -185,14 +187,15 @@ def lora_inputs(slots: list[int], Hh: int, N: int, V: int, ranks: list[int], see
     return kv_b, lora, info
 
 
-@pytest.mark.parametrize("expanded", [False, True])
+@pytest.mark.parametrize("expanded", [None, "own", "whole"])
 @pytest.mark.parametrize("ranks", [None, [4, 4, 4], [4, 8, 2]], ids=["base", "rank-4", "mixed"])
 def test_mla_attention_end_to_end(poison_empty, ranks, expanded):
     """The Triton table's mla_attention (the absorption in torch, the latent attention and
     kv_b_proj's LoRA by kernels) against the reference's, on an extend, a decode and a prompt
-    with two adapters, a base row and a disabled slot, and padded rows. expanded: the prompt
-    attends to its own expanded keys and values (expanded_kv), in both tables; the result is
-    the latent form's too."""
+    with two adapters, a base row and a disabled slot, and padded rows. expanded: keys and
+    values in the expanded form (expanded_kv), "own" the step's rows (the prompt attends
+    expanded), "whole" the extend's and the prompt's whole KV (both do); in both tables, and
+    the result is the latent form's too."""
     Hh, N, V = 4, 16, 12
     q_lens, seq_lens, seq_slots = [3, 1, 7], [9, 5, 7], [0, NO_SLOT, 2]
     step = make_step(q_lens, seq_lens, heads=Hh, seed=6)
@@ -207,10 +210,12 @@ def test_mla_attention_end_to_end(poison_empty, ranks, expanded):
     args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
     latent_form = mla.mla_attention(*args, **options)
     if expanded:
-        kv = expanded_kv(step, kv_b, lora if ranks else None, info, V)
-        options["expanded"] = kv._replace(k_nope=kv.k_nope.clone(), v=kv.v.clone())
-        for t in (options["expanded"].k_nope, options["expanded"].v):
-            t[:4] = float("nan")  # the extend's and the decode's rows: the latent form's
+        given = None if expanded == "own" else [True, False, True]
+        kv = expanded_kv(step, kv_b, lora if ranks else None, info, V, given)
+        if expanded == "own":
+            for t in (kv.k_nope, kv.v):
+                t[:4] = float("nan")  # the extend's and the decode's rows: the latent form's
+        options["expanded"] = kv
     expected = mla.mla_attention(*args, **options)
     got = mla_triton.mla_attention(*args, **options)
     assert torch.isfinite(got).all()
@@ -224,62 +229,66 @@ def test_mla_attention_end_to_end(poison_empty, ranks, expanded):
         torch.testing.assert_close(got[3], base[3], atol=1e-5, rtol=1e-5)  # the base row
 
 
-@pytest.mark.parametrize("chunks", [None, ((0, 4), (0, 7))], ids=["captured", "host-known"])
-def test_mla_attention_first_chunks_only(poison_empty, chunks):
-    """A step of prompts' first chunks only: with the chunks known on the host the latent form
-    is skipped whole (only_first_chunks), else its kernel skips them; either way both tables
-    give the latent form's result, and padded rows are zero."""
+@pytest.mark.parametrize("every", [False, True])
+def test_mla_attention_every_sequence_expanded(poison_empty, every):
+    """A step whose every sequence attends expanded (two prompts' first chunks, an extend
+    given its whole KV): with ExpandedKv.every the latent form is skipped whole, else its
+    kernel skips each; either way both tables give the latent form's result, and padded rows
+    are zero."""
     Hh, N, V = 4, 16, 12
-    step = make_step([4, 7], [4, 7], heads=Hh, seed=9)
-    step.attn = dataclasses.replace(step.attn, chunks=chunks)
+    step = make_step([4, 7, 5], [4, 7, 12], heads=Hh, seed=9)
     T = step.q_lat.shape[0]
-    kv_b, lora, info = lora_inputs(
-        [2] * 4 + [0] * 7 + [NO_SLOT] * (T - 11), Hh, N, V, [4, 4, 4], 10
-    )
+    slots = [2] * 4 + [0] * 7 + [NO_SLOT] * 5
+    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - 16), Hh, N, V, [4, 4, 4], 10)
     q_nope = torch.randn(T, Hh, N, generator=torch.Generator().manual_seed(12))
     args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
-    options = dict(lora=lora, info=info, expanded=expanded_kv(step, kv_b, lora, info, V))
-    assert mla.only_first_chunks(step.attn) == (chunks is not None)
+    kv = expanded_kv(step, kv_b, lora, info, V, [True, True, True])
+    options = dict(lora=lora, info=info, expanded=kv._replace(every=every))
     latent_form = mla.mla_attention(*args, lora=lora, info=info)
     for table in (mla, mla_triton):
         got = table.mla_attention(*args, **options)
         torch.testing.assert_close(got, latent_form, atol=1e-5, rtol=1e-5)
-        assert (got[11:] == 0).all()
+        assert (got[16:] == 0).all()
 
 
 # -- The expanded form: a prompt's first chunk attends to its own expanded keys and values ------
 
 
-def expanded_inputs(T: int, Hh: int, N: int, V: int, dtype: torch.dtype, seed: int):
-    """q_nope, q_pe and ExpandedKv for T rows as the layer lays them out: q_nope and q_pe views
-    of one [T, Hh, N + R] tensor (q_pe's own tensor in the layer), k_nope and v views of
-    kv_b_proj's [T, Hh, N + V] output."""
+def expanded_inputs(T: int, K: int, Hh: int, N: int, V: int, dtype: torch.dtype, seed: int):
+    """q_nope, q_pe for T rows and k_nope, k_pe, v for K key rows as the layer lays them out:
+    q_nope and q_pe views of one [T, Hh, N + R] tensor (q_pe's own tensor in the layer),
+    k_nope and v views of kv_b_proj's [K, Hh, N + V] output."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(T, Hh, N + R, generator=g).to(dtype)
-    kv = torch.randn(T, Hh, N + V, generator=g).to(dtype)
-    k_pe = torch.randn(T, R, generator=g).to(dtype)
+    kv = torch.randn(K, Hh, N + V, generator=g).to(dtype)
+    k_pe = torch.randn(K, R, generator=g).to(dtype)
     q_nope, q_pe = q.split([N, R], dim=-1)
     k_nope, v = kv.split([N, V], dim=-1)
-    return q_nope, q_pe, mla.ExpandedKv(k_nope, k_pe, v)
+    return q_nope, q_pe, k_nope, k_pe, v
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("planned", [False, True])
 def test_expanded_attention(poison_empty, dtype, planned):
-    """Prompts whose chunk is their whole KV (1 row; 5; 17 and 40: several query blocks and
-    both kinds of key tile) beside an extend, a decode row and an empty sequence: the kernel
-    writes the prompts' rows as the reference does and leaves every other row as it was. The
-    rows the kernel may not read (the other sequences', padding) are NaN."""
-    q_lens, seq_lens = [5, 3, 1, 17, 0, 1, 40], [5, 9, 1, 17, 0, 6, 40]
+    """Sequences given all their keys (prompts of 1, 5, 17 and 40 rows: several query blocks
+    and both kinds of key tile; an extend of 3 after 6 and one of 20 after 13, whose blocks
+    start off the key tiles; a decode row) beside an extend and a decode row given none and an
+    empty sequence: the kernel writes the given ones' rows as the reference does and leaves
+    every other row as it was. The query rows it may not read are NaN."""
+    q_lens, seq_lens = [5, 3, 1, 17, 0, 1, 40, 2, 20, 1], [5, 9, 1, 17, 0, 6, 40, 8, 33, 4]
+    given = [True, True, True, True, False, False, True, False, True, True]
     Hh, N, V, pad = 3, 16, 12, 2
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    kv_lens = [s if on else 0 for s, on in zip(seq_lens, given, strict=True)]
+    cu_k = torch.tensor([0, *torch.tensor(kv_lens).cumsum(0).tolist()], dtype=torch.int32)
     T = int(cu[-1])
-    q_nope, q_pe, kv = expanded_inputs(T + pad, Hh, N, V, dtype, seed=11)
-    fresh = torch.zeros(T + pad, dtype=torch.bool)
-    for b, (n, s) in enumerate(zip(q_lens, seq_lens, strict=True)):
-        fresh[int(cu[b]) : int(cu[b]) + n] = n == s
-    for t in (*kv, q_nope, q_pe):
-        t[~fresh] = float("nan")
+    q_nope, q_pe, *keys = expanded_inputs(T + pad, int(cu_k[-1]), Hh, N, V, dtype, seed=11)
+    kv = mla.ExpandedKv(*keys, cu_k)
+    rows = torch.zeros(T + pad, dtype=torch.bool)
+    for b, on in enumerate(given):
+        rows[int(cu[b]) : int(cu[b + 1])] = on
+    for t in (q_nope, q_pe):
+        t[~rows] = float("nan")
     attn = AttentionMetadata(
         cu_seqlens_q=cu,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -295,30 +304,41 @@ def test_expanded_attention(poison_empty, dtype, planned):
     mla.expanded_attention_(expected, q_nope, q_pe, kv, attn, 0.2)
     got = torch.full((T + pad, Hh, V), 7.0, dtype=dtype)
     mla_expanded.expanded_attention_(got, q_nope, q_pe, kv, attn, 0.2)
-    assert torch.isfinite(got[fresh]).all()
-    assert (got[~fresh] == 7.0).all(), "a row outside the prompts' first chunks was written"
+    assert torch.isfinite(got[rows]).all()
+    assert (got[~rows] == 7.0).all(), "a row of a sequence not given its keys was written"
     torch.testing.assert_close(got, expected, **TOL[dtype])
 
 
-def expanded_kv(step: Step, kv_b, lora, info, V: int) -> mla.ExpandedKv:
-    """What the layer hands the attention: kv_b_proj with its LoRA applied to every row's
-    latent (read back from the cache at the row's position), and the row's rotated key."""
+def expanded_kv(step: Step, kv_b, lora, info, V: int, given: list[bool] | None) -> mla.ExpandedKv:
+    """What the layer hands the attention: kv_b_proj with its LoRA applied to latents read back
+    from the cache, and their rotated keys. given None: the step's own rows (cu_seqlens_k =
+    cu_seqlens_q); else the whole KV of each sequence given (positions 0 .. seq_len - 1, the
+    LoRA slot its rows'), none for the others."""
     cu, lens = step.attn.cu_seqlens_q.tolist(), step.attn.seq_lens.tolist()
-    page_size, T = step.latent_cache.shape[1], step.q_lat.shape[0]
-    Hh = step.q_lat.shape[1]
-    c, k_pe = torch.zeros(T, L), torch.zeros(T, R)
+    page_size, Hh = step.latent_cache.shape[1], step.q_lat.shape[1]
+    positions, slots, kv_lens = [], [], [0]
     for b, kv_len in enumerate(lens):
-        for j, row in enumerate(range(cu[b], cu[b + 1])):
-            pos = kv_len - (cu[b + 1] - cu[b]) + j
-            page = int(step.attn.page_table[b, pos // page_size])
-            c[row] = step.latent_cache[page, pos % page_size, 0]
-            k_pe[row] = step.rope_cache[page, pos % page_size, 0]
+        n = cu[b + 1] - cu[b]
+        if given is None:
+            positions += [(b, p) for p in range(kv_len - n, kv_len)]
+            slots += info.slot_of_token[cu[b] : cu[b + 1]].tolist()
+        elif given[b]:
+            positions += [(b, p) for p in range(kv_len)]
+            slots += [int(info.slot_of_token[cu[b]])] * kv_len
+        kv_lens.append(kv_lens[-1] + (n if given is None else kv_len if given[b] else 0))
+    if given is None:  # padded rows: keys nobody reads
+        positions += [(0, 0)] * (step.q_lat.shape[0] - cu[-1])
+        slots += [NO_SLOT] * (step.q_lat.shape[0] - cu[-1])
+    c, k_pe = torch.zeros(len(positions), L), torch.zeros(len(positions), R)
+    for row, (b, pos) in enumerate(positions):
+        page = int(step.attn.page_table[b, pos // page_size])
+        c[row] = step.latent_cache[page, pos % page_size, 0]
+        k_pe[row] = step.rope_cache[page, pos % page_size, 0]
     kv = c @ kv_b.T
-    if lora is not None:
-        for row in range(cu[-1]):
-            s = int(info.slot_of_token[row])
-            if s != NO_SLOT and info.slot_enabled[s]:
-                a, b = lora.factors(s)
-                kv[row] += info.scaling_of_slot[s] * (b @ (a[0] @ c[row]))
-    k_nope, v = kv.view(T, Hh, -1).split([kv.shape[1] // Hh - V, V], dim=-1)
-    return mla.ExpandedKv(k_nope, k_pe, v)
+    for row, s in enumerate(slots):
+        if lora is not None and s != NO_SLOT and info.slot_enabled[s]:
+            a, b = lora.factors(s)
+            kv[row] += info.scaling_of_slot[s] * (b @ (a[0] @ c[row]))
+    k_nope, v = kv.view(len(positions), Hh, -1).split([kv.shape[1] // Hh - V, V], dim=-1)
+    cu_k = torch.tensor(kv_lens, dtype=torch.int32)
+    return mla.ExpandedKv(k_nope.clone(), k_pe, v.clone(), cu_k)

@@ -287,20 +287,14 @@ def _launch_mla() -> None:
             q_lat, q_pe, latent, rope, decode, 0.1, config=config, num_splits=num_splits
         )
     q_lat, q_pe = torch.randn(97, Hh, L), torch.randn(97, Hh, Rr)
-    for skip in (False, True):
+    for skip in (None, prefill.cu_seqlens_q):
         mla.latent_attention(
-            q_lat,
-            q_pe,
-            latent,
-            rope,
-            prefill,
-            0.1,
-            skip_first_chunks=skip,
-            config=mla.PREFILL_CONFIG,
+            q_lat, q_pe, latent, rope, prefill, 0.1, skip_expanded=skip, config=mla.PREFILL_CONFIG
         )
     q = torch.randn(97, Hh, N + Rr, dtype=BF16)
     kv = torch.randn(97, Hh, N + V, dtype=BF16)
-    expanded = ExpandedKv(kv[..., :N], torch.randn(97, Rr, dtype=BF16), kv[..., N:])
+    k_pe = torch.randn(97, Rr, dtype=BF16)
+    expanded = ExpandedKv(kv[..., :N], k_pe, kv[..., N:], prefill.cu_seqlens_q)
     out = torch.empty(97, Hh, V, dtype=BF16)
     q_nope, q_pe = q[..., :N], q[..., N:]
     config = mla_expanded.CONFIG

@@ -48,7 +48,7 @@ from moelora.kernels.attention.paged import (
     _split_len,
     attention_work,
 )
-from moelora.kernels.mla import ExpandedKv, absorbed_attention, only_first_chunks
+from moelora.kernels.mla import ExpandedKv, absorbed_attention
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
@@ -95,6 +95,7 @@ def _mla_attention_kernel(
     seq_lens_ptr,
     page_table_ptr,
     work_ptr,  # [NW] int32, only with WORK: each program's (sequence, block), attention_work
+    cu_seqlens_k_ptr,  # [B + 1] int32, only with SKIP_EXPANDED: ExpandedKv.cu_seqlens_k
     # Sizes
     num_seqs,
     num_rows,
@@ -130,7 +131,7 @@ def _mla_attention_kernel(
     SPLIT: tl.constexpr,
     ZERO_TAIL: tl.constexpr,
     WORK: tl.constexpr,  # prefill: the grid is (head blocks, work entries)
-    SKIP_FIRST_CHUNKS: tl.constexpr,  # sequences with seq_len == q_len: the expanded form's
+    SKIP_EXPANDED: tl.constexpr,  # sequences given all their keys expanded: that form's
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -180,8 +181,9 @@ def _mla_attention_kernel(
     pid_m = tl.cdiv(q_len, BLOCK_Q) - 1 - from_last  # decode: 0, or -1 for a sequence without
     if pid_m < 0:
         return
-    if SKIP_FIRST_CHUNKS:
-        if seq_len == q_len:
+    if SKIP_EXPANDED:
+        expanded = tl.load(cu_seqlens_k_ptr + pid_b + 1) - tl.load(cu_seqlens_k_ptr + pid_b)
+        if expanded == seq_len:
             return  # its rows stay zero (prefill output is zeroed)
 
     # -- Rows: (token, head) -------------------------------------------------------------------
@@ -340,10 +342,11 @@ def mla_attention(
     slots through the table (a decode step reads no device value on the host), and the
     expanded form by mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
-    if expanded is not None and only_first_chunks(attn):
+    if expanded is not None and expanded.every:
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
     else:
-        core = functools.partial(latent_attention, skip_first_chunks=expanded is not None)
+        skip = None if expanded is None else expanded.cu_seqlens_k
+        core = functools.partial(latent_attention, skip_expanded=skip)
         kernels = dict(lora_q=mla_lora.lora_q_, lora_out=mla_lora.lora_out_)
         out = absorbed_attention(core, *args, lora=lora, info=info, **kernels)
     if expanded is not None:
@@ -359,13 +362,13 @@ def latent_attention(
     attn: AttentionMetadata,
     scale: float,
     *,
-    skip_first_chunks: bool = False,
+    skip_expanded: torch.Tensor | None = None,
     config: MlaConfig | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
-    over the sequence's cached (c, k_pe), as kernels/mla.latent_attention (skip_first_chunks
-    likewise: the rows of sequences with seq_len == q_len zero, in a prefill step).
+    over the sequence's cached (c, k_pe), as kernels/mla.latent_attention (skip_expanded
+    likewise: the rows of the sequences it gives all their keys zero, in a prefill step).
 
     q_lat [T, Hh, L], q_pe [T, Hh, R] float32 or the caches' dtype (the dots run in the caches'
     dtype); latent_cache [P, page_size, 1, L], rope_cache [P, page_size, 1, R] (views of one
@@ -387,7 +390,7 @@ def latent_attention(
         part_out = torch.empty(B, Hh, plan.num_splits, L, dtype=out.dtype, device=out.device)
         part_lse = torch.empty(B, Hh, plan.num_splits, dtype=out.dtype, device=out.device)
     launch = _Launch(q_lat, q_pe, latent_cache, rope_cache, attn, scale, out, part_out, part_lse)
-    _launch_attention(launch, plan, skip_first_chunks=skip_first_chunks)
+    _launch_attention(launch, plan, skip_expanded=skip_expanded)
     if plan.num_splits > 1:
         _launch_combine(launch, plan)
     return out
@@ -489,9 +492,11 @@ class _Launch(NamedTuple):
     part_lse: torch.Tensor
 
 
-def _launch_attention(a: _Launch, plan: _Plan, *, skip_first_chunks: bool = False) -> None:
+def _launch_attention(
+    a: _Launch, plan: _Plan, *, skip_expanded: torch.Tensor | None = None
+) -> None:
     """One _mla_attention_kernel launch over plan.grid."""
-    assert not (skip_first_chunks and plan.decode), "a decode step has no expanded form"
+    assert skip_expanded is None or not plan.decode, "a decode step has no expanded form"
     num_rows, num_heads, latent_dim = a.q_lat.shape
     c, r = a.latent_cache, a.rope_cache
     _mla_attention_kernel[plan.grid](
@@ -506,6 +511,7 @@ def _launch_attention(a: _Launch, plan: _Plan, *, skip_first_chunks: bool = Fals
         seq_lens_ptr=a.attn.seq_lens,
         page_table_ptr=a.attn.page_table,
         work_ptr=a.out if plan.work is None else plan.work,  # a.out: never read
+        cu_seqlens_k_ptr=a.out if skip_expanded is None else skip_expanded,
         num_seqs=a.attn.page_table.shape[0],
         num_rows=num_rows,
         num_heads=num_heads,
@@ -538,7 +544,7 @@ def _launch_attention(a: _Launch, plan: _Plan, *, skip_first_chunks: bool = Fals
         SPLIT=plan.num_splits > 1,
         ZERO_TAIL=plan.decode,
         WORK=plan.work is not None,
-        SKIP_FIRST_CHUNKS=skip_first_chunks,
+        SKIP_EXPANDED=skip_expanded is not None,
         DOT_PRECISION="ieee" if c.dtype == torch.float32 else None,
         num_warps=plan.config.num_warps,
         num_stages=plan.config.num_stages,

@@ -1,22 +1,24 @@
-"""Multi-head latent attention's expanded form in Triton: a prompt's first chunk attends to its own
-keys and values, as kernels/mla.expanded_attention_ (the reference) has them.
+"""Multi-head latent attention's expanded form in Triton: a sequence given all its keys and values
+expanded (kernels/mla.ExpandedKv) attends to them, as kernels/mla.expanded_attention_ (the
+reference) has it.
 
 Algorithm
 ---------
-A sequence whose chunk is its whole KV (seq_len == q_len) has every key and value in the step's
-own rows: kv_b_proj expanded them (the layer), so no cache is read. Head h's score of query row
-t for key row j is scale * (q_nope[t, h] . k_nope[j, h] + q_pe[t, h] . k_pe[j]): two dots into
-one accumulator, so the shared rotary key is never copied per head and no dimension is padded
-from N + R (192 at DeepSeek's sizes) to a power of two. Values are V wide (128).
+kv_b_proj expanded the sequence's keys and values (the layer): rows cu_seqlens_k[b] ..
+cu_seqlens_k[b + 1] - 1, its positions from 0, so no cache is read. Head h's score of a query
+row for key row j is scale * (q_nope . k_nope[j, h] + q_pe . k_pe[j]): two dots into one
+accumulator, so the shared rotary key is never copied per head and no dimension is padded from
+N + R (192 at DeepSeek's sizes) to a power of two. Values are V wide (128).
 
 One program owns one head and one block of BLOCK_Q query rows of a sequence, taken from the
 step's work table (paged.attention_work, the longest blocks first), so the grid depends on
-shapes only and a prefill step can be captured in a CUDA graph. Programs of sequences with KV
-before their chunk return at once: the latent form (kernels/attention/mla.py) attends to those.
-The program walks the keys from 0 in BLOCK_N tiles with the flash-attention online softmax
-(base 2, fp32 running max, sum and accumulator). Keys before the block's first row are visible
-to every row and their tiles compute no mask; the tiles from there to the block's last row mask
-after the exponent, so a key's weight is computed alike in both kinds of tile.
+shapes only and a prefill step can be captured in a CUDA graph. Programs of sequences not given
+all their keys return at once: the latent form (kernels/attention/mla.py) attends to those.
+The program walks the keys from position 0 in BLOCK_N tiles with the flash-attention online
+softmax (base 2, fp32 running max, sum and accumulator). Tiles of keys before the block's
+first query position are visible to every row and compute no mask; the tiles from there to
+the block's last position mask after the exponent, so a key's weight is computed alike in
+both kinds of tile, and a row's sums follow the key tiles only, not where its chunk starts.
 
 Legend: T = tokens, B = sequences, Hh = heads, N = qk_nope_head_dim, R = qk_rope_head_dim,
 V = v_head_dim.
@@ -45,8 +47,7 @@ _WORK_SEQ = tl.constexpr(WORK_SEQ)  # a work entry: sequence * WORK_SEQ + blocks
 
 @dataclass(frozen=True)
 class ExpandedConfig:
-    """Tiles of one launch: block_q query rows of one head, keys block_n at a time; block_q is
-    a multiple of block_n (the unmasked tiles end where the block's rows begin)."""
+    """Tiles of one launch: block_q query rows of one head, keys block_n at a time."""
 
     block_q: int
     block_n: int
@@ -70,8 +71,8 @@ def _attend_tile(
     l_i,
     acc,
     start,
-    q_len,
-    offs_m,
+    q_pos,
+    kv_stop,
     k_base,  # [1, BLOCK_NOPE] pointers: the sequence's first key row, this head, each dim
     e_base,  # [1, BLOCK_ROPE]: k_pe's
     v_base,  # [1, BLOCK_V]: v's
@@ -90,13 +91,13 @@ def _attend_tile(
     of the sequence. Without MASKED every row sees every key of the tile (the caller knows)."""
     offs_j = start + tl.arange(0, BLOCK_N)
     rows = offs_j.to(tl.int64)[:, None]
-    j_mask = offs_j < q_len
+    j_mask = offs_j < kv_stop
     k = tl.load(k_base + rows * stride_kt, mask=j_mask[:, None] & k_dims, other=0.0)
     k_pe = tl.load(e_base + rows * stride_et, mask=j_mask[:, None] & e_dims, other=0.0)
     qk = tl.dot(q_nope, tl.trans(k), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, tl.trans(k_pe), acc=qk, input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
-        visible = (offs_j[None, :] <= offs_m[:, None]) & j_mask[None, :]
+        visible = (offs_j[None, :] <= q_pos[:, None]) & j_mask[None, :]
         m_new = tl.maximum(m_i, tl.max(tl.where(visible, qk, float("-inf")), 1))
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -122,9 +123,10 @@ def _mla_expanded_kernel(
     k_nope_ptr,  # [T, Hh, N]
     k_pe_ptr,  # [T, R]
     v_ptr,  # [T, Hh, V]
-    out_ptr,  # [T, Hh, V]: only the rows of sequences with seq_len == q_len are written
+    out_ptr,  # [T, Hh, V]: only the rows of the sequences given all their keys are written
     cu_seqlens_q_ptr,
     seq_lens_ptr,
+    cu_seqlens_k_ptr,  # [B + 1] int32: each sequence's key rows in k_nope, k_pe and v
     work_ptr,  # [NW] int32: each program's (sequence, block), attention_work
     # Sizes
     nope_dim,
@@ -167,13 +169,17 @@ def _mla_expanded_kernel(
     pid_b = entry // _WORK_SEQ
     q_start = tl.load(cu_seqlens_q_ptr + pid_b)
     q_len = tl.load(cu_seqlens_q_ptr + pid_b + 1) - q_start
-    if tl.load(seq_lens_ptr + pid_b) != q_len:
-        return  # KV before the chunk: the latent form's
+    seq_len = tl.load(seq_lens_ptr + pid_b)
+    k_start = tl.load(cu_seqlens_k_ptr + pid_b)
+    if tl.load(cu_seqlens_k_ptr + pid_b + 1) - k_start != seq_len:
+        return  # not given all its keys: the latent form's
     pid_m = tl.cdiv(q_len, BLOCK_Q) - 1 - entry % _WORK_SEQ
 
-    # -- The block's query rows (positions in the chunk = in the sequence) ---------------------
+    # -- The block's query rows and their positions --------------------------------------------
     offs_m = pid_m * BLOCK_Q + tl.arange(0, BLOCK_Q)
     m_mask = offs_m < q_len
+    prefix = seq_len - q_len
+    q_pos = prefix + offs_m
     row = (q_start + offs_m).to(tl.int64)
     offs_n_dim = tl.arange(0, BLOCK_NOPE)
     offs_r_dim = tl.arange(0, BLOCK_ROPE)
@@ -195,8 +201,8 @@ def _mla_expanded_kernel(
     q_nope = q_nope.to(k_nope_ptr.dtype.element_ty)
     q_pe = q_pe.to(k_pe_ptr.dtype.element_ty)
 
-    # -- Keys 0 .. the block's last row, in the sequence's own rows ----------------------------
-    first = q_start.to(tl.int64)
+    # -- Keys 0 .. the block's last position, from the sequence's key rows ---------------------
+    first = k_start.to(tl.int64)
     k_base = k_nope_ptr + first * stride_kt + pid_h * stride_kh + offs_n_dim[None, :] * stride_kd
     e_base = k_pe_ptr + first * stride_et + offs_r_dim[None, :] * stride_ed
     v_base = v_ptr + first * stride_vt + pid_h * stride_vh + offs_v_dim[None, :] * stride_vd
@@ -204,8 +210,10 @@ def _mla_expanded_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q, BLOCK_V], dtype=tl.float32)
-    diagonal = pid_m * BLOCK_Q
-    for start in range(0, diagonal, BLOCK_N):
+    diagonal = prefix + pid_m * BLOCK_Q  # the block's first query position
+    whole = diagonal // BLOCK_N * BLOCK_N  # keys before it in whole tiles: no mask
+    kv_stop = prefix + tl.minimum(q_len, (pid_m + 1) * BLOCK_Q)
+    for start in range(0, whole, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q_nope,
             q_pe,
@@ -213,8 +221,8 @@ def _mla_expanded_kernel(
             l_i,
             acc,
             start,
-            q_len,
-            offs_m,
+            q_pos,
+            kv_stop,
             k_base,
             e_base,
             v_base,
@@ -229,7 +237,7 @@ def _mla_expanded_kernel(
             False,
             DOT_PRECISION,
         )
-    for start in range(diagonal, tl.minimum(diagonal + BLOCK_Q, q_len), BLOCK_N):
+    for start in range(whole, kv_stop, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q_nope,
             q_pe,
@@ -237,8 +245,8 @@ def _mla_expanded_kernel(
             l_i,
             acc,
             start,
-            q_len,
-            offs_m,
+            q_pos,
+            kv_stop,
             k_base,
             e_base,
             v_base,
@@ -290,6 +298,7 @@ def expanded_attention_(
         out_ptr=out,
         cu_seqlens_q_ptr=attn.cu_seqlens_q,
         seq_lens_ptr=attn.seq_lens,
+        cu_seqlens_k_ptr=kv.cu_seqlens_k,
         work_ptr=work,
         nope_dim=N,
         rope_dim=R,
@@ -330,7 +339,6 @@ def _plan(
     """The tiles and the work table of a launch: the step's own where planned for these
     tiles, else one built here."""
     config = config or (CONFIG if q_nope.is_cuda else INTERPRETER_CONFIG)
-    assert config.block_q % config.block_n == 0, config
     work = attn.work
     if work is None or attn.work_block_q != config.block_q:
         work = attention_work(attn.cu_seqlens_q, q_nope.shape[0], config.block_q)
@@ -347,9 +355,11 @@ def _check(
     T, Hh, N = q_nope.shape
     R, V = q_pe.shape[-1], kv.v.shape[-1]
     assert q_pe.shape == (T, Hh, R), f"q_pe {tuple(q_pe.shape)}, q_nope {tuple(q_nope.shape)}"
-    assert kv.k_nope.shape == (T, Hh, N), f"k_nope {tuple(kv.k_nope.shape)}, q_nope {(T, Hh, N)}"
-    assert kv.k_pe.shape == (T, R), f"k_pe {tuple(kv.k_pe.shape)}, expected {(T, R)}"
-    assert kv.v.shape == (T, Hh, V) and out.shape == (T, Hh, V), (kv.v.shape, out.shape)
+    K = kv.k_nope.shape[0]
+    assert kv.k_nope.shape == (K, Hh, N), f"k_nope {tuple(kv.k_nope.shape)}, q_nope {(T, Hh, N)}"
+    assert kv.k_pe.shape == (K, R), f"k_pe {tuple(kv.k_pe.shape)}, expected {(K, R)}"
+    assert kv.v.shape == (K, Hh, V) and out.shape == (T, Hh, V), (kv.v.shape, out.shape)
     assert kv.k_nope.dtype == kv.k_pe.dtype == kv.v.dtype, (kv.k_nope.dtype, kv.v.dtype)
     num_seqs = attn.seq_lens.shape[0]
     assert attn.cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q must be [B + 1]"
+    assert kv.cu_seqlens_k.shape == (num_seqs + 1,), "cu_seqlens_k must be [B + 1]"
