@@ -419,7 +419,7 @@ def test_expanded_attention_cuda_graph_replay():
         attn.work.copy_(
             mla_triton.attention_work(attn.cu_seqlens_q, T, mla_expanded.CONFIG.block_q)
         )
-        for t in (q_nope, q_pe, *expanded):
+        for t in (q_nope, q_pe, expanded.k_nope, expanded.k_pe, expanded.v):
             t.normal_()
         graph.replay()
         torch.cuda.synchronize()
