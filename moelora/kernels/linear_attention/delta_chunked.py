@@ -293,7 +293,7 @@ def chunked_gated_delta_rule(
         **pdl_kwargs(v.device),
     )
     _launch_prepare(k, v, g, beta, w, u, attn, config, common)
-    block_v = min(config.block_v, next_power_of_2(V))
+    block_v = max(min(config.block_v, next_power_of_2(V)), 16)  # tl.dot's least width
     _blocks_kernel[(B, H, cdiv(V, block_v))](
         q_ptr=q,
         k_ptr=k,
