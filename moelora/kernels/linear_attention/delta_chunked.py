@@ -69,7 +69,7 @@ class ChunkedConfig:
 CONFIG = ChunkedConfig(chunk=CHUNK, block_v=32, num_warps=8, num_stages=2, dot_precision="tf32")
 # The interpreter runs every program in numpy: blocks of 4 give short test chunks several.
 INTERPRETER_CONFIG = ChunkedConfig(
-    chunk=4, block_v=8, num_warps=1, num_stages=1, dot_precision="ieee"
+    chunk=4, block_v=16, num_warps=1, num_stages=1, dot_precision="ieee"
 )
 
 
