@@ -123,17 +123,21 @@ def test_chunked_prefill_and_preemption(bank: FixtureBank, fx: FamilyFixtures, a
     _assert_idle(tight)
 
 
+@pytest.mark.parametrize("prefill", ["recurrent", "chunked"])
 @pytest.mark.parametrize("arch", qf.ARCHS)
-def test_a_long_prompt_in_chunks_of_48(bank: FixtureBank, fx: FamilyFixtures, arch: str) -> None:
+def test_a_long_prompt_in_chunks_of_48(
+    bank: FixtureBank, fx: FamilyFixtures, arch: str, prefill: str
+) -> None:
     """A 90-token prompt (two 64-token blocks of the chunked delta rule) beside a short one,
     prefilled whole and in chunks of 48 tokens (a state carried across a block's middle):
-    the same tokens as transformers."""
+    the same tokens as transformers. linear_attention_prefill="chunked" takes the delta
+    rule's block form on the GPU (the CPU's reference runs the token loop either way)."""
     prompts, loras = [LONG_PROMPT, hf.PROMPTS[1]], ["b", "a"]
     refs = fx.reference(bank, arch, loras, prompts=prompts)
-    whole = run_greedy(fx.llm(arch), loras, prompts)
+    whole = run_greedy(fx.llm(arch, linear_attention_prefill=prefill), loras, prompts)
     assert_matches(bank, whole, refs, prompts, f"{arch} long prompt", qf.LOGPROB_TOL)
-    chunked = run_greedy(fx.llm(arch, max_num_batched_tokens=48), loras, prompts)
-    _assert_same(chunked, whole)
+    llm = fx.llm(arch, linear_attention_prefill=prefill, max_num_batched_tokens=48)
+    _assert_same(run_greedy(llm, loras, prompts), whole)
 
 
 @pytest.mark.parametrize("arch", qf.ARCHS)

@@ -59,8 +59,8 @@ class ChunkedConfig:
     block_v: int  # value columns a _blocks_kernel program
     num_warps: int
     num_stages: int  # of _blocks_kernel's loop over blocks: its loads of the next ones
-    # tl.dot's: tf32 tensor cores on the GPU (float32 dots by FMA spill heavily at these
-    # tiles: bench/compile_audit.py); exact float32 in the interpreter
+    # tl.dot's for bf16 and fp16 inputs: tf32 tensor cores on the GPU (float32 dots by FMA
+    # spill heavily at these tiles: bench/compile_audit.py); exact float32 in the interpreter
     dot_precision: str
 
 
@@ -288,7 +288,8 @@ def chunked_gated_delta_rule(
         GROUPS=H // Hk,
         C=config.chunk,
         BLOCK_K=max(next_power_of_2(K), 16),
-        DOT_PRECISION=config.dot_precision,
+        # float32 models (the GPU's comparisons with transformers) keep float32 products
+        DOT_PRECISION="ieee" if v.dtype == torch.float32 else config.dot_precision,
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
