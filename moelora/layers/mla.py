@@ -210,7 +210,9 @@ def _whole_kv_rows(
                 slots += [slot[:1].expand(start), slot]
         row += n
     info = None if lora is None else dataclasses.replace(lora, slot_of_token=torch.cat(slots))
-    cu = torch.tensor(kv_lens, dtype=torch.int32, device=latent.device)
+    cu = torch.tensor(kv_lens, dtype=torch.int32)
+    if latent.is_cuda:  # pinned, so that the copy waits for nothing queued before it
+        cu = cu.pin_memory().to(latent.device, non_blocking=True)
     return torch.cat(latents), torch.cat(keys), info, cu
 
 
