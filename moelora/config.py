@@ -156,18 +156,19 @@ class EngineConfig:
         "rows get the same bits prefilled whole or in chunks)",
         choices=PREFILL_ATTENTION_BACKENDS,
     )
-    # MLA models (DeepSeek): a prompt's first chunk, which has no KV before it, attends
-    # "expanded" (kv_b_proj and its LoRA give its tokens' per-head keys and values, as
-    # transformers does: about a third of the latent form's work at DeepSeek's sizes) or
-    # "absorbed" (in the latent space, as decode rows and later chunks always do: a prompt's
-    # rows then get the same bits prefilled whole or in chunks). Expanded is not the default
-    # yet: its Triton kernel has passed the interpreter's tests and an sm_90 compile, not yet
-    # a device. Deterministic inference always takes absorbed.
+    # MLA models (DeepSeek): prefill chunks attend "expanded" (kv_b_proj and its LoRA give
+    # the tokens' per-head keys and values, as transformers does: about a third of the latent
+    # form's work at DeepSeek's sizes) where that is less work: a prompt's first chunk, and
+    # outside the prefill graphs a long later chunk, its prefix read back from the cache; or
+    # "absorbed" (in the latent space, as decode rows always are: a prompt's rows then get
+    # the same bits prefilled whole or in chunks). Expanded is not the default yet: its Triton
+    # kernel has passed the interpreter's tests and an sm_90 compile, not yet a device.
+    # Deterministic inference always takes absorbed.
     mla_prefill: str = _flag(
         "absorbed",
-        "how an MLA model's prompts attend in their first chunk: absorbed (in the latent "
-        "space, as decode does) or expanded (per-head keys and values; less work); "
-        "--enable-deterministic-inference keeps absorbed",
+        "how an MLA model's prefill chunks attend: absorbed (in the latent space, as decode "
+        "does) or expanded (per-head keys and values, where that is less work: first chunks, "
+        "long later ones); --enable-deterministic-inference keeps absorbed",
         choices=MLA_PREFILL_FORMS,
     )
     # Hybrid models (Qwen3-Next, Qwen3.5): a gated DeltaNet layer runs a prefill chunk
