@@ -8,8 +8,8 @@ V = v_head_dim, L = kv_lora_rank, Q = q_lora_rank.
   q:        q_b_proj(q_a_layernorm(.)) -> [Hh, N + R]: q_nope | q_pe
   kv:       kv_a_layernorm(latent [L]), k_pe [R]: rotated and stored in the cache, 1 "head"
   attention with kv_b_proj [Hh (N + V), L] and its LoRA inside (ops.mla_attention); in a
-            prefill step also kv_b_proj of the step's own latents, the expanded keys and values
-            that prompts' first chunks attend to (kernels/mla.py)
+            prefill step also kv_b_proj of latents, the expanded keys and values that prompts'
+            first chunks (and, eager, long extends) attend to (kernels/mla.py)
   o_proj:   [Hh V] -> hidden
 
 Every projection takes its LoRA: q_a_proj and kv_a_proj_with_mqa as the slices of qkv_proj,

@@ -1,7 +1,8 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
 the latent space, around which kernels/mla.absorbed_attention keeps the absorption of kv_b_proj
-in torch (its LoRA: mla_lora.py). Prompts' first chunks attend in the expanded form instead
-(mla_expanded.py): mla_attention runs both, each skipping the other's sequences.
+in torch (its LoRA: mla_lora.py). A prefill step's sequences given all their keys expanded
+(kernels/mla.ExpandedKv) attend in that form instead (mla_expanded.py): mla_attention runs
+both, each skipping the other's sequences.
 
 Algorithm
 ---------
