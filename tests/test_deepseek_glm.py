@@ -256,7 +256,7 @@ def _router(arch: str, topk_method: str):
 def test_grouped_routing_equals_transformers(arch: str, topk_method: str | None) -> None:
     """route_grouped on 200 random tokens picks transformers' router's experts, with its
     weights (routed_scaling_factor included)."""
-    from moelora.layers.routing import route_grouped
+    from moelora.kernels.grouped_routing import route_grouped
 
     router, mc = _router(arch, topk_method)
     x = torch.randn(200, 64, generator=torch.Generator().manual_seed(8))

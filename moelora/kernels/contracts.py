@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
+    from moelora.config import GroupedRouting
     from moelora.kernels.fp8_block import Fp8Weight
     from moelora.kernels.mla import ExpandedKv
     from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
@@ -38,6 +39,8 @@ class RouteTopkOp(Protocol):
         *,
         scoring: str = "softmax",
         renormalize: bool,
+        grouped: GroupedRouting | None = None,
+        correction_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 
 from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.grouped_routing import route_grouped
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
+    from moelora.config import GroupedRouting
     from moelora.step.batch import AttentionMetadata
 
 
@@ -27,12 +29,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 
 
 def route_topk(
-    router_logits: torch.Tensor, top_k: int, *, scoring: str = "softmax", renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    *,
+    scoring: str = "softmax",
+    renormalize: bool,
+    grouped: GroupedRouting | None = None,
+    correction_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: w, ids = topk(score(logits)); w /= w.sum() if renormalize.
+    """Semantics: w, ids = topk(score(logits)); w /= w.sum() if renormalize. With `grouped`,
+    DeepSeek's grouped choice instead (grouped_routing.route_grouped: the correction bias [E]
+    float32 moves the choice, the weights are scaled by routed_scaling_factor).
 
     router_logits: [T, E] any float dtype. Returns weights [T, K] float32, ids [T, K] int32.
     """
+    if grouped is not None:
+        return route_grouped(
+            router_logits,
+            top_k,
+            grouped,
+            scoring=scoring,
+            renormalize=renormalize,
+            correction_bias=correction_bias,
+        )
     logits = router_logits.float()
     if scoring == "softmax":
         scores = logits.softmax(dim=-1)

@@ -19,7 +19,6 @@ from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
 from moelora.kernels.reference import silu_and_mul
 from moelora.layers.linear import LoraLinear
-from moelora.layers.routing import route_grouped
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
 
@@ -160,16 +159,12 @@ class SparseMoE(nn.Module):
     def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K] int32) of router_logits [T, E]."""
         cfg = self.cfg
-        if cfg.routing is None:
-            return self.ops.route_topk(
-                router_logits, cfg.top_k, scoring=cfg.scoring, renormalize=cfg.renormalize
-            )
-        return route_grouped(
+        return self.ops.route_topk(
             router_logits,
             cfg.top_k,
-            cfg.routing,
             scoring=cfg.scoring,
             renormalize=cfg.renormalize,
+            grouped=cfg.routing,
             correction_bias=self.e_score_correction_bias,
         )
 

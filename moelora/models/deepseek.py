@@ -122,6 +122,11 @@ def _routing(hf, *, group_score: str, correction_bias: bool, grouped: bool) -> G
             f"topk_group={topk_group} is not supported with n_group={n_group}: expected 1 to "
             f"{n_group}"
         )
+    if topk_group * per_group < hf.num_experts_per_tok:
+        raise ModelConfigError(
+            f"topk_group={topk_group} groups of {per_group} experts cannot hold "
+            f"num_experts_per_tok={hf.num_experts_per_tok}: expected at least that many experts"
+        )
     return GroupedRouting(
         n_group=n_group,
         topk_group=topk_group,

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from cuda_graphs import capture  # noqa: E402
 from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err  # noqa: E402
 
+from moelora.config import GroupedRouting  # noqa: E402
 from moelora.kernels import reference  # noqa: E402
 from moelora.kernels.linear import (  # noqa: E402
     INVARIANT_ROWS,
@@ -339,6 +340,32 @@ def test_route_topk_gpu(T, E, K, scoring):
     )
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 4096])
+@pytest.mark.parametrize(  # DeepSeek-V3, Moonlight (one group), DeepSeek-V2 (groups of 20)
+    "E,K,n_group,topk_group,bias",
+    [(256, 8, 8, 4, True), (64, 6, 1, 1, True), (160, 6, 8, 3, False)],
+)
+def test_grouped_route_gpu(T, E, K, n_group, topk_group, bias):
+    grouped = GroupedRouting(
+        n_group=n_group,
+        topk_group=topk_group,
+        group_score="top2_sum" if bias else "max",
+        routed_scaling_factor=2.5,
+        correction_bias=bias,
+    )
+    logits = (torch.stack([torch.randperm(E) for _ in range(T)]) * (4 / E) - 2).to(DEV)
+    logits = logits.to(torch.bfloat16)  # distinct in bf16 too: 256 values over [-2, 2)
+    correction = (torch.randperm(E, device=DEV).float() * (0.5 / E) - 0.25) if bias else None
+    kw = dict(scoring="sigmoid" if bias else "softmax", renormalize=bias, grouped=grouped)
+    w, ids = route_topk(logits, K, correction_bias=correction, **kw)
+    ref_w, ref_ids = reference.route_topk(logits, K, correction_bias=correction, **kw)
+    got, want = ids.long().sort(-1), ref_ids.long().sort(-1)
+    assert torch.equal(got.values, want.values)
+    torch.testing.assert_close(
+        w.gather(1, got.indices), ref_w.gather(1, want.indices), rtol=1e-5, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(

@@ -183,6 +183,36 @@ def _launch_norms_and_rotary(T: int) -> None:
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, expand=folded)
     for scoring in ("softmax", "sigmoid"):
         routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
+    _launch_grouped_routing(T)
+
+
+def _launch_grouped_routing(T: int) -> None:
+    """DeepSeek-V3's (256 experts, 8 groups, 4 allowed), Moonlight's and GLM-4.5's (one
+    group), DeepSeek-V2's (160 experts, 8 groups of 20, 3 allowed)."""
+    from moelora.config import GroupedRouting
+    from moelora.kernels.moe import routing
+
+    for E, K, n_group, topk_group, bias in (
+        (256, 8, 8, 4, True),
+        (64, 6, 1, 1, True),
+        (160, 8, 1, 1, True),
+        (160, 6, 8, 3, False),
+    ):
+        grouped = GroupedRouting(
+            n_group=n_group,
+            topk_group=topk_group,
+            group_score="top2_sum" if bias else "max",
+            routed_scaling_factor=2.5,
+            correction_bias=bias,
+        )
+        routing.route_topk(
+            torch.randn(T, E, dtype=BF16),
+            K,
+            scoring="sigmoid" if bias else "softmax",
+            renormalize=bias,
+            grouped=grouped,
+            correction_bias=torch.randn(E) if bias else None,
+        )
 
 
 def _launch_projections() -> None:

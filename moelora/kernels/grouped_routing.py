@@ -1,6 +1,8 @@
-"""DeepSeek's grouped routing (ModelConfig.routing), one torch function per variant, each the
-operations of transformers' router for it in the same order, so float32 picks the same experts
-with the same weights. They run on any device and never read the device from the host.
+"""DeepSeek's grouped routing (ModelConfig.routing) in torch: the reference of route_topk's
+grouped form (reference.route_topk on the CPU, kernels/moe/routing.py's grouped kernel on the
+GPU). One function per variant, each the operations of transformers' router for it in the same
+order, so float32 picks the same experts with the same weights. They run on any device and
+never read the device from the host.
 
 Legend: T = tokens, E = experts, G = groups, K = top-k.
 """
