@@ -422,6 +422,8 @@ def test_the_gpu_kernel_table_takes_them_and_several_ranks_refuse_them(
         ("moonlight-16b-a3b", {"attention_bias": True}, r"attention_bias=True is not supported"),
         ("moonlight-16b-a3b", {"n_group": 3}, r"n_group=3 is not supported with n_routed_e"),
         ("moonlight-16b-a3b", {"n_group": 4, "topk_group": 5}, r"topk_group=5 is not supported"),
+        # 16 groups of 4 experts, one allowed: fewer than Moonlight's top 6
+        ("moonlight-16b-a3b", {"n_group": 16, "topk_group": 1}, r"topk_group=1 groups of 4 exp"),
         ("deepseek-v2-lite", {"moe_layer_freq": 2}, r"moe_layer_freq=2 is not supported"),
         ("qwen3-30b-a3b", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5 is not"),
     ],
