@@ -8,10 +8,10 @@ form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores a
 q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
 kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
 latent space on either side (lora_q_, lora_out_): the base path is never expanded, and a row
-without an enabled slot costs it nothing. The absorption is small matmuls kept in torch
-(absorbed_attention); the attention over the cache in the latent space (latent_attention) and the
-LoRA corrections, whose torch loops read the step's slots on the host, are the parts the Triton
-table replaces (kernels/attention/mla.py, mla_lora.py).
+without an enabled slot costs it nothing. absorbed_attention chains the parts: the absorption
+(absorb_q, absorb_out: small float32 matmuls), the attention over the cache in the latent space
+(latent_attention) and the LoRA corrections, whose torch loops read the step's slots on the
+host. The Triton table replaces each (kernels/attention/mla.py, mla_absorb.py, mla_lora.py).
 
 A prefill step may also have keys and values in the expanded form (ExpandedKv: the layer applies
 kv_b_proj and its LoRA to latents, as transformers does): N + R wide scores and V wide values,
@@ -85,8 +85,8 @@ def mla_attention(
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
     else:
         skip = None if expanded is None else expanded.cu_seqlens_k
-        core = functools.partial(latent_attention, skip_expanded=skip)
-        out = absorbed_attention(core, *args, lora=lora, info=info)
+        parts = Absorption(core=functools.partial(latent_attention, skip_expanded=skip))
+        out = absorbed_attention(parts, *args, lora=lora, info=info)
     if expanded is not None:
         expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out
@@ -128,8 +128,19 @@ LatentAttention = Callable[..., torch.Tensor]
 AbsorbedLora = Callable[[torch.Tensor, torch.Tensor, LoraWeights, LoraBatchInfo], None]
 
 
+class Absorption(NamedTuple):
+    """The calls of the absorbed form that a kernel table replaces, each keeping the contract
+    of the reference it defaults to."""
+
+    core: LatentAttention | None = None
+    absorb_q: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    absorb_out: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    lora_q: AbsorbedLora | None = None
+    lora_out: AbsorbedLora | None = None
+
+
 def absorbed_attention(
-    core: LatentAttention,
+    parts: Absorption,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -140,23 +151,35 @@ def absorbed_attention(
     *,
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
-    lora_q: AbsorbedLora | None = None,
-    lora_out: AbsorbedLora | None = None,
 ) -> torch.Tensor:
-    """mla_attention with its attention in the latent space computed by `core`, which keeps
-    latent_attention's contract, and kv_b_proj's LoRA by `lora_q` and `lora_out`, which keep
-    lora_q_'s and lora_out_'s (the default): the Triton table passes its own."""
-    T, Hh, N = q_nope.shape
-    w = kv_b.float().view(Hh, -1, kv_b.shape[1])  # [Hh, N + V, L]
+    """mla_attention in the latent space, with the calls `parts` gives (the references where
+    it gives none): the Triton table passes its own."""
+    N = q_nope.shape[2]
     with_lora = lora is not None and info is not None
-    q_lat = torch.einsum("thn,hnl->thl", q_nope.float(), w[:, :N])
+    q_lat = (parts.absorb_q or absorb_q)(q_nope, kv_b)
     if with_lora:
-        (lora_q or lora_q_)(q_lat, q_nope, lora, info)
-    o_lat = core(q_lat, q_pe.float(), latent_cache, rope_cache, attn, scale)
-    out = torch.einsum("thl,hvl->thv", o_lat, w[:, N:])
+        (parts.lora_q or lora_q_)(q_lat, q_nope, lora, info)
+    o_lat = (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
+    out = (parts.absorb_out or absorb_out)(o_lat, kv_b, N)
     if with_lora:
-        (lora_out or lora_out_)(out, o_lat, lora, info)
+        (parts.lora_out or lora_out_)(out, o_lat, lora, info)
     return out.to(q_nope.dtype)
+
+
+def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+    """Semantics: q_lat[t, h] = q_nope[t, h] @ W_k[h], W_k[h] head h's first N rows of kv_b
+    [Hh (N + V), L], in float32. q_nope [T, Hh, N]. Returns [T, Hh, L] float32."""
+    T, Hh, N = q_nope.shape
+    w = kv_b.view(Hh, -1, kv_b.shape[1])[:, :N]  # [Hh, N, L]
+    return torch.einsum("thn,hnl->thl", q_nope.float(), w.float())
+
+
+def absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+    """Semantics: out[t, h] = o_lat[t, h] @ W_v[h].T, W_v[h] head h's rows of kv_b after its
+    first qk_nope_head_dim, in float32. o_lat [T, Hh, L] float32. Returns [T, Hh, V] float32."""
+    T, Hh, L = o_lat.shape
+    w = kv_b.view(Hh, -1, L)[:, qk_nope_head_dim:]  # [Hh, V, L]
+    return torch.einsum("thl,hvl->thv", o_lat, w.float())
 
 
 def lora_q_(
@@ -218,7 +241,7 @@ def latent_attention(
     skip_expanded: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: o[t, h] = causal softmax(scale * (q_lat[t, h] . c + q_pe[t, h] . k_pe)) @ c
-    over the sequence's cached (c, k_pe). q_lat [T, Hh, L], q_pe [T, Hh, R] float32.
+    over the sequence's cached (c, k_pe), in float32. q_lat [T, Hh, L] float32, q_pe [T, Hh, R].
     Returns [T, Hh, L] float32; rows past cu_seqlens_q[-1] (padding) are zeros, and so are the
     rows of the sequences that skip_expanded (ExpandedKv.cu_seqlens_k) gives all their keys:
     the expanded form attends to them."""
@@ -234,7 +257,7 @@ def latent_attention(
         c = latent_cache[pages].flatten(0, 1)[:kv_len, 0].float()  # [K, L]
         k_pe = rope_cache[pages].flatten(0, 1)[:kv_len, 0].float()  # [K, R]
         scores = torch.einsum("qhl,kl->hqk", q_lat[start:end], c)
-        scores = (scores + torch.einsum("qhr,kr->hqk", q_pe[start:end], k_pe)) * scale
+        scores = (scores + torch.einsum("qhr,kr->hqk", q_pe[start:end].float(), k_pe)) * scale
         q_pos = torch.arange(kv_len - (end - start), kv_len, device=q_lat.device)
         k_pos = torch.arange(kv_len, device=q_lat.device)
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))

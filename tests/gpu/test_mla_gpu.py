@@ -28,7 +28,7 @@ from lora_cases import compact_weights, lora_weights  # noqa: E402
 
 from moelora.kernels import mla  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
-from moelora.kernels.attention import mla_expanded, mla_lora  # noqa: E402
+from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -212,6 +212,27 @@ def test_mla_attention_end_to_end(with_lora):
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, expected) <= 1e-2
     assert (got[sum(q_lens) :] == 0).all()
+
+
+@pytest.mark.parametrize("T", [1, 17, 64, 4096])
+def test_absorption_in_bf16(T):
+    """mla_absorb's kernels against the float32 references at DeepSeek's sizes (16 heads), bf16
+    weight and queries: the q side's products are exact (its sums within float32's rounding),
+    the out side's float32 rows are split in two bf16 parts (about 2^-16 of a row)."""
+    heads = 16
+    g = torch.Generator(device="cuda").manual_seed(T)
+    kv_b = torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5
+    kv_b = kv_b.to(torch.bfloat16)
+    q = torch.randn(T, heads, N + R, generator=g, device="cuda").to(torch.bfloat16)
+    o_lat = torch.randn(T, heads, L, generator=g, device="cuda")
+    q_lat = mla_absorb.absorb_q(q[..., :N], kv_b)
+    torch.testing.assert_close(q_lat, mla.absorb_q(q[..., :N], kv_b), rtol=1e-5, atol=1e-5)
+    out = mla_absorb.absorb_out(o_lat, kv_b, N)
+    torch.testing.assert_close(out, mla.absorb_out(o_lat, kv_b, N), rtol=1e-4, atol=1e-4)
+    graph, replayed = capture(lambda: mla_absorb.absorb_out(o_lat, kv_b, N))
+    o_lat.copy_(torch.randn(T, heads, L, generator=g, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(replayed, mla_absorb.absorb_out(o_lat, kv_b, N), rtol=0, atol=0)
 
 
 # kv_b_proj's LoRA by the Triton kernels (kernels/attention/mla_lora.py): 4 slots of mixed ranks

@@ -294,8 +294,8 @@ def _launch_paged_attention() -> None:
 def _launch_mla() -> None:
     """MLA at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, R = 64, L = 512): the latent
     form's decode (split and not) and prefill (its first chunks skipped or not), and the
-    expanded form of a prefill step."""
-    from moelora.kernels.attention import mla, mla_expanded
+    expanded form of a prefill step, and the absorption of kv_b_proj around the latent form."""
+    from moelora.kernels.attention import mla, mla_absorb, mla_expanded
     from moelora.kernels.mla import ExpandedKv
     from moelora.step.batch import AttentionMetadata
 
@@ -329,6 +329,10 @@ def _launch_mla() -> None:
     q_nope, q_pe = q[..., :N], q[..., N:]
     config = mla_expanded.CONFIG
     mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, prefill, 0.1, config=config)
+    kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
+    for T in (1, 64, 4096):  # the absorption's token tiles, 16 to 64 rows
+        mla_absorb.absorb_q(torch.randn(T, Hh, N + Rr, dtype=BF16)[..., :N], kv_b)
+        mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N)
 
 
 def _launch_linear_attention() -> None:

@@ -1,8 +1,8 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
-the latent space, around which kernels/mla.absorbed_attention keeps the absorption of kv_b_proj
-in torch (its LoRA: mla_lora.py). A prefill step's sequences given all their keys expanded
-(kernels/mla.ExpandedKv) attend in that form instead (mla_expanded.py): mla_attention runs
-both, each skipping the other's sequences.
+the latent space, around which kernels/mla.absorbed_attention applies the absorption of
+kv_b_proj (mla_absorb.py) and its LoRA (mla_lora.py). A prefill step's sequences given all
+their keys expanded (kernels/mla.ExpandedKv) attend in that form instead (mla_expanded.py):
+mla_attention runs both, each skipping the other's sequences.
 
 Algorithm
 ---------
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import mla_expanded, mla_lora
+from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora
 from moelora.kernels.attention.paged import (
     LOG2_E,
     MAX_SPLITS,
@@ -49,7 +49,7 @@ from moelora.kernels.attention.paged import (
     _split_len,
     attention_work,
 )
-from moelora.kernels.mla import ExpandedKv, absorbed_attention
+from moelora.kernels.mla import Absorption, ExpandedKv, absorbed_attention
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
@@ -339,7 +339,8 @@ def mla_attention(
     expanded: ExpandedKv | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.mla_attention's, with the attention in the latent space by the
-    kernel (latent_attention below), kv_b_proj's LoRA by mla_lora's kernels, which read the
+    kernel (latent_attention below), kv_b_proj's absorption by mla_absorb's kernel (kv_b read
+    in its dtype), kv_b_proj's LoRA by mla_lora's kernels, which read the
     slots through the table (a decode step reads no device value on the host), and the
     expanded form by mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
@@ -347,9 +348,14 @@ def mla_attention(
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
     else:
         skip = None if expanded is None else expanded.cu_seqlens_k
-        core = functools.partial(latent_attention, skip_expanded=skip)
-        kernels = dict(lora_q=mla_lora.lora_q_, lora_out=mla_lora.lora_out_)
-        out = absorbed_attention(core, *args, lora=lora, info=info, **kernels)
+        parts = Absorption(
+            core=functools.partial(latent_attention, skip_expanded=skip),
+            absorb_q=mla_absorb.absorb_q,
+            absorb_out=mla_absorb.absorb_out,
+            lora_q=mla_lora.lora_q_,
+            lora_out=mla_lora.lora_out_,
+        )
+        out = absorbed_attention(parts, *args, lora=lora, info=info)
     if expanded is not None:
         mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out

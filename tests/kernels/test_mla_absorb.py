@@ -1,0 +1,52 @@
+"""MLA's absorption in Triton (kernels/attention/mla_absorb.py) vs its torch references
+(kernels/mla.absorb_q, absorb_out), in the interpreter (conftest sets it): float32 weights (ieee
+dots), float16 ones (q side plain, out side split into two parts), on fresh random inputs whose
+rows are strided views as the layer passes them, at sizes that leave partial tiles.
+
+Legend: T = tokens, Hh = heads, N = no-rope head dim, R = rope head dim, V = value head dim,
+L = latent size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moelora.kernels import mla
+from moelora.kernels.attention import mla_absorb
+
+Hh, N, R, V, L = 3, 24, 8, 20, 80
+
+
+def _kv_b(dtype: torch.dtype) -> torch.Tensor:
+    return (torch.randn(Hh * (N + V), L) / L**0.5).to(dtype)
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_absorb_q_matches_reference(poison_empty, T, dtype):
+    q = torch.randn(T, Hh, N + R).to(dtype)
+    q_nope = q[..., :N]  # the layer's split of q: rows strided by N + R
+    kv_b = _kv_b(dtype)
+    got = mla_absorb.absorb_q(q_nope, kv_b)
+    assert got.dtype == torch.float32 and got.shape == (T, Hh, L)
+    torch.testing.assert_close(got, mla.absorb_q(q_nope, kv_b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_absorb_out_matches_reference(poison_empty, T, dtype):
+    o_lat = torch.randn(T, Hh, L)  # the attention's float32 output: not exact in float16
+    kv_b = _kv_b(dtype)
+    got = mla_absorb.absorb_out(o_lat, kv_b, N)
+    assert got.dtype == torch.float32 and got.shape == (T, Hh, V)
+    want = mla.absorb_out(o_lat, kv_b, N)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if dtype == torch.float16:  # the split's second part counts: the high part alone is off
+        high = mla.absorb_out(o_lat.half().float(), kv_b, N)
+        assert (high - want).abs().max() > 1e-4
+
+
+def test_absorb_rejects_a_latent_of_another_size():
+    with pytest.raises(AssertionError):
+        mla_absorb.absorb_out(torch.randn(2, Hh, L + 1), _kv_b(torch.float32), N)
