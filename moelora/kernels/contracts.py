@@ -169,6 +169,7 @@ class RopeStoreKvOp(Protocol):
         v_cache: torch.Tensor | None = None,
         slot_mapping: torch.Tensor | None = None,
         expand: FoldedLora | None = None,
+        interleaved: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

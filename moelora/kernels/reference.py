@@ -502,11 +502,15 @@ def rope_store_kv(
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     expand: FoldedLora | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
     expand, q|k|v first take lora_expand_(q|k|v, expand.shrunk, expand.weights, expand.info):
-    the second half of the q|k|v projection's LoRA (needs v).
+    the second half of the q|k|v projection's LoRA (needs v). interleaved (DeepSeek's rotary
+    pairs, adjacent dims): q's and k's dims are first reordered, the even ones then the odd
+    ones, so that the pairs are halves, and returned (and stored) in that order, as
+    transformers' apply_rotary_pos_emb_interleave does (without a norm or expand).
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine);
     positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None;
@@ -519,6 +523,10 @@ def rope_store_kv(
         qkv = lora_expand_(qkv, expand.shrunk, expand.weights, expand.info)
         q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
         q, k, v = q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
+    if interleaved:
+        assert q_norm is None and expand is None, "no model rotates interleaved pairs so"
+        order = deinterleaved(q.shape[-1]).to(q.device)
+        q, k = q[..., order], k[..., order]
     if q_norm is not None:
         q, k = _norm(q, q_norm, eps), _norm(k, k_norm, eps)
     c = cos[positions].to(q.dtype)[:, None, :]
@@ -527,6 +535,11 @@ def rope_store_kv(
     if slot_mapping is not None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q, k
+
+
+def deinterleaved(size: int) -> torch.Tensor:
+    """[0, 2, 4, ..., 1, 3, 5, ...]: the even dims, then the odd ones."""
+    return torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -55,10 +55,6 @@ class MlaAttention(nn.Module):
         # form; called on the step's latents for the expanded form
         self.kv_b_proj = LoraLinear(mla.kv_lora_rank, (kv_b_size,), ops, **kw)
         self.o_proj = LoraLinear(Hh * mla.v_head_dim, (H,), ops, **kw)
-        order = None
-        if mla.rope_interleave:
-            order = _deinterleaved(mla.qk_rope_head_dim).to(kw["device"])
-        self.register_buffer("rope_order", order, persistent=False)
 
     def lora_linears(self) -> dict[str, LoraLinear]:
         """The projections that take LoRA, by their target's name (lora/slots.py)."""
@@ -83,14 +79,17 @@ class MlaAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)[0]
         latent_cache, rope_cache = kv_cache
         q_pe, k_pe = self.ops.rope_store_kv(
-            self._rope_order(q_pe),
-            self._rope_order(k_pe).view(T, 1, -1),
+            q_pe,
+            k_pe.view(T, 1, -1),
             batch.positions,
             self.rotary.cos,
             self.rotary.sin,
             None,
             None,
             self.cfg.rms_norm_eps,
+            # DeepSeek's adjacent rotary pairs made halves, which the rotate-half tables rotate
+            # as transformers does (q and k alike: their dot products are unchanged)
+            interleaved=mla.rope_interleave,
         )
         store_latent(latent, k_pe.view(T, -1), latent_cache, rope_cache, batch.attn.slot_mapping)
         expanded = None
@@ -147,11 +146,6 @@ class MlaAttention(nn.Module):
         )
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
         return ExpandedKv(k_nope, k_pe, v, cu_seqlens_k, every)
-
-    def _rope_order(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., R] with DeepSeek's adjacent rotary pairs made halves, which the rotate-half
-        tables rotate as transformers does (q and k alike: their dot products are unchanged)."""
-        return x if self.rope_order is None else x[..., self.rope_order]
 
 
 def store_latent(
@@ -214,8 +208,3 @@ def _whole_kv_rows(
     if latent.is_cuda:  # pinned, so that the copy waits for nothing queued before it
         cu = cu.pin_memory().to(latent.device, non_blocking=True)
     return torch.cat(latents), torch.cat(keys), info, cu
-
-
-def _deinterleaved(size: int) -> torch.Tensor:
-    """[0, 2, 4, ..., 1, 3, 5, ...]: the even dims, then the odd ones."""
-    return torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)])

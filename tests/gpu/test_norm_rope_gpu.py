@@ -113,6 +113,25 @@ def test_rope_store_kv_gpu(dtype, T, with_norm):
     _assert_matches(out[1], ref[1])
 
 
+@pytest.mark.parametrize("T", [1, 7, 2048])
+def test_rope_store_kv_interleaved_gpu(T):
+    """MLA's rotary (DeepSeek's adjacent pairs): q_pe [T, 16, 64] and the k_pe head, strided
+    views of the projections' outputs, in bf16; the reference reorders, then rotates."""
+    torch.manual_seed(T + 3)
+    R, heads = 64, 16
+    q = torch.randn(T, heads, 192, device=DEV, dtype=torch.bfloat16)[..., 128:]
+    k = torch.randn(T, 576, device=DEV, dtype=torch.bfloat16)[:, 512:].view(T, 1, R)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, R, 2, device=DEV, dtype=torch.float32) / R))
+    freqs = torch.outer(torch.arange(L, device=DEV, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    positions = torch.randint(0, L, (T,), device=DEV)
+    args = (q, k, positions, emb.cos(), emb.sin(), None, None, EPS)
+    out = rope_store_kv(*args, interleaved=True)
+    ref = reference.rope_store_kv(*args, interleaved=True)
+    _assert_matches(out[0], ref[0])
+    _assert_matches(out[1], ref[1])
+
+
 def test_cuda_graph_replay_with_new_inputs():
     """Captured once; each replay sees new activations and positions written in place."""
     T, N, dtype = 64, 2048, torch.bfloat16

@@ -90,6 +90,31 @@ def test_rope_store_kv_matches_reference(poison_empty, dtype, T, Hq, Hkv, D, wit
     torch.testing.assert_close(k_out, ref_k, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 9])
+def test_rope_store_kv_interleaved_pairs(poison_empty, dtype, T):
+    """DeepSeek's adjacent pairs (MLA's q_pe [T, Hh, R] and the one k_pe head, strided views):
+    the reference's reorder then rotate-half, which is transformers' interleaved rotary; and
+    not the plain rotary of the same inputs."""
+    torch.manual_seed(T + 77)
+    Hq, D = 4, 16
+    q, k, _, positions, cos, sin, _, _ = _rope_inputs(dtype, T, Hq, 1, D, False)
+    q_out, k_out = rope_store_kv(q, k, positions, cos, sin, None, None, EPS, interleaved=True)
+    args = (q, k, positions, cos, sin, None, None, EPS)
+    ref_q, ref_k = reference.rope_store_kv(*args, interleaved=True)
+    torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k_out, ref_k, **TOL[dtype])
+    plain_q, _ = reference.rope_store_kv(*args)
+    assert not torch.allclose(q_out, plain_q, **TOL[dtype])
+    # transformers' form: pairs (x[2i], x[2i + 1]) rotated by frequency i, evens then odds out
+    half = D // 2
+    x = q.float()
+    c, s_ = cos[positions][:, None, :half], sin[positions][:, None, :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    want = torch.cat([even * c - odd * s_, odd * c + even * s_], dim=-1)
+    torch.testing.assert_close(q_out.float(), want, atol=5e-3, rtol=5e-3)
+
+
 def _rope_inputs(dtype: torch.dtype, T: int, Hq: int, Hkv: int, D: int, with_norm: bool):
     L = 64
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)  # the fused projection's output

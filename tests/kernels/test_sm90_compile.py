@@ -294,8 +294,9 @@ def _launch_paged_attention() -> None:
 def _launch_mla() -> None:
     """MLA at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, R = 64, L = 512): the latent
     form's decode (split and not) and prefill (its first chunks skipped or not), and the
-    expanded form of a prefill step, and the absorption of kv_b_proj around the latent form."""
-    from moelora.kernels.attention import mla, mla_absorb, mla_expanded
+    expanded form of a prefill step, the absorption of kv_b_proj around the latent form and the
+    rotary of DeepSeek's adjacent pairs."""
+    from moelora.kernels.attention import mla, mla_absorb, mla_expanded, norm_rope
     from moelora.kernels.mla import ExpandedKv
     from moelora.step.batch import AttentionMetadata
 
@@ -329,6 +330,13 @@ def _launch_mla() -> None:
     q_nope, q_pe = q[..., :N], q[..., N:]
     config = mla_expanded.CONFIG
     mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, prefill, 0.1, config=config)
+    cos = sin = torch.randn(4096, Rr)
+    for T in (1, 4096):  # the rotary of q_pe and k_pe, DeepSeek's adjacent pairs
+        q = torch.randn(T, Hh, N + Rr, dtype=BF16)[..., N:]
+        k_pe = torch.randn(T, L + Rr, dtype=BF16)[:, L:].view(T, 1, Rr)
+        norm_rope.rope_store_kv(
+            q, k_pe, torch.arange(T), cos, sin, None, None, 1e-6, interleaved=True
+        )
     kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
     for T in (1, 64, 4096):  # the absorption's token tiles, 16 to 64 rows
         mla_absorb.absorb_q(torch.randn(T, Hh, N + Rr, dtype=BF16)[..., :N], kv_b)

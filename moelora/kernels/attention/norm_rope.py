@@ -509,6 +509,7 @@ def _rope_store_kv_kernel(
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
+    INTERLEAVED: tl.constexpr,  # the pairs are adjacent dims: lanes read evens, then odds
     BLOCK_D: tl.constexpr,
     EXPAND: tl.constexpr,
     R: tl.constexpr,
@@ -524,6 +525,10 @@ def _rope_store_kv_kernel(
     dtype = q_out_ptr.dtype.element_ty
     half = D // 2
     partner = (offs + half) % D
+    read, read_partner = offs, partner  # the dims lane d and its partner load
+    if INTERLEAVED:  # dims 0, 2, 4, ... then 1, 3, 5, ...: each pair becomes two halves
+        read = tl.where(offs < half, 2 * offs, 2 * (offs - half) + 1)
+        read_partner = tl.where(partner < half, 2 * partner, 2 * (partner - half) + 1)
     # v heads are only copied; they have no other output (without the store there are none:
     # the branch is compiled, never taken)
     is_v = (h >= Hq + Hkv) & STORE_KV
@@ -575,8 +580,8 @@ def _rope_store_kv_kernel(
                     dst = k_out_ptr + (t * Hkv + (h - Hq)) * D
 
                 # -- the head in place and its rotate_half partner, D/2 lanes away --
-                x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-                x_rot = tl.load(src + partner, mask=mask, other=0.0).to(tl.float32)
+                x = tl.load(src + read, mask=mask, other=0.0).to(tl.float32)
+                x_rot = tl.load(src + read_partner, mask=mask, other=0.0).to(tl.float32)
 
                 # -- the q|k|v projection's LoRA, expanded into this head (and its partner
                 # lanes) --
@@ -635,12 +640,14 @@ def rope_store_kv(
     v_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     expand: FoldedLora | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
     expand (the q|k|v LoRA whose shrink [T, 3, R] float32 rms_norm_lora computed; needs v),
     q|k|v first take reference.lora_expand_ of it; expand.weights: out_slices (Hq D, Hkv D,
-    Hkv D), B read through its table.
+    Hkv D), B read through its table. interleaved: reference.rope_store_kv's (the lanes read
+    the even dims, then the odd ones; no norm or expand with it).
 
     q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
     contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
@@ -650,11 +657,12 @@ def rope_store_kv(
     """
     rope = _Rope(q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping)
     _check_rope(rope, expand)
+    assert not interleaved or (q_norm is None and expand is None), "no model rotates pairs so"
     T, Hq, D = q.shape
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, k.shape[1], D, dtype=q.dtype, device=q.device)
     if T > 0:
-        _launch_rope(rope, expand, q_out, k_out)
+        _launch_rope(rope, expand, q_out, k_out, interleaved=interleaved)
     return q_out, k_out
 
 
@@ -717,7 +725,12 @@ ROPE_GROUP_FROM = 1024  # tokens from which a rotary program takes 8 tokens of i
 
 
 def _launch_rope(
-    r: _Rope, expand: FoldedLora | None, q_out: torch.Tensor, k_out: torch.Tensor
+    r: _Rope,
+    expand: FoldedLora | None,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    *,
+    interleaved: bool,
 ) -> None:
     """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head of
     TOKENS tokens. A prefill's (token, head) programs would be a hundred thousand single warps,
@@ -755,6 +768,7 @@ def _launch_rope(
         eps=r.eps,
         HAS_NORM=r.q_norm is not None,
         STORE_KV=r.stores,
+        INTERLEAVED=interleaved,
         BLOCK_D=BLOCK_D,
         EXPAND=expand is not None,
         R=R,
