@@ -512,9 +512,10 @@ def rope_store_kv(
     ones, so that the pairs are halves, and returned (and stored) in that order, as
     transformers' apply_rotary_pos_emb_interleave does (without a norm or expand).
 
-    q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine);
-    positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] or None;
-    k_cache, v_cache [num_pages, page_size, Hkv, D]; slot_mapping [T] int64, -1 = not stored.
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
+    fine; DV is D but without expand: MLA stores its latents as v); positions [T] int64; cos,
+    sin [L, D] float32 tables; q_norm, k_norm [D] or None; k_cache [num_pages, page_size, Hkv,
+    D], v_cache [..., DV]; slot_mapping [T] int64, -1 = not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
     """
     if expand is not None:

@@ -78,6 +78,7 @@ class MlaAttention(nn.Module):
         latent, k_pe = kv.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)[0]
         latent_cache, rope_cache = kv_cache
+        # the rotary key and the latent stored as one head's k and v (in the same launch)
         q_pe, k_pe = self.ops.rope_store_kv(
             q_pe,
             k_pe.view(T, 1, -1),
@@ -87,11 +88,14 @@ class MlaAttention(nn.Module):
             None,
             None,
             self.cfg.rms_norm_eps,
+            v=latent.view(T, 1, -1),
+            k_cache=rope_cache,
+            v_cache=latent_cache,
+            slot_mapping=batch.attn.slot_mapping,
             # DeepSeek's adjacent rotary pairs made halves, which the rotate-half tables rotate
             # as transformers does (q and k alike: their dot products are unchanged)
             interleaved=mla.rope_interleave,
         )
-        store_latent(latent, k_pe.view(T, -1), latent_cache, rope_cache, batch.attn.slot_mapping)
         expanded = None
         if batch.attn.max_query_len > 1 and self.ops.mla_expanded_prefill:
             expanded = self._expanded(latent, k_pe.view(T, -1), kv_cache, batch)
@@ -146,21 +150,6 @@ class MlaAttention(nn.Module):
         )
         k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
         return ExpandedKv(k_nope, k_pe, v, cu_seqlens_k, every)
-
-
-def store_latent(
-    latent: torch.Tensor,
-    k_pe: torch.Tensor,
-    latent_cache: torch.Tensor,
-    rope_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Token t's latent [T, L] and rotated key [T, R] into cache slot slot_mapping[t]. A row
-    not stored (slot -1) lands in the last row of the spare last page, which no sequence reads
-    unmasked: no host read, so a graph captures it (the kernels' store_kv takes K and V of one
-    size; here the two differ)."""
-    latent_cache.flatten(0, 1)[slot_mapping, 0] = latent.to(latent_cache.dtype)
-    rope_cache.flatten(0, 1)[slot_mapping, 0] = k_pe.to(rope_cache.dtype)
 
 
 def expands(prefix: int, tokens: int, mla: MlaConfig) -> bool:

@@ -130,6 +130,17 @@ def test_rope_store_kv_interleaved_gpu(T):
     ref = reference.rope_store_kv(*args, interleaved=True)
     _assert_matches(out[0], ref[0])
     _assert_matches(out[1], ref[1])
+    # with MLA's store: the key head and the latent (512 wide, as v) into one buffer's views
+    latent = torch.randn(T, 1, 512, device=DEV, dtype=torch.bfloat16)
+    buffer = torch.zeros(T // 16 + 2, 16, 1, 512 + R, device=DEV, dtype=torch.bfloat16)
+    slots = torch.randperm(buffer.shape[0] * 16, device=DEV)[:T]
+    caches = dict(
+        v=latent, k_cache=buffer[..., 512:], v_cache=buffer[..., :512], slot_mapping=slots
+    )
+    _, k_out = rope_store_kv(*args, **caches, interleaved=True)
+    want = torch.zeros_like(buffer)
+    reference.store_kv(k_out, latent, want[..., 512:], want[..., :512], slots)
+    assert torch.equal(buffer, want)
 
 
 def test_cuda_graph_replay_with_new_inputs():

@@ -115,6 +115,30 @@ def test_rope_store_kv_interleaved_pairs(poison_empty, dtype, T):
     torch.testing.assert_close(q_out.float(), want, atol=5e-3, rtol=5e-3)
 
 
+@pytest.mark.parametrize("T", [1, 9])
+def test_rope_store_kv_stores_a_wider_v(poison_empty, T):
+    """MLA's store: the rotated key head (R wide) and the latent (L wide) as its v, into caches
+    that are views of one buffer side by side; rows with slot -1 and unmapped slots keep the
+    sentinel, and the latents are stored as given."""
+    torch.manual_seed(T + 5)
+    dtype, Hq, R, L_ = torch.float16, 4, 16, 48
+    q, k, _, positions, cos, sin, _, _ = _rope_inputs(dtype, T, Hq, 1, R, False)
+    latent = torch.randn(T, 1, L_ + 8, dtype=dtype)[..., :L_]  # strided rows
+    buffer = torch.full((5, 4, 1, L_ + R), SENTINEL, dtype=dtype)
+    latent_cache, rope_cache = buffer[..., :L_], buffer[..., L_:]
+    slots = torch.randperm(20)[:T]
+    if T > 1:
+        slots[1] = -1
+    caches = dict(v=latent, k_cache=rope_cache, v_cache=latent_cache, slot_mapping=slots)
+    args = (q, k, positions, cos, sin, None, None, EPS)
+    _, k_out = rope_store_kv(*args, **caches, interleaved=True)
+    want = torch.full_like(buffer, SENTINEL)
+    ref_caches = dict(caches, k_cache=want[..., L_:], v_cache=want[..., :L_])
+    reference.store_kv(k_out, latent, ref_caches["k_cache"], ref_caches["v_cache"], slots)
+    assert torch.equal(buffer, want)
+    assert (buffer != SENTINEL).all(-1).sum() == (slots >= 0).sum()
+
+
 def _rope_inputs(dtype: torch.dtype, T: int, Hq: int, Hkv: int, D: int, with_norm: bool):
     L = 64
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)  # the fused projection's output

@@ -334,8 +334,14 @@ def _launch_mla() -> None:
     for T in (1, 4096):  # the rotary of q_pe and k_pe, DeepSeek's adjacent pairs
         q = torch.randn(T, Hh, N + Rr, dtype=BF16)[..., N:]
         k_pe = torch.randn(T, L + Rr, dtype=BF16)[:, L:].view(T, 1, Rr)
+        stores = dict(
+            v=torch.randn(T, 1, L, dtype=BF16),
+            k_cache=rope,
+            v_cache=latent,
+            slot_mapping=torch.zeros(T, dtype=torch.int64),
+        )
         norm_rope.rope_store_kv(
-            q, k_pe, torch.arange(T), cos, sin, None, None, 1e-6, interleaved=True
+            q, k_pe, torch.arange(T), cos, sin, None, None, 1e-6, **stores, interleaved=True
         )
     kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
     for T in (1, 64, 4096):  # the absorption's token tiles, 16 to 64 rows

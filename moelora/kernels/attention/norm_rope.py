@@ -467,7 +467,7 @@ def _rope_store_kv_kernel(
     # Pointers (q_ptr stands for every one whose flag is off: never read then).
     q_ptr,  # [T, Hq, D], strides (stride_qt, stride_qh, 1)
     k_ptr,  # [T, Hkv, D], strides (stride_kt, stride_kh, 1)
-    v_ptr,  # [T, Hkv, D], strides (stride_vt, stride_vh, 1); with STORE_KV
+    v_ptr,  # [T, Hkv, DV], strides (stride_vt, stride_vh, 1); with STORE_KV
     pos_ptr,  # [T] int64
     cos_ptr,  # [L, D] float32, row stride stride_cl
     sin_ptr,  # [L, D] float32, row stride stride_sl
@@ -476,7 +476,7 @@ def _rope_store_kv_kernel(
     q_out_ptr,  # [T, Hq, D] contiguous
     k_out_ptr,  # [T, Hkv, D] contiguous
     k_cache_ptr,  # [num_pages, page_size, Hkv, D], strides (stride_cp, stride_cs, stride_ch, 1)
-    v_cache_ptr,  # the same strides; both with STORE_KV
+    v_cache_ptr,  # [..., DV], the same strides; both with STORE_KV
     slot_mapping_ptr,  # [T] int64, -1 = do not store; with STORE_KV
     # LoRA expand (EXPAND): batch info as in _rms_norm_kernel, the q|k|v shrink [T, 3, R]
     # float32, the arena and table ([S, TAB_WIDTH] int64) of the q|k|v B (slot s's
@@ -493,6 +493,7 @@ def _rope_store_kv_kernel(
     Hq,
     Hkv,
     D,
+    DV,  # a v head's width: D, or MLA's latent (without EXPAND)
     page_size,
     stride_qt,
     stride_qh,
@@ -511,6 +512,7 @@ def _rope_store_kv_kernel(
     STORE_KV: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # the pairs are adjacent dims: lanes read evens, then odds
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     EXPAND: tl.constexpr,
     R: tl.constexpr,
     RC: tl.constexpr,
@@ -523,6 +525,7 @@ def _rope_store_kv_kernel(
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     dtype = q_out_ptr.dtype.element_ty
+    offs_v = tl.arange(0, BLOCK_DV)  # a v head's lanes: D of them but for MLA's latent
     half = D // 2
     partner = (offs + half) % D
     read, read_partner = offs, partner  # the dims lane d and its partner load
@@ -554,12 +557,14 @@ def _rope_store_kv_kernel(
                 slot = tl.load(slot_mapping_ptr + t)
                 cache_row = (slot // page_size) * stride_cp + (slot % page_size) * stride_cs
                 store_mask = mask & (slot >= 0)
+                v_mask = (offs_v < DV) & (slot >= 0)
             else:  # names for the v branch, which is compiled either way
                 cache_row = t * 0
                 store_mask = mask
+                v_mask = offs_v < DV
             if is_v:
                 hv = h - Hq - Hkv
-                x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs, mask=store_mask)
+                x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=v_mask)
                 if EXPAND:
                     lb, lb_row, rank = _expand_place(
                         lslot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr
@@ -569,8 +574,8 @@ def _rope_store_kv_kernel(
                             shrunk_ptr, lb, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
                         )
                         x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
-                v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs
-                tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=store_mask)
+                v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs_v
+                tl.store(v_dst, x_v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
             else:
                 if h < Hq:
                     src = q_ptr + t * stride_qt + h * stride_qh
@@ -649,9 +654,10 @@ def rope_store_kv(
     Hkv D), B read through its table. interleaved: reference.rope_store_kv's (the lanes read
     the even dims, then the odd ones; no norm or expand with it).
 
-    q [T, Hq, D], k, v [T, Hkv, D] (strided views of the fused qkv output are fine, the last dim
-    contiguous), same dtype; positions [T] int64; cos, sin [L, D] float32 tables; q_norm,
-    k_norm [D] in q's dtype, or both None; k_cache, v_cache [num_pages, page_size, Hkv, D] with
+    q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
+    fine, the last dim contiguous), same dtype; DV is D but without expand (MLA stores its
+    latents as v); positions [T] int64; cos, sin [L, D] float32 tables; q_norm, k_norm [D] in
+    q's dtype, or both None; k_cache [num_pages, page_size, Hkv, D], v_cache [..., DV] with
     the same strides, the last dim contiguous; slot_mapping [T] int64, -1 for rows not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D].
     """
@@ -704,10 +710,11 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
     assert all((x is None) != r.stores for x in stored), "v, caches, slots together"
     if r.stores:
         v, k_cache, v_cache = stored
-        assert v.shape == k.shape and v.dtype == k.dtype, (v.shape, k.shape, v.dtype, k.dtype)
-        assert v.stride(-1) == 1, v.stride()
+        DV = v.shape[2]
+        assert v.shape[:2] == k.shape[:2] and v.dtype == k.dtype, (v.shape, k.shape, v.dtype)
+        assert v.stride(-1) == 1 and (DV == D or expand is None), (v.stride(), v.shape, D)
         assert k_cache.ndim == 4 and k_cache.shape[2:] == (Hkv, D), (k_cache.shape, k.shape)
-        assert v_cache.shape == k_cache.shape, (v_cache.shape, k_cache.shape)
+        assert v_cache.shape == (*k_cache.shape[:3], DV), (v_cache.shape, k_cache.shape)
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
         assert r.slot_mapping.shape == (T,), r.slot_mapping.shape
     if expand is not None:
@@ -737,6 +744,7 @@ def _launch_rope(
     each too short to cover its own launch: 8 tokens a program from ROPE_GROUP_FROM on."""
     T, Hq, D = r.q.shape
     Hkv = r.k.shape[1]
+    DV = D if r.v is None else r.v.shape[2]
     BLOCK_D = next_power_of_2(D)
     tokens = 1 if T < ROPE_GROUP_FROM else 8
     # a [BLOCK_D, RC] tile of B is at most 32 values per lane
@@ -759,6 +767,7 @@ def _launch_rope(
         Hq=Hq,
         Hkv=Hkv,
         D=D,
+        DV=DV,
         stride_qt=r.q.stride(0),
         stride_qh=r.q.stride(1),
         stride_kt=r.k.stride(0),
@@ -770,6 +779,7 @@ def _launch_rope(
         STORE_KV=r.stores,
         INTERLEAVED=interleaved,
         BLOCK_D=BLOCK_D,
+        BLOCK_DV=next_power_of_2(DV),
         EXPAND=expand is not None,
         R=R,
         RC=RC,
