@@ -44,6 +44,24 @@ class RouteTopkOp(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class SiluAndMulOp(Protocol):
+    """reference.silu_and_mul: a dense MLP's and a shared expert's SwiGLU (layers/moe.py)."""
+
+    def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+
+class AddSharedExpertOp(Protocol):
+    """reference.add_shared_expert: the routed experts' rows and the shared expert, joined
+    (layers/moe.py)."""
+
+    def __call__(
+        self,
+        moe_out: torch.Tensor,
+        shared: torch.Tensor,
+        gate_logits: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 class FusedMoeOp(Protocol):
     """reference.fused_moe: the experts with their LoRA (layers/moe.py)."""
 

@@ -16,6 +16,7 @@ from moelora.config import PREFILL_ATTENTION_BACKENDS, PROJECTIONS
 from moelora.kernels import gated_delta, mla, reference
 from moelora.kernels.contracts import (
     AddLoraOp,
+    AddSharedExpertOp,
     CausalConv1dOp,
     FusedMoeOp,
     GatedDeltaRuleOp,
@@ -29,6 +30,7 @@ from moelora.kernels.contracts import (
     RmsNormOp,
     RopeStoreKvOp,
     RouteTopkOp,
+    SiluAndMulOp,
 )
 from moelora.parallel import SINGLE, Shard
 
@@ -39,6 +41,8 @@ class Ops:
     linear: LinearOp
     route_topk: RouteTopkOp
     fused_moe: FusedMoeOp
+    silu_and_mul: SiluAndMulOp
+    add_shared_expert: AddSharedExpertOp
     add_lora_: AddLoraOp
     paged_attention: PagedAttentionOp
     paged_attention_o_shrink: PagedAttentionOShrinkOp
@@ -80,6 +84,8 @@ REFERENCE_OPS = Ops(
     linear=reference.linear,
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
+    silu_and_mul=reference.silu_and_mul,
+    add_shared_expert=reference.add_shared_expert,
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
     paged_attention_o_shrink=reference.paged_attention_o_shrink,
@@ -146,6 +152,7 @@ def triton_ops(
     as in mixed steps (and its o-projection shrink by lora_shrink_split), long first chunks by
     the Triton kernel whatever prefill_attention_backend says (cuDNN's bits are not those of
     the same rows as a later chunk)."""
+    from moelora.kernels import mlp
     from moelora.kernels.attention.mla import mla_attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.linear import BatchInvariantLinear
@@ -163,6 +170,8 @@ def triton_ops(
         linear=linear,
         route_topk=route_topk,
         fused_moe=functools.partial(fused_moe, deterministic=True) if deterministic else fused_moe,
+        silu_and_mul=mlp.silu_and_mul,
+        add_shared_expert=mlp.add_shared_expert,
         add_lora_=add_lora_,
         **_paged_attention_ops(prefill_attention_backend, deterministic=deterministic),
         rms_norm=rms_norm,

@@ -419,6 +419,18 @@ def paged_attention_o_shrink(
     return out, FoldedLora(shrunk, lora, info)
 
 
+def add_shared_expert(
+    moe_out: torch.Tensor, shared: torch.Tensor, gate_logits: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Semantics: sum_rows(moe_out) + shared, the shared expert first scaled by
+    sigmoid(gate_logits) where given (Qwen2-MoE's and Qwen3.5's gate), each op rounded to the
+    dtype as torch's separate ops are. moe_out [T, K, H] or [T, H]; shared [T, H]; gate_logits
+    [T, 1] or None."""
+    if gate_logits is not None:
+        shared = torch.sigmoid(gate_logits) * shared
+    return sum_rows(moe_out) + shared
+
+
 def sum_rows(x: torch.Tensor) -> torch.Tensor:
     """Semantics: x [T, KX, N] -> [T, N], the KX rows added in order in float32 from zero, then
     rounded to x's dtype (how the MoE's top-k rows are summed); x [T, N] is returned as is."""

@@ -17,7 +17,6 @@ from moelora.config import ModelConfig
 from moelora.kernels.fp8_block import FP8_DTYPE, Fp8Weight, fp8_scale_shape
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
-from moelora.kernels.reference import silu_and_mul
 from moelora.layers.linear import LoraLinear
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
@@ -32,12 +31,13 @@ class DenseMLP(nn.Module):
         super().__init__()
         intermediate = ops.shard.intermediate(intermediate)
         self.shard = ops.shard if reduce else None
+        self.ops = ops
         self.gate_up_proj = LoraLinear(hidden, (intermediate, intermediate), ops, **kw)
         self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         lora = batch.lora
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x, lora)), lora)
         return out if self.shard is None else self.shard.all_reduce(out)
 
 
@@ -144,16 +144,16 @@ class SparseMoE(nn.Module):
             lora13=self.lora13 if lora is not None else None,
             lora2=self.lora2 if lora is not None else None,
             info=lora,
-            # the next norm adds the top-k rows; a shared expert is added to their sum here
-            # (and with several ranks, whose all-reduce would move K times the rows)
-            sum_topk=self.shared_expert is not None or shard.size > 1,
+            # the top-k rows are added by the next norm, or with the shared expert; summed here
+            # with several ranks, whose all-reduce would move K times the rows
+            sum_topk=shard.size > 1,
             **self._expert_options(),
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             shared = self.shared_expert(x, batch)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.ops.linear(x, self.shared_expert_gate)) * shared
-            out = out + shared
+            gate = self.shared_expert_gate
+            gate_logits = None if gate is None else self.ops.linear(x, gate)  # [T, 1]
+            out = self.ops.add_shared_expert(out, shared, gate_logits)
         return shard.all_reduce(out)
 
     def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err  # noqa: E402
 
 from moelora.config import GroupedRouting  # noqa: E402
-from moelora.kernels import reference  # noqa: E402
+from moelora.kernels import mlp, reference  # noqa: E402
 from moelora.kernels.linear import (  # noqa: E402
     INVARIANT_ROWS,
     BatchInvariantLinear,
@@ -340,6 +340,26 @@ def test_route_topk_gpu(T, E, K, scoring):
     )
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_mlp_elementwise_gpu(T):
+    """kernels/mlp.py in bf16 against torch's separate ops: the same rounding steps, so at most
+    one bf16 step apart where float32 exp rounds differently."""
+    g = torch.Generator(device=DEV).manual_seed(T)
+    gate_up = 2 * torch.randn(T, 2 * 1408, generator=g, device=DEV, dtype=torch.bfloat16)
+    _within_one_bf16_step(mlp.silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+    rows = torch.randn(T, 6, 2048, generator=g, device=DEV, dtype=torch.bfloat16)
+    shared = torch.randn(T, 2048, generator=g, device=DEV, dtype=torch.bfloat16)
+    for gate in (None, torch.randn(T, 1, generator=g, device=DEV, dtype=torch.bfloat16)):
+        got = mlp.add_shared_expert(rows, shared, gate)
+        _within_one_bf16_step(got, reference.add_shared_expert(rows, shared, gate))
+
+
+def _within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    a, b = got.float(), want.float()
+    step = torch.maximum(a.abs(), b.abs()).clamp(min=1e-30) * 2.0**-7
+    assert ((a - b).abs() <= step).all() and (a == b).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 4096])

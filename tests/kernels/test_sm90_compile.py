@@ -184,6 +184,19 @@ def _launch_norms_and_rotary(T: int) -> None:
     for scoring in ("softmax", "sigmoid"):
         routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
     _launch_grouped_routing(T)
+    _launch_mlp(T)
+
+
+def _launch_mlp(T: int) -> None:
+    """A shared expert's and a dense layer's SwiGLU, and the join of the routed experts' top-k
+    rows (or their sum) with the shared expert, gated and not."""
+    from moelora.kernels import mlp
+
+    for I in (1408, 11264):
+        mlp.silu_and_mul(torch.randn(T, 2 * I, dtype=BF16))
+    for rows in (torch.randn(T, 8, H, dtype=BF16), torch.randn(T, H, dtype=BF16)):
+        for gate in (None, torch.randn(T, 1, dtype=BF16)):
+            mlp.add_shared_expert(rows, torch.randn(T, H, dtype=BF16), gate)
 
 
 def _launch_grouped_routing(T: int) -> None:
