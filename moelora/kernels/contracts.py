@@ -239,6 +239,15 @@ class GatedDeltaRuleOp(Protocol):
     ) -> torch.Tensor: ...
 
 
+class DeltaGatesOp(Protocol):
+    """gated_delta.delta_gates: the delta rule's decay and write strength (layers/
+    linear_attention.py)."""
+
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class RmsNormGatedOp(Protocol):
     """gated_delta.rms_norm_gated: gated DeltaNet's output norm, gated by silu(z)."""
 

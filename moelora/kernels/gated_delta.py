@@ -174,12 +174,22 @@ def chunked_delta_rule(q, k, v, g, beta, s0) -> tuple[torch.Tensor, torch.Tensor
     return out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1), s
 
 
+def delta_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: the delta rule's log decay g = -exp(A_log) softplus(a + dt_bias) in float32
+    and write strength beta = sigmoid(b) in b's dtype (transformers' ops, in its order).
+    a, b: [T, H]; A_log, dt_bias: [H]. Returns (g [T, H], beta [T, H])."""
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
 def rms_norm_gated(
     x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """Semantics: out = weight * rmsnorm(x) * silu(gate), the norm in float32 cast back to x's
     dtype before the weight, the gate's silu in float32 (transformers' RMSNormGated).
-    x, gate: [N, V]; weight: [V]. Returns [N, V] in x's dtype."""
+    x, gate: [N, V] or [T, H, V] (a row a head); weight: [V]. Returns x's shape and dtype."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)

@@ -18,6 +18,7 @@ from moelora.kernels.contracts import (
     AddLoraOp,
     AddSharedExpertOp,
     CausalConv1dOp,
+    DeltaGatesOp,
     FusedMoeOp,
     GatedDeltaRuleOp,
     LinearOp,
@@ -53,6 +54,7 @@ class Ops:
     mla_attention: MlaAttentionOp
     # gated DeltaNet (layers/linear_attention.py)
     causal_conv1d: CausalConv1dOp
+    delta_gates: DeltaGatesOp
     gated_delta_rule: GatedDeltaRuleOp
     rms_norm_gated: RmsNormGatedOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
@@ -95,6 +97,7 @@ REFERENCE_OPS = Ops(
     rope_store_kv=reference.rope_store_kv,
     mla_attention=mla.mla_attention,
     causal_conv1d=gated_delta.causal_conv1d,
+    delta_gates=gated_delta.delta_gates,
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
     keeps_mxfp4=False,
@@ -156,7 +159,7 @@ def triton_ops(
     from moelora.kernels.attention.mla import mla_attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.linear import BatchInvariantLinear
-    from moelora.kernels.linear_attention import conv, delta_rule, gated_norm
+    from moelora.kernels.linear_attention import conv, delta_rule, gated_norm, gates
     from moelora.kernels.lora import add_lora_
     from moelora.kernels.moe.fused import fused_moe
     from moelora.kernels.moe.routing import route_topk
@@ -184,6 +187,7 @@ def triton_ops(
         # models/model.py refuses hybrid models with this table until their engines pass the
         # family tests on a device
         causal_conv1d=conv.causal_conv1d,
+        delta_gates=gates.delta_gates,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
         keeps_mxfp4=True,

@@ -20,7 +20,6 @@ Every projection takes its LoRA: each slice of in_proj, and out_proj.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moelora.config import LinearAttentionConfig, ModelConfig
@@ -78,8 +77,7 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._split(self.in_proj(x, lora))
         qkv = self.ops.causal_conv1d(qkv, self.conv1d[:, 0], conv_state, batch.attn)
         q, k, v = qkv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, H] float32
+        g, beta = self.ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, H]: float32, b's
         out = self.ops.gated_delta_rule(
             q.reshape(T, la.num_k_heads, la.head_k_dim),
             k.reshape(T, la.num_k_heads, la.head_k_dim),
@@ -89,7 +87,7 @@ class GatedDeltaNet(nn.Module):
             delta_state,
             batch.attn,
         )  # [T, H, V]
-        out = self.norm(out.reshape(-1, la.head_v_dim), z.reshape(-1, la.head_v_dim))
+        out = self.norm(out, z.view(T, la.num_v_heads, la.head_v_dim))  # [T, H, V]
         return self.out_proj(out.reshape(T, la.value_dim), lora)
 
     def _split(

@@ -30,6 +30,7 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import rel_err  # noqa: E402
 
 from moelora.kernels import gated_delta  # noqa: E402
+from moelora.kernels.linear_attention import gates  # noqa: E402
 from moelora.kernels.linear_attention.conv import causal_conv1d  # noqa: E402
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule  # noqa: E402
 from moelora.kernels.linear_attention.gated_norm import rms_norm_gated  # noqa: E402
@@ -199,6 +200,25 @@ def test_rms_norm_gated_matches_reference(T):
     weight = (1 + 0.5 * torch.randn(V, generator=gen, device=DEV)).to(BF16)
     out = rms_norm_gated(x, gate, weight, EPS)
     assert_rounds_alike(out, gated_delta.rms_norm_gated(x, gate, weight, EPS))
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_gates_and_head_rows_match_reference(T):
+    """delta_gates from in_proj's a and b slices, and the gated norm over [T, H, V] rows with
+    z viewed in place, in bf16 against the references."""
+    gen = torch.Generator(device=DEV).manual_seed(T + 1)
+    y = torch.randn(T, 2 * H + H * V, generator=gen, device=DEV).to(BF16)
+    b, a, z = y[:, :H], y[:, H : 2 * H], y[:, 2 * H :].view(T, H, V)
+    A_log = torch.randn(H, generator=gen, device=DEV).to(BF16)
+    dt_bias = torch.randn(H, generator=gen, device=DEV).to(BF16)
+    g, beta = gates.delta_gates(a, b, A_log, dt_bias)
+    ref_g, ref_beta = gated_delta.delta_gates(a, b, A_log, dt_bias)
+    torch.testing.assert_close(g, ref_g, rtol=1e-5, atol=1e-6)
+    assert_rounds_alike(beta, ref_beta)
+    x = torch.randn(T, H, V, generator=gen, device=DEV).to(BF16)
+    weight = (1 + 0.5 * torch.randn(V, generator=gen, device=DEV)).to(BF16)
+    out = rms_norm_gated(x, z, weight, EPS)
+    assert_rounds_alike(out, gated_delta.rms_norm_gated(x, z, weight, EPS))
 
 
 @dataclass(frozen=True)

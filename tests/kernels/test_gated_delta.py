@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from moelora.kernels import gated_delta
-from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule
+from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule, gates
 from moelora.kernels.linear_attention.conv import causal_conv1d
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule
 from moelora.kernels.linear_attention.gated_norm import rms_norm_gated
@@ -286,3 +286,36 @@ def test_rms_norm_gated_matches_reference(poison_empty, dtype, N, D):
     want = gated_delta.rms_norm_gated(x, gate, weight, 1e-6)
     assert out.shape == (N, D) and out.dtype == dtype and out.is_contiguous()
     assert_close(out, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_gated_takes_a_row_a_head(poison_empty, dtype):
+    """The layer's call: the delta rule's [T, H, V] output and in_proj's z slice viewed
+    [T, H, V] (its rows strided by in_proj's width), normed per head."""
+    T, H, D = 5, 3, 20
+    x = torch.randn(T, H, D).to(dtype)
+    y = torch.randn(T, 7 + H * D + 9).to(dtype)
+    z = y[:, 7 : 7 + H * D].view(T, H, D)
+    weight = (1 + 0.5 * torch.randn(D)).to(dtype)
+    out = rms_norm_gated(x, z, weight, 1e-6)
+    assert out.shape == (T, H, D) and out.is_contiguous()
+    assert_close(out, gated_delta.rms_norm_gated(x, z, weight, 1e-6))
+    flat = rms_norm_gated(x.reshape(-1, D), z.reshape(-1, D), weight, 1e-6)
+    assert torch.equal(out.view(-1, D), flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,H", [(1, 32), (37, 12)])
+def test_delta_gates_matches_reference(poison_empty, dtype, T, H):
+    """g and beta from in_proj's a and b slices (strided rows), with a + dt_bias across
+    softplus's range: far below float32's epsilon of exp, ordinary, past the threshold 20."""
+    y = torch.randn(T, 2 * H + 5)
+    y[:, H : 2 * H] = torch.linspace(-40.0, 30.0, T * H).view(T, H)[:, torch.randperm(H)]
+    b, a = y.to(dtype)[:, :H], y.to(dtype)[:, H : 2 * H]
+    A_log = torch.randn(H).to(dtype)
+    dt_bias = (0.5 * torch.randn(H)).to(dtype)
+    g, beta = gates.delta_gates(a, b, A_log, dt_bias)
+    ref_g, ref_beta = gated_delta.delta_gates(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, ref_g, rtol=1e-6, atol=1e-30)
+    torch.testing.assert_close(beta, ref_beta, **TOL[dtype])

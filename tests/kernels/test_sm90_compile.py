@@ -364,9 +364,15 @@ def _launch_mla() -> None:
 
 def _launch_linear_attention() -> None:
     """Gated DeltaNet at Qwen3.5-MoE's sizes (16 q/k heads, 32 value heads, K = V = 128, a
-    4-tap conv over 8192 channels): the conv, the delta rule's token loop and its block form,
-    the gated norm, at decode and prefill."""
-    from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule, gated_norm
+    4-tap conv over 8192 channels): the conv, the delta rule's gates, its token loop and its
+    block form, the gated norm, at decode and prefill."""
+    from moelora.kernels.linear_attention import (
+        conv,
+        delta_chunked,
+        delta_rule,
+        gated_norm,
+        gates,
+    )
     from moelora.step.batch import AttentionMetadata
 
     Hk, Hv, Kd, Vd, Cc, W = 16, 32, 128, 128, 8192, 4
@@ -398,6 +404,10 @@ def _launch_linear_attention() -> None:
         gated_norm.rms_norm_gated(
             x, torch.randn(T * Hv, Vd, dtype=BF16), torch.randn(Vd, dtype=BF16), 1e-6
         )
+        z = torch.randn(T, 2 * Hv * Vd, dtype=BF16)[:, Hv * Vd :].view(T, Hv, Vd)
+        gated_norm.rms_norm_gated(x.view(T, Hv, Vd), z, torch.randn(Vd, dtype=BF16), 1e-6)
+        ba = torch.randn(T, 2 * Hv, dtype=BF16)
+        gates.delta_gates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv), torch.randn(Hv, dtype=BF16))
 
 
 def _launch_mla_lora() -> None:

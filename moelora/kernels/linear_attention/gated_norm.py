@@ -4,7 +4,7 @@ Algorithm. One program per BLOCK_R rows: each row normed in float32 and rounded 
 before the weight multiplies it (the product rounded), the gate's silu in float32, the last
 product rounded once, as the reference rounds.
 
-Legend: N = rows (tokens x value heads), D = row width (the value head dim).
+Legend: N = rows (tokens x value heads), H = value heads, D = row width (the value head dim).
 """
 
 from __future__ import annotations
@@ -22,15 +22,18 @@ NORM_ROWS = 8  # rows a gated-norm program takes
 @triton.jit
 def _rms_norm_gated_kernel(
     # Pointers.
-    x_ptr,  # [N, D], rows strided by stride_xr, D contiguous
-    gate_ptr,  # [N, D], rows strided by stride_gr, D contiguous
+    x_ptr,  # [N / HEADS, HEADS, D], strides (stride_xt, stride_xh, 1)
+    gate_ptr,  # the same shape, strides (stride_gt, stride_gh, 1)
     weight_ptr,  # [D], x's dtype
     out_ptr,  # [N, D] contiguous
     # Sizes and strides.
     num_rows,
     D,
-    stride_xr,
-    stride_gr,
+    HEADS,  # rows a token: row r is token r // HEADS's head r % HEADS
+    stride_xt,
+    stride_xh,
+    stride_gt,
+    stride_gh,
     eps,
     # Meta-parameters.
     BLOCK_R: tl.constexpr,
@@ -42,8 +45,11 @@ def _rms_norm_gated_kernel(
     offs = tl.arange(0, BLOCK_D)
     ok = (rows < num_rows)[:, None] & (offs < D)[None, :]
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + rows[:, None] * stride_xr + offs[None, :], mask=ok, other=0.0)
-    gate = tl.load(gate_ptr + rows[:, None] * stride_gr + offs[None, :], mask=ok, other=0.0)
+    token, head = rows // HEADS, rows % HEADS
+    x_rows = x_ptr + token * stride_xt + head * stride_xh
+    x = tl.load(x_rows[:, None] + offs[None, :], mask=ok, other=0.0)
+    gate_rows = gate_ptr + token * stride_gt + head * stride_gh
+    gate = tl.load(gate_rows[:, None] + offs[None, :], mask=ok, other=0.0)
     w = tl.load(weight_ptr + offs, mask=offs < D, other=0.0)
 
     # -- the norm in float32, rounded; the weight's product rounded; masked lanes add nothing --
@@ -63,15 +69,18 @@ def rms_norm_gated(
 ) -> torch.Tensor:
     """Semantics: see gated_delta.rms_norm_gated: out = weight * rmsnorm(x) * silu(gate), the
     norm in float32 cast back to x's dtype before the weight, the gate's silu in float32.
-    x, gate: [N, D], rows may be strided, D contiguous; weight: [D] in x's dtype. Returns
-    [N, D] contiguous in x's dtype."""
-    N, D = x.shape
-    assert gate.shape == (N, D) and x.stride(1) == gate.stride(1) == 1, (gate.shape, x.shape)
+    x, gate: [N, D] or [T, H, D] (a row a head; in_proj's z slice as it lies), strided, D
+    contiguous; weight: [D] in x's dtype. Returns x's shape, contiguous, in x's dtype."""
+    assert gate.shape == x.shape and x.dim() in (2, 3), (gate.shape, x.shape)
+    assert x.stride(-1) == gate.stride(-1) == 1, (x.stride(), gate.stride())
+    D = x.shape[-1]
     assert weight.shape == (D,) and weight.dtype == x.dtype, (weight.shape, weight.dtype)
     assert weight.is_contiguous(), weight.stride()
-    out = torch.empty(N, D, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    N = out.numel() // D
     if N == 0:
         return out
+    x3, gate3 = (t if t.dim() == 3 else t[:, None] for t in (x, gate))
     BLOCK_D = next_power_of_2(D)
     _rms_norm_gated_kernel[(cdiv(N, NORM_ROWS),)](
         x_ptr=x,
@@ -80,8 +89,11 @@ def rms_norm_gated(
         out_ptr=out,
         num_rows=N,
         D=D,
-        stride_xr=x.stride(0),
-        stride_gr=gate.stride(0),
+        HEADS=x3.shape[1],
+        stride_xt=x3.stride(0),
+        stride_xh=x3.stride(1),
+        stride_gt=gate3.stride(0),
+        stride_gh=gate3.stride(1),
         eps=eps,
         BLOCK_R=NORM_ROWS,
         BLOCK_D=BLOCK_D,
