@@ -72,25 +72,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """o_proj's output; each projection adds its own LoRA."""
         T = x.shape[0]
-        qkv, gate = self._output_gate(self.qkv_proj(x, batch.lora))
-        q = self._rope_store_kv(qkv, batch, kv_cache)
+        *qkv, gate = self._split(self.qkv_proj(x, batch.lora))
+        q = self._rope_store_kv(*qkv, batch, kv_cache)
         k_cache, v_cache = kv_cache
         out = self.ops.paged_attention(
             q, k_cache, v_cache, batch.attn, self.scale, window=self.window, sinks=self.sinks
-        ).reshape(T, self.cfg.q_size)
+        )  # [T, Hq, D]
         if gate is not None:
             out = out * torch.sigmoid(gate)
-        return self.ops.shard.all_reduce(self.o_proj(out, batch.lora))
+        return self.ops.shard.all_reduce(self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora))
 
-    def _output_gate(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(q|k|v, the output gate [T, Hq D]) of qkv_proj's output: with attn_output_gate its
-        q slice holds each head's query [D] then its gate [D]; else (qkv, None)."""
-        if not self.output_gate:
-            return qkv, None
+    def _split(
+        self, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(q [T, Hq D], k, v [T, Hkv D], None) of qkv_proj's output, as views; with
+        attn_output_gate its q slice holds each head's query [D] then its gate [D], so q and
+        the gate come as strided views [T, Hq, D]."""
         cfg, T = self.cfg, qkv.shape[0]
-        q_gate, kv = qkv.split([2 * cfg.q_size, 2 * cfg.kv_size], dim=-1)
+        if not self.output_gate:
+            return *qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1), None
+        q_gate, k, v = qkv.split([2 * cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q, gate = q_gate.view(T, cfg.num_heads, 2, cfg.head_dim).unbind(dim=2)
-        return torch.cat([q.reshape(T, -1), kv], dim=-1), gate.reshape(T, -1)
+        return q, k, v, gate
 
     def forward_folded(
         self,
@@ -103,7 +106,9 @@ class Attention(nn.Module):
         the norm before shrank, which rotary expands. Returns (o_proj's base output, o's LoRA
         shrunk from the attention's output, which the norm after expands)."""
         T = x.shape[0]
-        q = self._rope_store_kv(self.qkv_proj(x, None), batch, kv_cache, expand=qkv)
+        q, k, v, gate = self._split(self.qkv_proj(x, None))
+        assert gate is None, "an output gate is not folded (layers/attention_lora.py)"
+        q = self._rope_store_kv(q, k, v, batch, kv_cache, expand=qkv)
         k_cache, v_cache = kv_cache
         out, o = self.ops.paged_attention_o_shrink(
             q,
@@ -120,19 +125,20 @@ class Attention(nn.Module):
 
     def _rope_store_kv(
         self,
-        qkv: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         *,
         expand: FoldedLora | None = None,
     ) -> torch.Tensor:
-        """q [T, Hq, D] normed and rotated, from qkv [T, (Hq + 2 Hkv) D]; k normed, rotated
-        and stored in the cache with v, all in one launch."""
+        """q [T, Hq, D] normed and rotated, from q [T, Hq D] (or its heads' strided view); k
+        [T, Hkv D] normed, rotated and stored in the cache with v, all in one launch."""
         cfg = self.cfg
-        T = qkv.shape[0]
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        T = q.shape[0]
         if cfg.qk_norm == "full":
-            q = self._full_norm(self.q_norm, q, 1)
+            q = self._full_norm(self.q_norm, q.reshape(T, cfg.q_size), 1)
             k = self._full_norm(self.k_norm, k, self.kv_replicas)
         if cfg.clip_qkv is not None:
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
