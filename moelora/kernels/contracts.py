@@ -188,6 +188,7 @@ class RopeStoreKvOp(Protocol):
         slot_mapping: torch.Tensor | None = None,
         expand: FoldedLora | None = None,
         interleaved: bool = False,
+        rotary_dim: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

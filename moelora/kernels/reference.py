@@ -515,6 +515,7 @@ def rope_store_kv(
     slot_mapping: torch.Tensor | None = None,
     expand: FoldedLora | None = None,
     interleaved: bool = False,
+    rotary_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
@@ -522,7 +523,9 @@ def rope_store_kv(
     the second half of the q|k|v projection's LoRA (needs v). interleaved (DeepSeek's rotary
     pairs, adjacent dims): q's and k's dims are first reordered, the even ones then the odd
     ones, so that the pairs are halves, and returned (and stored) in that order, as
-    transformers' apply_rotary_pos_emb_interleave does (without a norm or expand).
+    transformers' apply_rotary_pos_emb_interleave does (without a norm or expand). rotary_dim
+    (partial rotary, 0 < rotary_dim < D): q's and k's dims, and their norm weights, first in
+    partial_rotary_order, returned (and stored) so (without expand).
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine; DV is D but without expand: MLA stores its latents as v); positions [T] int64; cos,
@@ -540,6 +543,11 @@ def rope_store_kv(
         assert q_norm is None and expand is None, "no model rotates interleaved pairs so"
         order = deinterleaved(q.shape[-1]).to(q.device)
         q, k = q[..., order], k[..., order]
+    if rotary_dim:
+        assert expand is None and not interleaved, "no model rotates part of a head so"
+        order = partial_rotary_order(q.shape[-1], rotary_dim).to(q.device)
+        q, k = q[..., order], k[..., order]
+        q_norm, k_norm = (None if w is None else w[order] for w in (q_norm, k_norm))
     if q_norm is not None:
         q, k = _norm(q, q_norm, eps), _norm(k, k_norm, eps)
     c = cos[positions].to(q.dtype)[:, None, :]
@@ -553,6 +561,17 @@ def rope_store_kv(
 def deinterleaved(size: int) -> torch.Tensor:
     """[0, 2, 4, ..., 1, 3, 5, ...]: the even dims, then the odd ones."""
     return torch.cat([torch.arange(0, size, 2), torch.arange(1, size, 2)])
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which rotate-half over the whole head (pairs n and
+    n + D/2) rotates the first rotary_dim dims in their halves (pairs j and j + R/2) and pairs
+    the passing dims among themselves: [0, R/2) + [R, R + P/2) + [R/2, R) + [R + P/2, D), P =
+    D - R. layers/rotary.RotaryEmbedding's tables match it. [D] int64."""
+    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    parts = [(0, half), (rotary_dim, rotary_dim + passing), (half, rotary_dim)]
+    parts.append((rotary_dim + passing, head_dim))
+    return torch.cat([torch.arange(a, b) for a, b in parts])
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
-from moelora.layers.rotary import RotaryEmbedding, partial_rotary_order
+from moelora.layers.rotary import RotaryEmbedding
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import FoldedLora
 
@@ -58,10 +58,6 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "full":
             self.q_norm = RMSNorm(cfg.q_size, eps, ops, **kw)
             self.k_norm = RMSNorm(cfg.kv_size, eps, ops, **kw)
-        order = None
-        if cfg.rotary_dim:  # partial rotary: q and k in the order the tables expect
-            order = partial_rotary_order(cfg.head_dim, cfg.rotary_dim).to(kw["device"])
-        self.register_buffer("rotary_order", order, persistent=False)
 
     def lora_linears(self) -> dict[str, LoraLinear]:
         """The projections that take LoRA, by their target's name (lora/slots.py)."""
@@ -147,11 +143,6 @@ class Attention(nn.Module):
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
         q_norm = self.q_norm.weight if per_head else None
         k_norm = self.k_norm.weight if per_head else None
-        if self.rotary_order is not None:
-            # the dot products of q and k, and so the attention, do not see the order
-            order = self.rotary_order
-            q, k = q[..., order], k[..., order]
-            q_norm, k_norm = (None if w is None else w[order] for w in (q_norm, k_norm))
         k_cache, v_cache = kv_cache
         q, _ = self.ops.rope_store_kv(
             q,
@@ -167,6 +158,9 @@ class Attention(nn.Module):
             v_cache=v_cache,
             slot_mapping=batch.attn.slot_mapping,
             expand=expand,
+            # partial rotary: q and k in the order the tables expect (the dot products of q and
+            # k, and so the attention, do not see the order)
+            rotary_dim=cfg.rotary_dim,
         )
         return q
 

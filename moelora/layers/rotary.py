@@ -6,9 +6,9 @@ rotation itself is applied by ops.rope_store_kv, fused with the per-head q/k nor
 has it and with the store of k and v in the cache.
 
 Partial rotary (GLM-4.5's partial_rotary_factor: the first rotary_dim dims of a head rotate in
-halves, the rest pass) runs through the same rotate-half over the whole head: the attention
-puts each head's dims in `partial_rotary_order` first, and the tables hold cos 1 and sin 0 on
-the dims that pass, so the kernel leaves them as they are, bit for bit.
+halves, the rest pass) runs through the same rotate-half over the whole head: rope_store_kv
+(rotary_dim=) reads each head's dims in kernels/reference.partial_rotary_order, and the tables
+hold cos 1 and sin 0 on the dims that pass, so the kernel leaves them as they are, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,17 +36,6 @@ class RotaryEmbedding(nn.Module):
             sin = torch.cat((sin, torch.zeros(shape, device=device)), dim=-1)
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # [L, D]
         self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
-
-
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The order of a head's dims under which rotate-half over the whole head (pairs n and
-    n + D/2) rotates the first rotary_dim dims in their halves (pairs j and j + R/2) and pairs
-    the passing dims among themselves: [0, R/2) + [R, R + P/2) + [R/2, R) + [R + P/2, D), P =
-    D - R. The tables of RotaryEmbedding match it. [D] int64."""
-    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    parts = [(0, half), (rotary_dim, rotary_dim + passing), (half, rotary_dim)]
-    parts.append((rotary_dim + passing, head_dim))
-    return torch.cat([torch.arange(a, b) for a, b in parts])
 
 
 def _head_dim(hf_config) -> int:

@@ -114,6 +114,20 @@ def test_rope_store_kv_gpu(dtype, T, with_norm):
 
 
 @pytest.mark.parametrize("T", [1, 7, 2048])
+def test_rope_store_kv_partial_rotary_gpu(T):
+    """Partial rotary with per-head norms (Qwen3.5: a quarter of each head rotates), bf16."""
+    torch.manual_seed(T + 4)
+    q, k, _, positions, cos, sin = _rope_inputs(T, torch.bfloat16)
+    q_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(torch.bfloat16)
+    k_norm = (1 + 0.5 * torch.randn(D, device=DEV)).to(torch.bfloat16)
+    args = (q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    out = rope_store_kv(*args, rotary_dim=D // 4)
+    ref = reference.rope_store_kv(*args, rotary_dim=D // 4)
+    _assert_matches(out[0], ref[0])
+    _assert_matches(out[1], ref[1])
+
+
+@pytest.mark.parametrize("T", [1, 7, 2048])
 def test_rope_store_kv_interleaved_gpu(T):
     """MLA's rotary (DeepSeek's adjacent pairs): q_pe [T, 16, 64] and the k_pe head, strided
     views of the projections' outputs, in bf16; the reference reorders, then rotates."""

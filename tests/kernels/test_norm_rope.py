@@ -115,6 +115,36 @@ def test_rope_store_kv_interleaved_pairs(poison_empty, dtype, T):
     torch.testing.assert_close(q_out.float(), want, atol=5e-3, rtol=5e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("D,rotary_dim", [(16, 8), (64, 16)])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_rope_store_kv_partial_rotary(poison_empty, dtype, D, rotary_dim, with_norm):
+    """Partial rotary (GLM-4.5, Qwen3.5): the lanes read the head's dims in
+    partial_rotary_order, the norm weights too, and the result is stored in that order."""
+    torch.manual_seed(D + rotary_dim)
+    T, Hq, Hkv = 5, 4, 2
+    q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
+    cos[:, rotary_dim // 2 : D // 2] = 1.0  # the passing dims' tables, as RotaryEmbedding's
+    cos[:, D // 2 + rotary_dim // 2 :] = 1.0
+    sin[:, rotary_dim // 2 : D // 2] = 0.0
+    sin[:, D // 2 + rotary_dim // 2 :] = 0.0
+    k_cache = torch.full((5, 4, Hkv, D), SENTINEL, dtype=dtype)
+    v_cache = torch.full_like(k_cache, SENTINEL)
+    slots = torch.randperm(20)[:T]
+    args = (q, k, positions, cos, sin, q_norm, k_norm, EPS)
+    caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
+    q_out, k_out = rope_store_kv(*args, **caches, rotary_dim=rotary_dim)
+    ref_caches = dict(caches, k_cache=k_cache.clone().fill_(SENTINEL))
+    ref_caches["v_cache"] = v_cache.clone().fill_(SENTINEL)
+    ref_q, ref_k = reference.rope_store_kv(*args, **ref_caches, rotary_dim=rotary_dim)
+    torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
+    torch.testing.assert_close(k_out, ref_k, **TOL[dtype])
+    torch.testing.assert_close(k_cache, ref_caches["k_cache"], **TOL[dtype])
+    assert torch.equal(v_cache, ref_caches["v_cache"])
+    plain_q, _ = reference.rope_store_kv(*args)
+    assert not torch.allclose(q_out, plain_q, **TOL[dtype])
+
+
 @pytest.mark.parametrize("T", [1, 9])
 def test_rope_store_kv_stores_a_wider_v(poison_empty, T):
     """MLA's store: the rotated key head (R wide) and the latent (L wide) as its v, into caches

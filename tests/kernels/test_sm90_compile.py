@@ -179,6 +179,7 @@ def _launch_norms_and_rotary(T: int) -> None:
     store = dict(v=v, k_cache=cache, v_cache=cache, slot_mapping=torch.arange(T))
     for norm in (None, torch.ones(D, dtype=BF16)):
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6)
+        norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, rotary_dim=64)
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store)
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, expand=folded)
     for scoring in ("softmax", "sigmoid"):

@@ -463,6 +463,15 @@ def _expand_place(slot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr)
 
 
 @triton.jit
+def _partial_rotary_dim(lane, HALF: tl.constexpr, pass_half):
+    """The head dim lane `lane` reads under reference.partial_rotary_order: [0, R/2), then
+    [R, R + P/2), [R/2, R), [R + P/2, D), with R/2 = HALF and P/2 = pass_half."""
+    rotary = 2 * HALF
+    dim = tl.where((lane >= HALF) & (lane < HALF + pass_half), rotary + lane - HALF, lane)
+    return tl.where((lane >= HALF + pass_half) & (lane < rotary + pass_half), lane - pass_half, dim)
+
+
+@triton.jit
 def _rope_store_kv_kernel(
     # Pointers (q_ptr stands for every one whose flag is off: never read then).
     q_ptr,  # [T, Hq, D], strides (stride_qt, stride_qh, 1)
@@ -511,6 +520,7 @@ def _rope_store_kv_kernel(
     HAS_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # the pairs are adjacent dims: lanes read evens, then odds
+    ROTARY_HALF: tl.constexpr,  # partial rotary's rotary_dim / 2 (0: the whole head rotates)
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     EXPAND: tl.constexpr,
@@ -532,6 +542,9 @@ def _rope_store_kv_kernel(
     if INTERLEAVED:  # dims 0, 2, 4, ... then 1, 3, 5, ...: each pair becomes two halves
         read = tl.where(offs < half, 2 * offs, 2 * (offs - half) + 1)
         read_partner = tl.where(partner < half, 2 * partner, 2 * (partner - half) + 1)
+    if ROTARY_HALF > 0:  # reference.partial_rotary_order
+        read = _partial_rotary_dim(offs, ROTARY_HALF, half - ROTARY_HALF)
+        read_partner = _partial_rotary_dim(partner, ROTARY_HALF, half - ROTARY_HALF)
     # v heads are only copied; they have no other output (without the store there are none:
     # the branch is compiled, never taken)
     is_v = (h >= Hq + Hkv) & STORE_KV
@@ -543,9 +556,9 @@ def _rope_store_kv_kernel(
         norm_w = q_norm_ptr
     else:
         norm_w = k_norm_ptr
-    if HAS_NORM:
-        w = tl.load(norm_w + offs, mask=mask, other=0.0).to(tl.float32)
-        w_rot = tl.load(norm_w + partner, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:  # each lane's dim's weight
+        w = tl.load(norm_w + read, mask=mask, other=0.0).to(tl.float32)
+        w_rot = tl.load(norm_w + read_partner, mask=mask, other=0.0).to(tl.float32)
     for i in range(TOKENS):
         t = (tl.program_id(0) * TOKENS + i).to(tl.int64)
         if t < num_tokens:
@@ -646,13 +659,15 @@ def rope_store_kv(
     slot_mapping: torch.Tensor | None = None,
     expand: FoldedLora | None = None,
     interleaved: bool = False,
+    rotary_dim: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
     expand (the q|k|v LoRA whose shrink [T, 3, R] float32 rms_norm_lora computed; needs v),
     q|k|v first take reference.lora_expand_ of it; expand.weights: out_slices (Hq D, Hkv D,
-    Hkv D), B read through its table. interleaved: reference.rope_store_kv's (the lanes read
-    the even dims, then the odd ones; no norm or expand with it).
+    Hkv D), B read through its table. interleaved, rotary_dim: reference.rope_store_kv's (the
+    lanes read the even dims, then the odd ones, no norm or expand with it; or the dims in
+    partial_rotary_order, the norm weights too, no expand with it).
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine, the last dim contiguous), same dtype; DV is D but without expand (MLA stores its
@@ -664,11 +679,12 @@ def rope_store_kv(
     rope = _Rope(q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping)
     _check_rope(rope, expand)
     assert not interleaved or (q_norm is None and expand is None), "no model rotates pairs so"
+    assert not rotary_dim or (expand is None and not interleaved and 0 < rotary_dim < q.shape[2])
     T, Hq, D = q.shape
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, k.shape[1], D, dtype=q.dtype, device=q.device)
     if T > 0:
-        _launch_rope(rope, expand, q_out, k_out, interleaved=interleaved)
+        _launch_rope(rope, expand, q_out, k_out, interleaved=interleaved, rotary_dim=rotary_dim)
     return q_out, k_out
 
 
@@ -738,6 +754,7 @@ def _launch_rope(
     k_out: torch.Tensor,
     *,
     interleaved: bool,
+    rotary_dim: int,
 ) -> None:
     """One _rope_store_kv_kernel launch: a program per q, k (and with the store, v) head of
     TOKENS tokens. A prefill's (token, head) programs would be a hundred thousand single warps,
@@ -778,6 +795,7 @@ def _launch_rope(
         HAS_NORM=r.q_norm is not None,
         STORE_KV=r.stores,
         INTERLEAVED=interleaved,
+        ROTARY_HALF=rotary_dim // 2,
         BLOCK_D=BLOCK_D,
         BLOCK_DV=next_power_of_2(DV),
         EXPAND=expand is not None,
