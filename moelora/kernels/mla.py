@@ -134,7 +134,7 @@ class Absorption(NamedTuple):
 
     core: LatentAttention | None = None
     absorb_q: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    absorb_out: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None
+    absorb_out: Callable[[torch.Tensor, torch.Tensor, int, torch.dtype], torch.Tensor] | None = None
     lora_q: AbsorbedLora | None = None
     lora_out: AbsorbedLora | None = None
 
@@ -160,7 +160,9 @@ def absorbed_attention(
     if with_lora:
         (parts.lora_q or lora_q_)(q_lat, q_nope, lora, info)
     o_lat = (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
-    out = (parts.absorb_out or absorb_out)(o_lat, kv_b, N)
+    # float32 where the LoRA's correction adds to it, else rounded once in the kernel
+    out_dtype = torch.float32 if with_lora else q_nope.dtype
+    out = (parts.absorb_out or absorb_out)(o_lat, kv_b, N, out_dtype)
     if with_lora:
         (parts.lora_out or lora_out_)(out, o_lat, lora, info)
     return out.to(q_nope.dtype)
@@ -174,12 +176,18 @@ def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
     return torch.einsum("thn,hnl->thl", q_nope.float(), w.float())
 
 
-def absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+def absorb_out(
+    o_lat: torch.Tensor,
+    kv_b: torch.Tensor,
+    qk_nope_head_dim: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Semantics: out[t, h] = o_lat[t, h] @ W_v[h].T, W_v[h] head h's rows of kv_b after its
-    first qk_nope_head_dim, in float32. o_lat [T, Hh, L] float32. Returns [T, Hh, V] float32."""
+    first qk_nope_head_dim, in float32, rounded to out_dtype. o_lat [T, Hh, L] float32.
+    Returns [T, Hh, V] in out_dtype."""
     T, Hh, L = o_lat.shape
     w = kv_b.view(Hh, -1, L)[:, qk_nope_head_dim:]  # [Hh, V, L]
-    return torch.einsum("thl,hvl->thv", o_lat, w.float())
+    return torch.einsum("thl,hvl->thv", o_lat, w.float()).to(out_dtype)
 
 
 def lora_q_(

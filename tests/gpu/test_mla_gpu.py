@@ -229,6 +229,8 @@ def test_absorption_in_bf16(T):
     torch.testing.assert_close(q_lat, mla.absorb_q(q[..., :N], kv_b), rtol=1e-5, atol=1e-5)
     out = mla_absorb.absorb_out(o_lat, kv_b, N)
     torch.testing.assert_close(out, mla.absorb_out(o_lat, kv_b, N), rtol=1e-4, atol=1e-4)
+    rounded = mla_absorb.absorb_out(o_lat, kv_b, N, torch.bfloat16)
+    assert (rounded == out.to(torch.bfloat16)).float().mean() > 0.99
     graph, replayed = capture(lambda: mla_absorb.absorb_out(o_lat, kv_b, N))
     o_lat.copy_(torch.randn(T, heads, L, generator=g, device="cuda"))
     graph.replay()

@@ -47,6 +47,16 @@ def test_absorb_out_matches_reference(poison_empty, T, dtype):
         assert (high - want).abs().max() > 1e-4
 
 
+def test_absorb_out_rounds_once_to_the_dtype_asked(poison_empty):
+    """Without kv_b's LoRA the output is rounded in the kernel: the reference's float32 sums
+    rounded to float16, not a second launch."""
+    o_lat, kv_b = torch.randn(5, Hh, L), _kv_b(torch.float16)
+    got = mla_absorb.absorb_out(o_lat, kv_b, N, torch.float16)
+    assert got.dtype == torch.float16
+    want = mla.absorb_out(o_lat, kv_b, N, torch.float16)
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
 def test_absorb_rejects_a_latent_of_another_size():
     with pytest.raises(AssertionError):
         mla_absorb.absorb_out(torch.randn(2, Hh, L + 1), _kv_b(torch.float32), N)

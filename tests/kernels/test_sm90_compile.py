@@ -360,7 +360,8 @@ def _launch_mla() -> None:
     kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
     for T in (1, 64, 4096):  # the absorption's token tiles, 16 to 64 rows
         mla_absorb.absorb_q(torch.randn(T, Hh, N + Rr, dtype=BF16)[..., :N], kv_b)
-        mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N)
+        for out_dtype in (torch.float32, BF16):  # before kv_b's LoRA, or rounded at once
+            mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N, out_dtype)
 
 
 def _launch_linear_attention() -> None:

@@ -39,7 +39,7 @@ def _absorb_kernel(
     # Pointers.
     a_ptr,  # [T, Hh, K] rows
     w_ptr,  # kv_b [Hh * HEAD_ROWS, L]
-    out_ptr,  # [T, Hh, NOUT] float32
+    out_ptr,  # [T, Hh, NOUT] float32 (or the rows' final dtype: rounded once)
     # Sizes and strides.
     T,
     stride_at,
@@ -94,7 +94,8 @@ def _absorb_kernel(
 
     # -- store the block's rows --
     out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(out_ptrs + offs_n[None, :], acc, mask=t_ok[:, None] & n_ok[None, :])
+    out = acc.to(out_ptr.dtype.element_ty)
+    tl.store(out_ptrs + offs_n[None, :], out, mask=t_ok[:, None] & n_ok[None, :])
 
 
 def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -103,26 +104,37 @@ def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
     return _absorb(q_nope, kv_b, kv_b.shape[1], row0=0, transposed=False)
 
 
-def absorb_out(o_lat: torch.Tensor, kv_b: torch.Tensor, qk_nope_head_dim: int) -> torch.Tensor:
+def absorb_out(
+    o_lat: torch.Tensor,
+    kv_b: torch.Tensor,
+    qk_nope_head_dim: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Semantics: kernels/mla.absorb_out's: out[t, h] = o_lat[t, h] @ W_v[h].T (head h's rows
-    of kv_b after its first qk_nope_head_dim). o_lat [T, Hh, L] float32. Returns [T, Hh, V]
-    float32."""
+    of kv_b after its first qk_nope_head_dim), rounded to out_dtype once. o_lat [T, Hh, L]
+    float32. Returns [T, Hh, V] in out_dtype."""
     V = kv_b.shape[0] // o_lat.shape[1] - qk_nope_head_dim
-    return _absorb(o_lat, kv_b, V, row0=qk_nope_head_dim, transposed=True)
+    return _absorb(o_lat, kv_b, V, row0=qk_nope_head_dim, transposed=True, out_dtype=out_dtype)
 
 
 def _absorb(
-    a: torch.Tensor, kv_b: torch.Tensor, n_out: int, *, row0: int, transposed: bool
+    a: torch.Tensor,
+    kv_b: torch.Tensor,
+    n_out: int,
+    *,
+    row0: int,
+    transposed: bool,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """out [T, Hh, n_out] float32 = a [T, Hh, K] @ W[h], W[h] head h's kv_b rows from row0 on,
-    as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out]."""
+    """out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
+    h's kv_b rows from row0 on, as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out]."""
     T, Hh, K = a.shape
     assert a.stride(2) == 1 and kv_b.stride(1) == 1, (a.stride(), kv_b.stride())
     head_rows, L = kv_b.shape[0] // Hh, kv_b.shape[1]
     assert kv_b.shape[0] % Hh == 0 and (K if transposed else n_out) == L, (kv_b.shape, a.shape)
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
     dot = _dot(a.dtype, kv_b.dtype)
-    out = torch.empty(T, Hh, n_out, dtype=torch.float32, device=a.device)
+    out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
     if T == 0:
         return out
     BT = 16 if T <= 16 else 32 if T <= 32 else 64
