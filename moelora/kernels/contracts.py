@@ -44,6 +44,12 @@ class RouteTopkOp(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class OutputGateOp(Protocol):
+    """reference.output_gate: the gated attention's output gate (layers/attention.py)."""
+
+    def __call__(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor: ...
+
+
 class SiluAndMulOp(Protocol):
     """reference.silu_and_mul: a dense MLP's and a shared expert's SwiGLU (layers/moe.py)."""
 

@@ -23,6 +23,7 @@ from moelora.kernels.contracts import (
     GatedDeltaRuleOp,
     LinearOp,
     MlaAttentionOp,
+    OutputGateOp,
     PagedAttentionOp,
     PagedAttentionOShrinkOp,
     PlanAttentionOp,
@@ -48,6 +49,7 @@ class Ops:
     paged_attention: PagedAttentionOp
     paged_attention_o_shrink: PagedAttentionOShrinkOp
     plan_attention: PlanAttentionOp  # once a step, before the layers: the metadata they all read
+    output_gate: OutputGateOp
     rms_norm: RmsNormOp
     rms_norm_lora: RmsNormLoraOp
     rope_store_kv: RopeStoreKvOp
@@ -92,6 +94,7 @@ REFERENCE_OPS = Ops(
     paged_attention=reference.paged_attention,
     paged_attention_o_shrink=reference.paged_attention_o_shrink,
     plan_attention=reference.plan_attention,
+    output_gate=reference.output_gate,
     rms_norm=reference.rms_norm,
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
@@ -158,6 +161,7 @@ def triton_ops(
     from moelora.kernels import mlp
     from moelora.kernels.attention.mla import mla_attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
+    from moelora.kernels.attention.output_gate import output_gate
     from moelora.kernels.linear import BatchInvariantLinear
     from moelora.kernels.linear_attention import conv, delta_rule, gated_norm, gates
     from moelora.kernels.lora import add_lora_
@@ -177,6 +181,7 @@ def triton_ops(
         add_shared_expert=mlp.add_shared_expert,
         add_lora_=add_lora_,
         **_paged_attention_ops(prefill_attention_backend, deterministic=deterministic),
+        output_gate=output_gate,
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,

@@ -419,6 +419,12 @@ def paged_attention_o_shrink(
     return out, FoldedLora(shrunk, lora, info)
 
 
+def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Semantics: out * sigmoid(gate), each op rounded to the dtype as torch's separate ops are
+    (the gated attention's output, Qwen3-Next and Qwen3.5). out, gate [T, Hq, D]."""
+    return out * torch.sigmoid(gate)
+
+
 def add_shared_expert(
     moe_out: torch.Tensor, shared: torch.Tensor, gate_logits: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -75,7 +75,7 @@ class Attention(nn.Module):
             q, k_cache, v_cache, batch.attn, self.scale, window=self.window, sinks=self.sinks
         )  # [T, Hq, D]
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = self.ops.output_gate(out, gate)
         return self.ops.shard.all_reduce(self.o_proj(out.reshape(T, self.cfg.q_size), batch.lora))
 
     def _split(

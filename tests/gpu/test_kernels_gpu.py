@@ -25,6 +25,7 @@ from lora_cases import SPREADS, batch_info, lora_weights, mxfp4_weight, rel_err 
 
 from moelora.config import GroupedRouting  # noqa: E402
 from moelora.kernels import mlp, reference  # noqa: E402
+from moelora.kernels.attention.output_gate import output_gate  # noqa: E402
 from moelora.kernels.linear import (  # noqa: E402
     INVARIANT_ROWS,
     BatchInvariantLinear,
@@ -354,6 +355,16 @@ def test_mlp_elementwise_gpu(T):
     for gate in (None, torch.randn(T, 1, generator=g, device=DEV, dtype=torch.bfloat16)):
         got = mlp.add_shared_expert(rows, shared, gate)
         _within_one_bf16_step(got, reference.add_shared_expert(rows, shared, gate))
+
+
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_output_gate_gpu(T):
+    """The gated attention's output gate at Qwen3.5's sizes (16 heads of 256), bf16."""
+    g = torch.Generator(device=DEV).manual_seed(T + 2)
+    out = torch.randn(T, 16, 256, generator=g, device=DEV, dtype=torch.bfloat16)
+    q_gate = torch.randn(T, 16, 2, 256, generator=g, device=DEV, dtype=torch.bfloat16)
+    gate = q_gate[:, :, 1]
+    _within_one_bf16_step(output_gate(out, gate), reference.output_gate(out, gate))
 
 
 def _within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moelora.kernels import mlp, reference
+from moelora.kernels.attention.output_gate import output_gate
 
 TOL = {torch.float32: dict(atol=1e-6, rtol=1e-6), torch.float16: dict(atol=1e-3, rtol=1e-3)}
 
@@ -38,3 +39,17 @@ def test_add_shared_expert_matches_reference(poison_empty, dtype, K, gated):
     torch.testing.assert_close(got, want, **TOL[dtype])
     if gated:  # the gate scales: without it the sum is elsewhere
         assert not torch.allclose(got, reference.add_shared_expert(moe_out, shared), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_output_gate_matches_reference(poison_empty, dtype, T):
+    """The gated attention's output gate (kernels/attention/output_gate.py), its gate a strided
+    view beside each head's query as qkv_proj leaves it."""
+    Hq, D = 5, 24
+    out = torch.randn(T, Hq, D).to(dtype)
+    q_gate = (2 * torch.randn(T, Hq, 2, D)).to(dtype)
+    gate = q_gate[:, :, 1]
+    got = output_gate(out, gate)
+    assert got.shape == (T, Hq, D) and got.dtype == dtype
+    torch.testing.assert_close(got, reference.output_gate(out, gate), **TOL[dtype])

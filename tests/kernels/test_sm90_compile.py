@@ -190,11 +190,15 @@ def _launch_norms_and_rotary(T: int) -> None:
 
 def _launch_mlp(T: int) -> None:
     """A shared expert's and a dense layer's SwiGLU, and the join of the routed experts' top-k
-    rows (or their sum) with the shared expert, gated and not."""
+    rows (or their sum) with the shared expert, gated and not; the attention's output gate."""
     from moelora.kernels import mlp
 
     for I in (1408, 11264):
         mlp.silu_and_mul(torch.randn(T, 2 * I, dtype=BF16))
+    from moelora.kernels.attention.output_gate import output_gate
+
+    q_gate = torch.randn(T, HQ, 2, D, dtype=BF16)
+    output_gate(torch.randn(T, HQ, D, dtype=BF16), q_gate[:, :, 1])
     for rows in (torch.randn(T, 8, H, dtype=BF16), torch.randn(T, H, dtype=BF16)):
         for gate in (None, torch.randn(T, 1, dtype=BF16)):
             mlp.add_shared_expert(rows, torch.randn(T, H, dtype=BF16), gate)
