@@ -122,7 +122,7 @@ BUDGETS = {
     ("moonlight-16b-a3b", 4, True): (91, {"embedding": 1, "_to_copy": 4}),
     ("glm-4.5-air", 2, False): (25, {"embedding": 1}),
     ("qwen3.5-moe-35b-a3b", 4, False): (72, {"embedding": 1}),
-    ("qwen3.5-moe-35b-a3b", 4, True): (91, {"embedding": 1}),
+    ("qwen3.5-moe-35b-a3b", 4, True): (88, {"embedding": 1}),
     ("qwen3-30b-a3b", 2, False): (23, {"embedding": 1}),
     ("qwen3-30b-a3b", 2, True): (25, {"embedding": 1}),
 }

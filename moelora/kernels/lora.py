@@ -201,6 +201,7 @@ def _add_lora_kernel(
     N0,
     N1,
     N2,
+    N3,
     # Where this launch's group of slices starts among the module's: its first slice's index
     # in A, and its first row of B (y_ptr points at that column of the output).
     SLICE0,
@@ -240,12 +241,15 @@ def _add_lora_kernel(
         return
     groups0 = tl.cdiv(N0, CW)
     groups1 = tl.cdiv(N1, CW)
+    groups2 = tl.cdiv(N2, CW)
     in_1 = pid_c >= groups0
     in_2 = pid_c >= groups0 + groups1
-    slice_i = in_1.to(tl.int32) + in_2.to(tl.int32)
-    slice_start = tl.where(in_1, N0, 0) + tl.where(in_2, N1, 0)
-    slice_size = tl.where(in_2, N2, tl.where(in_1, N1, N0))
-    col0 = (pid_c - tl.where(in_1, groups0, 0) - tl.where(in_2, groups1, 0)) * CW
+    in_3 = pid_c >= groups0 + groups1 + groups2
+    slice_i = in_1.to(tl.int32) + in_2.to(tl.int32) + in_3.to(tl.int32)
+    slice_start = tl.where(in_1, N0, 0) + tl.where(in_2, N1, 0) + tl.where(in_3, N2, 0)
+    slice_size = tl.where(in_3, N3, tl.where(in_2, N2, tl.where(in_1, N1, N0)))
+    skipped = tl.where(in_1, groups0, 0) + tl.where(in_2, groups1, 0) + tl.where(in_3, groups2, 0)
+    col0 = (pid_c - skipped) * CW
 
     # Column j of the shrink is rank row j % BR of slot s0 + j // BR: the SG slots of a group
     # shrink in one dot per input tile, so the serial chain is K_in / BK steps however many
@@ -305,6 +309,7 @@ def _add_lora_kernel(
 
 
 PREFILL_ROWS = 256  # past this many rows (no decode graph is larger) add_lora_ takes prefill tiles
+SLICES_A_LAUNCH = 4  # the kernel's N0..N3: Qwen3.5's in_proj (q|k|v, z, b, a) in one launch
 
 
 def rank_block(max_rank: int) -> int:
@@ -363,7 +368,7 @@ def add_lora_(
 
     y: [T, out], x: [T, in], same dtype, last dims contiguous; lora's factors read through
     its table (any layout it describes), any number of slices. In place (one launch for each
-    3 slices); returns y.
+    SLICES_A_LAUNCH slices: every projection's in one); returns y.
     tiles: BT, CW, BK and any launch options (maxnreg, num_stages) in place of
     add_lora_tiles' (benchmarks sweep them; the default's launch options are dropped).
     """
@@ -376,9 +381,9 @@ def add_lora_(
     if T == 0:
         return y
     row0 = 0
-    for slice0 in range(0, n, 3):  # a launch takes 3 slices (Qwen3.5's in_proj has 4)
-        group = list(lora.out_slices[slice0 : slice0 + 3])
-        sizes = group + [0] * (3 - len(group))
+    for slice0 in range(0, n, SLICES_A_LAUNCH):
+        group = list(lora.out_slices[slice0 : slice0 + SLICES_A_LAUNCH])
+        sizes = group + [0] * (SLICES_A_LAUNCH - len(group))
         meta = _add_lora_meta(T, lora, info, sizes, x.device, tiles)
         _launch_add_lora(y[:, row0:], x, lora, info, sizes, meta, slice0, row0)
         row0 += sum(group)
@@ -416,7 +421,7 @@ def _launch_add_lora(
     slice0: int = 0,
     row0: int = 0,
 ) -> None:
-    """One _add_lora_kernel launch for the slices `sizes` (padded to 3 with zeros), the
+    """One _add_lora_kernel launch for the slices `sizes` (padded to 4 with zeros), the
     module's slices slice0 on, its output rows row0 on (y starts at row0's column)."""
     T, K_in = x.shape
     grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
@@ -433,6 +438,7 @@ def _launch_add_lora(
         N0=sizes[0],
         N1=sizes[1],
         N2=sizes[2],
+        N3=sizes[3],
         SLICE0=slice0,
         ROW0=row0,
         stride_yt=y.stride(0),

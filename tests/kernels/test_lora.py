@@ -7,7 +7,8 @@ from moelora.kernels.lora import add_lora_, lora_shrink_split
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3}
 # o / gate|up / q|k|v (GQA: small k, v) / Qwen3.5's in_proj (qkv|z|b|a: two launches)
-SLICES = {1: (48,), 2: (40, 40), 3: (64, 16, 16), 4: (80, 48, 4, 4)}
+# up to 4 slices take one launch (Qwen3.5's in_proj); 5: two launches, the second at slice 4
+SLICES = {1: (48,), 2: (40, 40), 3: (64, 16, 16), 4: (80, 48, 4, 4), 5: (80, 48, 4, 4, 24)}
 
 
 @pytest.mark.parametrize("T", [1, 7, 64])
@@ -160,7 +161,7 @@ def test_lora_shrink_split_sums_to_the_shrink(T, spread, R, K_in):
 
 
 @pytest.mark.parametrize("T,spread", [(7, "mixed"), (9, "distinct"), (300, "mixed")])
-@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("n", [1, 3, 4, 5])
 def test_add_lora_reads_the_compact_arena(T, n, spread):
     """Slots at their own ranks (mixed, one slot without the module) in one arena, regions out
     of slot order with NaN between them: the kernel (decode and prefill tiles) and the
