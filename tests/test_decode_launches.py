@@ -113,8 +113,8 @@ def count_decode_launches(
     return launches, aten.ops
 
 
-# (shape, layers, lora): (Triton launches, aten ops allowed) of one decode step. Moonlight and
-# GLM-4.5-Air: a dense layer, then MoE; Qwen3.5: three gated DeltaNet layers, then gated
+# (shape, layers, lora): (Triton launches, aten ops allowed) of one decode step. Moonlight,
+# DeepSeek-V2-Lite and GLM-4.5-Air: a dense layer, then MoE; Qwen3.5: three gated DeltaNet layers, then gated
 # attention. The aten ops: the embedding gather; the MLA output's cast to the model's dtype
 # after kv_b's LoRA correction.
 BUDGETS = {
@@ -123,6 +123,8 @@ BUDGETS = {
     ("glm-4.5-air", 2, False): (25, {"embedding": 1}),
     ("qwen3.5-moe-35b-a3b", 4, False): (72, {"embedding": 1}),
     ("qwen3.5-moe-35b-a3b", 4, True): (88, {"embedding": 1}),
+    ("deepseek-v2-lite", 2, True): (44, {"embedding": 1, "_to_copy": 2}),
+    ("gpt-oss-20b", 2, False): (23, {"embedding": 1}),
     ("qwen3-30b-a3b", 2, False): (23, {"embedding": 1}),
     ("qwen3-30b-a3b", 2, True): (25, {"embedding": 1}),
 }
