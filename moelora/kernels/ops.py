@@ -185,12 +185,10 @@ def triton_ops(
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
-        # the latent attention's kernel, the absorption and kv_b's LoRA in torch around it; models
-        # with MLA are still refused with this table (models/model.py) until their engines pass
-        # the family tests on a device (the kernels alone passed tests/gpu)
+        # the latent attention, kv_b's absorption and its LoRA, each a kernel of its own
         mla_attention=mla_attention,
-        # models/model.py refuses hybrid models with this table until their engines pass the
-        # family tests on a device
+        # models/model.py refuses Qwen3-Next with this table until its engine passes its family
+        # tests on a device
         causal_conv1d=conv.causal_conv1d,
         delta_gates=gates.delta_gates,
         gated_delta_rule=delta_rule.gated_delta_rule,
