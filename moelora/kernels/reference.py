@@ -530,8 +530,8 @@ def rope_store_kv(
     pairs, adjacent dims): q's and k's dims are first reordered, the even ones then the odd
     ones, so that the pairs are halves, and returned (and stored) in that order, as
     transformers' apply_rotary_pos_emb_interleave does (without a norm or expand). rotary_dim
-    (partial rotary, 0 < rotary_dim < D): q's and k's dims, and their norm weights, first in
-    partial_rotary_order, returned (and stored) so (without expand).
+    (partial rotary, 0 < rotary_dim < D): q's and k's dims (after expand), and their norm
+    weights, first in partial_rotary_order, returned (and stored) so.
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine; DV is D but without expand: MLA stores its latents as v); positions [T] int64; cos,
@@ -550,7 +550,7 @@ def rope_store_kv(
         order = deinterleaved(q.shape[-1]).to(q.device)
         q, k = q[..., order], k[..., order]
     if rotary_dim:
-        assert expand is None and not interleaved, "no model rotates part of a head so"
+        assert not interleaved, "no model rotates part of a head so"
         order = partial_rotary_order(q.shape[-1], rotary_dim).to(q.device)
         q, k = q[..., order], k[..., order]
         q_norm, k_norm = (None if w is None else w[order] for w in (q_norm, k_norm))

@@ -36,15 +36,13 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     clip_qkv, which come between q|k|v and rotary, nor with a head dim that is not a power of
     two (rotary's expand swaps the halves of a head), nor with tensor parallelism, whose
     all-reduce of o's output comes between o and the norm that would expand o's LoRA. Nor with
-    partial rotary, whose reordering of q and k comes between q|k|v and rotary, nor with MLA
-    (layers/mla.py), whose projections are others, nor with an output gate (q_proj's slice
-    holds the gate too)."""
+    MLA (layers/mla.py), whose projections are others, nor with an output gate (q_proj's slice
+    holds the gate too). Partial rotary folds: rotary reads the delta in its order too."""
     cfg = attn.cfg
     return (
         batch.lora is not None
         and cfg.mla is None
         and not cfg.attn_output_gate
-        and not cfg.rotary_dim
         and attn.qkv_proj.lora is not None
         and attn.o_proj.lora is not None
         and cfg.qk_norm != "full"

@@ -392,7 +392,8 @@ def test_rms_norm_lora_gpu_one_side(mode):
 
 @pytest.mark.parametrize("T", [1, 64])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_rope_store_kv_lora_gpu(T, with_norm):
+@pytest.mark.parametrize("rotary_dim", [0, D // 2])  # D // 2: GLM-4.5's partial rotary
+def test_rope_store_kv_lora_gpu(T, with_norm, rotary_dim):
     """q|k|v take the expand of the shrink (base rows of the shrink are NaN: never read), then
     the norm, the rotary and the KV store; against the float32 reference."""
     dtype, R, K_IN = torch.bfloat16, 16, LORA_N
@@ -413,19 +414,20 @@ def test_rope_store_kv_lora_gpu(T, with_norm):
     bf_caches = dict(k_cache=k_cache.clone(), v_cache=v_cache.clone(), slot_mapping=slots)
     rope = (positions, cos, sin, q_norm, k_norm, EPS)
     expand = FoldedLora(shrunk, lora_qkv, info)
-    bf_q, bf_k = reference.rope_store_kv(q, k, *rope, v=v, expand=expand, **bf_caches)
+    partial = dict(rotary_dim=rotary_dim)
+    bf_q, bf_k = reference.rope_store_kv(q, k, *rope, v=v, expand=expand, **bf_caches, **partial)
     qf, kf, vf = q.float(), k.float(), v.float()
     k_ref = torch.full(k_cache.shape, SENTINEL, device=DEV)
     v_ref = torch.full(v_cache.shape, SENTINEL, device=DEV)
 
     kernel_expand = FoldedLora(k_shrunk, lora_qkv, info)
     caches = dict(v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots)
-    q_out, k_out = rope_store_kv(q, k, *rope, **caches, expand=kernel_expand)
+    q_out, k_out = rope_store_kv(q, k, *rope, **caches, expand=kernel_expand, **partial)
     f32_norms = [None if w is None else w.float() for w in (q_norm, k_norm)]
     f32_caches = dict(v=vf, k_cache=k_ref, v_cache=v_ref, slot_mapping=slots)
     f32_expand = FoldedLora(shrunk, _f32(lora_qkv), info)
     ref_q, ref_k = reference.rope_store_kv(
-        qf, kf, positions, cos, sin, *f32_norms, EPS, **f32_caches, expand=f32_expand
+        qf, kf, positions, cos, sin, *f32_norms, EPS, **f32_caches, expand=f32_expand, **partial
     )
     assert q_out.dtype == dtype and q_out.shape == (T, Hq, D) and q_out.is_contiguous()
     assert k_out.dtype == dtype and k_out.shape == (T, Hkv, D) and k_out.is_contiguous()

@@ -438,10 +438,11 @@ def _qkv_views(qkv: torch.Tensor, Hq: int, Hkv: int, D: int):
 
 
 def _check_rope_store_kv_lora(
-    dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False, compact=False
+    dtype, T, spread, Hq, Hkv, D, with_norm, *, garbage=False, compact=False, rotary_dim=0
 ):
     """compact: the kernel reads B from the compact arena (_compact_ranks), the reference
-    from the same weights in the dense layout."""
+    from the same weights in the dense layout. rotary_dim: partial rotary (the delta read in
+    partial_rotary_order too)."""
     q, k, v, positions, cos, sin, q_norm, k_norm = _rope_inputs(dtype, T, Hq, Hkv, D, with_norm)
     qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)  # [T, (Hq + 2 Hkv) D]
     info, lora_qkv, shrunk = _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D)
@@ -468,6 +469,7 @@ def _check_rope_store_kv_lora(
         v_cache=v_cache,
         slot_mapping=slots,
         expand=_kernel_expand(info, k_lora, shrunk, garbage=garbage),
+        rotary_dim=rotary_dim,
     )
     rq, rk, rv = _qkv_views(qkv, Hq, Hkv, D)
     ref_q, ref_k = reference.rope_store_kv(
@@ -479,6 +481,7 @@ def _check_rope_store_kv_lora(
         v_cache=v_ref,
         slot_mapping=slots,
         expand=FoldedLora(shrunk, lora_qkv, info),
+        rotary_dim=rotary_dim,
     )
 
     assert q_out.shape == (T, Hq, D) and q_out.is_contiguous() and q_out.dtype == dtype
@@ -561,6 +564,15 @@ def test_rope_store_kv_lora_matches_reference(poison_empty, dtype, T, spread, D,
     delta. Base rows of the shrink are NaN: the kernel must check the slot first."""
     torch.manual_seed(T * D + len(spread) + with_norm)
     _check_rope_store_kv_lora(dtype, T, spread, 4, 2, D, with_norm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,spread", [(1, "one"), (9, "mixed")])
+def test_rope_store_kv_lora_partial_rotary(poison_empty, dtype, T, spread):
+    """GLM-4.5's folded attention LoRA: each lane takes the delta of the dim it reads under
+    partial_rotary_order (half of a 64-dim head rotating here), its partner the swapped half."""
+    torch.manual_seed(T + len(spread) + 11)
+    _check_rope_store_kv_lora(dtype, T, spread, 4, 2, 64, True, rotary_dim=32)
 
 
 def test_rope_store_kv_lora_rank_beyond_real_rank_is_ignored(poison_empty):

@@ -182,6 +182,8 @@ def _launch_norms_and_rotary(T: int) -> None:
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, rotary_dim=64)
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store)
         norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, expand=folded)
+        partial = dict(expand=folded, rotary_dim=64)  # GLM-4.5's folded LoRA
+        norm_rope.rope_store_kv(q, k, pos, cos, sin, norm, norm, 1e-6, **store, **partial)
     for scoring in ("softmax", "sigmoid"):
         routing.route_topk(torch.randn(T, 128), 8, scoring=scoring, renormalize=True)
     _launch_grouped_routing(T)

@@ -426,13 +426,19 @@ def _lora_expand_head(
     R: tl.constexpr,
     RC: tl.constexpr,
     D: tl.constexpr,
+    ROTARY_HALF: tl.constexpr,
 ):
-    """(d, d_rot), [D] float32 each: d = shrunk[t, slice_i] @ B[col0 : col0 + D].T over the
+    """(d, d_rot), [D] float32 each: d = shrunk[t, slice_i] @ B[col0 + dim(lane)].T over the
     module's rank (b_ptr: the slot's B [out, rank], row stride b_row) and d_rot = d with its
-    halves swapped, the rotate_half partner of each lane. D is a power of two."""
+    halves swapped, the rotate_half partner of each lane. dim(lane) is the lane's dim as the
+    rotary reads it: the lane itself, or partial_rotary_order's with ROTARY_HALF > 0. D is a
+    power of two."""
     HALF: tl.constexpr = D // 2
     ii = tl.arange(0, 2)
-    cols = col0 + ii[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [2, HALF]
+    lanes = ii[:, None] * HALF + tl.arange(0, HALF)[None, :]  # [2, HALF]
+    if ROTARY_HALF > 0:
+        lanes = _partial_rotary_dim(lanes, ROTARY_HALF, HALF - ROTARY_HALF)
+    cols = col0 + lanes
     d2 = tl.zeros((2, HALF), dtype=tl.float32)
     for r0 in tl.static_range(0, R, RC):
         offs_r = r0 + tl.arange(0, RC)
@@ -584,7 +590,17 @@ def _rope_store_kv_kernel(
                     )
                     if rank > 0:
                         d_v, d_unused = _lora_expand_head(
-                            shrunk_ptr, lb, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                            shrunk_ptr,
+                            lb,
+                            lb_row,
+                            t,
+                            rank,
+                            slice_i,
+                            h * D,
+                            R=R,
+                            RC=RC,
+                            D=BLOCK_D,
+                            ROTARY_HALF=0,  # v is not reordered
                         )
                         x_v = (x_v.to(tl.float32) + d_v.to(dtype).to(tl.float32)).to(dtype)
                 v_dst = v_cache_ptr + cache_row + hv * stride_ch + offs_v
@@ -609,7 +625,17 @@ def _rope_store_kv_kernel(
                     )
                     if rank > 0:
                         d, d_rot = _lora_expand_head(
-                            shrunk_ptr, lb, lb_row, t, rank, slice_i, h * D, R=R, RC=RC, D=BLOCK_D
+                            shrunk_ptr,
+                            lb,
+                            lb_row,
+                            t,
+                            rank,
+                            slice_i,
+                            h * D,
+                            R=R,
+                            RC=RC,
+                            D=BLOCK_D,
+                            ROTARY_HALF=ROTARY_HALF,
                         )
                         x = (x + d.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
                         x_rot = (x_rot + d_rot.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -667,7 +693,7 @@ def rope_store_kv(
     q|k|v first take reference.lora_expand_ of it; expand.weights: out_slices (Hq D, Hkv D,
     Hkv D), B read through its table. interleaved, rotary_dim: reference.rope_store_kv's (the
     lanes read the even dims, then the odd ones, no norm or expand with it; or the dims in
-    partial_rotary_order, the norm weights too, no expand with it).
+    partial_rotary_order, the norm weights and the expanded delta too).
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine, the last dim contiguous), same dtype; DV is D but without expand (MLA stores its
@@ -679,7 +705,7 @@ def rope_store_kv(
     rope = _Rope(q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping)
     _check_rope(rope, expand)
     assert not interleaved or (q_norm is None and expand is None), "no model rotates pairs so"
-    assert not rotary_dim or (expand is None and not interleaved and 0 < rotary_dim < q.shape[2])
+    assert not rotary_dim or (not interleaved and 0 < rotary_dim < q.shape[2]), rotary_dim
     T, Hq, D = q.shape
     q_out = torch.empty(T, Hq, D, dtype=q.dtype, device=q.device)
     k_out = torch.empty(T, k.shape[1], D, dtype=q.dtype, device=q.device)
