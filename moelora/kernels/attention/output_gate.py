@@ -23,12 +23,14 @@ BLOCK = 1024  # a program's elements of a row
 @triton.jit
 def _output_gate_kernel(
     # Pointers.
-    out_ptr,  # [T, Hq, D] contiguous: the attention's output
+    out_ptr,  # [T, Hq, D], strides (stride_ot, stride_oh, 1): the attention's output
     gate_ptr,  # [T, Hq, D], strides (stride_gt, stride_gh, 1)
     y_ptr,  # [T, Hq, D] contiguous
     # Sizes and strides.
     Hq,
     D,
+    stride_ot,
+    stride_oh,
     stride_gt,
     stride_gh,
     # Meta-parameters.
@@ -43,19 +45,20 @@ def _output_gate_kernel(
     head, d = offs // D, offs % D
     gate = tl.load(gate_ptr + row * stride_gt + head * stride_gh + d, mask=ok, other=0.0)
     sig = (1.0 / (1.0 + tl.exp(-gate.to(tl.float32)))).to(dtype).to(tl.float32)
-    x = tl.load(out_ptr + row * Hq * D + offs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(out_ptr + row * stride_ot + head * stride_oh + d, mask=ok, other=0.0)
+    x = x.to(tl.float32)
     tl.store(y_ptr + row * Hq * D + offs, (x * sig).to(dtype), mask=ok)
 
 
 def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Semantics: reference.output_gate's: out * sigmoid(gate).
 
-    out [T, Hq, D] contiguous; gate [T, Hq, D], the last dim contiguous, out's dtype. Returns
-    [T, Hq, D] contiguous."""
+    out, gate [T, Hq, D], the last dims contiguous, one dtype. Returns [T, Hq, D]
+    contiguous."""
     T, Hq, D = out.shape
-    assert out.is_contiguous() and gate.shape == out.shape and gate.stride(2) == 1
+    assert gate.shape == out.shape and gate.stride(2) == out.stride(2) == 1
     assert gate.dtype == out.dtype, (gate.dtype, out.dtype)
-    y = torch.empty_like(out)
+    y = torch.empty(T, Hq, D, dtype=out.dtype, device=out.device)
     if T == 0:
         return y
     block = min(BLOCK, next_power_of_2(Hq * D))
@@ -65,6 +68,8 @@ def output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         y_ptr=y,
         Hq=Hq,
         D=D,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
         stride_gt=gate.stride(0),
         stride_gh=gate.stride(1),
         BLOCK=block,
