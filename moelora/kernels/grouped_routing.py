@@ -25,19 +25,25 @@ def route_grouped(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The variant `routing` and `scoring` name. Returns weights [T, K] float32 (times
     routed_scaling_factor) and expert ids [T, K] int32, as route_topk does."""
-    if scoring == "softmax" and not routing.correction_bias:
+    if not biased_variant(scoring, routing):
         weights, ids = group_limited_softmax_topk(router_logits, top_k, routing)
-    elif scoring == "sigmoid" and routing.correction_bias:
+    else:
         assert correction_bias is not None, "the MoE holds e_score_correction_bias"
         weights, ids = biased_grouped_sigmoid_topk(router_logits, top_k, routing, correction_bias)
-    else:
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.routed_scaling_factor, ids.to(torch.int32)
+
+
+def biased_variant(scoring: str, routing: GroupedRouting) -> bool:
+    """Which of the two variants transformers has: sigmoid scores with the correction bias
+    (True), or softmax without one (False); any other pairing is refused."""
+    if (scoring == "sigmoid") != routing.correction_bias or scoring not in ("softmax", "sigmoid"):
         raise ValueError(
             f"scoring={scoring!r} with correction_bias={routing.correction_bias} is not a "
             "routing transformers has: expected softmax without a bias or sigmoid with one"
         )
-    if renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routing.routed_scaling_factor, ids.to(torch.int32)
+    return routing.correction_bias
 
 
 def group_limited_softmax_topk(

@@ -100,3 +100,10 @@ def test_grouped_route_breaks_ties_toward_the_lower_expert(n_group, topk_group):
     want = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :K]
     assert torch.equal(ids.long(), want)
     torch.testing.assert_close(weights, scores.gather(1, want) * 2.5, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("route", [route_topk, reference.route_topk])
+def test_grouped_route_refuses_a_variant_transformers_lacks(route):
+    grouped = _grouped_case(16, 4, 2, bias=True)  # the bias belongs with sigmoid scores
+    with pytest.raises(ValueError, match="scoring='softmax' with correction_bias=True"):
+        route(torch.randn(3, 16), 2, renormalize=True, grouped=grouped)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.grouped_routing import biased_variant
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 
@@ -247,12 +248,7 @@ def _launch_grouped(
     """The grouped kernel over weights' and ids' rows, for the variants the reference has."""
     T, E = router_logits.shape
     K = weights.shape[1]
-    bias = scoring == "sigmoid" and grouped.correction_bias
-    if not bias and not (scoring == "softmax" and not grouped.correction_bias):
-        raise ValueError(
-            f"scoring={scoring!r} with correction_bias={grouped.correction_bias} is not a "
-            "routing transformers has: expected softmax without a bias or sigmoid with one"
-        )
+    bias = biased_variant(scoring, grouped)
     group_size = E // grouped.n_group
     assert E % grouped.n_group == 0 and grouped.topk_group * group_size >= K, (E, grouped, K)
     if bias:
