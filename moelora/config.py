@@ -161,11 +161,10 @@ class EngineConfig:
     # form's work at DeepSeek's sizes) where that is less work: a prompt's first chunk, and
     # outside the prefill graphs a long later chunk, its prefix read back from the cache; or
     # "absorbed" (in the latent space, as decode rows always are: a prompt's rows then get
-    # the same bits prefilled whole or in chunks). Expanded is not the default yet: its Triton
-    # kernel has passed the interpreter's tests and an sm_90 compile, not yet a device.
-    # Deterministic inference always takes absorbed.
+    # the same bits prefilled whole or in chunks). Deterministic inference always takes
+    # absorbed.
     mla_prefill: str = _flag(
-        "absorbed",
+        "expanded",
         "how an MLA model's prefill chunks attend: absorbed (in the latent space, as decode "
         "does) or expanded (per-head keys and values, where that is less work: first chunks, "
         "long later ones); --enable-deterministic-inference keeps absorbed",
@@ -174,11 +173,10 @@ class EngineConfig:
     # Hybrid models (Qwen3-Next, Qwen3.5): a gated DeltaNet layer runs a prefill chunk
     # "recurrent" (token by token, as decode does: a prompt's rows get the same bits however
     # it is chunked) or "chunked" (blocks of 64 tokens, a triangular solve in each: the serial
-    # chain is the blocks, not the tokens). Chunked is not the default yet: its Triton kernels
-    # have passed the interpreter's tests and an sm_90 compile, not yet a device. The CPU
-    # references and deterministic inference always run recurrent.
+    # chain is the blocks, not the tokens). The CPU references and deterministic inference
+    # always run recurrent.
     linear_attention_prefill: str = _flag(
-        "recurrent",
+        "chunked",
         "how gated DeltaNet layers (Qwen3-Next, Qwen3.5) run prefill chunks on CUDA: "
         "recurrent (token by token, the same bits however a prompt is chunked) or chunked "
         "(blocks of 64 tokens; less serial work); --enable-deterministic-inference keeps "

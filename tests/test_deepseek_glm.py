@@ -121,19 +121,24 @@ def test_expanded_prefill(
     Then with every extend expanded (layers/mla.expands made true: at these sizes few are
     worth it), each chunk's whole KV read back from the cache, and on a prefix-cache hit."""
     from moelora.kernels import mla
+    from moelora.kernels.attention import mla_expanded
     from moelora.layers import mla as mla_layer
 
     calls = []
 
-    def counted(*args, **kwargs):
-        calls.append(1)
-        return expanded_attention_(*args, **kwargs)
+    def counting(module):
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return expanded_attention_(*args, **kwargs)
 
-    expanded_attention_ = mla.expanded_attention_
-    monkeypatch.setattr(mla, "expanded_attention_", counted)
+        expanded_attention_ = module.expanded_attention_
+        monkeypatch.setattr(module, "expanded_attention_", counted)
+
+    counting(mla)  # the reference's (CPU), the Triton kernel's (GPU)
+    counting(mla_expanded)
     loras = ["a", None, "b", "a", None]
     refs = fx.reference(bank, arch, loras)
-    latent = run_greedy(fx.llm(arch), loras)
+    latent = run_greedy(fx.llm(arch, mla_prefill="absorbed"), loras)
     assert not calls
     expanded = run_greedy(fx.llm(arch, mla_prefill="expanded"), loras)
     assert calls

@@ -319,14 +319,7 @@ def test_the_gpu_kernel_table_takes_qwen3_5_and_several_ranks_refuse_them(
     for arch in qf.ARCHS:
         mc, _ = read_model_config(str(fx.model(arch)))
         check_kernels(mc, REFERENCE_OPS)
-        triton = dataclasses.replace(REFERENCE_OPS, name="triton-x")
-        if arch == "qwen3_next":
-            with pytest.raises(
-                ModelConfigError, match=r"qwen3_next is not supported on triton-x kernels"
-            ):
-                check_kernels(mc, triton)
-        else:
-            check_kernels(mc, triton)
+        check_kernels(mc, dataclasses.replace(REFERENCE_OPS, name="triton-x"))
         two = dataclasses.replace(REFERENCE_OPS, shard=Shard(rank=0, size=2))
         with pytest.raises(ModelConfigError, match=r"tensor_parallel_size=2 is not supported"):
             check_kernels(mc, two)

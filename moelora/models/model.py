@@ -83,16 +83,9 @@ class MoeCausalLM(nn.Module):
 def check_kernels(cfg: ModelConfig, ops: Ops) -> None:
     """What the kernel table and the ranks cannot run yet. MLA, grouped routing, partial rotary
     and gated DeltaNet (the DeepSeek family, GLM-4.5, Qwen3-Next, Qwen3.5) run on one rank.
-    On the Triton table every architecture runs whose engines passed the transformers+PEFT
-    comparisons on a device (tests run with --moelora-device=cuda); Qwen3-Next's have not yet
-    passed there at the hybrid families' tolerance, which the CPU comparisons now take."""
+    On the Triton table every architecture runs: each engine passed the transformers+PEFT
+    comparisons on a device (tests run with --moelora-device=cuda)."""
     needs = one_rank_only(cfg)
-    if cfg.arch == "qwen3_next" and ops.name != "torch":
-        raise ModelConfigError(
-            f"{cfg.arch} is not supported on {ops.name} kernels: its engine has not passed "
-            "its GPU comparison with transformers yet; expected device='cpu' (or "
-            "force_reference_kernels=True)"
-        )
     if needs and ops.shard.size > 1:
         raise ModelConfigError(
             f"tensor_parallel_size={ops.shard.size} is not supported for {cfg.arch}: expected 1"

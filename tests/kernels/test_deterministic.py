@@ -142,7 +142,11 @@ def test_the_prefill_forms_and_their_configs():
     ops = make_rank_ops(exact, SINGLE, cuda)
     assert not hasattr(ops.gated_delta_rule, "keywords") and not ops.mla_expanded_prefill
     default = make_rank_ops(EngineConfig(model="demo"), SINGLE, cuda)
-    assert not hasattr(default.gated_delta_rule, "keywords") and not default.mla_expanded_prefill
+    assert default.gated_delta_rule.keywords == {"chunked": True} and default.mla_expanded_prefill
+    asked = dict(mla_prefill="absorbed", linear_attention_prefill="recurrent")
+    ops = make_rank_ops(EngineConfig(model="demo", **asked), SINGLE, cuda)
+    assert not hasattr(ops.gated_delta_rule, "keywords") and not ops.mla_expanded_prefill
+    asked = dict(mla_prefill="expanded", linear_attention_prefill="chunked")
     ops = make_rank_ops(EngineConfig(model="demo", **asked), SINGLE, cpu)
     assert ops.gated_delta_rule is gated_delta.gated_delta_rule and ops.mla_expanded_prefill
     for field in asked:
