@@ -35,7 +35,13 @@ class LoraLinear(nn.Module):
         self.lora: LoraWeights | None = None  # set by the slot pool when LoRA is enabled
 
     def forward(self, x: torch.Tensor, lora_info: LoraBatchInfo | None) -> torch.Tensor:
-        y = self.ops.linear(x, self.weight, self.bias)
+        return self.add_lora_(self.ops.linear(x, self.weight, self.bias), x, lora_info)
+
+    def add_lora_(
+        self, y: torch.Tensor, x: torch.Tensor, lora_info: LoraBatchInfo | None
+    ) -> torch.Tensor:
+        """This projection's LoRA delta of x added into y, its product of x (which another
+        module may have computed, in a wider product: y may be a view of it). In place."""
         if self.lora is not None and lora_info is not None:
             self.ops.add_lora_(y, x, self.lora, lora_info)
         return y

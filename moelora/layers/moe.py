@@ -6,6 +6,10 @@ With tensor parallelism (ops.shard) a dense MLP and a shared expert hold their s
 intermediate dimension; the experts hold theirs too (TP) or E/N whole experts (EP). Either way
 each rank's output (its LoRA's partial expands included: down's A is split by input, B whole)
 is a partial sum, all-reduced once per MLP. Routers are replicated.
+
+With a shared expert, the three products of the MoE's input (the router, the shared expert's
+gate|up, its gate) become one product of one weight once loaded (SparseMoE.fuse_inputs): one
+launch a step.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ class DenseMLP(nn.Module):
         self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        lora = batch.lora
-        out = self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.finish(self.gate_up_proj(x, batch.lora), batch)
+
+    def finish(self, gate_up: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """The MLP from gate_up_proj's output [T, 2I] on (its LoRA included; a view of a wider
+        product may come: SparseMoE's)."""
+        out = self.down_proj(self.ops.silu_and_mul(gate_up), batch.lora)
         return out if self.shard is None else self.shard.all_reduce(out)
 
 
@@ -84,6 +92,8 @@ class SparseMoE(nn.Module):
             if cfg.shared_expert_gate:
                 gate = torch.empty(1, H, **kw)
                 self.shared_expert_gate = nn.Parameter(gate, requires_grad=False)
+        # the router | shared gate | shared gate_up weight, once loaded (fuse_inputs)
+        self.w_in: torch.Tensor | None = None
 
     def _packed(self, name: str, shape: tuple[int, int, int], device) -> Mxfp4Weight:
         """MXFP4 experts of `shape` [E, N, K]: parameters NAME_blocks and NAME_scales (what the
@@ -108,6 +118,25 @@ class SparseMoE(nn.Module):
         self.register_parameter(f"{name}_scale_inv", scales)
         return Fp8Weight(codes, scales)
 
+    def fuse_inputs(self) -> None:
+        """Once the weights are loaded, with a shared expert: one weight for the three products
+        of the MoE's input, so that a step computes them in one launch: the router's rows
+        [E, H], the shared expert's gate|up [2I, H], its sigmoid gate [1, H] where it has one,
+        and zero rows to a multiple of 8 (each part's columns of the product then start, and
+        its rows stride, at 16 bytes). The parameters become views of its rows (the same
+        Parameter objects)."""
+        if self.shared_expert is None or self.w_in is not None:
+            return
+        # no architecture has both a router bias and a shared expert, which w_in would need
+        assert self.gate_bias is None, self.cfg.arch
+        parts = [self.gate, self.shared_expert.gate_up_proj.weight, self.shared_expert_gate]
+        parts = [p for p in parts if p is not None]
+        rows = [p.shape[0] for p in parts]
+        pad = parts[0].new_zeros(-sum(rows) % 8, parts[0].shape[1])
+        self.w_in = torch.cat([*(p.data for p in parts), pad])
+        for p, view in zip(parts, self.w_in.split([*rows, pad.shape[0]]), strict=False):
+            p.data = view
+
     def settle_packed(self) -> None:
         """Once the MXFP4 bytes are loaded: record whether their scales are small enough for
         the fused MoE's bit-placement expansion (Mxfp4Weight.small_scales), and where its
@@ -129,7 +158,11 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
         lora = batch.lora
-        router_logits = self.ops.linear(x, self.gate, self.gate_bias)  # [T, E]
+        shared_in = None
+        if self.w_in is not None:  # router | shared gate|up | shared gate | padding
+            router_logits, *shared_in = self.ops.linear(x, self.w_in).split(self._in_sizes(), -1)
+        else:
+            router_logits = self.ops.linear(x, self.gate, self.gate_bias)  # [T, E]
         weights, ids = self._route(router_logits)
         if batch.routing_trace is not None:
             batch.routing_trace.append(ids.clone())
@@ -150,11 +183,36 @@ class SparseMoE(nn.Module):
             **self._expert_options(),
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
-            shared = self.shared_expert(x, batch)
-            gate = self.shared_expert_gate
-            gate_logits = None if gate is None else self.ops.linear(x, gate)  # [T, 1]
-            out = self.ops.add_shared_expert(out, shared, gate_logits)
+            out = self._add_shared(out, x, batch, shared_in)
         return shard.all_reduce(out)
+
+    def _in_sizes(self) -> list[int]:
+        """The columns of w_in's product: router logits, the shared expert's gate|up, its gate's
+        logit (where it has one), the padding."""
+        rows = [self.gate.shape[0], self.shared_expert.gate_up_proj.weight.shape[0]]
+        rows += [] if self.shared_expert_gate is None else [1]
+        return [*rows, self.w_in.shape[0] - sum(rows)]
+
+    def _add_shared(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        shared_in: list[torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The routed experts' output with the shared expert's, gated where it has a gate.
+        shared_in: w_in's product past the router (gate|up [T, 2I], [gate logit [T, 1],]
+        padding); None before fuse_inputs, which then computes each on its own."""
+        expert, gate = self.shared_expert, self.shared_expert_gate
+        if shared_in is None:
+            shared = expert(x, batch)
+            gate_logits = None if gate is None else self.ops.linear(x, gate)  # [T, 1]
+        else:
+            shared = expert.finish(
+                expert.gate_up_proj.add_lora_(shared_in[0], x, batch.lora), batch
+            )
+            gate_logits = None if gate is None else shared_in[1]
+        return self.ops.add_shared_expert(out, shared, gate_logits)
 
     def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K] int32) of router_logits [T, E]."""

@@ -397,10 +397,11 @@ def _slice(linear, kind: str, index: int) -> torch.Tensor:
 
 def settle(model: MoeCausalLM) -> None:
     """What a model's layers derive from their weights once loaded, dummy or not (the MoE
-    layers' MXFP4 scale range)."""
+    layers' MXFP4 scale range, their input products made one)."""
     for module in model.modules():
         if isinstance(module, SparseMoE):
             module.settle_packed()
+            module.fuse_inputs()
 
 
 def fill_dummy(model: MoeCausalLM, seed: int) -> None:
