@@ -154,6 +154,9 @@ class RmsNormOp(Protocol):
         weight: torch.Tensor,
         eps: float,
         residual: torch.Tensor | None = None,
+        *,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -171,6 +174,8 @@ class RmsNormLoraOp(Protocol):
         *,
         shrink: LoraWeights | None = None,
         expand: FoldedLora | None = None,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]: ...
 
 

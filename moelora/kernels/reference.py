@@ -449,19 +449,36 @@ def sum_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: s = sum_rows(x) + residual (sum_rows(x) alone when None);
-    out = weight * rmsnorm(s).
+    """Semantics: s = joined(x) + residual (joined(x) alone when None);
+    out = weight * rmsnorm(s), where joined(x) = sum_rows(x), or with a shared expert's output
+    add_shared_expert(x, shared, shared_gate) (the MoE's rows and its shared expert, joined
+    here: no launch of their own).
 
     The sum is rounded to x's dtype, the norm computed in float32 and cast back to x's dtype
     before the weight multiplies it: the HF models' order, so float32 matches them exactly.
     x: [T, N], or [T, KX, N] rows to add first (the MoE's top-k rows, fused_moe(sum_topk=
-    False)); residual: [T, N]; weight: [N]. Returns (out [T, N], s [T, N]).
+    False)); residual, shared: [T, N]; shared_gate: [T, 1] logits or None; weight: [N].
+    Returns (out [T, N], s [T, N]).
     """
-    x = sum_rows(x)
+    x = _joined(x, shared, shared_gate)
     s = x if residual is None else x + residual
     return _norm(s, weight, eps), s
+
+
+def _joined(
+    x: torch.Tensor, shared: torch.Tensor | None, shared_gate: torch.Tensor | None
+) -> torch.Tensor:
+    """The MoE's rows summed, with its shared expert where given (rms_norm's joined(x))."""
+    assert shared is not None or shared_gate is None, "a gate without its shared expert"
+    return sum_rows(x) if shared is None else add_shared_expert(x, shared, shared_gate)
 
 
 def _norm(s: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -486,17 +503,20 @@ def rms_norm_lora(
     *,
     shrink: LoraWeights | None = None,
     expand: FoldedLora | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: with expand (the LoRA of the projection that produced x, its shrunk the partial
+    Semantics: x is joined(x) first (rms_norm's: with shared, the MoE's shared expert). With
+    expand (the LoRA of the projection that produced x, its shrunk the partial
     shrinks [T, KS, 1, R] from lora_shrink_split), x first takes lora_expand_(x, partials
     summed over KS, expand.weights, info): the second half of that LoRA. Then (out, s) =
     rms_norm(x, weight, eps, residual), and with shrink, shrunk = FoldedLora(lora_shrink(out,
     shrink, info), shrink, info): the first half of the LoRA of the projection that reads out.
     Returns (out, s, shrunk), shrunk.shrunk [T, n, R] float32 (None without shrink).
     """
-    x = sum_rows(x)
+    x = _joined(x, shared, shared_gate)
     if expand is not None:
         x = lora_expand_(x.clone(), expand.shrunk.sum(dim=1), expand.weights, info)
     out, s = rms_norm(x, weight, eps, residual)

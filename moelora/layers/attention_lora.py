@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from moelora.layers.attention import Attention
-from moelora.layers.norm import RMSNorm
+from moelora.layers.norm import Joined, RMSNorm
 from moelora.step.batch import ForwardBatch
 
 FOLD_LORA_MAX_TOKENS = 256
@@ -63,7 +63,7 @@ class AroundAttention(Protocol):
 
 def folded_attention(
     layer: AroundAttention,
-    x: torch.Tensor,
+    x: torch.Tensor | Joined,
     residual: torch.Tensor | None,
     batch: ForwardBatch,
     kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -12,7 +12,7 @@ from moelora.layers.attention_lora import folded_attention, folds_lora
 from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.mla import MlaAttention
 from moelora.layers.moe import DenseMLP, SparseMoE
-from moelora.layers.norm import RMSNorm
+from moelora.layers.norm import Joined, RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.step.batch import ForwardBatch
 
@@ -47,16 +47,17 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Joined,
         residual: torch.Tensor | None,
         batch: ForwardBatch,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Joined, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the caller adds the two,
         inside the next norm, so every add shares a kernel with a norm. The MoE's output may
-        come as its top-k rows [T, K, H]: the next norm adds those too."""
+        come as its top-k rows [T, K, H], or those and its shared expert's (Joined): the next
+        norm adds those too."""
         attn = self.self_attn
-        if isinstance(attn, Attention) and folds_lora(attn, batch, x.shape[0]):
+        if isinstance(attn, Attention) and folds_lora(attn, batch, batch.positions.shape[0]):
             # the attention's LoRA rides in the norms on either side of it and in rotary
             h, residual = folded_attention(self, x, residual, batch, kv_cache)
         else:

@@ -22,6 +22,7 @@ from moelora.kernels.fp8_block import FP8_DTYPE, Fp8Weight, fp8_scale_shape
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
+from moelora.layers.norm import Joined
 from moelora.step.batch import ForwardBatch
 from moelora.step.lora import LoraWeights
 
@@ -155,8 +156,9 @@ class SparseMoE(nn.Module):
                     setattr(self, name, w)
                     getattr(self, f"{name}_scales").data = w.scales  # the padded rows' view
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows)."""
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | Joined:
+        """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows),
+        with a shared expert on one rank Joined, which the next norm joins too."""
         lora = batch.lora
         shared_in = None
         if self.w_in is not None:  # router | shared gate|up | shared gate | padding
@@ -184,7 +186,7 @@ class SparseMoE(nn.Module):
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
             out = self._add_shared(out, x, batch, shared_in)
-        return shard.all_reduce(out)
+        return out if isinstance(out, Joined) else shard.all_reduce(out)  # Joined: one rank
 
     def _in_sizes(self) -> list[int]:
         """The columns of w_in's product: router logits, the shared expert's gate|up, its gate's
@@ -199,8 +201,9 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         shared_in: list[torch.Tensor] | None,
-    ) -> torch.Tensor:
-        """The routed experts' output with the shared expert's, gated where it has a gate.
+    ) -> torch.Tensor | Joined:
+        """The routed experts' output with the shared expert's, gated where it has a gate:
+        joined here with several ranks, else by the next norm (Joined).
         shared_in: w_in's product past the router (gate|up [T, 2I], [gate logit [T, 1],]
         padding); None before fuse_inputs, which then computes each on its own."""
         expert, gate = self.shared_expert, self.shared_expert_gate
@@ -212,7 +215,9 @@ class SparseMoE(nn.Module):
                 expert.gate_up_proj.add_lora_(shared_in[0], x, batch.lora), batch
             )
             gate_logits = None if gate is None else shared_in[1]
-        return self.ops.add_shared_expert(out, shared, gate_logits)
+        if self.ops.shard.size > 1:  # joined before the all-reduce
+            return self.ops.add_shared_expert(out, shared, gate_logits)
+        return Joined(out, shared, gate_logits)
 
     def _route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, K] float32, expert ids [T, K] int32) of router_logits [T, E]."""

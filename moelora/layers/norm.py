@@ -1,8 +1,27 @@
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
 from moelora.kernels.ops import Ops
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
+
+
+class Joined(NamedTuple):
+    """A MoE's output that the next norm joins before it normalizes (no launch of its own): the
+    routed experts' top-k rows [T, K, H] (or their sum [T, H]) and the shared expert's output
+    [T, H], scaled by sigmoid(gate_logits [T, 1]) where given (reference.add_shared_expert)."""
+
+    rows: torch.Tensor
+    shared: torch.Tensor
+    gate_logits: torch.Tensor | None
+
+
+def _split(x: torch.Tensor | Joined) -> tuple[torch.Tensor, dict]:
+    """(the rows, the norm op's shared-expert keywords) of a norm's input."""
+    if isinstance(x, Joined):
+        return x.rows, dict(shared=x.shared, shared_gate=x.gate_logits)
+    return x, {}
 
 
 class RMSNorm(nn.Module):
@@ -19,14 +38,15 @@ class RMSNorm(nn.Module):
         self.ops = ops
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor | Joined, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual)."""
-        return self.ops.rms_norm(x, self.weight, self.eps, residual)
+        """(norm(x + residual), x + residual); x may be a MoE's top-k rows, or Joined."""
+        rows, shared = _split(x)
+        return self.ops.rms_norm(rows, self.weight, self.eps, residual, **shared)
 
     def with_lora(
         self,
-        x: torch.Tensor,
+        x: torch.Tensor | Joined,
         residual: torch.Tensor | None,
         info: LoraBatchInfo,
         *,
@@ -38,6 +58,7 @@ class RMSNorm(nn.Module):
         shrink (the LoRA of the projection that reads the output) is shrunk from the output
         (see reference.rms_norm_lora and layers/attention_lora.py).
         Returns (out, x + residual, shrink as a FoldedLora, or None)."""
+        rows, shared = _split(x)
         return self.ops.rms_norm_lora(
-            x, self.weight, self.eps, residual, info, shrink=shrink, expand=expand
+            rows, self.weight, self.eps, residual, info, shrink=shrink, expand=expand, **shared
         )

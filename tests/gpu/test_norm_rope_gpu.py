@@ -99,6 +99,26 @@ def test_rms_norm_gpu_strided_rows():
     _assert_matches(rms_norm(q, weight, EPS)[0], reference.rms_norm(q, weight, EPS)[0], max_ulps=2)
 
 
+@pytest.mark.parametrize("T", [1, 8, 64])
+@pytest.mark.parametrize("gated", [True, False])
+def test_rms_norm_joins_the_shared_expert_gpu(T, gated):
+    """bf16, Qwen3.5's sizes (top-8 rows, the shared expert and its gate as views of SparseMoE's
+    w_in product): the join inside the norm gives add_shared_expert's launch and then the
+    norm's bits exactly."""
+    from moelora.kernels.mlp import add_shared_expert
+
+    torch.manual_seed(T + gated)
+    N, K, dtype = 2048, 8, torch.bfloat16
+    rows = torch.randn(T, K, N, device=DEV, dtype=dtype)
+    product = torch.randn(T, 256 + N + 8, device=DEV, dtype=dtype)
+    shared, gate = product[:, 256 : 256 + N], product[:, 256 + N : 257 + N] if gated else None
+    weight = (1 + 0.5 * torch.randn(N, device=DEV)).to(dtype)
+    residual = torch.randn(T, N, device=DEV, dtype=dtype)
+    out, s = rms_norm(rows, weight, EPS, residual, shared=shared, shared_gate=gate)
+    want_out, want_s = rms_norm(add_shared_expert(rows, shared, gate), weight, EPS, residual)
+    assert torch.equal(out, want_out) and torch.equal(s, want_s)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("T", [1, 7, 256])
 @pytest.mark.parametrize("with_norm", [True, False])

@@ -75,6 +75,43 @@ def test_rms_norm_adds_top_k_rows_first(poison_empty, dtype, T, KX):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,KX", [(1, 8), (7, 1), (33, 6)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_rms_norm_joins_the_shared_expert(poison_empty, dtype, T, KX, gated):
+    """shared=, shared_gate=: the MoE's shared expert (scaled by its sigmoid gate) joined with
+    its top-k rows inside the norm: the same bits as add_shared_expert's launch, then the norm
+    of its output, for the plain norm and the LoRA norm; strided views of a wider product, as
+    SparseMoE.w_in's gives them; close to the reference (whose sigmoid is torch's)."""
+    from moelora.kernels.mlp import add_shared_expert
+
+    torch.manual_seed(T * KX + gated)
+    N = 96
+    rows = torch.randn(T, KX, N, dtype=dtype)
+    rows = rows if KX > 1 else rows[:, 0]
+    wide = torch.randn(T, N + 9, dtype=dtype)
+    shared, gate = wide[:, 8 : 8 + N], wide[:, 2:3] if gated else None
+    weight = (1 + 0.5 * torch.randn(N)).to(dtype)
+    residual = torch.randn(T, N, dtype=dtype)
+    joined = add_shared_expert(rows, shared, gate)
+    out, s = rms_norm(rows, weight, EPS, residual, shared=shared, shared_gate=gate)
+    plain_out, plain_s = rms_norm(joined, weight, EPS, residual)
+    assert torch.equal(out, plain_out) and torch.equal(s, plain_s)
+    kw = dict(shared=shared, shared_gate=gate)
+    ref_out, ref_s = reference.rms_norm(rows, weight, EPS, residual, **kw)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    torch.testing.assert_close(s, ref_s, **TOL[dtype])
+    info = batch_info(T, "mixed")
+    shrink = lora_weights(info.num_slots, (), 3, 16, N, (N, N, N), info.rank_of_slot, dtype)
+    lora = rms_norm_lora(rows, weight, EPS, residual, info, shrink=shrink, **kw)
+    plain = rms_norm_lora(joined, weight, EPS, residual, info, shrink=shrink)
+    on = _enabled_rows(info, T)
+    assert torch.equal(lora[0], plain[0]) and torch.equal(lora[1], plain[1])
+    assert torch.equal(lora[2].shrunk[on], plain[2].shrunk[on])
+    with pytest.raises(AssertionError, match="a gate without its shared expert"):
+        rms_norm(rows, weight, EPS, residual, shared_gate=wide[:, :1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T", [1, 7, 33])
 @pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 8)])
 @pytest.mark.parametrize("D", [16, 64])

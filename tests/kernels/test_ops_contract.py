@@ -96,7 +96,13 @@ def test_each_tuning_keyword_is_a_triton_one(field):
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A function that keeps RmsNormOp's contract; BROKEN's variants each break it once."""
     return x, x
@@ -113,17 +119,17 @@ def variant(parameters: list[inspect.Parameter]) -> Callable:
 
 
 P = inspect.Parameter
-X, WEIGHT, EPS, RESIDUAL = inspect.signature(rms_norm).parameters.values()
+X, WEIGHT, EPS, RESIDUAL, *SHARED = inspect.signature(rms_norm).parameters.values()
 FUSED = P("fused", P.KEYWORD_ONLY, default=False, annotation="bool")
 BROKEN = {
-    "renamed": [X, WEIGHT, EPS, RESIDUAL.replace(name="res")],
-    "dropped": [X, WEIGHT, EPS],
-    "added": [X, WEIGHT, EPS, RESIDUAL, FUSED],
-    "keyword-only": [X, WEIGHT, EPS, RESIDUAL.replace(kind=P.KEYWORD_ONLY)],
-    "other default": [X, WEIGHT, EPS, RESIDUAL.replace(default=0)],
-    "no default": [X, WEIGHT, EPS, RESIDUAL.replace(default=P.empty)],
-    "reordered": [WEIGHT, X, EPS, RESIDUAL],
-    "retyped": [X, WEIGHT, EPS.replace(annotation="int"), RESIDUAL],
+    "renamed": [X, WEIGHT, EPS, RESIDUAL.replace(name="res"), *SHARED],
+    "dropped": [X, WEIGHT, EPS, *SHARED],
+    "added": [X, WEIGHT, EPS, RESIDUAL, *SHARED, FUSED],
+    "keyword-only": [X, WEIGHT, EPS, RESIDUAL.replace(kind=P.KEYWORD_ONLY), *SHARED],
+    "other default": [X, WEIGHT, EPS, RESIDUAL.replace(default=0), *SHARED],
+    "no default": [X, WEIGHT, EPS, RESIDUAL.replace(default=P.empty), *SHARED],
+    "reordered": [WEIGHT, X, EPS, RESIDUAL, *SHARED],
+    "retyped": [X, WEIGHT, EPS.replace(annotation="int"), RESIDUAL, *SHARED],
 }
 
 
@@ -135,9 +141,11 @@ def test_a_broken_signature_breaks_the_contract(parameters):
 
 def test_a_tuning_keyword_must_be_keyword_only_with_a_default():
     kept = [X, WEIGHT, EPS, RESIDUAL]
-    assert breaches(variant([*kept, FUSED]), RmsNormOp, {"fused"}) == []
-    for fused in (FUSED.replace(kind=P.POSITIONAL_OR_KEYWORD), FUSED.replace(default=P.empty)):
-        assert breaches(variant([*kept, fused]), RmsNormOp, {"fused"}) != []
+    assert breaches(variant([*kept, *SHARED, FUSED]), RmsNormOp, {"fused"}) == []
+    no_default = FUSED.replace(default=P.empty)
+    assert breaches(variant([*kept, no_default, *SHARED]), RmsNormOp, {"fused"}) != []
+    positional = FUSED.replace(kind=P.POSITIONAL_OR_KEYWORD)
+    assert breaches(variant([*kept, positional, *SHARED]), RmsNormOp, {"fused"}) != []
 
 
 def test_a_bare_callable_field_is_untyped():

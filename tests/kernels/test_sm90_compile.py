@@ -166,6 +166,9 @@ def _launch_norms_and_rotary(T: int) -> None:
     w = w.to(BF16)
     norm_rope.rms_norm(x, w, 1e-6, res)
     norm_rope.rms_norm(x, w, 1e-6, None)
+    rows, product = torch.randn(T, 8, H, dtype=BF16), torch.randn(T, 256 + H + 8, dtype=BF16)
+    for gate in (None, product[:, 256 + H : 257 + H]):  # the MoE's shared expert joined
+        norm_rope.rms_norm(rows, w, 1e-6, res, shared=product[:, 256 : 256 + H], shared_gate=gate)
     _, _, folded = norm_rope.rms_norm_lora(x, w, 1e-6, None, info, shrink=qkv)
     part = lora.lora_shrink_split(torch.randn(T, HQ * D, dtype=BF16), o, info)
     norm_rope.rms_norm_lora(x, w, 1e-6, res, info, expand=FoldedLora(part, o, info))

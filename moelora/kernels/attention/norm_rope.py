@@ -79,14 +79,22 @@ def _rms_norm_kernel(
     part_ptr,
     b_ptr,
     b_tab_ptr,
+    # The MoE's shared expert (SHARED; x_ptr when unused): its output [T, N] and, with GATED,
+    # its gate's logits [T].
+    shared_ptr,
+    gate_ptr,
     # Sizes and strides.
     N,
     stride_xt,
     stride_xk,
     stride_rt,
+    stride_st,
+    stride_gt,
     eps,
     # Meta-parameters.
     KX: tl.constexpr,  # rows of x added first: the MoE's top-k rows (1: x is the row)
+    SHARED: tl.constexpr,  # the shared expert's row added to them (reference.add_shared_expert)
+    GATED: tl.constexpr,  # ... scaled by the sigmoid of its gate's logit
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     SHRINK: tl.constexpr,
@@ -128,6 +136,14 @@ def _rms_norm_kernel(
             xk = tl.load(x_ptr + row * stride_xt + k * stride_xk + offs, mask=mask, other=0.0)
             x_sum += xk.to(tl.float32)
         x = x_sum.to(dtype)
+    if SHARED:
+        # the shared expert, scaled by its sigmoid gate, then added: each op rounded
+        sh = tl.load(shared_ptr + row * stride_st + offs, mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            logit = tl.load(gate_ptr + row * stride_gt).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
+            sh = (gate * sh).to(dtype).to(tl.float32)
+        x = (x.to(tl.float32) + sh).to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
@@ -198,11 +214,25 @@ def _rms_norm_kernel(
             tl.store(shrunk_ptr + row * NS * R + offs_j, s_j, mask=offs_j < NS * R)
 
 
-def _check_rows(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
-    """x [T, N] or [T, KX, N] (the MoE's top-k rows), residual [T, N] or None, weight [N]."""
+def _check_rows(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
+) -> None:
+    """x [T, N] or [T, KX, N] (the MoE's top-k rows), residual [T, N] or None, weight [N];
+    shared [T, N] and shared_gate [T, 1] or None."""
     T, N = x.shape[0], x.shape[-1]
     assert x.dim() in (2, 3) and x.stride(-1) == 1, (x.shape, x.stride())
-    assert x.dim() == 2 or residual is not None, "top-k rows are added into a residual"
+    joined = x.dim() == 3 or shared is not None
+    assert not joined or residual is not None, "top-k rows are added into a residual"
+    assert shared is not None or shared_gate is None, "a gate without its shared expert"
+    if shared is not None:
+        assert shared.shape == (T, N) and shared.dtype == x.dtype, (shared.shape, x.shape)
+        assert shared.stride(-1) == 1, shared.stride()
+    if shared_gate is not None:
+        assert shared_gate.shape == (T, 1), shared_gate.shape
     if residual is not None:
         assert residual.shape == (T, N) and residual.dtype == x.dtype, (residual.shape, x.shape)
         assert residual.stride(-1) == 1, residual.stride()
@@ -218,23 +248,31 @@ def _norm_warps(BLOCK: int, x: torch.Tensor) -> int:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Semantics: see reference.rms_norm: s = sum_rows(x) + residual (sum_rows(x) alone when
+    """Semantics: see reference.rms_norm: s = joined(x) + residual (joined(x) alone when
     None); out = weight * rmsnorm(s).
 
     x: [T, N], or [T, KX, N] rows to add first (the MoE's top-k rows: their sum needs no
     launch of its own), rows may be strided, the last dim contiguous; residual: [T, N] (needed
-    with KX rows), same dtype; weight: [N] in x's dtype. Returns (out [T, N] contiguous, s): s
-    is x itself without a residual, else a new contiguous tensor.
+    with KX rows or shared), same dtype; shared: the MoE's shared expert [T, N], joined with
+    the rows (no launch of its own either), shared_gate its gate's logits [T, 1] or None, last
+    dims contiguous; weight: [N] in x's dtype. Returns (out [T, N] contiguous, s): s is x
+    itself without a residual, else a new contiguous tensor.
     """
     T, N = x.shape[0], x.shape[-1]
-    _check_rows(x, residual, weight)
+    _check_rows(x, residual, weight, shared, shared_gate)
     assert weight.is_contiguous()
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     s = x if residual is None else torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T > 0:
-        _launch_rms_norm(x, weight, eps, residual, out, s, _NormLora())
+        _launch_rms_norm(x, weight, eps, residual, out, s, _NormLora(), (shared, shared_gate))
     return out, s
 
 
@@ -259,10 +297,13 @@ def rms_norm_lora(
     *,
     shrink: LoraWeights | None = None,
     expand: FoldedLora | None = None,
+    shared: torch.Tensor | None = None,
+    shared_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: see reference.rms_norm_lora. x, residual: as rms_norm's; expand: the LoRA of
+    Semantics: see reference.rms_norm_lora. x, residual, shared, shared_gate: as rms_norm's;
+    expand: the LoRA of
     the projection that produced x (one slice of N outputs), its shrunk the partial shrinks
     [T, KS, 1, R] float32 of paged_attention_o_shrink, its info this info; shrink: the LoRA of
     the projection that reads out (N inputs, n slices), of the same pool rank R. Both read
@@ -276,14 +317,14 @@ def rms_norm_lora(
     reading a whole slot's A is bound by its load latency.
     """
     T, N = x.shape[0], x.shape[-1]
-    _check_rows(x, residual, weight)
+    _check_rows(x, residual, weight, shared, shared_gate)
     assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     changes_x = residual is not None or expand is not None  # else s is x itself
     s = torch.empty(T, N, dtype=x.dtype, device=x.device) if changes_x else x
     lora = _norm_lora(x, info, shrink, expand)
     if T > 0:
-        _launch_rms_norm(x, weight, eps, residual, out, s, lora)
+        _launch_rms_norm(x, weight, eps, residual, out, s, lora, (shared, shared_gate))
     return out, s, None if shrink is None else FoldedLora(lora.shrunk, shrink, info)
 
 
@@ -343,8 +384,10 @@ def _launch_rms_norm(
     out: torch.Tensor,
     s: torch.Tensor,
     lora: _NormLora,
+    shared: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
 ) -> None:
-    """One _rms_norm_kernel launch: a program a row, or with a shrink, a row's RC rank rows."""
+    """One _rms_norm_kernel launch: a program a row, or with a shrink, a row's RC rank rows.
+    shared: (the MoE's shared expert, its gate's logits), either None."""
     T, N = x.shape[0], x.shape[-1]
     KX, stride_xk = (x.shape[1], x.stride(1)) if x.dim() == 3 else (1, 0)
     BLOCK = next_power_of_2(N)
@@ -367,6 +410,7 @@ def _launch_rms_norm(
         **_factor_ptrs(lora.shrink, "a", unused),
         **_or_unused(unused, shrunk_ptr=lora.shrunk, part_ptr=lora.part),
         **_factor_ptrs(lora.expand, "b", unused),
+        **_shared_args(*shared, unused),
         N=N,
         stride_xt=x.stride(0),
         stride_xk=stride_xk,
@@ -386,6 +430,20 @@ def _launch_rms_norm(
         num_warps=num_warps,
         enable_fp_fusion=False,
         **pdl_kwargs(x.device),
+    )
+
+
+def _shared_args(
+    shared: torch.Tensor | None, gate: torch.Tensor | None, unused: torch.Tensor
+) -> dict:
+    """The norm kernel's arguments for the MoE's shared expert (rms_norm(shared=))."""
+    return dict(
+        shared_ptr=unused if shared is None else shared,
+        gate_ptr=unused if gate is None else gate,
+        stride_st=0 if shared is None else shared.stride(0),
+        stride_gt=0 if gate is None else gate.stride(0),
+        SHARED=shared is not None,
+        GATED=gate is not None,
     )
 
 
