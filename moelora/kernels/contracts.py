@@ -200,6 +200,7 @@ class RopeStoreKvOp(Protocol):
         expand: FoldedLora | None = None,
         interleaved: bool = False,
         rotary_dim: int = 0,
+        v_norm: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

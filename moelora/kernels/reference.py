@@ -542,6 +542,7 @@ def rope_store_kv(
     expand: FoldedLora | None = None,
     interleaved: bool = False,
     rotary_dim: int = 0,
+    v_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
@@ -551,7 +552,9 @@ def rope_store_kv(
     ones, so that the pairs are halves, and returned (and stored) in that order, as
     transformers' apply_rotary_pos_emb_interleave does (without a norm or expand). rotary_dim
     (partial rotary, 0 < rotary_dim < D): q's and k's dims (after expand), and their norm
-    weights, first in partial_rotary_order, returned (and stored) so.
+    weights, first in partial_rotary_order, returned (and stored) so. v_norm [DV] (MLA's
+    kv_a_layernorm, needs v, not with expand): v first RMS-normed over its last dim with this
+    weight and eps, as rms_norm rounds, in place (the caller's v then holds what is stored).
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine; DV is D but without expand: MLA stores its latents as v); positions [T] int64; cos,
@@ -559,12 +562,11 @@ def rope_store_kv(
     D], v_cache [..., DV]; slot_mapping [T] int64, -1 = not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D] in q's dtype.
     """
+    if v_norm is not None:
+        assert v is not None and expand is None, "v_norm norms v, without a folded LoRA"
+        v.copy_(_norm(v, v_norm, eps))
     if expand is not None:
-        T, Hq, D = q.shape
-        qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
-        qkv = lora_expand_(qkv, expand.shrunk, expand.weights, expand.info)
-        q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
-        q, k, v = q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
+        q, k, v = _expanded_qkv(q, k, v, expand)
     if interleaved:
         assert q_norm is None and expand is None, "no model rotates interleaved pairs so"
         order = deinterleaved(q.shape[-1]).to(q.device)
@@ -582,6 +584,17 @@ def rope_store_kv(
     if slot_mapping is not None:
         store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q, k
+
+
+def _expanded_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: FoldedLora
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [T, heads, D] with the q|k|v projection's folded LoRA expanded into them."""
+    T, Hq, D = q.shape
+    qkv = torch.cat([t.reshape(T, -1) for t in (q, k, v)], dim=-1)
+    qkv = lora_expand_(qkv, expand.shrunk, expand.weights, expand.info)
+    q, k, v = qkv.split([Hq * D, k.shape[1] * D, v.shape[1] * D], dim=-1)
+    return q.view(T, Hq, D), k.view(T, -1, D), v.view(T, -1, D)
 
 
 def deinterleaved(size: int) -> torch.Tensor:

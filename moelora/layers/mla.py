@@ -7,6 +7,7 @@ V = v_head_dim, L = kv_lora_rank, Q = q_lora_rank.
             [L + R]: the two projections that read the hidden state, fused (each its own LoRA)
   q:        q_b_proj(q_a_layernorm(.)) -> [Hh, N + R]: q_nope | q_pe
   kv:       kv_a_layernorm(latent [L]), k_pe [R]: rotated and stored in the cache, 1 "head"
+            (the latent's norm inside the rotary's launch: rope_store_kv(v_norm=))
   attention with kv_b_proj [Hh (N + V), L] and its LoRA inside (ops.mla_attention); in a
             prefill step also kv_b_proj of latents, the expanded keys and values that prompts'
             first chunks (and, eager, long extends) attend to (kernels/mla.py)
@@ -76,9 +77,9 @@ class MlaAttention(nn.Module):
             [mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1
         )
         latent, k_pe = kv.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)[0]
         latent_cache, rope_cache = kv_cache
-        # the rotary key and the latent stored as one head's k and v (in the same launch)
+        # the rotary key and the latent stored as one head's k and v (in the same launch),
+        # the latent first normed by kv_a_layernorm there, in place (latent holds it after)
         q_pe, k_pe = self.ops.rope_store_kv(
             q_pe,
             k_pe.view(T, 1, -1),
@@ -87,8 +88,9 @@ class MlaAttention(nn.Module):
             self.rotary.sin,
             None,
             None,
-            self.cfg.rms_norm_eps,
+            _LATENT_NORM_EPS,  # no q/k norm: the latent's
             v=latent.view(T, 1, -1),
+            v_norm=self.kv_a_layernorm.weight,
             k_cache=rope_cache,
             v_cache=latent_cache,
             slot_mapping=batch.attn.slot_mapping,

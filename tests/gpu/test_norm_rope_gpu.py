@@ -175,6 +175,14 @@ def test_rope_store_kv_interleaved_gpu(T):
     want = torch.zeros_like(buffer)
     reference.store_kv(k_out, latent, want[..., 512:], want[..., :512], slots)
     assert torch.equal(buffer, want)
+    # and with kv_a_layernorm inside (v_norm): the latent normed in place, then stored
+    weight = (1 + 0.5 * torch.randn(512, device=DEV)).to(torch.bfloat16)
+    raw = latent.clone()
+    _, k_normed = rope_store_kv(*args, **caches, interleaved=True, v_norm=weight)
+    _assert_matches(latent[:, 0], reference.rms_norm(raw[:, 0], weight, EPS)[0], max_ulps=2)
+    want = torch.zeros_like(buffer)
+    reference.store_kv(k_normed, latent, want[..., 512:], want[..., :512], slots)
+    assert torch.equal(buffer, want) and torch.equal(k_normed, k_out)
 
 
 def test_cuda_graph_replay_with_new_inputs():

@@ -206,6 +206,43 @@ def test_rope_store_kv_stores_a_wider_v(poison_empty, T):
     assert (buffer != SENTINEL).all(-1).sum() == (slots >= 0).sum()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 9])
+def test_rope_store_kv_norms_the_latent(poison_empty, dtype, T):
+    """v_norm (MLA's kv_a_layernorm): the latent normed before its store, in place, padded rows
+    (slot -1) too: the norm's numbers (rms_norm's), what the reference stores and leaves in v,
+    and q and k as without it."""
+    torch.manual_seed(T + 11)
+    Hq, R, L_ = 4, 16, 48
+    q, k, _, positions, cos, sin, _, _ = _rope_inputs(dtype, T, Hq, 1, R, False)
+    latent = torch.randn(T, 1, L_ + 8, dtype=dtype)[..., :L_]  # strided rows
+    weight = (1 + 0.5 * torch.randn(L_)).to(dtype)
+    raw = latent.clone()
+    buffers = [torch.full((5, 4, 1, L_ + R), SENTINEL, dtype=dtype) for _ in range(2)]
+    slots = torch.randperm(20)[:T]
+    if T > 1:
+        slots[1] = -1
+    args = (q, k, positions, cos, sin, None, None, EPS)
+    outs = []
+    for fn, buffer, v in (
+        (rope_store_kv, buffers[0], latent),
+        (reference.rope_store_kv, buffers[1], raw.clone()),
+    ):
+        caches = dict(v=v, k_cache=buffer[..., L_:], v_cache=buffer[..., :L_], slot_mapping=slots)
+        outs.append((*fn(*args, **caches, interleaved=True, v_norm=weight), v))
+    (q_out, k_out, normed), (ref_q, ref_k, ref_normed) = outs
+    want = reference.rms_norm(raw[:, 0], weight, EPS)[0]
+    torch.testing.assert_close(normed[:, 0], want, **TOL[dtype])
+    torch.testing.assert_close(normed, ref_normed, **TOL[dtype])
+    torch.testing.assert_close(buffers[0], buffers[1], **TOL[dtype])
+    assert (buffers[0] != SENTINEL).all(-1).sum() == (slots >= 0).sum()
+    plain_q, plain_k = rope_store_kv(*args, interleaved=True)
+    assert torch.equal(q_out, plain_q) and torch.equal(k_out, plain_k)
+    torch.testing.assert_close(q_out, ref_q, **TOL[dtype])
+    with pytest.raises(AssertionError, match="v_norm norms the stored v"):
+        rope_store_kv(*args, v_norm=weight)
+
+
 def _rope_inputs(dtype: torch.dtype, T: int, Hq: int, Hkv: int, D: int, with_norm: bool):
     L = 64
     qkv = torch.randn(T, (Hq + 2 * Hkv) * D, dtype=dtype)  # the fused projection's output

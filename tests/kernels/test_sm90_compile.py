@@ -314,12 +314,35 @@ def _launch_paged_attention() -> None:
     run(q, cache, cache, prefill, 0.1, config=fit(paged_attention.PREFILL_CONFIG, 256))
 
 
+def _launch_mla_rotary(latent: torch.Tensor, rope: torch.Tensor) -> None:
+    """The rotary of q_pe and k_pe (DeepSeek's adjacent pairs) with the latent's store, its norm
+    inside (v_norm) or not."""
+    from moelora.kernels.attention import norm_rope
+
+    Hh, N, Rr, L = 16, 128, 64, 512  # _launch_mla's
+    cos = sin = torch.randn(4096, Rr)
+    for T in (1, 4096):
+        q = torch.randn(T, Hh, N + Rr, dtype=BF16)[..., N:]
+        k_pe = torch.randn(T, L + Rr, dtype=BF16)[:, L:].view(T, 1, Rr)
+        stores = dict(
+            v=torch.randn(T, 1, L, dtype=BF16),
+            k_cache=rope,
+            v_cache=latent,
+            slot_mapping=torch.zeros(T, dtype=torch.int64),
+        )
+        for v_norm in (None, torch.ones(L, dtype=BF16)):
+            rotary = dict(interleaved=True, v_norm=v_norm)
+            norm_rope.rope_store_kv(
+                q, k_pe, torch.arange(T), cos, sin, None, None, 1e-6, **stores, **rotary
+            )
+
+
 def _launch_mla() -> None:
     """MLA at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, R = 64, L = 512): the latent
     form's decode (split and not) and prefill (its first chunks skipped or not), and the
     expanded form of a prefill step, the absorption of kv_b_proj around the latent form and the
     rotary of DeepSeek's adjacent pairs."""
-    from moelora.kernels.attention import mla, mla_absorb, mla_expanded, norm_rope
+    from moelora.kernels.attention import mla, mla_absorb, mla_expanded
     from moelora.kernels.mla import ExpandedKv
     from moelora.step.batch import AttentionMetadata
 
@@ -353,19 +376,7 @@ def _launch_mla() -> None:
     q_nope, q_pe = q[..., :N], q[..., N:]
     config = mla_expanded.CONFIG
     mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, prefill, 0.1, config=config)
-    cos = sin = torch.randn(4096, Rr)
-    for T in (1, 4096):  # the rotary of q_pe and k_pe, DeepSeek's adjacent pairs
-        q = torch.randn(T, Hh, N + Rr, dtype=BF16)[..., N:]
-        k_pe = torch.randn(T, L + Rr, dtype=BF16)[:, L:].view(T, 1, Rr)
-        stores = dict(
-            v=torch.randn(T, 1, L, dtype=BF16),
-            k_cache=rope,
-            v_cache=latent,
-            slot_mapping=torch.zeros(T, dtype=torch.int64),
-        )
-        norm_rope.rope_store_kv(
-            q, k_pe, torch.arange(T), cos, sin, None, None, 1e-6, **stores, interleaved=True
-        )
+    _launch_mla_rotary(latent, rope)
     kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
     for T in (1, 64, 4096):  # the absorption's token tiles, 16 to 64 rows
         mla_absorb.absorb_q(torch.randn(T, Hh, N + Rr, dtype=BF16)[..., :N], kv_b)

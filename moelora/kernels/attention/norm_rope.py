@@ -546,6 +546,7 @@ def _rope_store_kv_kernel(
     sin_ptr,  # [L, D] float32, row stride stride_sl
     q_norm_ptr,  # [D] in q's dtype, with HAS_NORM
     k_norm_ptr,  # [D] likewise
+    v_norm_ptr,  # [DV] in v's dtype, with V_NORM
     q_out_ptr,  # [T, Hq, D] contiguous
     k_out_ptr,  # [T, Hkv, D] contiguous
     k_cache_ptr,  # [num_pages, page_size, Hkv, D], strides (stride_cp, stride_cs, stride_ch, 1)
@@ -582,6 +583,7 @@ def _rope_store_kv_kernel(
     eps,
     # Meta-parameters.
     HAS_NORM: tl.constexpr,
+    V_NORM: tl.constexpr,  # v RMS-normed (in place too) before its store: MLA's latent norm
     STORE_KV: tl.constexpr,
     INTERLEAVED: tl.constexpr,  # the pairs are adjacent dims: lanes read evens, then odds
     ROTARY_HALF: tl.constexpr,  # partial rotary's rotary_dim / 2 (0: the whole head rotates)
@@ -641,7 +643,17 @@ def _rope_store_kv_kernel(
                 v_mask = offs_v < DV
             if is_v:
                 hv = h - Hq - Hkv
-                x_v = tl.load(v_ptr + t * stride_vt + hv * stride_vh + offs_v, mask=v_mask)
+                v_src = v_ptr + t * stride_vt + hv * stride_vh + offs_v
+                x_v = tl.load(v_src, mask=offs_v < DV, other=0.0)
+                if V_NORM:
+                    # rms_norm's order: the norm in float32, rounded, times the weight, rounded;
+                    # written back too, for the caller's later use of v (padded rows alike)
+                    f_v = x_v.to(tl.float32)
+                    v_scale = tl.rsqrt(tl.sum(f_v * f_v, axis=0) / DV + eps)
+                    w_v = tl.load(v_norm_ptr + offs_v, mask=offs_v < DV, other=0.0)
+                    normed_v = (f_v * v_scale).to(dtype).to(tl.float32)
+                    x_v = (w_v.to(tl.float32) * normed_v).to(dtype)
+                    tl.store(v_src, x_v, mask=offs_v < DV)
                 if EXPAND:
                     lb, lb_row, rank = _expand_place(
                         lslot_in, enabled_ptr, rank_ptr, scaling_ptr, b_ptr, b_tab_ptr
@@ -744,6 +756,7 @@ def rope_store_kv(
     expand: FoldedLora | None = None,
     interleaved: bool = False,
     rotary_dim: int = 0,
+    v_norm: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Semantics: per-head RMSNorm of q and k (when weights are given), then rotate-half rotary;
     with v and the caches, then store_kv(k_out, v, k_cache, v_cache, slot_mapping). With
@@ -751,7 +764,9 @@ def rope_store_kv(
     q|k|v first take reference.lora_expand_ of it; expand.weights: out_slices (Hq D, Hkv D,
     Hkv D), B read through its table. interleaved, rotary_dim: reference.rope_store_kv's (the
     lanes read the even dims, then the odd ones, no norm or expand with it; or the dims in
-    partial_rotary_order, the norm weights and the expanded delta too).
+    partial_rotary_order, the norm weights and the expanded delta too); v_norm [DV] in v's
+    dtype: reference.rope_store_kv's (v normed in place before its store: MLA's latent norm,
+    no launch of its own).
 
     q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, DV] (strided views of the fused qkv output are
     fine, the last dim contiguous), same dtype; DV is D but without expand (MLA stores its
@@ -760,7 +775,9 @@ def rope_store_kv(
     the same strides, the last dim contiguous; slot_mapping [T] int64, -1 for rows not stored.
     Returns new contiguous q [T, Hq, D], k [T, Hkv, D].
     """
-    rope = _Rope(q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping)
+    rope = _Rope(
+        q, k, positions, cos, sin, q_norm, k_norm, eps, v, k_cache, v_cache, slot_mapping, v_norm
+    )
     _check_rope(rope, expand)
     assert not interleaved or (q_norm is None and expand is None), "no model rotates pairs so"
     assert not rotary_dim or (not interleaved and 0 < rotary_dim < q.shape[2]), rotary_dim
@@ -787,6 +804,7 @@ class _Rope(NamedTuple):
     k_cache: torch.Tensor | None
     v_cache: torch.Tensor | None
     slot_mapping: torch.Tensor | None
+    v_norm: torch.Tensor | None = None
 
     @property
     def stores(self) -> bool:
@@ -817,6 +835,10 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
         assert v_cache.shape == (*k_cache.shape[:3], DV), (v_cache.shape, k_cache.shape)
         assert v_cache.stride() == k_cache.stride() and k_cache.stride(-1) == 1, k_cache.stride()
         assert r.slot_mapping.shape == (T,), r.slot_mapping.shape
+    if r.v_norm is not None:
+        assert r.stores and expand is None, "v_norm norms the stored v, without a folded LoRA"
+        w = r.v_norm
+        assert w.shape == (r.v.shape[2],) and w.dtype == r.v.dtype and w.is_contiguous(), w.shape
     if expand is not None:
         shrunk, b = expand.shrunk, expand.weights
         assert r.stores, "the folded LoRA needs v (and the caches): it expands into v as well"
@@ -861,7 +883,7 @@ def _launch_rope(
         sin_ptr=r.sin,
         q_out_ptr=q_out,
         k_out_ptr=k_out,
-        **_or_unused(unused, q_norm_ptr=r.q_norm, k_norm_ptr=r.k_norm),
+        **_or_unused(unused, q_norm_ptr=r.q_norm, k_norm_ptr=r.k_norm, v_norm_ptr=r.v_norm),
         **_store_args(r, unused),
         **_expand_args(expand, unused),
         num_tokens=T,
@@ -877,6 +899,7 @@ def _launch_rope(
         stride_sl=r.sin.stride(0),
         eps=r.eps,
         HAS_NORM=r.q_norm is not None,
+        V_NORM=r.v_norm is not None,
         STORE_KV=r.stores,
         INTERLEAVED=interleaved,
         ROTARY_HALF=rotary_dim // 2,
