@@ -125,7 +125,8 @@ def expanded_attention_(
 # latent_attention's signature: (q_lat, q_pe, latent_cache, rope_cache, attn, scale) -> o_lat
 LatentAttention = Callable[..., torch.Tensor]
 # lora_q_'s and lora_out_'s: (target, source, lora, info) -> None, the target updated in place
-AbsorbedLora = Callable[[torch.Tensor, torch.Tensor, LoraWeights, LoraBatchInfo], None]
+# (lora_out_ also takes rounded=, a tensor its every row is rounded into)
+AbsorbedLora = Callable[..., None]
 
 
 class Absorption(NamedTuple):
@@ -163,9 +164,11 @@ def absorbed_attention(
     # float32 where the LoRA's correction adds to it, else rounded once in the kernel
     out_dtype = torch.float32 if with_lora else q_nope.dtype
     out = (parts.absorb_out or absorb_out)(o_lat, kv_b, N, out_dtype)
-    if with_lora:
-        (parts.lora_out or lora_out_)(out, o_lat, lora, info)
-    return out.to(q_nope.dtype)
+    if not with_lora:
+        return out
+    rounded = torch.empty(out.shape, dtype=q_nope.dtype, device=out.device)
+    (parts.lora_out or lora_out_)(out, o_lat, lora, info, rounded=rounded)
+    return rounded
 
 
 def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
@@ -205,17 +208,27 @@ def lora_q_(
 
 
 def lora_out_(
-    out: torch.Tensor, o_lat: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+    out: torch.Tensor,
+    o_lat: torch.Tensor,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+    *,
+    rounded: torch.Tensor | None = None,
 ) -> None:
     """Semantics: out[t, h] += scaling[s] * (o_lat[t, h] @ A.T) @ B_v[h].T for each token t
     whose slot s is enabled and has kv_b_proj's factors (B_v[h]: head h's V rows, after its N),
-    so that out = (W_v + scaling B_v A) applied to the weighted latents.
+    so that out = (W_v + scaling B_v A) applied to the weighted latents. With rounded, then
+    rounded[t] = out[t] in rounded's dtype for every token (its cast, no launch of its own;
+    out itself is then left as it was, or as this function leaves it: not read again).
 
-    out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] float32. Reads the slots on the
-    host (the CPU path; kernels/attention/mla_lora.lora_out_ is the Triton one)."""
+    out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] float32; rounded [T, Hh, V].
+    Reads the slots on the host (the CPU path; kernels/attention/mla_lora.lora_out_ is the
+    Triton one)."""
     T, Hh, V = out.shape
     for rows, a, b, scaling in _enabled_slots(lora, info, T, Hh):
         out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, -V:])
+    if rounded is not None:
+        rounded.copy_(out)
 
 
 def _enabled_slots(

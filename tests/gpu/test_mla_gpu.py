@@ -282,6 +282,10 @@ def test_lora_kernels_against_loops(side):
     assert rel_err(got - target, expected - target) <= 1e-3
     untouched = ~((slots == 0) | (slots >= 2)).cuda()
     assert torch.equal(got[untouched], target[untouched])
+    if side == "lora_out_":  # the cast to the model's dtype in the same launch, every row
+        rounded = torch.empty(T, heads, V, device="cuda", dtype=torch.bfloat16)
+        mla_lora.lora_out_(target.clone(), source, lora, info, rounded=rounded)
+        assert torch.equal(rounded, got.to(torch.bfloat16))
 
 
 def test_mla_attention_with_lora_cuda_graph_replay():

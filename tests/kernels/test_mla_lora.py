@@ -97,6 +97,25 @@ def test_output_side(monkeypatch, Hh, N, V, L, a_tile, dtype):
     check(got, expected, out, dtype)
 
 
+@pytest.mark.parametrize("Hh,N,V,L", SHAPES[:2])
+def test_output_side_rounded(Hh, N, V, L):
+    """rounded=: every row, a corrected one or not, rounded into the model's dtype (float16
+    here) in the same launch: what the reference rounds, and out itself left unwritten."""
+    dtype = torch.float16
+    lora = kv_b_lora(Hh, N, V, L, dtype, seed=Hh + V + 1)
+    T = len(SLOTS)
+    o_lat, out = torch.randn(T, Hh, L), torch.randn(T, Hh, V)
+    got, expected = torch.full((2, T, Hh, V), 7.0, dtype=dtype)
+    before = out.clone()
+    mla_lora.lora_out_(out, o_lat, lora, batch_info(SLOTS), rounded=got)
+    assert torch.equal(out, before), "out is not written with rounded"
+    mla.lora_out_(out.clone(), o_lat, lora, batch_info(SLOTS), rounded=expected)
+    torch.testing.assert_close(got.float(), expected.float(), **TOL[dtype])
+    untouched = torch.tensor(UNTOUCHED)
+    assert torch.equal(got[untouched], before[untouched].to(dtype)), "a base row's rounding"
+    assert not torch.equal(got[~untouched], before[~untouched].to(dtype)), "no LoRA was added"
+
+
 def test_strided_targets():
     """q_nope as the layer passes it (a slice of q's heads) and targets that are views with
     strides of their own: the kernels follow the strides."""

@@ -444,6 +444,8 @@ def _launch_mla_lora() -> None:
     kv_b = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
     mla_lora.lora_q_(torch.randn(T, Hh, L), torch.randn(T, Hh, N, dtype=BF16), kv_b, info)
     mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info)
+    rounded = torch.empty(T, Hh, V, dtype=BF16)  # the output's cast in the same launch
+    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info, rounded=rounded)
 
 
 def _launch_moe() -> None:

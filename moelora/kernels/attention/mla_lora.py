@@ -132,7 +132,8 @@ def _mla_lora_q_kernel(
 @triton.jit
 def _mla_lora_out_kernel(
     # Pointers
-    out_ptr,  # [T, Hh, V] float32, updated in place
+    out_ptr,  # [T, Hh, V] float32, updated in place (without ROUNDED)
+    rounded_ptr,  # [T, Hh, V] contiguous: with ROUNDED every row's out (+ delta), rounded
     o_lat_ptr,  # [T, Hh, L] float32, its last dimension contiguous
     w_ptr,  # the arena: slot s's A [1, r, L] and B [Hh (N + V), r] where row s of the table says
     tab_ptr,  # [S, TW] int64 (step/lora.LoraWeights.table)
@@ -159,16 +160,43 @@ def _mla_lora_out_kernel(
     BLOCK_L: tl.constexpr,
     RP: tl.constexpr,
     A_ALIGN: tl.constexpr,
+    ROUNDED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
-    # -- the token's slot; tokens without one leave at once ------------------------------------
+    # -- the token's slot; tokens without one leave at once (rounded first, with ROUNDED) -------
     row = tl.program_id(0).to(tl.int64)
     slot, rank, scaling = lora_row(slot_ptr, enabled_ptr, rank_ptr, scaling_ptr, row)
     if rank == 0:
+        if ROUNDED:
+            _round_rows(
+                out_ptr,
+                rounded_ptr,
+                row,
+                num_heads,
+                v_dim,
+                stride_ot,
+                stride_oh,
+                stride_ov,
+                BLOCK_H,
+                BLOCK_V,
+            )
         return
     a_ptr, b_ptr, b_row, rank = _kv_b_factors(tab_ptr, w_ptr, slot, TW, A_ALIGN)
     if rank == 0:
+        if ROUNDED:
+            _round_rows(
+                out_ptr,
+                rounded_ptr,
+                row,
+                num_heads,
+                v_dim,
+                stride_ot,
+                stride_oh,
+                stride_ov,
+                BLOCK_H,
+                BLOCK_V,
+            )
         return
     offs_r = tl.arange(0, RP)
     offs_v = tl.arange(0, BLOCK_V)
@@ -199,7 +227,36 @@ def _mla_lora_out_kernel(
             )  # [BLOCK_V, RP]
             delta = tl.sum(b.to(tl.float32) * (w * scaling)[None, :], axis=1)
             dst = out_ptr + row * stride_ot + head * stride_oh + offs_v * stride_ov
-            tl.store(dst, tl.load(dst, mask=v_ok) + delta, mask=v_ok)
+            total = tl.load(dst, mask=v_ok) + delta
+            if ROUNDED:
+                rounded = rounded_ptr + (row * num_heads + head) * v_dim + offs_v
+                tl.store(rounded, total.to(rounded_ptr.dtype.element_ty), mask=v_ok)
+            else:
+                tl.store(dst, total, mask=v_ok)
+
+
+@triton.jit
+def _round_rows(
+    out_ptr,
+    rounded_ptr,
+    row,
+    num_heads,
+    v_dim,
+    stride_ot,
+    stride_oh,
+    stride_ov,
+    BLOCK_H: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """This program's heads of out's row, rounded into rounded (a token without a correction)."""
+    offs_v = tl.arange(0, BLOCK_V)
+    v_ok = offs_v < v_dim
+    for i in tl.static_range(BLOCK_H):
+        head = tl.program_id(1) * BLOCK_H + i
+        if head < num_heads:
+            src = out_ptr + row * stride_ot + head * stride_oh + offs_v * stride_ov
+            dst = rounded_ptr + (row * num_heads + head) * v_dim + offs_v
+            tl.store(dst, tl.load(src, mask=v_ok).to(rounded_ptr.dtype.element_ty), mask=v_ok)
 
 
 def lora_q_(
@@ -246,20 +303,29 @@ def lora_q_(
 
 
 def lora_out_(
-    out: torch.Tensor, o_lat: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
+    out: torch.Tensor,
+    o_lat: torch.Tensor,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+    *,
+    rounded: torch.Tensor | None = None,
 ) -> None:
     """Semantics: kernels/mla.lora_out_'s: out[t, h] += scaling[s] * (o_lat[t, h] @ A.T) @
-    B_v[h].T for each token t whose slot s is enabled and has kv_b_proj's factors.
+    B_v[h].T for each token t whose slot s is enabled and has kv_b_proj's factors; with
+    rounded, every row of that rounded into it instead (out is then not written).
 
     out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] (last dimension contiguous);
-    lora as lora_q_'s. Reads no device value on the host: a CUDA graph captures it."""
+    rounded [T, Hh, V] contiguous; lora as lora_q_'s. Reads no device value on the host: a
+    CUDA graph captures it."""
     T, Hh, V = out.shape
     head_rows, RP, block_l = _check(o_lat, out, lora, info)
     assert o_lat.stride(2) == 1, o_lat.stride()
+    assert rounded is None or (rounded.shape == out.shape and rounded.is_contiguous())
     if T == 0:
         return
     _mla_lora_out_kernel[(T, cdiv(Hh, BLOCK_H))](
         out_ptr=out,
+        rounded_ptr=out if rounded is None else rounded,
         o_lat_ptr=o_lat,
         w_ptr=lora.arena,
         tab_ptr=lora.table,
@@ -283,6 +349,7 @@ def lora_out_(
         BLOCK_L=block_l,
         RP=RP,
         A_ALIGN=lora.a_align,
+        ROUNDED=rounded is not None,
         num_warps=4,
         **pdl_kwargs(out.device),
     )
