@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 
     from moelora.config import GroupedRouting
     from moelora.kernels.fp8_block import Fp8Weight
+    from moelora.kernels.gated_delta import DeltaGates
     from moelora.kernels.mla import ExpandedKv
     from moelora.kernels.moe.mxfp4_layout import Mxfp4Weight
     from moelora.step.batch import AttentionMetadata
@@ -245,20 +246,13 @@ class GatedDeltaRuleOp(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        g: torch.Tensor | None,
+        beta: torch.Tensor | None,
         state: torch.Tensor,
         attn: AttentionMetadata,
+        *,
+        gates: DeltaGates | None = None,
     ) -> torch.Tensor: ...
-
-
-class DeltaGatesOp(Protocol):
-    """gated_delta.delta_gates: the delta rule's decay and write strength (layers/
-    linear_attention.py)."""
-
-    def __call__(
-        self, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class RmsNormGatedOp(Protocol):

@@ -25,12 +25,27 @@ triangular solve in each), equal to the token loop up to float rounding.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
 from moelora.step.batch import AttentionMetadata
 
 CHUNK = 64  # tokens per block of the chunked delta rule (transformers' and fla's)
+
+
+class DeltaGates(NamedTuple):
+    """What the delta rule's g and beta come from (delta_gates): in_proj's a and b slices
+    [T, H] and the layer's A_log, dt_bias [H]. Given to gated_delta_rule in their place, they
+    are computed where the rule reads them (no launch of their own)."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
 _L2_EPS = 1e-6  # of the q/k L2 norm, as fla's kernels and transformers' fallback have it
 
 
@@ -97,15 +112,21 @@ def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
     state: torch.Tensor,
     attn: AttentionMetadata,
+    *,
+    gates: DeltaGates | None = None,
 ) -> torch.Tensor:
     """Semantics: the delta rule above per sequence, from its slot's state (zeros at position
     0), the slot then holding the state after its last token. q, k: [T, Hk, K] (each serves
-    H // Hk value heads, in order); v: [T, H, V]; g (log decay, float32), beta: [T, H];
-    state: [S, H, K, V] float32, written in place. Returns [T, H, V] in v's dtype."""
+    H // Hk value heads, in order); v: [T, H, V]; g (log decay, float32), beta: [T, H], or
+    both None and gates given: g, beta = delta_gates(*gates); state: [S, H, K, V] float32,
+    written in place. Returns [T, H, V] in v's dtype."""
+    if gates is not None:
+        assert g is None and beta is None, "g and beta, or the gates they come from"
+        g, beta = delta_gates(*gates)
     groups = v.shape[1] // q.shape[1]
     q, k = (_l2norm(t.float()).repeat_interleave(groups, dim=1) for t in (q, k))
     q = q * q.shape[-1] ** -0.5

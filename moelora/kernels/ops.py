@@ -18,7 +18,6 @@ from moelora.kernels.contracts import (
     AddLoraOp,
     AddSharedExpertOp,
     CausalConv1dOp,
-    DeltaGatesOp,
     FusedMoeOp,
     GatedDeltaRuleOp,
     LinearOp,
@@ -56,7 +55,6 @@ class Ops:
     mla_attention: MlaAttentionOp
     # gated DeltaNet (layers/linear_attention.py)
     causal_conv1d: CausalConv1dOp
-    delta_gates: DeltaGatesOp
     gated_delta_rule: GatedDeltaRuleOp
     rms_norm_gated: RmsNormGatedOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
@@ -100,7 +98,6 @@ REFERENCE_OPS = Ops(
     rope_store_kv=reference.rope_store_kv,
     mla_attention=mla.mla_attention,
     causal_conv1d=gated_delta.causal_conv1d,
-    delta_gates=gated_delta.delta_gates,
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
     keeps_mxfp4=False,
@@ -163,7 +160,7 @@ def triton_ops(
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.attention.output_gate import output_gate
     from moelora.kernels.linear import BatchInvariantLinear
-    from moelora.kernels.linear_attention import conv, delta_rule, gated_norm, gates
+    from moelora.kernels.linear_attention import conv, delta_rule, gated_norm
     from moelora.kernels.lora import add_lora_
     from moelora.kernels.moe.fused import fused_moe
     from moelora.kernels.moe.routing import route_topk
@@ -190,7 +187,6 @@ def triton_ops(
         # models/model.py refuses Qwen3-Next with this table until its engine passes its family
         # tests on a device
         causal_conv1d=conv.causal_conv1d,
-        delta_gates=gates.delta_gates,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
         keeps_mxfp4=True,

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from moelora.config import LinearAttentionConfig, ModelConfig
+from moelora.kernels.gated_delta import DeltaGates
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.step.batch import ForwardBatch
@@ -77,15 +78,16 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._split(self.in_proj(x, lora))
         qkv = self.ops.causal_conv1d(qkv, self.conv1d[:, 0], conv_state, batch.attn)
         q, k, v = qkv.split([la.key_dim, la.key_dim, la.value_dim], dim=-1)
-        g, beta = self.ops.delta_gates(a, b, self.A_log, self.dt_bias)  # [T, H]: float32, b's
         out = self.ops.gated_delta_rule(
             q.reshape(T, la.num_k_heads, la.head_k_dim),
             k.reshape(T, la.num_k_heads, la.head_k_dim),
             v.reshape(T, la.num_v_heads, la.head_v_dim),
-            g,
-            beta,
+            None,
+            None,
             delta_state,
             batch.attn,
+            # g and beta computed where the rule reads them (no launch of their own)
+            gates=DeltaGates(a, b, self.A_log, self.dt_bias),
         )  # [T, H, V]
         out = self.norm(out, z.view(T, la.num_v_heads, la.head_v_dim))  # [T, H, V]
         return self.out_proj(out.reshape(T, la.value_dim), lora)

@@ -140,6 +140,25 @@ def test_gated_delta_rule_matches_reference(case):
     assert_others_kept(state, before, step)
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_gated_delta_rule_computes_its_gates(case):
+    """gates=DeltaGates(a, b, A_log, dt_bias), bf16 slices of in_proj's output: the token loop
+    gives delta_gates' launch then the rule's bits exactly (the kernels share the arithmetic)."""
+    from moelora.kernels.gated_delta import DeltaGates
+
+    step = make_step(case, seed=4)
+    gen = torch.Generator(device=DEV).manual_seed(4)
+    q, k, v, _, _ = delta_inputs(step.rows, gen)
+    y = torch.randn(step.rows, 2 * H + 8, generator=gen, device=DEV).to(BF16)
+    A_log, dt_bias = (torch.randn(H, generator=gen, device=DEV).to(BF16) for _ in range(2))
+    raw = DeltaGates(y[:, H : 2 * H], y[:, :H], A_log, dt_bias)
+    before = random_states(step, (H, K, V), torch.float32, gen)
+    state, want_state = before.clone(), before.clone()
+    out = gated_delta_rule(q, k, v, None, None, state, step.attn, gates=raw)
+    want = gated_delta_rule(q, k, v, *gates.delta_gates(*raw), want_state, step.attn)
+    assert torch.equal(out, want) and torch.equal(state, want_state)
+
+
 @pytest.mark.parametrize("case", ["prefill-4096"])
 def test_chunked_gated_delta_rule_matches_reference(case):
     """The block form (chunked=True: blocks of 64, tf32 dots) against the token loop: the

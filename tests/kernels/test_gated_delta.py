@@ -213,6 +213,40 @@ def test_chunked_gated_delta_rule_matches_reference(
             assert torch.equal(state[s], before[s]), f"slot {s} is not the batch's"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("case", ["decode", "mixed"])
+def test_gated_delta_rule_takes_its_gates_raw(poison_empty, case, chunked, dtype):
+    """gates=DeltaGates(a, b, A_log, dt_bias) for g and beta (in_proj's a and b slices, rows
+    strided): the same bits as delta_gates' launch and then the rule, token loop and block
+    form; the reference likewise; g and beta given with the gates are refused."""
+    from moelora.kernels.gated_delta import DeltaGates
+
+    batch = make_batch(case, padded=True, seed=len(case) + chunked)
+    gen = torch.Generator().manual_seed(7 + chunked)
+    H = Hk * 2
+    T = batch.attn.slot_mapping.shape[0]
+    q, k, v, _, _ = delta_inputs(T, H, dtype, gen)
+    y = torch.randn(T, 2 * H + 3, generator=gen)
+    y[:, H : 2 * H] = 4 * y[:, H : 2 * H] - 2  # a + dt_bias over much of softplus's range
+    b, a = y.to(dtype)[:, :H], y.to(dtype)[:, H : 2 * H]
+    A_log, dt_bias = torch.randn(H, generator=gen).to(dtype), torch.randn(H, generator=gen)
+    raw = DeltaGates(a, b, A_log, dt_bias.to(dtype))
+    before = torch.randn(batch.num_slots, H, K, V, generator=gen)
+    states = [before.clone() for _ in range(3)]
+    g, beta = gates.delta_gates(*raw)
+    want = gated_delta_rule(q, k, v, g, beta, states[0], batch.attn, chunked=chunked)
+    out = gated_delta_rule(q, k, v, None, None, states[1], batch.attn, gates=raw, chunked=chunked)
+    assert torch.equal(out, want) and torch.equal(states[1], states[0])
+    real = [t[: batch.rows] for t in (q, k, v)]
+    ref_gates = DeltaGates(a[: batch.rows], b[: batch.rows], *raw[2:])
+    ref = gated_delta.gated_delta_rule(*real, None, None, states[2], batch.real, gates=ref_gates)
+    tol = CHUNKED_TOL if chunked else TOL[dtype]
+    torch.testing.assert_close(out[: batch.rows].float(), ref.float(), **tol)
+    with pytest.raises(AssertionError, match="g and beta, or the gates"):
+        gated_delta_rule(q, k, v, g, beta, states[1], batch.attn, gates=raw)
+
+
 def test_chunked_gated_delta_rule_in_float16(poison_empty):
     batch = make_batch("prefill", padded=True, seed=5)
     out, want, state, want_state, _ = run_delta(batch, 2, torch.float16, seed=5, chunked=True)

@@ -388,6 +388,7 @@ def _launch_linear_attention() -> None:
     """Gated DeltaNet at Qwen3.5-MoE's sizes (16 q/k heads, 32 value heads, K = V = 128, a
     4-tap conv over 8192 channels): the conv, the delta rule's gates, its token loop and its
     block form, the gated norm, at decode and prefill."""
+    from moelora.kernels.gated_delta import DeltaGates
     from moelora.kernels.linear_attention import (
         conv,
         delta_chunked,
@@ -430,6 +431,8 @@ def _launch_linear_attention() -> None:
         gated_norm.rms_norm_gated(x.view(T, Hv, Vd), z, torch.randn(Vd, dtype=BF16), 1e-6)
         ba = torch.randn(T, 2 * Hv, dtype=BF16)
         gates.delta_gates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv), torch.randn(Hv, dtype=BF16))
+        raw = DeltaGates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv, dtype=BF16), ba[0, :Hv])
+        delta_rule.gated_delta_rule(*args, None, None, state, attn, gates=raw)  # g, beta inside
 
 
 def _launch_mla_lora() -> None:

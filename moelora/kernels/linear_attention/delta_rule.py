@@ -23,8 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.gated_delta import _L2_EPS
+from moelora.kernels.gated_delta import _L2_EPS, DeltaGates
 from moelora.kernels.linear_attention.delta_chunked import chunked_gated_delta_rule
+from moelora.kernels.linear_attention.gates import (
+    SOFTPLUS_THRESHOLD,
+    delta_gates,
+    log_decay,
+    write_strength,
+)
 from moelora.kernels.linear_attention.sequences import (
     check_delta_inputs,
     sequence,
@@ -65,15 +71,24 @@ def _token_inputs(
     stride_vt,
     stride_gt,
     stride_bt,
+    dt_bias,
+    decay,
+    RAW_GATES: tl.constexpr,
+    THRESHOLD: tl.constexpr,
 ):
-    """(q, k, v, g, beta) of token t64 in float32 (g as stored); zeros where not ok (past
-    the sequence's last token: loaded ahead, never used)."""
+    """(q, k, v, g, beta) of token t64 in float32 (g as stored, or with RAW_GATES computed
+    from the a that g_head reads, beta from the b that beta_head reads, as delta_gates
+    computes them); zeros where not ok (past the sequence's last token: loaded ahead, never
+    used)."""
     q = tl.load(q_head + t64 * stride_qt, mask=k_ok & ok, other=0.0).to(tl.float32)
     k = tl.load(k_head + t64 * stride_kt, mask=k_ok & ok, other=0.0).to(tl.float32)
     v = tl.load(v_head + t64 * stride_vt, mask=v_ok & ok, other=0.0).to(tl.float32)
     g = tl.load(g_head + t64 * stride_gt, mask=ok, other=0.0)
-    beta = tl.load(beta_head + t64 * stride_bt, mask=ok, other=0.0).to(tl.float32)
-    return q, k, v, g, beta
+    beta = tl.load(beta_head + t64 * stride_bt, mask=ok, other=0.0)
+    if RAW_GATES:
+        g = log_decay(g, dt_bias, decay, THRESHOLD)
+        beta = write_strength(beta)
+    return q, k, v, g, beta.to(tl.float32)
 
 
 @triton.jit
@@ -82,8 +97,10 @@ def _gated_delta_rule_kernel(
     q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
     k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
     v_ptr,  # [T, H, V], strided by stride_vt, stride_vh, V contiguous
-    g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
-    beta_ptr,  # [T, H], strided by stride_bt, stride_bh
+    g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh (RAW_GATES: in_proj's a)
+    beta_ptr,  # [T, H], strided by stride_bt, stride_bh (RAW_GATES: in_proj's b)
+    a_log_ptr,  # [H], with RAW_GATES (g_ptr when unused)
+    dt_bias_ptr,  # [H], likewise
     state_ptr,  # [S, H, K, V] float32 contiguous: read, then written for the batch's slots
     out_ptr,  # [T, H, V] contiguous, v's dtype
     cu_seqlens_q_ptr,  # [B + 1] int32
@@ -111,6 +128,8 @@ def _gated_delta_rule_kernel(
     GROUPS: tl.constexpr,  # H // Hk: value heads per q/k head
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    RAW_GATES: tl.constexpr,  # g and beta computed from a and b here (DeltaGates)
+    THRESHOLD: tl.constexpr,  # softplus's (gates.py)
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -135,6 +154,11 @@ def _gated_delta_rule_kernel(
     v_head = v_ptr + h * stride_vh + offs_v
     g_head = g_ptr + h * stride_gh
     beta_head = beta_ptr + h * stride_bh
+    dt_bias = 0.0
+    decay = 0.0
+    if RAW_GATES:
+        dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        decay = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
 
     # -- the tokens in order, each a decode step; the next token's inputs are loaded before
     # this one's arithmetic, so that their latency is not in the recurrence's chain --
@@ -153,6 +177,10 @@ def _gated_delta_rule_kernel(
         stride_vt,
         stride_gt,
         stride_bt,
+        dt_bias,
+        decay,
+        RAW_GATES,
+        THRESHOLD,
     )
     for i in range(0, n):
         t64 = (start + i).to(tl.int64)
@@ -172,6 +200,10 @@ def _gated_delta_rule_kernel(
             stride_vt,
             stride_gt,
             stride_bt,
+            dt_bias,
+            decay,
+            RAW_GATES,
+            THRESHOLD,
         )
         q = _unit(q, eps) * scale
         k = _unit(k, eps)
@@ -188,11 +220,12 @@ def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    g: torch.Tensor | None,
+    beta: torch.Tensor | None,
     state: torch.Tensor,
     attn: AttentionMetadata,
     *,
+    gates: DeltaGates | None = None,
     chunked: bool = False,
 ) -> torch.Tensor:
     """Semantics: see gated_delta.gated_delta_rule: the delta rule per sequence from its slot's
@@ -201,13 +234,17 @@ def gated_delta_rule(
     they are.
 
     q, k: [T, Hk, K] (each serves H // Hk value heads, in order); v: [T, H, V]; the last dim
-    of each contiguous, rows and heads may be strided; g (log decay, float32), beta: [T, H];
-    state: [S, H, K, V] float32 contiguous, written in place. Returns [T, H, V] contiguous in
-    v's dtype. Reads no device value on the host: a graph can capture it. chunked: a prefill
-    step takes the block form (delta_chunked.py), equal up to float rounding."""
+    of each contiguous, rows and heads may be strided; g (log decay, float32), beta: [T, H],
+    or both None and gates (a, b [T, H], A_log, dt_bias [H]), which the kernel turns into
+    them as it reads each token; state: [S, H, K, V] float32 contiguous, written in place.
+    Returns [T, H, V] contiguous in v's dtype. Reads no device value on the host: a graph can
+    capture it. chunked: a prefill step takes the block form (delta_chunked.py; g and beta
+    stored first), equal up to float rounding."""
     if chunked and attn.max_query_len > 1:
+        g, beta = (g, beta) if gates is None else _stored(g, beta, gates)
         return chunked_gated_delta_rule(q, k, v, g, beta, state, attn)
-    check_delta_inputs(q, k, v, g, beta, state)
+    gate_args = _gate_args(g, beta, gates)
+    check_delta_inputs(q, k, v, gate_args["g_ptr"], gate_args["beta_ptr"], state, gates)
     (T, Hk, K), (H, V), B = q.shape, v.shape[1:], step_sequences(attn)
     out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
@@ -217,30 +254,45 @@ def gated_delta_rule(
         q_ptr=q,
         k_ptr=k,
         v_ptr=v,
-        g_ptr=g,
-        beta_ptr=beta,
         state_ptr=state,
         out_ptr=out,
         cu_seqlens_q_ptr=attn.cu_seqlens_q,
         seq_lens_ptr=attn.seq_lens,
         state_slots_ptr=attn.state_slots,
-        num_seqs=B,
-        num_rows=T,
-        H=H,
-        K=K,
-        V=V,
+        **dict(num_seqs=B, num_rows=T, H=H, K=K, V=V),
         **strides("q", q),
         **strides("k", k),
         **strides("v", v),
-        **strides("g", g),
-        **strides("b", beta),
+        **gate_args,
         scale=K**-0.5,
         eps=_L2_EPS,
         GROUPS=H // Hk,
         BLOCK_K=next_power_of_2(K),
         BLOCK_V=block_v,
+        THRESHOLD=SOFTPLUS_THRESHOLD,
         num_warps=DELTA_WARPS,
         enable_fp_fusion=False,
         **pdl_kwargs(v.device),
     )
     return out
+
+
+def _stored(
+    g: torch.Tensor | None, beta: torch.Tensor | None, gates: DeltaGates
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and beta of gates, by delta_gates' launch (what the block form reads)."""
+    assert g is None and beta is None, "g and beta, or the gates they come from"
+    return delta_gates(*gates)
+
+
+def _gate_args(g: torch.Tensor | None, beta: torch.Tensor | None, gates: DeltaGates | None) -> dict:
+    """The kernel's gate pointers and strides: g and beta as stored, or the raw a and b that
+    gates gives (RAW_GATES)."""
+    if gates is None:
+        assert g is not None and beta is not None, "g and beta, or the gates they come from"
+        raw = dict(a_log_ptr=g, dt_bias_ptr=g, RAW_GATES=False)
+    else:
+        assert g is None and beta is None, "g and beta, or the gates they come from"
+        g, beta = gates.a, gates.b
+        raw = dict(a_log_ptr=gates.A_log, dt_bias_ptr=gates.dt_bias, RAW_GATES=True)
+    return dict(g_ptr=g, beta_ptr=beta, **strides("g", g), **strides("b", beta), **raw)

@@ -57,14 +57,28 @@ def _delta_gates_kernel(
     # -- g = -exp(A_log) * softplus(a + dt_bias), in float32 --
     a = tl.load(a_ptr + rows[:, None] * stride_at + heads[None, :], mask=ok, other=0.0)
     dt_bias = tl.load(dt_bias_ptr + heads, mask=heads < H, other=0.0).to(tl.float32)
-    x = a.to(tl.float32) + dt_bias[None, :]
+    decay = -tl.exp(tl.load(a_log_ptr + heads, mask=heads < H, other=0.0).to(tl.float32))
+    g = log_decay(a, dt_bias[None, :], decay[None, :], THRESHOLD)
+    tl.store(g_ptr + rows[:, None] * H + heads[None, :], g, mask=ok)
+
+
+@triton.jit
+def log_decay(a, dt_bias, decay, THRESHOLD: tl.constexpr):
+    """g = decay * softplus(a + dt_bias) in float32 (decay = -exp(A_log)), as this module's
+    docstring computes it; the delta rule's kernel computes it so too where it reads a."""
+    x = a.to(tl.float32) + dt_bias
     y = tl.exp(tl.minimum(x, THRESHOLD))
     u = 1.0 + y
     exact = u == 1.0  # y below float32's epsilon: log1p(y) is y
     log1p = tl.where(exact, y, tl.log(u) * (y / tl.where(exact, 1.0, u - 1.0)))
     softplus = tl.where(x > THRESHOLD, x, log1p)
-    decay = -tl.exp(tl.load(a_log_ptr + heads, mask=heads < H, other=0.0).to(tl.float32))
-    tl.store(g_ptr + rows[:, None] * H + heads[None, :], decay[None, :] * softplus, mask=ok)
+    return decay * softplus
+
+
+@triton.jit
+def write_strength(b):
+    """beta = sigmoid(b), rounded to b's dtype (as stored), in float32."""
+    return (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
 
 
 def delta_gates(

@@ -55,12 +55,16 @@ def step_sequences(attn: AttentionMetadata) -> int:
     return B
 
 
-def check_delta_inputs(q, k, v, g, beta, state) -> None:
-    """gated_delta_rule's shapes, dtypes and layouts (see its docstring)."""
+def check_delta_inputs(q, k, v, g, beta, state, gates=None) -> None:
+    """gated_delta_rule's shapes, dtypes and layouts (see its docstring); with gates, g and
+    beta are its raw a and b."""
     T, Hk, K = q.shape
     H, V = v.shape[1:]
     assert k.shape == q.shape and v.shape[0] == T and H % Hk == 0, (q.shape, k.shape, v.shape)
-    assert g.shape == beta.shape == (T, H) and g.dtype == torch.float32, (g.shape, beta.shape)
+    assert g.shape == beta.shape == (T, H), (g.shape, beta.shape)
+    assert gates is not None or g.dtype == torch.float32, g.dtype
+    if gates is not None:
+        assert gates.A_log.shape == gates.dt_bias.shape == (H,), gates.A_log.shape
     assert state.shape[1:] == (H, K, V) and state.dtype == torch.float32, state.shape
     assert state.is_contiguous(), state.stride()
     assert q.stride(2) == k.stride(2) == v.stride(2) == 1, (q.stride(), k.stride(), v.stride())
