@@ -53,6 +53,7 @@ from moelora.models.shapes import SHAPES
 # correction in the latent space costs absorbed decode)
 NO_KV_B = "8 distinct, no kv_b"
 CASES = ("disabled", "base-only", "1 adapter", "8 distinct", NO_KV_B)
+UNDERSCORED = {case.replace(" ", "_"): case for case in CASES}  # --cases 8_distinct
 # the weights' dtypes, by how the engine holds the experts (experts_held)
 DTYPES = {
     "bf16 experts": "bf16",
@@ -84,7 +85,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=list(SHAPES), default="qwen3-30b-a3b")
     parser.add_argument("--layers", type=int, help="default: the shape's own")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
-    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        type=lambda case: UNDERSCORED.get(case, case),  # no quoting through a shell
+        choices=CASES,
+        default=list(CASES),
+        help="cases to time; an underscore stands for a space (8_distinct)",
+    )
     parser.add_argument("--batches", nargs="+", type=int, default=list(DECODE_BATCHES))
     parser.add_argument("--no-eager", action="store_true", help="graph replays only")
     parser.add_argument(

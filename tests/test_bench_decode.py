@@ -53,3 +53,11 @@ def test_the_planned_step_decodes_after_a_hybrid_prompts_two_chunks(decode, tmp_
     assert len(step.request_ids) == 3 and step.inputs.num_tokens == 3
     running = {req.request_id: req for req in engine.scheduler.running}
     assert all(running[rid].num_computed_tokens >= 4 * PAGE for rid in step.request_ids)
+
+
+def test_case_names_take_underscores_for_spaces(decode):
+    """--cases 8_distinct reaches the script through gpu-check's $DECODE_ARGS unquoted."""
+    args = decode.parse_args(
+        ["--cases", "disabled", "base-only", "8_distinct", "8_distinct,_no_kv_b"]
+    )
+    assert args.cases == ["disabled", "base-only", "8 distinct", "8 distinct, no kv_b"]
