@@ -37,7 +37,12 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     two (rotary's expand swaps the halves of a head), nor with tensor parallelism, whose
     all-reduce of o's output comes between o and the norm that would expand o's LoRA. Nor with
     MLA (layers/mla.py), whose projections are others, nor with an output gate (q_proj's slice
-    holds the gate too). Partial rotary folds: rotary reads the delta in its order too."""
+    holds the gate too). Partial rotary folds: rotary reads the delta in its order too.
+
+    Never in deterministic inference: a row's LoRA would then sum one way in a step of up to
+    FOLD_LORA_MAX_TOKENS tokens (the norms' lane sums) and another in a longer one (add_lora_'s
+    MMA chain), so its bits would follow the step's size. add_lora_ sums each row by the same
+    ascending chain at every size."""
     cfg = attn.cfg
     return (
         batch.lora is not None
@@ -50,6 +55,7 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
         and cfg.head_dim & (cfg.head_dim - 1) == 0
         and num_tokens <= FOLD_LORA_MAX_TOKENS
         and attn.ops.shard.size == 1
+        and not attn.ops.deterministic
     )
 
 

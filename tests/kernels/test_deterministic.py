@@ -181,3 +181,30 @@ def test_the_logits_take_the_tables_linear_where_deterministic() -> None:
 
     flags = [triton_ops("batch-invariant", deterministic=d).deterministic for d in (False, True)]
     assert flags == [False, True]
+
+
+def test_deterministic_inference_never_folds_the_attention_lora() -> None:
+    """A step of up to FOLD_LORA_MAX_TOKENS tokens folds the attention's LoRA into the norms
+    (their lane sums), a longer one takes add_lora_ (an MMA chain): a LoRA row's bits would
+    follow its step's size. With the mode on every step takes add_lora_ (the GPU's probes in
+    batches of 8 to 250 kept their bits only so: tests/gpu/test_determinism_gpu.py)."""
+    from types import SimpleNamespace
+
+    from moelora.kernels.ops import REFERENCE_OPS
+    from moelora.layers.attention_lora import FOLD_LORA_MAX_TOKENS, folds_lora
+
+    cfg = SimpleNamespace(
+        mla=None, attn_output_gate=False, qk_norm="head", clip_qkv=None, head_dim=64
+    )
+    batch = SimpleNamespace(lora=object())
+    for deterministic, folds in ((False, True), (True, False)):
+        ops = dataclasses.replace(REFERENCE_OPS, deterministic=deterministic)
+        attn = SimpleNamespace(
+            cfg=cfg,
+            ops=ops,
+            qkv_proj=SimpleNamespace(lora=object()),
+            o_proj=SimpleNamespace(lora=object()),
+        )
+        assert folds_lora(attn, batch, 1) is folds
+        assert folds_lora(attn, batch, FOLD_LORA_MAX_TOKENS) is folds
+        assert not folds_lora(attn, batch, FOLD_LORA_MAX_TOKENS + 1)
