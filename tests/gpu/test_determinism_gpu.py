@@ -1,7 +1,8 @@
 """Deterministic inference on the GPU in bf16 (EngineConfig.enable_deterministic_inference,
 issue 42): a request's tokens and logprob bits are those it gets alone, whatever shares its
 steps (batches of 8 to 250 mixed requests), however its prompt is chunked, whether its prefix
-came from the cache, with async scheduling on or off, replayed in graphs or eager.
+came from the cache, with async scheduling on or off, replayed in graphs or eager; on the
+Qwen3-MoE fixture, and in batches on the other test architectures; and run to run.
 
 Skipped without CUDA; run on the device by scripts/gpu-check.
 """
@@ -29,25 +30,49 @@ SHAPE = dict(
 PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gpu-determinism")
-    model = hf.make_model("qwen3_moe", root / "model", seed=7, **SHAPE)
-    adapters = {
-        f"a{i}": str(
-            hf.make_per_expert_adapter(
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+RANKS = (8, 16, 32, 64)
+
+
+def _adapters(model, root, arch: str) -> dict[str, str]:
+    """NUM_ADAPTERS adapters of ranks 8 to 64 on the attention and every expert (Qwen2-MoE:
+    its shared expert and dense layer too); GPT-OSS's experts by PEFT target_parameters."""
+    out = {}
+    for i, rank in enumerate(RANKS):
+        path, seed = root / f"a{i}", 200 + i
+        if arch == "gpt_oss":
+            made = hf.make_peft_adapter(
                 model,
-                root / f"a{i}",
-                seed=200 + i,
+                path,
+                targets=list(ATTENTION),
+                target_parameters=hf.EXPERT_PARAMS,
+                seed=seed,
                 rank=rank,
                 alpha=2 * rank,
-                arch="qwen3_moe",
-                attention=("q_proj", "k_proj", "v_proj", "o_proj"),
             )
-        )
-        for i, rank in enumerate((8, 16, 32, 64))
-    }
-    return str(model), adapters
+        else:
+            made = hf.make_per_expert_adapter(
+                model, path, seed=seed, rank=rank, alpha=2 * rank, arch=arch, attention=ATTENTION
+            )
+        out[f"a{i}"] = str(made)
+    return out
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """The Qwen3-MoE fixture at SHAPE: every test but the architectures' runs on it."""
+    root = tmp_path_factory.mktemp("gpu-determinism")
+    model = hf.make_model("qwen3_moe", root / "model", seed=7, **SHAPE)
+    return str(model), _adapters(model, root, "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=["mixtral", "olmoe", "qwen2_moe", "gpt_oss"])
+def arch_assets(request, tmp_path_factory):
+    """The other test architectures at their tiny fixture sizes (hidden 64), prompts of up to
+    600 tokens."""
+    root = tmp_path_factory.mktemp(f"gpu-determinism-{request.param}")
+    model = hf.make_model(request.param, root / "model", seed=7, max_position_embeddings=1024)
+    return str(model), _adapters(model, root, request.param)
 
 
 def _llm(assets, **kw) -> LLM:
@@ -76,10 +101,27 @@ def _bits(out) -> tuple:
     return tuple(out.token_ids), tuple(lp[t] for lp, t in zip(out.logprobs, out.token_ids))
 
 
-def test_probes_alone_equal_probes_in_batches_of_8_to_250(assets):
+def test_the_same_engine_built_again_gives_the_same_bits(assets):
+    """Run to run: three engines of one config, one after another in this process (this test
+    comes first in the file, so its first engine is the process's first), the same 24 requests:
+    the same bits. Seen on the H200 (4019bc0): a process's first engine gave one logprob one
+    float32 ulp apart where every later engine agreed."""
+    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
+    prompts, loras = _requests(3, 24, names)
+    runs = []
+    for _ in range(3):
+        llm = _llm(assets, max_num_batched_tokens=2048, enable_prefix_caching=False)
+        runs.append([_bits(o) for o in llm.generate(prompts, PARAMS, lora=loras)])
+        llm.close()
+    report = {n: _differences(got, runs[-1], loras) for n, got in enumerate(runs[:-1])}
+    assert all(not d for d in report.values()), report  # run: (request, step, adapter)
+
+
+def _probes_in_batches(assets) -> dict[int, list]:
     """6 probes alone, then each inside batches of 8, 48, 136 and 250 random mixed requests
     (prompts of 16 to 600 tokens: prefill chunks and decode batches of every size; prefix
-    caching on, so the batched runs also hit the pages the runs alone left)."""
+    caching on, so the batched runs also hit the pages the runs alone left): each batch size's
+    differing probes."""
     names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
     probes, probe_loras = _requests(1, 6, names)
     llm = _llm(assets, max_num_batched_tokens=2048)
@@ -90,7 +132,21 @@ def test_probes_alone_equal_probes_in_batches_of_8_to_250(assets):
         outs = llm.generate(probes + others, PARAMS, lora=probe_loras + other_loras)
         got = [_bits(o) for o in outs[: len(probes)]]
         report[size] = _differences(got, alone, probe_loras)
+    llm.close()
+    return report
+
+
+def test_probes_alone_equal_probes_in_batches_of_8_to_250(assets):
+    report = _probes_in_batches(assets)
     assert all(not d for d in report.values()), report  # (probe, first differing step, adapter)
+
+
+def test_every_architecture_keeps_its_probes_bits_in_batches(arch_assets):
+    """Mixtral, OLMoE (its full-width q/k norm), Qwen2-MoE (shared expert, a dense layer,
+    q/k/v biases) and GPT-OSS (sinks, sliding windows, biases, experts by target_parameters),
+    mixed adapters: the probes' test."""
+    report = _probes_in_batches(arch_assets)
+    assert all(not d for d in report.values()), (arch_assets[0], report)
 
 
 def test_chunked_async_eager_and_cached_equal_whole(assets):
