@@ -379,9 +379,11 @@ def make_engine(
     max_bs: int = max(DECODE_BATCHES),
     projections: str = "batch-invariant",
     context: int = CONTEXT,
+    deterministic: bool = False,
 ) -> Engine:
     """An engine on the folder's dummy weights for decode steps of up to max_bs sequences of
-    `context` prompt tokens (decode_batch prefills them)."""
+    `context` prompt tokens (decode_batch prefills them); deterministic: with
+    --enable-deterministic-inference."""
     cfg = EngineConfig(
         model=folder,
         load_format="dummy",
@@ -396,6 +398,7 @@ def make_engine(
         num_pages=max_bs * (context + 64) // 16 + 16,
         enforce_eager=eager,
         projections=projections,
+        enable_deterministic_inference=deterministic,
     )
     return Engine(cfg)
 

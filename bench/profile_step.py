@@ -6,8 +6,9 @@ PlannedStep.forward_fn, CUDA-graph replays of the forward alone). A diagnostic f
 what to fuse; bench/decode.py is the benchmark of record.
 
     PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b]
-        [--trace REGEX]
+        [--trace REGEX] [--deterministic]
 
+--deterministic: the engines with --enable-deterministic-inference (where its cost goes).
 --trace: also each launch of the kernels whose name matches REGEX in one replay, in launch
 order with its time (which module a slow launch is, by its place in the layer).
 """
@@ -99,12 +100,15 @@ def main() -> None:
         "so their times include the wait for the kernel before: off by default)",
     )
     parser.add_argument("--trace", metavar="REGEX", help="each launch of these kernels, in order")
+    parser.add_argument(
+        "--deterministic", action="store_true", help="--enable-deterministic-inference's engines"
+    )
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
     folder = model_folder(args.layers, args.shape)
     for lora in (False, True):
-        engine = make_engine(folder, lora=lora, max_bs=64)
+        engine = make_engine(folder, lora=lora, max_bs=64, deterministic=args.deterministic)
         cases = [("base", lambda B: [None] * B)]
         if lora:
             names = add_random_adapters(engine, MAX_LORAS)
