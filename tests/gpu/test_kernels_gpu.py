@@ -125,6 +125,37 @@ def test_prefill_moe_bits_do_not_depend_on_program_order(moe_weights, group_m):
     assert rel_err(out, ref) <= 1e-2, (name, group_m)
 
 
+@pytest.mark.parametrize("rows", [slice(1, 2), slice(5, 12), slice(100, 164), slice(300, 556)])
+def test_deterministic_moe_rows_alone_equal_them_in_a_prefill_step(moe_weights, rows):
+    """Deterministic inference's fused MoE (deterministic_config's tiles, the shrinks block by
+    block): rows alone (a decode step's sizes, their own tile bucket) give the bits they get
+    inside a 4096-token step of mixed adapters (the prefill bucket's rows). With
+    fused.DETERMINISTIC_BM lowered to 16 in a scratch tree, this test says whether mma.sync
+    tiles sum as warpgroup MMAs do (the reason the floor is 64)."""
+    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
+    T = 4096
+    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
+    topk_weights, topk_ids = _routing(T, E, K)
+    info = batch_info(T, "mixed", DEV)
+    lora = dict(lora13=lora13, lora2=lora2)
+    batched = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, info=info, deterministic=True)
+    slots = info.slot_of_token[rows].contiguous()
+    alone_info = LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled)
+    alone = fused_moe(
+        x[rows].contiguous(),
+        w13,
+        w2,
+        topk_weights[rows].contiguous(),
+        topk_ids[rows].contiguous(),
+        **lora,
+        info=alone_info,
+        deterministic=True,
+    )
+    assert torch.equal(alone, batched[rows]), (name, rows, (alone - batched[rows]).abs().max())
+    ref = _reference_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info)
+    assert rel_err(batched, ref) <= 1e-2, name
+
+
 @pytest.mark.parametrize("T", [4096, 16384])
 def test_prefill_moe_tma_gives_the_pointer_loads_bits(moe_weights, T):
     """The weight tiles and down's block rows through TMA descriptors (MoeConfig.tma) feed the
@@ -455,6 +486,28 @@ def test_add_lora_bf16(T, spread, in_dim, slices):
         assert torch.equal(out, y)
     else:
         assert rel_err(out - y, ref - y.float()) <= 1e-2
+
+
+@pytest.mark.parametrize("rows", [slice(1, 2), slice(3, 11), slice(40, 296)])
+def test_add_lora_rows_alone_equal_them_in_a_prefill_step(rows):
+    """A decode step's rows (16-row tiles, mma.sync) give the bits they get inside a 4096-token
+    step (64-row tiles, warpgroup MMAs, the step's rank tile): each sum is one ascending chain
+    of k16 products into one float32 accumulator either way. Deterministic inference relies on
+    it (layers/attention_lora.folds_lora)."""
+    T, in_dim, slices = 4096, 2048, (4096, 512, 512)
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    lora = lora_weights(
+        info.num_slots, (), len(slices), 64, in_dim, slices, ranks, torch.bfloat16, DEV
+    )
+    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
+    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    tiled = dataclasses.replace(info, rank_tile=16)
+    batched = add_lora_(y.clone(), x, lora, tiled)
+    slots = info.slot_of_token[rows].contiguous()
+    alone_info = LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled)
+    alone = add_lora_(y[rows].clone(), x[rows].contiguous(), lora, alone_info)
+    assert torch.equal(alone, batched[rows]), (rows, (alone - batched[rows]).abs().max())
 
 
 def test_prefill_lora_rank_tile_gives_the_pool_tiles_bits():
