@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moelora import LLM, SamplingParams
+from moelora.models.shapes import shape_config, write_config_folder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -117,14 +118,13 @@ def test_the_same_engine_built_again_gives_the_same_bits(assets):
     assert all(not d for d in report.values()), report  # run: (request, step, adapter)
 
 
-def _probes_in_batches(assets) -> dict[int, list]:
+def _probes_in_batches(llm: LLM) -> dict[int, list]:
     """6 probes alone, then each inside batches of 8, 48, 136 and 250 random mixed requests
     (prompts of 16 to 600 tokens: prefill chunks and decode batches of every size; prefix
     caching on, so the batched runs also hit the pages the runs alone left): each batch size's
     differing probes."""
     names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
     probes, probe_loras = _requests(1, 6, names)
-    llm = _llm(assets, max_num_batched_tokens=2048)
     alone = [_bits(llm.generate([p], PARAMS, lora=[lo])[0]) for p, lo in zip(probes, probe_loras)]
     report = {}
     for size in (8, 48, 136, 250):
@@ -137,7 +137,7 @@ def _probes_in_batches(assets) -> dict[int, list]:
 
 
 def test_probes_alone_equal_probes_in_batches_of_8_to_250(assets):
-    report = _probes_in_batches(assets)
+    report = _probes_in_batches(_llm(assets, max_num_batched_tokens=2048))
     assert all(not d for d in report.values()), report  # (probe, first differing step, adapter)
 
 
@@ -145,7 +145,7 @@ def test_every_architecture_keeps_its_probes_bits_in_batches(arch_assets):
     """Mixtral, OLMoE (its full-width q/k norm), Qwen2-MoE (shared expert, a dense layer,
     q/k/v biases) and GPT-OSS (sinks, sliding windows, biases, experts by target_parameters),
     mixed adapters: the probes' test."""
-    report = _probes_in_batches(arch_assets)
+    report = _probes_in_batches(_llm(arch_assets, max_num_batched_tokens=2048))
     assert all(not d for d in report.values()), (arch_assets[0], report)
 
 
@@ -205,3 +205,78 @@ def test_logits_rows_do_not_follow_the_rows_beside_them(assets):
         for rows in (3, 37, 200):
             assert torch.equal(model.compute_logits(hidden[:rows])[:1], alone), rows
     llm.close()
+
+
+# -- the Qwen3-30B-A3B shape (its widths, 128 experts top-8, 2 layers, dummy weights) --
+
+
+@pytest.fixture(scope="module")
+def shape_folder(tmp_path_factory) -> str:
+    config = shape_config("qwen3-30b-a3b", num_layers=2)
+    return str(write_config_folder(config, tmp_path_factory.mktemp("gpu-determinism-shape")))
+
+
+def _shape_llm(folder: str, **kw) -> LLM:
+    """The shape with NUM_ADAPTERS random adapters of RANKS on every projection and expert."""
+    options = dict(
+        load_format="dummy",
+        max_loras=NUM_ADAPTERS,
+        max_lora_rank=64,
+        dtype="bfloat16",
+        max_graph_bs=256,
+        max_num_seqs=256,
+        max_model_len=8192 + 64,
+        num_pages=16384,
+        enable_deterministic_inference=True,
+    )
+    llm = LLM(folder, **(options | kw))
+    for i, rank in enumerate(RANKS):
+        llm.add_random_lora(f"a{i}", rank=rank, seed=300 + i)
+    return llm
+
+
+def test_the_shape_keeps_its_probes_bits_in_batches(shape_folder):
+    llm = _shape_llm(shape_folder, max_num_batched_tokens=2048)
+    report = _probes_in_batches(llm)
+    assert all(not d for d in report.values()), report
+
+
+def test_the_shape_chunked_at_512_and_2048_equals_whole_up_to_8k_tokens(shape_folder):
+    """12 prompts of 16 to 8192 tokens, mixed adapters: steps of 512 and 2048 tokens against
+    every prompt whole in its first step (a budget of 16384 tokens)."""
+    rng = random.Random(5)
+    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
+    lengths = [8192, 4097, 16, *(rng.randint(16, 8192) for _ in range(9))]
+    prompts = [[rng.randrange(1, 30000) for _ in range(n)] for n in lengths]
+    loras = [rng.choice(names) for _ in prompts]
+    found = {}
+    for budget in (16384, 2048, 512):
+        llm = _shape_llm(shape_folder, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        found[budget] = [_bits(o) for o in llm.generate(prompts, PARAMS, lora=loras)]
+        llm.close()
+    report = {b: _differences(found[b], found[16384], loras) for b in (2048, 512)}
+    assert all(not d for d in report.values()), report
+
+
+def test_the_shape_cache_hits_equal_misses_on_200_requests(shape_folder):
+    """200 random requests on 10 shared prefixes of 40 to 200 tokens (each plus 1 to 30
+    tokens of its own), mixed adapters, all at once: as prefix-cache hits (the prefixes
+    cached first, under each adapter) against an engine without the cache."""
+    rng = random.Random(6)
+    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
+    prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randint(40, 200))] for _ in range(10)]
+    prompts, loras = [], []
+    for _ in range(200):
+        own = [rng.randrange(1, 30000) for _ in range(rng.randint(1, 30))]
+        prompts.append(rng.choice(prefixes) + own)
+        loras.append(rng.choice(names))
+    misses = _shape_llm(shape_folder, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    want = [_bits(o) for o in misses.generate(prompts, PARAMS, lora=loras)]
+    misses.close()
+    hits = _shape_llm(shape_folder, max_num_batched_tokens=2048)
+    warm = [p for p in prefixes for _ in names]
+    hits.generate(warm, SamplingParams(max_tokens=1), lora=[n for _ in prefixes for n in names])
+    outs = hits.generate(prompts, PARAMS, lora=loras)
+    assert sum(o.num_cached_tokens >= 32 for o in outs) >= 150  # most of them are hits
+    report = _differences([_bits(o) for o in outs], want, loras)
+    assert not report, report
