@@ -105,8 +105,8 @@ def _bits(out) -> tuple:
 def test_the_same_engine_built_again_gives_the_same_bits(assets):
     """Run to run: three engines of one config, one after another in this process (this test
     comes first in the file, so its first engine is the process's first), the same 24 requests:
-    the same bits. Seen on the H200 (4019bc0): a process's first engine gave one logprob one
-    float32 ulp apart where every later engine agreed."""
+    the same bits. Seen on the H200 (4019bc0): two engines of one config gave one logprob one
+    float32 ulp apart (tokens equal)."""
     names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
     prompts, loras = _requests(3, 24, names)
     runs = []
