@@ -27,7 +27,7 @@ run: install
 	$(VENV)/bin/moelora demo --serve
 
 test: install-test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 lint: install-test
 	$(VENV)/bin/ruff check moelora tests bench && $(VENV)/bin/ruff format --check moelora tests bench
