@@ -449,18 +449,24 @@ def test_lora_shrink_split_bf16(T, spread, rank):
     assert rel_err(part[on].sum(dim=1), expect[on]) <= 1e-2
 
 
+def _dense_lora_step(T: int, in_dim: int, slices: tuple, pool_rank: int):
+    """A T-token step of mixed slots on a dense LoRA of `slices` over in_dim inputs (a pool of
+    rank pool_rank), bf16: (info, lora, x, y)."""
+    info = batch_info(T, "mixed", DEV)
+    ranks = info.rank_of_slot.cpu()
+    lora = lora_weights(
+        info.num_slots, (), len(slices), pool_rank, in_dim, slices, ranks, torch.bfloat16, DEV
+    )
+    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
+    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    return info, lora, x, y
+
+
 @pytest.mark.parametrize("in_dim,slices", [(2048, (4096, 512, 512)), (4096, (2048,))])
 def test_add_lora_prefill_tiles_give_the_same_bits(in_dim, slices):
     """add_lora_tiles' prefill choices (512 columns, or 1024 with registers capped and two
     stages where the grid is large) split the columns differently and change no sum."""
-    T = 4096
-    info = batch_info(T, "mixed", DEV)
-    ranks = info.rank_of_slot.cpu()
-    lora = lora_weights(
-        info.num_slots, (), len(slices), 16, in_dim, slices, ranks, torch.bfloat16, DEV
-    )
-    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
-    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    info, lora, x, y = _dense_lora_step(4096, in_dim, slices, 16)
     out = add_lora_(y.clone(), x, lora, info)
     for cw in (512, 1024):
         assert torch.equal(add_lora_(y.clone(), x, lora, info, tiles=dict(CW=cw)), out), cw
@@ -494,14 +500,7 @@ def test_add_lora_rows_alone_equal_them_in_a_prefill_step(rows):
     step (64-row tiles, warpgroup MMAs, the step's rank tile): each sum is one ascending chain
     of k16 products into one float32 accumulator either way. Deterministic inference relies on
     it (layers/attention_lora.folds_lora)."""
-    T, in_dim, slices = 4096, 2048, (4096, 512, 512)
-    info = batch_info(T, "mixed", DEV)
-    ranks = info.rank_of_slot.cpu()
-    lora = lora_weights(
-        info.num_slots, (), len(slices), 64, in_dim, slices, ranks, torch.bfloat16, DEV
-    )
-    x = torch.randn(T, in_dim, device=DEV).to(torch.bfloat16)
-    y = torch.randn(T, sum(slices), device=DEV).to(torch.bfloat16)
+    info, lora, x, y = _dense_lora_step(4096, 2048, (4096, 512, 512), 64)
     tiled = dataclasses.replace(info, rank_tile=16)
     batched = add_lora_(y.clone(), x, lora, tiled)
     slots = info.slot_of_token[rows].contiguous()
