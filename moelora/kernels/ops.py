@@ -153,9 +153,9 @@ def triton_ops(
     deterministic: no kernel chooses by what shares the step: the fused MoE's tiles and LoRA
     shrinks fixed (fused.deterministic_config), decode steps' attention by the prefill kernel
     as in mixed steps, the attention's LoRA by add_lora_ at every step size (never folded into
-    the norms: layers/attention_lora.folds_lora), long first chunks by
-    the Triton kernel whatever prefill_attention_backend says (cuDNN's bits are not those of
-    the same rows as a later chunk)."""
+    the norms: layers/attention_lora.folds_lora), long first chunks by the Triton kernel
+    whatever prefill_attention_backend says (cuDNN's bits are not those of the same rows as a
+    later chunk)."""
     from moelora.kernels import mlp
     from moelora.kernels.attention.mla import mla_attention
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv

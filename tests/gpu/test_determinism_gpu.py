@@ -34,6 +34,7 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 RANKS = (8, 16, 32, 64)
+NAMES = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]  # the base and every adapter
 
 
 def _adapters(model, root, arch: str) -> dict[str, str]:
@@ -92,10 +93,10 @@ def _llm(assets, **kw) -> LLM:
     return LLM(model, **(options | kw))
 
 
-def _requests(seed: int, n: int, names: list) -> tuple[list[list[int]], list]:
+def _requests(seed: int, n: int) -> tuple[list[list[int]], list]:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, 256) for _ in range(rng.randint(16, 600))] for _ in range(n)]
-    return prompts, [rng.choice(names) for _ in range(n)]
+    return prompts, [rng.choice(NAMES) for _ in range(n)]
 
 
 def _bits(out) -> tuple:
@@ -106,12 +107,11 @@ def _bits(out) -> tuple:
 def test_the_same_engine_built_again_gives_the_same_bits(assets):
     """Run to run: three engines of one config, one after another in this process (this test
     comes first in the file, so its first engine is the process's first), the same 24 requests:
-    the same bits. Seen on the H200 (4019bc0): two engines of one config gave one logprob one
-    float32 ulp apart (tokens equal). A failure lists, at each differing request's first
+    the same bits (two engines of one config have given one logprob a float32 ulp apart, tokens
+    equal). A failure lists, at each differing request's first
     differing step, the top-8 entries whose logprobs differ: all of them when the log-softmax's
     normalizer moved, one when only that token's logit did."""
-    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
-    prompts, loras = _requests(3, 24, names)
+    prompts, loras = _requests(3, 24)
     top = dataclasses.replace(PARAMS, logprobs=8)
     runs = []
     for _ in range(3):
@@ -134,12 +134,11 @@ def _probes_in_batches(llm: LLM) -> dict[int, list]:
     (prompts of 16 to 600 tokens: prefill chunks and decode batches of every size; prefix
     caching on, so the batched runs also hit the pages the runs alone left): each batch size's
     differing probes."""
-    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
-    probes, probe_loras = _requests(1, 6, names)
+    probes, probe_loras = _requests(1, 6)
     alone = [_bits(llm.generate([p], PARAMS, lora=[lo])[0]) for p, lo in zip(probes, probe_loras)]
     report = {}
     for size in (8, 48, 136, 250):
-        others, other_loras = _requests(size, size - len(probes), names)
+        others, other_loras = _requests(size, size - len(probes))
         outs = llm.generate(probes + others, PARAMS, lora=probe_loras + other_loras)
         got = [_bits(o) for o in outs[: len(probes)]]
         report[size] = _differences(got, alone, probe_loras)
@@ -163,8 +162,7 @@ def test_every_architecture_keeps_its_probes_bits_in_batches(arch_assets):
 def test_chunked_async_eager_and_cached_equal_whole(assets):
     """The same 24 requests whole (a budget of 2048 tokens), chunked at 512, with async
     scheduling off, eager (no graphs), and as prefix-cache hits: the same bits."""
-    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
-    prompts, loras = _requests(3, 24, names)
+    prompts, loras = _requests(3, 24)
     whole = _llm(assets, max_num_batched_tokens=2048, enable_prefix_caching=False)
     want = [_bits(o) for o in whole.generate(prompts, PARAMS, lora=loras)]
     whole.close()
@@ -256,10 +254,9 @@ def test_the_shape_chunked_at_512_and_2048_equals_whole_up_to_8k_tokens(shape_fo
     """12 prompts of 16 to 8192 tokens, mixed adapters: steps of 512 and 2048 tokens against
     every prompt whole in its first step (a budget of 16384 tokens)."""
     rng = random.Random(5)
-    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
     lengths = [8192, 4097, 16, *(rng.randint(16, 8192) for _ in range(9))]
     prompts = [[rng.randrange(1, 30000) for _ in range(n)] for n in lengths]
-    loras = [rng.choice(names) for _ in prompts]
+    loras = [rng.choice(NAMES) for _ in prompts]
     found = {}
     for budget in (16384, 2048, 512):
         llm = _shape_llm(shape_folder, max_num_batched_tokens=budget, enable_prefix_caching=False)
@@ -274,19 +271,18 @@ def test_the_shape_cache_hits_equal_misses_on_200_requests(shape_folder):
     tokens of its own), mixed adapters, all at once: as prefix-cache hits (the prefixes
     cached first, under each adapter) against an engine without the cache."""
     rng = random.Random(6)
-    names = [None, *(f"a{i}" for i in range(NUM_ADAPTERS))]
     prefixes = [[rng.randrange(1, 30000) for _ in range(rng.randint(40, 200))] for _ in range(10)]
     prompts, loras = [], []
     for _ in range(200):
         own = [rng.randrange(1, 30000) for _ in range(rng.randint(1, 30))]
         prompts.append(rng.choice(prefixes) + own)
-        loras.append(rng.choice(names))
+        loras.append(rng.choice(NAMES))
     misses = _shape_llm(shape_folder, max_num_batched_tokens=2048, enable_prefix_caching=False)
     want = [_bits(o) for o in misses.generate(prompts, PARAMS, lora=loras)]
     misses.close()
     hits = _shape_llm(shape_folder, max_num_batched_tokens=2048)
-    warm = [p for p in prefixes for _ in names]
-    hits.generate(warm, SamplingParams(max_tokens=1), lora=[n for _ in prefixes for n in names])
+    warm = [p for p in prefixes for _ in NAMES]
+    hits.generate(warm, SamplingParams(max_tokens=1), lora=[n for _ in prefixes for n in NAMES])
     outs = hits.generate(prompts, PARAMS, lora=loras)
     assert sum(o.num_cached_tokens >= 32 for o in outs) >= 150  # most of them are hits
     report = _differences([_bits(o) for o in outs], want, loras)

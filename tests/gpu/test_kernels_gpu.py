@@ -125,6 +125,12 @@ def test_prefill_moe_bits_do_not_depend_on_program_order(moe_weights, group_m):
     assert rel_err(out, ref) <= 1e-2, (name, group_m)
 
 
+def _rows_alone(info: LoraBatchInfo, rows: slice) -> LoraBatchInfo:
+    """The step's rows `rows` as a step of their own: their slots, the same slot tables."""
+    slots = info.slot_of_token[rows].contiguous()
+    return LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled)
+
+
 @pytest.mark.parametrize("rows", [slice(1, 2), slice(5, 12), slice(100, 164), slice(300, 556)])
 def test_deterministic_moe_rows_alone_equal_them_in_a_prefill_step(moe_weights, rows):
     """Deterministic inference's fused MoE (deterministic_config's tiles, the shrinks block by
@@ -139,8 +145,7 @@ def test_deterministic_moe_rows_alone_equal_them_in_a_prefill_step(moe_weights, 
     info = batch_info(T, "mixed", DEV)
     lora = dict(lora13=lora13, lora2=lora2)
     batched = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, info=info, deterministic=True)
-    slots = info.slot_of_token[rows].contiguous()
-    alone_info = LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled)
+    alone_info = _rows_alone(info, rows)
     alone = fused_moe(
         x[rows].contiguous(),
         w13,
@@ -503,8 +508,7 @@ def test_add_lora_rows_alone_equal_them_in_a_prefill_step(rows):
     info, lora, x, y = _dense_lora_step(4096, 2048, (4096, 512, 512), 64)
     tiled = dataclasses.replace(info, rank_tile=16)
     batched = add_lora_(y.clone(), x, lora, tiled)
-    slots = info.slot_of_token[rows].contiguous()
-    alone_info = LoraBatchInfo(slots, info.rank_of_slot, info.scaling_of_slot, info.slot_enabled)
+    alone_info = _rows_alone(info, rows)
     alone = add_lora_(y[rows].clone(), x[rows].contiguous(), lora, alone_info)
     assert torch.equal(alone, batched[rows]), (rows, (alone - batched[rows]).abs().max())
 
