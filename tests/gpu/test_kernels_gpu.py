@@ -135,9 +135,9 @@ def _rows_alone(info: LoraBatchInfo, rows: slice) -> LoraBatchInfo:
 def test_deterministic_moe_rows_alone_equal_them_in_a_prefill_step(moe_weights, rows):
     """Deterministic inference's fused MoE (deterministic_config's tiles, the shrinks block by
     block): rows alone (a decode step's sizes, their own tile bucket) give the bits they get
-    inside a 4096-token step of mixed adapters (the prefill bucket's rows). With
-    fused.DETERMINISTIC_BM lowered to 16 in a scratch tree, this test says whether mma.sync
-    tiles sum as warpgroup MMAs do (the reason the floor is 64)."""
+    inside a 4096-token step of mixed adapters (the prefill bucket's rows): mma.sync tiles
+    of 16 and 32 rows sum a row as warpgroup MMAs of 64 and more do. Mixtral's prefill bucket
+    also checks that a tile made 128 deep stages what fits (Triton refused 3 stages)."""
     name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
     T = 4096
     x = torch.randn(T, H, device=DEV).to(torch.bfloat16)

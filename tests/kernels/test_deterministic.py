@@ -74,9 +74,22 @@ def test_moe_rows_alone_and_batched_give_the_same_bits(poison_empty, monkeypatch
 
 def test_deterministic_moe_tiles():
     cfg = module.deterministic_config(module.MoeConfig(block_m=16, block_k=256, block_k_down=64))
-    assert (cfg.block_m, cfg.block_k, cfg.block_k_down) == (64, 128, 128)
+    assert (cfg.block_m, cfg.block_k, cfg.block_k_down) == (16, 128, 128)
+    assert (cfg.num_stages, cfg.num_stages_down) == (3, 3)  # 3 x 36 KiB fit: kept
     wide = module.deterministic_config(module.MoeConfig(block_m=128, block_n=32))
     assert (wide.block_m, wide.block_n, wide.block_k) == (128, 32, 128)  # rows, columns kept
+
+
+def test_deterministic_moe_tiles_made_deeper_stage_what_fits():
+    """Mixtral's prefill bucket (64 x 128 tiles 64 deep, 3 stages) made 128 deep: gate_up's
+    3 x 80 KiB would not fit a Hopper block's 227 KiB (Triton refused it), 2 do; down's 3 x
+    48 KiB do. Stages change no sum, only the pipeline's depth."""
+    tuned = module.MoeConfig(64, 128, 64, 128, 64, num_warps=8, num_stages=3)
+    cfg = module.deterministic_config(tuned)
+    assert (cfg.block_k, cfg.block_k_down, cfg.num_stages, cfg.num_stages_down) == (128, 128, 2, 3)
+    assert cfg.num_stages * (64 + 2 * 128) * 128 * 2 <= module.STAGE_BYTES
+    huge = module.deterministic_config(module.MoeConfig(256, 256, 64, 256, 64, num_stages=4))
+    assert (huge.num_stages, huge.num_stages_down) == (2, 2)  # never fewer than 2
 
 
 def test_decode_rows_alone_and_beside_a_prefill_chunk_give_the_same_bits():

@@ -74,10 +74,11 @@ HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAI
 # top-8, not only past the align's PMAX: the pair shrink reads each pair's expert's whole A13,
 # 0.5 GB a layer for a 512-token prompt's 4096 pairs (Qwen3-30B-A3B, rank 16)
 BLOCK_SHRINK_FROM = 2049
-# deterministic inference's tiles (deterministic_config): warpgroup MMAs from 64 rows, and the
-# K depth every tuned bucket of the H200 table takes but its smallest
-DETERMINISTIC_BM = 64
+# deterministic inference's tiles (deterministic_config): the K depth every tuned bucket of the
+# H200 table takes but its smallest; the pipeline's stages within STAGE_BYTES, the shared memory
+# a Hopper block may opt in to (227 KiB)
 DETERMINISTIC_BK = 128
+STAGE_BYTES = 227 * 1024
 BLOCK_SHRINK_K = 64  # its input chunk
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
 _ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
@@ -683,16 +684,25 @@ def _by_block(gate_up_on: bool, P: int, S: int, deterministic: bool = False) -> 
 
 
 def deterministic_config(cfg: MoeConfig) -> MoeConfig:
-    """The tiles of deterministic inference: rows of at least DETERMINISTIC_BM, so every size
-    runs warpgroup MMAs (16 and 32 rows run mma.sync, which rounds a row's sum otherwise),
-    and DETERMINISTIC_BK deep in both GEMMs; only the rows and columns a tile covers follow
-    the token count."""
+    """The tiles of deterministic inference: DETERMINISTIC_BK deep in both GEMMs; only the
+    rows and columns a tile covers follow the token count (a row's sum is the same whichever
+    MMA shape its tile's rows take: tests/gpu's rows-alone test, from 1 row to 4096). A tile
+    made deeper stages fewer tiles where the tuned stages no longer fit (_stages_within): the
+    pipeline's depth changes no sum."""
+    stages_down, bk = cfg.down_launch()[1], DETERMINISTIC_BK
+    # gate_up stages a block of x and gate's and up's tiles; down a block of h and w2's tile
     return dataclasses.replace(
         cfg,
-        block_m=max(cfg.block_m, DETERMINISTIC_BM),
-        block_k=DETERMINISTIC_BK,
-        block_k_down=DETERMINISTIC_BK,
+        block_k=bk,
+        block_k_down=bk,
+        num_stages=_stages_within(cfg.num_stages, (cfg.block_m + 2 * cfg.block_n) * bk * 2),
+        num_stages_down=_stages_within(stages_down, (cfg.block_m + cfg.block_n_down) * bk * 2),
     )
+
+
+def _stages_within(stages: int, stage_bytes: int) -> int:
+    """At most `stages` of `stage_bytes` each within STAGE_BYTES, and at least 2 (bf16 tiles)."""
+    return max(2, min(stages, STAGE_BYTES // stage_bytes))
 
 
 def _lora(
