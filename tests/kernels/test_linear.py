@@ -164,3 +164,21 @@ def test_measure_cublas_rows_keeps_the_counts_where_the_bits_agree(monkeypatch):
     state = torch.random.get_rng_state()
     skinny.measure_cublas_rows(w, None)
     assert torch.equal(torch.random.get_rng_state(), state)  # sampling's RNG is left alone
+
+
+
+def test_measure_cublas_rows_needs_every_draw_to_agree(monkeypatch):
+    """A kernel equal to cuBLAS on the first random draw but not on the others at row counts
+    past 64 (as a product that rounds otherwise can look on one draw): only the counts up to
+    64 are kept."""
+    first = []
+
+    def dot(x, w, b):
+        if not first:
+            first.append(float(x[0, 0]))
+        y = reference.linear(x, w, b)
+        return y + 1 if x.shape[0] > 64 and float(x[0, 0]) != first[0] else y
+
+    monkeypatch.setattr(skinny, "dot_linear", dot)
+    rows = skinny.measure_cublas_rows(torch.randn(8, 32, dtype=torch.float16), None)
+    assert rows == frozenset(range(skinny.DOT_ROWS + 1, 65))
