@@ -166,7 +166,6 @@ def test_measure_cublas_rows_keeps_the_counts_where_the_bits_agree(monkeypatch):
     assert torch.equal(torch.random.get_rng_state(), state)  # sampling's RNG is left alone
 
 
-
 def test_measure_cublas_rows_needs_every_draw_to_agree(monkeypatch):
     """A kernel equal to cuBLAS on the first random draw but not on the others at row counts
     past 64 (as a product that rounds otherwise can look on one draw): only the counts up to
