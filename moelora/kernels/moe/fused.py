@@ -690,7 +690,8 @@ def deterministic_config(cfg: MoeConfig) -> MoeConfig:
     made deeper stages fewer tiles where the tuned stages no longer fit (_stages_within): the
     pipeline's depth changes no sum."""
     stages_down, bk = cfg.down_launch()[1], DETERMINISTIC_BK
-    # gate_up stages a block of x and gate's and up's tiles; down a block of h and w2's tile
+    # a stage's bytes: gate_up's block of x and gate's and up's tiles, down's block of h and
+    # w2's tile, as bf16 (FP8 and MXFP4 experts' tiles are smaller: the bound holds for them)
     return dataclasses.replace(
         cfg,
         block_k=bk,
@@ -701,7 +702,8 @@ def deterministic_config(cfg: MoeConfig) -> MoeConfig:
 
 
 def _stages_within(stages: int, stage_bytes: int) -> int:
-    """At most `stages` of `stage_bytes` each within STAGE_BYTES, and at least 2 (bf16 tiles)."""
+    """At most `stages` of `stage_bytes` each within STAGE_BYTES, and at least 2 (one stage
+    would leave the loads unpipelined; no tuned tile needs fewer to fit)."""
     return max(2, min(stages, STAGE_BYTES // stage_bytes))
 
 
