@@ -4,6 +4,13 @@ slot active, as the engine runs it; then checks the winner with one active adapt
 than the runner-up by more than 5% (else takes the runner-up).
 
     PYTHONPATH=. python bench/tune_moe.py [--shapes qwen3-30b-a3b mixtral] [--ms 1 8 32 64 256]
+        [--fp8]
+
+--fp8: the same shapes with block-FP8 experts (random weights quantized as the releases are:
+kernels/fp8_block.py), keyed apart; only tiles at most 128 deep that divide 128 (one block of
+scales along K: kernels/moe/fp8.py), with deeper pipelines and narrower columns for the small
+buckets: a code tile is half a bf16 tile's bytes, so the same tiles keep half the bytes in
+flight.
 
 The GPT-OSS shapes' experts are MXFP4 (random codes with small scales, in the GPU layout the
 engine rewrites them into for bf16: Mxfp4Weight.swizzle_; their tiles are keyed apart). The
@@ -23,7 +30,9 @@ import torch
 from common import DEV, DT, MOE_SHAPES, batch_info, copy_bandwidth, graph_ms, lora_pool
 
 from moelora.kernels import reference
+from moelora.kernels.fp8_block import Fp8Weight, fp8_block_bytes, quantize_fp8_block
 from moelora.kernels.moe.config import MoeConfig, default_config, save_configs
+from moelora.kernels.moe.fp8 import fp8_tiles_fit
 from moelora.kernels.moe.fused import fused_moe
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight, mxfp4_bytes
 
@@ -116,6 +125,23 @@ MXFP4_EXTRA = [
     dataclasses.replace(C(16, 128, 128, 128, 128, stages=3), mxfp4_sub_k=64),
     dataclasses.replace(C(16, 32, 256, 32, 256, stages=3), mxfp4_sub_k=64),
 ]
+# block-FP8's small buckets beside SMALL's tiles that fit it: a code tile is half a bf16 tile's
+# bytes, so more stages (and more programs, by narrower columns) to keep as many bytes in flight
+FP8_SMALL = [
+    C(16, bn, bk, bn, bk, warps=warps, stages=stages)
+    for bn, bk, warps, stages in [
+        (32, 128, 4, 5),
+        (32, 128, 4, 6),
+        (32, 64, 4, 6),
+        (32, 64, 4, 8),
+        (16, 128, 4, 6),
+        (16, 128, 2, 6),
+        (64, 128, 4, 5),
+        (64, 128, 8, 5),
+        (64, 64, 4, 6),
+        (128, 128, 8, 4),
+    ]
+]
 CANDIDATES = {1: SMALL, 8: SMALL, 32: SMALL, 64: SMALL + LARGE[2:], 256: LARGE}
 CANDIDATES |= {m: PREFILL for m in (512, 1024, 2048, 4096, 8192, 16384)}
 
@@ -128,11 +154,23 @@ def random_mxfp4(E: int, N: int, K: int) -> Mxfp4Weight:
     return Mxfp4Weight(blocks, scales).with_small_scales().swizzle_()
 
 
-def experts(E: int, H: int, I: int, layers: int, mxfp4: bool) -> tuple[list, list]:
-    if mxfp4:
+def random_fp8(E: int, N: int, K: int) -> Fp8Weight:
+    """Random weights of about 1/sqrt(K), quantized block by block as the releases are."""
+    codes, scale_inv = quantize_fp8_block(torch.randn(E, N, K, device=DEV) * K**-0.5)
+    return Fp8Weight(codes, scale_inv)
+
+
+def experts(E: int, H: int, I: int, layers: int, kind: str) -> tuple[list, list]:
+    """Each layer's (w13, w2): kind "mxfp4", "fp8" or "bf16"."""
+    if kind == "mxfp4":
         return (
             [random_mxfp4(E, 2 * I, H) for _ in range(layers)],
             [random_mxfp4(E, H, I) for _ in range(layers)],
+        )
+    if kind == "fp8":
+        return (
+            [random_fp8(E, 2 * I, H) for _ in range(layers)],
+            [random_fp8(E, H, I) for _ in range(layers)],
         )
     return (
         [torch.randn(E, 2 * I, H, dtype=DT, device=DEV) * H**-0.5 for _ in range(layers)],
@@ -140,13 +178,19 @@ def experts(E: int, H: int, I: int, layers: int, mxfp4: bool) -> tuple[list, lis
     )
 
 
-def floor_us(ti: torch.Tensor, H: int, I: int, mxfp4: bool, bandwidth: float) -> float:
+def expert_bytes(H: int, I: int, kind: str) -> int:
+    """One expert's w13 and w2 bytes as the kernels read them."""
+    if kind == "mxfp4":
+        return mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I)
+    if kind == "fp8":  # a byte a code, a float32 scale a block
+        return fp8_block_bytes(2 * I, H) + fp8_block_bytes(H, I)
+    return 2 * 3 * H * I  # bf16: 2 bytes an element
+
+
+def floor_us(ti: torch.Tensor, H: int, I: int, kind: str, bandwidth: float) -> float:
     """One layer's floor: the touched experts' weight bytes read once, over the copy bandwidth
     (which counts the bytes read and written), as bench/decode.py's floor."""
-    per_expert = (
-        mxfp4_bytes(2 * I, H) + mxfp4_bytes(H, I) if mxfp4 else 2 * 3 * H * I
-    )  # bf16: 2 bytes an element
-    return 1e6 * ti.unique().numel() * per_expert / bandwidth
+    return 1e6 * ti.unique().numel() * expert_bytes(H, I, kind) / bandwidth
 
 
 def gpt_oss_options(E: int, H: int, I: int) -> dict:
@@ -166,19 +210,25 @@ def run_layers(w13: list, w2: list, pools: list, oss: list, x, tw, ti, cfg, info
         )
 
 
-def candidates(M: int, mxfp4: bool) -> list[MoeConfig]:
+def candidates(M: int, kind: str) -> list[MoeConfig]:
     """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 (the GPU layout is read
-    by its bit placement whatever MoeConfig.mxfp4_lut says: the arithmetic is not tried)."""
-    if not mxfp4:
-        return CANDIDATES[M]
-    return [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
+    by its bit placement whatever MoeConfig.mxfp4_lut says: the arithmetic is not tried); for
+    block FP8, those whose depths fit a block of scales, with FP8_SMALL's below 256 tokens."""
+    if kind == "mxfp4":
+        return [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
+    if kind == "fp8":
+        extra = FP8_SMALL if M < 256 else []
+        fit = [c for c in CANDIDATES[M] + extra if fp8_tiles_fit(c.block_k)]
+        return [c for c in fit if fp8_tiles_fit(c.block_k_down)]
+    return CANDIDATES[M]
 
 
-def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
+def tune_shape(name: str, ms: list[int], layers: int, fp8: bool = False) -> dict[int, MoeConfig]:
     mxfp4 = name in MXFP4_SHAPES
+    kind = "mxfp4" if mxfp4 else "fp8" if fp8 else "bf16"
     E, H, I, K, _ = (MXFP4_SHAPES if mxfp4 else MOE_SHAPES)[name]
     torch.manual_seed(0)
-    w13, w2 = experts(E, H, I, layers, mxfp4)
+    w13, w2 = experts(E, H, I, layers, kind)
     pools = [lora_pool(E, H, I, 16, 16) for _ in range(layers)]
     oss = [gpt_oss_options(E, H, I) if mxfp4 else {} for _ in range(layers)]
     bandwidth = copy_bandwidth()
@@ -186,15 +236,16 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
     for M in ms:
         x = torch.randn(M, H, dtype=DT, device=DEV)
         tw, ti = reference.route_topk(torch.randn(M, E, device=DEV), K, renormalize=True)
-        floor = floor_us(ti, H, I, mxfp4, bandwidth)
+        floor = floor_us(ti, H, I, kind, bandwidth)
 
         def run(cfg, info, x=x, tw=tw, ti=ti):
             run_layers(w13, w2, pools, oss, x, tw, ti, cfg, info)
 
         none, one = batch_info(M, "none", 16), batch_info(M, "one", 16)
-        previous = default_config(M, E, H, I, K, torch.device(DEV), mxfp4=mxfp4)
-        timed = []
-        for cfg in candidates(M, mxfp4):
+        previous = default_config(M, E, H, I, K, torch.device(DEV), mxfp4=mxfp4, fp8=fp8)
+        timed = [(graph_ms(lambda cfg=previous, i=none: run(cfg, i), layers), previous)]
+        print(f"{name} M={M} {1e3 * timed[0][0]:8.1f} us  the table's tile before: {previous}")
+        for cfg in candidates(M, kind):
             try:
                 timed.append((graph_ms(lambda cfg=cfg, i=none: run(cfg, i), layers), cfg))
             except Exception as e:  # a tile that does not fit (shared memory): skip it
@@ -208,7 +259,7 @@ def tune_shape(name: str, ms: list[int], layers: int) -> dict[int, MoeConfig]:
             with_lora = [(graph_ms(lambda c=c, i=one: run(c, i), layers), c) for _, c in timed[:2]]
             if with_lora[0][0] > 1.05 * with_lora[1][0]:
                 choice = with_lora[1][1]
-        if M >= DOWN_SWEEP_FROM and not mxfp4:
+        if M >= DOWN_SWEEP_FROM and kind == "bf16":
             choice = tune_down(lambda c, i=none: run(c, i), choice, layers, floor, f"{name} M={M}")
             choice = tune_order(lambda c, i=none: run(c, i), choice, layers, floor, f"{name} M={M}")
             choice = tune_tma(run, choice, (none, one), layers, floor, f"{name} M={M}")
@@ -326,13 +377,18 @@ def main() -> None:
     )
     parser.add_argument("--ms", nargs="+", type=int, default=list(CANDIDATES), choices=CANDIDATES)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 experts (not gpt-oss)")
     args = parser.parse_args()
+    if args.fp8 and set(args.shapes) & set(MXFP4_SHAPES):
+        parser.error("--fp8 is not for the gpt-oss shapes (their experts are MXFP4)")
     for name in args.shapes:
         mxfp4 = name in MXFP4_SHAPES
         E, H, I, K, _ = (MXFP4_SHAPES if mxfp4 else MOE_SHAPES)[name]
-        best = tune_shape(name, args.ms, args.layers)
+        best = tune_shape(name, args.ms, args.layers, fp8=args.fp8)
         torch.cuda.empty_cache()
-        path = save_configs(torch.cuda.get_device_name(), E, H, I, K, best, mxfp4=mxfp4)
+        path = save_configs(
+            torch.cuda.get_device_name(), E, H, I, K, best, mxfp4=mxfp4, fp8=args.fp8
+        )
         print(f"wrote {path}", flush=True)
 
 

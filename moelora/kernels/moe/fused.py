@@ -802,8 +802,11 @@ def _block_shrink(
 ) -> None:
     """A shrink block by block at prefill sizes (moe_lora.block_shrink_kernel): gate_up's from
     x after the align (instead of the align's pair shrink programs), down's from h's block rows
-    after gate_up (instead of gate_up's atomic adds)."""
-    block_shrink_kernel[(pairs.NB,)](
+    after gate_up (instead of gate_up's atomic adds). Below BLOCK_SHRINK_FROM pairs (only
+    deterministic inference shrinks by block there) one program a block and slot: few blocks,
+    each holding many slots."""
+    slot_grid = pairs.weights.numel() < BLOCK_SHRINK_FROM
+    block_shrink_kernel[(pairs.NB, lora.S if slot_grid else 1)](
         x_ptr=rows,
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
@@ -819,6 +822,7 @@ def _block_shrink(
         S=lora.S,
         HALVES=half.slices,
         BLOCK_ROWS=block_rows,
+        SLOT_GRID=slot_grid,
         BM=pairs.BM,
         BK=BLOCK_SHRINK_K,
         BR=lora.BR,
