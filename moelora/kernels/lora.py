@@ -209,11 +209,13 @@ def _add_lora_kernel(
     # Strides (last dims contiguous).
     stride_yt,
     stride_xt,
-    # Meta-parameters: S slots taken SG at a time; a program expands CW columns, BN at a time.
+    # Meta-parameters: S slots taken SG at a time (with GROUP_GRID one group a program, the
+    # group program_id(2), else all in turn); a program expands CW columns, BN at a time.
     TW: tl.constexpr,
     S: tl.constexpr,
     S_PAD: tl.constexpr,
     SG: tl.constexpr,
+    GROUP_GRID: tl.constexpr,
     BT: tl.constexpr,
     CW: tl.constexpr,
     BN: tl.constexpr,
@@ -258,7 +260,10 @@ def _add_lora_kernel(
     offs_j = tl.arange(0, SG * BR)
     offs_k = tl.arange(0, BK)
     x_rows = offs_t.to(tl.int64) * stride_xt
-    for s0 in range(0, S, SG):
+    # a row has one slot, so the programs of different groups write different rows
+    s_first = tl.program_id(2) * SG if GROUP_GRID else 0
+    s_end = s_first + SG if GROUP_GRID else S
+    for s0 in range(s_first, s_end, SG):
         j_slot = s0 + offs_j // BR
         j_r = offs_j % BR
         mine = slot_rows[:, None] == j_slot[None, :]  # [BT, SG*BR]
@@ -341,7 +346,9 @@ def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int], sms: int = 0) -
         # 4096-token q|k|v reads x 20 times and A 5120 times; 64 rows x 1024 columns read each
         # 16 times fewer. 128-deep input tiles, not 64: fewer steps in each program's chain. A
         # shrink launch then an expand launch over small column groups does not beat this one
-        prefill = dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=64, BN=BN, BK=128, BR=BR)
+        prefill = dict(
+            S=S, S_PAD=next_power_of_2(S), SG=SG, GROUP_GRID=False, BT=64, BN=BN, BK=128, BR=BR
+        )
         wide = min(1024, widest)
         if sms and cdiv(T, 64) * sum(cdiv(n, wide) for n in sizes) >= 2 * sms:
             # enough programs for two a multiprocessor at 1024 columns: their registers capped
@@ -353,7 +360,11 @@ def add_lora_tiles(T: int, S: int, R: int, sizes: Sequence[int], sms: int = 0) -
         return prefill | dict(CW=min(512, widest))
     BK = 256 if SG * BR <= 64 else 128
     CW = min(64 if T <= 16 else 128 if T <= 64 else 256, widest)
-    return dict(S=S, S_PAD=next_power_of_2(S), SG=SG, BT=16, CW=CW, BN=BN, BK=BK, BR=BR)
+    # decode: a program per group of slots (GROUP_GRID), where one walking the groups in turn
+    # would chain each group's shrink after the last
+    return dict(
+        S=S, S_PAD=next_power_of_2(S), SG=SG, GROUP_GRID=True, BT=16, CW=CW, BN=BN, BK=BK, BR=BR
+    )
 
 
 def add_lora_(
@@ -424,7 +435,8 @@ def _launch_add_lora(
     """One _add_lora_kernel launch for the slices `sizes` (padded to 4 with zeros), the
     module's slices slice0 on, its output rows row0 on (y starts at row0's column)."""
     T, K_in = x.shape
-    grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes))
+    groups = cdiv(meta["S"], meta["SG"]) if meta["GROUP_GRID"] else 1
+    grid = (cdiv(T, meta["BT"]), sum(cdiv(size, meta["CW"]) for size in sizes), groups)
     _add_lora_kernel[grid](
         y_ptr=y,
         x_ptr=x,

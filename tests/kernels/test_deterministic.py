@@ -60,9 +60,12 @@ def rows_of(args, lora, rows: slice):
 def test_moe_rows_alone_and_batched_give_the_same_bits(poison_empty, monkeypatch):
     """With a block-shrink threshold between the two steps' pair counts (as at 2049 pairs on
     the GPU), the batched step shrinks block by block and the lone one by pair unless
-    deterministic: then both by block, the same bits. The tiles are deterministic_config's."""
+    deterministic: then both by block (the lone one a program a slot), the same bits. The tiles
+    are deterministic_config's. Both shrinks take 32-deep chunks here: numpy sums a chunk as a
+    whole, where the GPU's chain of k16 MMAs is the same at any chunk (tests/gpu)."""
     monkeypatch.setattr(module, "BLOCK_SHRINK_FROM", 12)
     monkeypatch.setattr(module, "BLOCK_SHRINK_K", 32)
+    monkeypatch.setattr(module, "SLOT_SHRINK_K", 32)
     args, lora = moe_rows(24, seed=3)
     batched = fused_moe(*args, **lora, deterministic=True)
     alone_args, alone_lora = rows_of(args, lora, slice(5, 8))  # 6 pairs: under the threshold

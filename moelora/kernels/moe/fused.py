@@ -80,6 +80,12 @@ BLOCK_SHRINK_FROM = 2049
 DETERMINISTIC_BK = 128
 STAGE_BYTES = 227 * 1024
 BLOCK_SHRINK_K = 64  # its input chunk
+# ... where one program takes one slot of a block (below BLOCK_SHRINK_FROM pairs): few
+# programs, each a chain of H / BK dependent steps, so up to this deep while A's tile stays
+# within SLOT_SHRINK_TILE bytes; the chunk changes no sum (a row's product is the same
+# ascending chain of k16 MMAs at any chunk: tests/gpu's determinism tests compare the shrinks)
+SLOT_SHRINK_K = 256
+SLOT_SHRINK_TILE = 16384
 ACTIVATIONS = ("silu", "swiglu_oai")  # the gate_up kernel's ACTIVATION, by index
 _ALPHA = tl.constexpr(SWIGLU_OAI_ALPHA)
 _LIMIT = tl.constexpr(SWIGLU_OAI_LIMIT)
@@ -824,12 +830,21 @@ def _block_shrink(
         BLOCK_ROWS=block_rows,
         SLOT_GRID=slot_grid,
         BM=pairs.BM,
-        BK=BLOCK_SHRINK_K,
+        BK=_slot_shrink_k(half.slices, lora.BR) if slot_grid else BLOCK_SHRINK_K,
         BR=lora.BR,
         A_ALIGN=half.a_align,
         num_warps=4 if pairs.BM <= 64 else 8,
         **pdl_kwargs(rows.device),
     )
+
+
+def _slot_shrink_k(halves: int, BR: int) -> int:
+    """The slot shrink's input chunk: SLOT_SHRINK_K, halved while A's bf16 tile
+    [BK, halves * BR] is past SLOT_SHRINK_TILE bytes, down to BLOCK_SHRINK_K."""
+    bk = SLOT_SHRINK_K
+    while bk > BLOCK_SHRINK_K and bk * halves * BR * 2 > SLOT_SHRINK_TILE:
+        bk //= 2
+    return bk
 
 
 def _tma(cfg: MoeConfig, w: torch.Tensor) -> bool:
