@@ -386,66 +386,37 @@ def block_shrink_kernel(
     bits = tl.where(rows_on, tl.full((BM,), 1, tl.int64) << safe.to(tl.int64), 0)
     present = tl.reduce(bits, 0, _or)
     offs_c = tl.arange(0, HALVES * BR)
+    half, r = offs_c // BR, offs_c % BR
     offs_k = tl.arange(0, BK)
     rows = pid * BM + offs_m if BLOCK_ROWS else token
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xt + offs_k[None, :]
     xa_ptrs = xa_ptr + pair[:, None] * HALVES * BR + offs_c[None, :]
     # slot by slot, each a pipelined loop over H of its own rows (a slot test inside the loop
     # over H would keep its loads from being pipelined: each step then waited on one load's
-    # latency)
-    if SLOT_GRID:
-        _slot_shrink(
-            tl.program_id(1), present, slot_rows, tab_ptr, w_ptr, expert, x_rows, xa_ptrs, H,
-            HALVES, BM, BK, BR, A_ALIGN,
-        )  # fmt: skip
-    else:
-        for s in tl.static_range(S):
-            _slot_shrink(
-                s, present, slot_rows, tab_ptr, w_ptr, expert, x_rows, xa_ptrs, H, HALVES, BM,
-                BK, BR, A_ALIGN,
-            )  # fmt: skip
-
-
-@triton.jit
-def _slot_shrink(
-    s,
-    present,  # bit s: a row of the block has slot s
-    slot_rows,
-    tab_ptr,
-    w_ptr,
-    expert,
-    x_rows,  # [BM, BK] pointers to the rows' first BK inputs
-    xa_ptrs,  # [BM, HALVES * BR] pointers to the rows' outputs
-    H,
-    HALVES: tl.constexpr,
-    BM: tl.constexpr,
-    BK: tl.constexpr,
-    BR: tl.constexpr,
-    A_ALIGN: tl.constexpr,
-):
-    """block_shrink_kernel's product for slot s's rows: nothing where no row has the slot or
-    its adapter has no such module."""
-    row = tab_ptr + s * TAB_WIDTH
-    rank = tl.load(row + TAB_RANK, mask=((present >> s) & 1) != 0, other=0)
-    if rank > 0:  # a row of the block has the slot, and its adapter the module
-        offs_c = tl.arange(0, HALVES * BR)
-        half, r = offs_c // BR, offs_c % BR
-        offs_k = tl.arange(0, BK)
-        rows_s = slot_rows == s
-        r_ok = r < rank
-        a_off = aligned(tl.load(row + TAB_A_OFF), A_ALIGN)
-        a_expert = aligned(tl.load(row + TAB_A_EXPERT), A_ALIGN)
-        a_slice = aligned(tl.load(row + TAB_A_SLICE), A_ALIGN)
-        a_e = w_ptr + a_off + expert.to(tl.int64) * a_expert
-        a_s = a_e + half[None, :] * a_slice + r[None, :] * H
-        a_s = a_s + offs_k[:, None]  # [BK, HALVES * BR]
-        acc = tl.zeros((BM, HALVES * BR), dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            k_ok = offs_k < H - k0
-            xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_s + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
-            acc = dot(xt, a, acc)
-        tl.store(xa_ptrs, acc, mask=rows_s[:, None])
+    # latency); with SLOT_GRID only this program's slot passes the rank load's mask
+    mine = tl.program_id(1) if SLOT_GRID else -1
+    for s in tl.static_range(S):
+        row = tab_ptr + s * TAB_WIDTH
+        held = ((present >> s) & 1) != 0
+        if SLOT_GRID:
+            held = held & (mine == s)
+        rank = tl.load(row + TAB_RANK, mask=held, other=0)
+        if rank > 0:  # a row of the block has the slot, and its adapter the module
+            rows_s = slot_rows == s
+            r_ok = r < rank
+            a_off = aligned(tl.load(row + TAB_A_OFF), A_ALIGN)
+            a_expert = aligned(tl.load(row + TAB_A_EXPERT), A_ALIGN)
+            a_slice = aligned(tl.load(row + TAB_A_SLICE), A_ALIGN)
+            a_e = w_ptr + a_off + expert.to(tl.int64) * a_expert
+            a_s = a_e + half[None, :] * a_slice + r[None, :] * H
+            a_s = a_s + offs_k[:, None]  # [BK, HALVES * BR]
+            acc = tl.zeros((BM, HALVES * BR), dtype=tl.float32)
+            for k0 in range(0, H, BK):
+                k_ok = offs_k < H - k0
+                xt = tl.load(x_rows + k0, mask=rows_s[:, None] & k_ok[None, :], other=0.0)
+                a = tl.load(a_s + k0, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+                acc = dot(xt, a, acc)
+            tl.store(xa_ptrs, acc, mask=rows_s[:, None])
 
 
 PAIR_SPLITS = 8  # pair_shrink jobs a pair: 4 rows each at rank 16
