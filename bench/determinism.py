@@ -141,7 +141,7 @@ def ttft_figures(llm: LLM, setup: Setup, flops_per_s: float) -> Figures:
     for n, L in enumerate(setup.ttft_lengths):
         times = []
         # the first compiles what this length meets: not counted; the best of TTFT_REPS after
-        # it (the best of two moved the on / off ratio of a 512-token prompt by 15% a run)
+        # it, so that one slow prompt (the host, the clocks) does not make a mode's figure
         for rep in range(1 + TTFT_REPS):
             prompt = torch.randint(0, vocab, (L,), generator=gen).tolist()
             sync(setup.device)
