@@ -452,3 +452,21 @@ def test_fused_moe_compact_arena_with_one_half(poison_empty, half):
     out = fused_moe(*args, **compact, config=GROUPED)
     assert not out.isnan().any()
     assert rel_err(out, reference.fused_moe(*args, **dense)) <= TOL[torch.float16]
+
+
+def test_a_device_without_a_table_takes_its_chips_twin(tmp_path, monkeypatch):
+    """An H100 runs the H200's tiles for a shape only the H200 has tuned, and its own where it
+    has one; a device on no listed chip has no table."""
+    from moelora.kernels.moe import config
+
+    monkeypatch.setattr(config, "CONFIG_DIR", tmp_path)
+    h200 = MoeConfig(block_m=32, block_n=128)
+    h100 = MoeConfig(block_m=64, block_k=128)
+    config.save_configs("NVIDIA H200", 8, 64, 32, 2, {16: h200})
+    config.save_configs("NVIDIA H200", 8, 64, 32, 2, {16: h200}, fp8=True)
+    config.save_configs("NVIDIA H100 80GB HBM3", 8, 64, 32, 2, {16: h100}, fp8=True)
+    twin = config.tuned_table("NVIDIA H100 80GB HBM3", config.shape_key(8, 64, 32, 2))
+    own = config.tuned_table("NVIDIA H100 80GB HBM3", config.shape_key(8, 64, 32, 2, fp8=True))
+    assert MoeConfig(**twin["16"]) == h200
+    assert MoeConfig(**own["16"]) == h100
+    assert config.tuned_table("NVIDIA A100-SXM4-80GB", config.shape_key(8, 64, 32, 2)) == {}

@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+# Devices on one chip (GH100: 132 multiprocessors, 227 KiB of shared memory each), which differ
+# only in memory: a shape tuned on one runs the other's tiles where the other has no table.
+SAME_CHIP = (("NVIDIA H100 80GB HBM3", "NVIDIA H200"),)
 
 
 @dataclass(frozen=True)
@@ -92,11 +95,10 @@ def default_config(
     mxfp4: bool = False,
     fp8: bool = False,
 ) -> MoeConfig:
-    """The tuned config for this shape and device (smallest M bucket >= T), else a default."""
+    """The tuned config for this shape and device (smallest M bucket >= T), else that of a device
+    on the same chip, else a default."""
     if device.type == "cuda":
-        table = _load_configs(config_file(torch.cuda.get_device_name(device))).get(
-            shape_key(E, H, I, K, mxfp4, fp8), {}
-        )
+        table = tuned_table(torch.cuda.get_device_name(device), shape_key(E, H, I, K, mxfp4, fp8))
         if table:
             buckets = sorted(int(m) for m in table)
             bucket = next((m for m in buckets if m >= T), buckets[-1])
@@ -104,6 +106,16 @@ def default_config(
     # 16-row blocks while the experts average at most 16 pairs: a block holds one expert's
     # pairs, so wider ones would be mostly padding
     return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
+
+
+def tuned_table(device_name: str, key: str) -> dict:
+    """The shape's {bucket: tiles} of this device's JSON, else of a device on the same chip."""
+    twins = next((group for group in SAME_CHIP if device_name in group), (device_name,))
+    for name in (device_name, *twins):
+        table = _load_configs(config_file(name)).get(key)
+        if table:
+            return table
+    return {}
 
 
 def save_configs(
