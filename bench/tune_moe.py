@@ -384,12 +384,13 @@ def main() -> None:
     for name in args.shapes:
         mxfp4 = name in MXFP4_SHAPES
         E, H, I, K, _ = (MXFP4_SHAPES if mxfp4 else MOE_SHAPES)[name]
-        best = tune_shape(name, args.ms, args.layers, fp8=args.fp8)
-        torch.cuda.empty_cache()
-        path = save_configs(
-            torch.cuda.get_device_name(), E, H, I, K, best, mxfp4=mxfp4, fp8=args.fp8
-        )
-        print(f"wrote {path}", flush=True)
+        for M in args.ms:  # each bucket written as it is tuned: a run cut short keeps them
+            best = tune_shape(name, [M], args.layers, fp8=args.fp8)
+            torch.cuda.empty_cache()
+            path = save_configs(
+                torch.cuda.get_device_name(), E, H, I, K, best, mxfp4=mxfp4, fp8=args.fp8
+            )
+            print(f"wrote {path} (M={M})", flush=True)
 
 
 if __name__ == "__main__":
