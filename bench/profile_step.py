@@ -5,7 +5,7 @@ for each case prints every kernel's share of one replay (torch.profiler over ben
 PlannedStep.forward_fn, CUDA-graph replays of the forward alone). A diagnostic for choosing
 what to fuse; bench/decode.py is the benchmark of record.
 
-    PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b]
+    PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b] [--fp8]
         [--trace REGEX] [--deterministic]
 
 --deterministic: the engines with --enable-deterministic-inference (where its cost goes).
@@ -103,10 +103,11 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="--enable-deterministic-inference's engines"
     )
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 weights (bench/decode.py's)")
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
-    folder = model_folder(args.layers, args.shape)
+    folder = model_folder(args.layers, args.shape, fp8=args.fp8)
     for lora in (False, True):
         engine = make_engine(folder, lora=lora, max_bs=64, deterministic=args.deterministic)
         cases = [("base", lambda B: [None] * B)]
