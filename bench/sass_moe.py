@@ -5,21 +5,21 @@ for the MXFP4 expansion, whose loops are bound by their instructions and registe
 by memory (bench/results/NOTES.md): try a change here in seconds, then time it on the device.
 
     python bench/sass_moe.py [--shape gpt-oss-120b | qwen3-30b-a3b | mixtral] [--ms 1 8 64]
-        [--expand 2 3]
+        [--expand 2 3] [--fp8]
 
 --expand: the MXFP4 expansions to compile (fused_moe._Experts.expand): 2 bit placement from
 the release layout, 3 from the GPU layout (Mxfp4Weight.swizzle_), 1 table lookups (bf16
 shapes have none). The launches are recorded from fused_moe on CPU tensors (E narrowed to 2;
 H, I and the strides real, so the compiler sees the alignment the device's launches have),
 with the LoRA pools recorded as the engine's graphs have them, and compiled with the
-expansion set, PDL on, as the H200 runs them.
+expansion set, PDL on, as the H200 runs them. --fp8: the bf16 shapes' experts in block FP8
+(kernels/moe/fp8.py's loops) at their FP8 tiles.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import re
 import subprocess
 import sys
@@ -32,7 +32,8 @@ import triton
 from common import batch_info, lora_pool
 from triton.runtime.jit import KernelInterface
 
-from moelora.kernels.moe.config import MoeConfig, config_file, shape_key
+from moelora.kernels.fp8_block import Fp8Weight, quantize_fp8_block
+from moelora.kernels.moe.config import MoeConfig, shape_key, tuned_table
 from moelora.kernels.moe.fused import fused_moe
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 
@@ -52,18 +53,19 @@ E = 2  # experts recorded: the loops do not depend on their number
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def tuned(shape: str, m: int) -> MoeConfig:
-    """The H200 table's tile for m tokens (the smallest bucket at least m)."""
+def tuned(shape: str, m: int, fp8: bool = False) -> MoeConfig:
+    """The H200 table's tile for m tokens (the smallest bucket at least m), or its chip
+    twin's."""
     experts, H, I, K, mxfp4 = SHAPES[shape]
-    key = shape_key(experts, H, I, K, mxfp4=mxfp4)
-    table = json.loads(config_file("NVIDIA H200").read_text())[key]
+    table = tuned_table("NVIDIA H200", shape_key(experts, H, I, K, mxfp4=mxfp4, fp8=fp8))
     bucket = min((b for b in map(int, table) if b >= m), default=max(map(int, table)))
     return MoeConfig(**table[str(bucket)])
 
 
-def record(shape: str, m: int, cfg: MoeConfig, padded: bool) -> list:
+def record(shape: str, m: int, cfg: MoeConfig, padded: bool, fp8: bool = False) -> list:
     """The GEMM launches of one fused_moe call on CPU tensors: (kernel, kwargs). padded: scale
-    rows as the GPU layout pads them (their stride is what the compiler sees)."""
+    rows as the GPU layout pads them (their stride is what the compiler sees); fp8: block-FP8
+    experts."""
     _, H, I, K, mxfp4 = SHAPES[shape]
     launches = []
     original = KernelInterface.__getitem__
@@ -73,6 +75,9 @@ def record(shape: str, m: int, cfg: MoeConfig, padded: bool) -> list:
     try:
         ws = []
         for n, k in ((2 * I, H), (H, I)):  # w13 [E, 2I, H], w2 [E, H, I]
+            if fp8:
+                ws.append(Fp8Weight(*quantize_fp8_block(torch.randn(E, n, k) * 0.02)))
+                continue
             if not mxfp4:
                 ws.append(torch.zeros(E, n, k, dtype=torch.bfloat16))
                 continue
@@ -124,13 +129,16 @@ def main() -> None:
     parser.add_argument("--shape", default="gpt-oss-120b", choices=SHAPES)
     parser.add_argument("--ms", nargs="+", type=int, default=[1, 8, 64])
     parser.add_argument("--expand", nargs="+", type=int, default=[2, 3], choices=[1, 2, 3])
+    parser.add_argument("--fp8", action="store_true", help="block-FP8 experts (bf16 shapes)")
     args = parser.parse_args()
+    if args.fp8 and SHAPES[args.shape][4]:
+        parser.error(f"--fp8 with --shape {args.shape}: expected a shape of bf16 experts")
     if not SHAPES[args.shape][4]:
         args.expand = [0]  # bf16 experts: no expansion
     print("| M | kernel | expansion | tile | registers | loop instructions | most frequent |")
     print("|---:|---|---:|---|---|---:|---|")
     for m in args.ms:
-        cfg = tuned(args.shape, m)
+        cfg = tuned(args.shape, m, args.fp8)
         warps, stages = cfg.down_launch()
         regs = f" r{cfg.max_registers}" if cfg.max_registers else ""
         tiles = {
@@ -138,7 +146,7 @@ def main() -> None:
             "down": f"BN {cfg.block_n_down} BK {cfg.block_k_down} w{warps} s{stages}",
         }
         for expand in args.expand:
-            for kernel, kwargs in record(args.shape, m, cfg, padded=expand == 3):
+            for kernel, kwargs in record(args.shape, m, cfg, expand == 3, args.fp8):
                 expansion = {"MXFP4_EXPAND": expand} if expand else {}
                 compiled = compile_sm90(kernel, (), dict(kwargs, **expansion))
                 resources, n, ops = loop_mix(compiled.asm["cubin"])
