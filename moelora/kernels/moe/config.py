@@ -110,8 +110,8 @@ def default_config(
 
 def tuned_table(device_name: str, key: str) -> dict:
     """The shape's {bucket: tiles} of this device's JSON, else of a device on the same chip."""
-    twins = next((group for group in SAME_CHIP if device_name in group), (device_name,))
-    for name in (device_name, *twins):
+    twins = next((group for group in SAME_CHIP if device_name in group), ())
+    for name in dict.fromkeys((device_name, *twins)):  # its own first, each once
         table = _load_configs(config_file(name)).get(key)
         if table:
             return table
