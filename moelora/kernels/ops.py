@@ -197,7 +197,7 @@ def triton_ops(
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,
-        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_lora.py):
+        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_absorb.py):
         # tests/gpu/test_mla_gpu.py replays it in a graph with new slots, and the DeepSeek and
         # GLM engines equal transformers+PEFT with their graphs captured
         mla_lora_capturable=True,

@@ -1,5 +1,5 @@
-"""Triton latent attention (kernels/attention/mla.py) and kv_b_proj's LoRA around it
-(kernels/attention/mla_lora.py) on the GPU at DeepSeek-V3's sizes, and under a CUDA graph.
+"""Triton latent attention (kernels/attention/mla.py) and kv_b_proj's absorption with its LoRA
+inside (kernels/attention/mla_absorb.py) on the GPU at DeepSeek-V3's sizes, and under a CUDA graph.
 
 bf16 caches against the fp32 torch reference (kernels/mla.py): relative error of the whole
 output <= 1e-2. The latent and rope caches are views of one buffer, as the engine keeps them;
@@ -28,7 +28,7 @@ from lora_cases import compact_weights, lora_weights  # noqa: E402
 
 from moelora.kernels import mla  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
-from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora  # noqa: E402
+from moelora.kernels.attention import mla_absorb, mla_expanded  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_absorption_in_bf16(T):
     torch.testing.assert_close(replayed, mla_absorb.absorb_out(o_lat, kv_b, N), rtol=0, atol=0)
 
 
-# kv_b_proj's LoRA by the Triton kernels (kernels/attention/mla_lora.py): 4 slots of mixed ranks
+# kv_b_proj's LoRA inside the absorption's launches (mla_absorb.py): 4 slots of mixed ranks
 # in a rank-16 pool, compact with NaN gaps between slots; slot 1 disabled.
 LORA_RANKS = [16, 8, 16, 4]
 
@@ -259,33 +259,43 @@ def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> Lora
     )
 
 
-@pytest.mark.parametrize("side", ["lora_q_", "lora_out_"])
-def test_lora_kernels_against_loops(side):
-    """Each side's kernel against the torch loop (kernels/mla.py) on the same bf16 factors: the
-    deltas agree to float32 summation order; rows without an enabled slot keep their bits."""
-    heads, T = 16, 200
+@pytest.mark.parametrize("T", [1, 8, 64, 200, 4096])
+@pytest.mark.parametrize("side", ["q", "out"])
+def test_absorption_with_lora_against_references(side, T):
+    """Each side's absorption with kv_b_proj's LoRA inside against the float32 references
+    (kernels/mla.absorb_q / absorb_out with lora_q_ / lora_out_) on the same bf16 weight and
+    factors, at decode and prefill sizes: the corrections agree to about 2^-16 of their size
+    (their float32 parts split in two bf16 parts), and rows without an enabled slot keep the
+    bits of the absorption without LoRA."""
+    heads = 16
     lora = compact_kv_b_lora(heads)
-    g = torch.Generator().manual_seed(12)
+    g = torch.Generator().manual_seed(12 + T)
     slots = torch.randint(-1, 4, (T,), generator=g)
-    slots[-3:] = NO_SLOT  # padded rows
+    slots[0] = 2
+    if T > 3:
+        slots[-3:] = NO_SLOT  # padded rows
     info = slot_info(slots.tolist(), [1, 0, 1, 1])
     g = torch.Generator(device="cuda").manual_seed(13)
-    target_dim, source_dim, source_dtype = (
-        (L, N, torch.bfloat16) if side == "lora_q_" else (V, L, torch.float32)
-    )
-    target = torch.randn(T, heads, target_dim, generator=g, device="cuda")
-    source = torch.randn(T, heads, source_dim, generator=g, device="cuda").to(source_dtype)
-    got, expected = target.clone(), target.clone()
-    getattr(mla_lora, side)(got, source, lora, info)
-    getattr(mla, side)(expected, source, lora, info)
+    kv_b = (torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5).bfloat16()
+    if side == "q":
+        rows = torch.randn(T, heads, N + R, generator=g, device="cuda").bfloat16()[..., :N]
+        run, ref = mla_absorb.absorb_q, mla.absorb_q
+        args = (rows, kv_b)
+    else:
+        rows = torch.randn(T, heads, L, generator=g, device="cuda")
+        run, ref = mla_absorb.absorb_out, mla.absorb_out
+        args = (rows, kv_b, N)
+    base = run(*args)
+    got = run(*args, lora=lora, info=info)
+    expected = ref(*args, lora=lora, info=info)
     assert torch.isfinite(got).all()
-    assert rel_err(got - target, expected - target) <= 1e-3
-    untouched = ~((slots == 0) | (slots >= 2)).cuda()
-    assert torch.equal(got[untouched], target[untouched])
-    if side == "lora_out_":  # the cast to the model's dtype in the same launch, every row
-        rounded = torch.empty(T, heads, V, device="cuda", dtype=torch.bfloat16)
-        mla_lora.lora_out_(target.clone(), source, lora, info, rounded=rounded)
-        assert torch.equal(rounded, got.to(torch.bfloat16))
+    assert rel_err(got - base, expected - ref(*args)) <= 1e-3
+    with_slot = ((slots == 0) | (slots >= 2)).cuda()
+    assert torch.equal(got[~with_slot], base[~with_slot])
+    assert rel_err(got[with_slot], base[with_slot]) > 1e-3, "the LoRA added nothing"
+    if side == "out":  # rounded once to the model's dtype, the correction inside
+        rounded = run(*args, torch.bfloat16, lora=lora, info=info)
+        assert (rounded == got.to(torch.bfloat16)).float().mean() > 0.99
 
 
 def test_mla_attention_with_lora_cuda_graph_replay():

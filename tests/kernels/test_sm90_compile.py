@@ -436,19 +436,21 @@ def _launch_linear_attention() -> None:
 
 
 def _launch_mla_lora() -> None:
-    """kv_b_proj's LoRA under absorbed MLA, both sides, at DeepSeek-V3's sizes (a rank's 16
-    heads, N = V = 128, L = 512)."""
+    """The absorption with kv_b_proj's LoRA inside, both sides, at DeepSeek-V3's sizes (a
+    rank's 16 heads, N = V = 128, L = 512), at its token tiles."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels.attention import mla_lora
+    from moelora.kernels.attention import mla_absorb
 
-    T, Hh, N, V, L = 64, 16, 128, 128, 512
-    info = batch_info(T, "mixed")
-    kv_b = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
-    mla_lora.lora_q_(torch.randn(T, Hh, L), torch.randn(T, Hh, N, dtype=BF16), kv_b, info)
-    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info)
-    rounded = torch.empty(T, Hh, V, dtype=BF16)  # the output's cast in the same launch
-    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info, rounded=rounded)
+    Hh, N, V, L = 16, 128, 128, 512
+    kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
+    for T in (1, 64, 4096):
+        info = batch_info(T, "mixed")
+        lora = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
+        q_nope = torch.randn(T, Hh, N + 64, dtype=BF16)[..., :N]
+        mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
+        for out_dtype in (torch.float32, BF16):
+            mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N, out_dtype, lora=lora, info=info)
 
 
 def _launch_moe() -> None:

@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
 the latent space, around which kernels/mla.absorbed_attention applies the absorption of
-kv_b_proj (mla_absorb.py) and its LoRA (mla_lora.py). A prefill step's sequences given all
+kv_b_proj with its LoRA inside (mla_absorb.py). A prefill step's sequences given all
 their keys expanded (kernels/mla.ExpandedKv) attend in that form instead (mla_expanded.py):
 mla_attention runs both, each skipping the other's sequences.
 
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora
+from moelora.kernels.attention import mla_absorb, mla_expanded
 from moelora.kernels.attention.paged import (
     LOG2_E,
     MAX_SPLITS,
@@ -340,9 +340,9 @@ def mla_attention(
 ) -> torch.Tensor:
     """Semantics: kernels/mla.mla_attention's, with the attention in the latent space by the
     kernel (latent_attention below), kv_b_proj's absorption by mla_absorb's kernel (kv_b read
-    in its dtype), kv_b_proj's LoRA by mla_lora's kernels, which read the
-    slots through the table (a decode step reads no device value on the host), and the
-    expanded form by mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
+    in its dtype), with kv_b_proj's LoRA in the same launches, which read the slots through
+    the table (a decode step reads no device value on the host), and the expanded form by
+    mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
     if expanded is not None and expanded.every:
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
@@ -352,8 +352,6 @@ def mla_attention(
             core=functools.partial(latent_attention, skip_expanded=skip),
             absorb_q=mla_absorb.absorb_q,
             absorb_out=mla_absorb.absorb_out,
-            lora_q=mla_lora.lora_q_,
-            lora_out=mla_lora.lora_out_,
         )
         out = absorbed_attention(parts, *args, lora=lora, info=info)
     if expanded is not None:
