@@ -225,6 +225,27 @@ class MlaAttentionOp(Protocol):
     ) -> torch.Tensor: ...
 
 
+class MlaAttentionOShrinkOp(Protocol):
+    """mla.mla_attention_o_shrink: the latent attention with its o projection's LoRA shrink
+    (layers/mla.py, o_proj's LoRA folded into the kernels around it)."""
+
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_b: torch.Tensor,
+        scale: float,
+        *,
+        lora: LoraWeights | None,
+        info: LoraBatchInfo,
+        o_lora: LoraWeights,
+        expanded: ExpandedKv | None = None,
+    ) -> tuple[torch.Tensor, FoldedLora]: ...
+
+
 class CausalConv1dOp(Protocol):
     """gated_delta.causal_conv1d: gated DeltaNet's short conv over each request's window
     (layers/linear_attention.py)."""

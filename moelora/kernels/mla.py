@@ -8,11 +8,11 @@ form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores a
 q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
 kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
 latent space on either side (lora_q_, lora_out_): the base path is never expanded, and a row
-without an enabled slot costs it nothing. absorbed_attention chains the parts: the absorption
-(absorb_q, absorb_out: small float32 matmuls, each with its side's LoRA correction, whose torch
-loops read the step's slots on the host) around the attention over the cache in the latent space
-(latent_attention). The Triton table replaces each (kernels/attention/mla.py, mla_absorb.py: the
-corrections inside the absorption's launches).
+without an enabled slot costs it nothing. The absorption (absorb_q, absorb_out: small float32
+matmuls, each with its side's LoRA correction, whose torch loops read the step's slots on the
+host) sits around the attention over the cache in the latent space (latent_attention);
+absorbed_latents chains the query side and the attention. The Triton table replaces each
+(kernels/attention/mla.py, mla_absorb.py: the corrections inside the absorption's launches).
 
 A prefill step may also have keys and values in the expanded form (ExpandedKv: the layer applies
 kv_b_proj and its LoRA to latents, as transformers does): N + R wide scores and V wide values,
@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.kernels.reference import lora_shrink_split
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -87,10 +88,37 @@ def mla_attention(
     else:
         skip = None if expanded is None else expanded.cu_seqlens_k
         parts = Absorption(core=functools.partial(latent_attention, skip_expanded=skip))
-        out = absorbed_attention(parts, *args, lora=lora, info=info)
+        if lora is None or info is None:
+            lora = info = None
+        o_lat = absorbed_latents(parts, *args, lora=lora, info=info)
+        out = absorb_out(o_lat, kv_b, q_nope.shape[2], q_nope.dtype, lora=lora, info=info)
     if expanded is not None:
         expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out
+
+
+def mla_attention_o_shrink(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_b: torch.Tensor,
+    scale: float,
+    *,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo,
+    o_lora: LoraWeights,
+    expanded: ExpandedKv | None = None,
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: (out = mla_attention(...), FoldedLora(lora_shrink_split(out as [T, Hh V],
+    o_lora, info), o_lora, info)): the attention and the shrink of its o projection's LoRA,
+    which the next norm expands (layers/mla.py, as paged_attention_o_shrink for the other
+    attentions)."""
+    args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
+    out = mla_attention(*args, lora=lora, info=info, expanded=expanded)
+    shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), o_lora, info)
+    return out, FoldedLora(shrunk, o_lora, info)
 
 
 def expanded_attention_(
@@ -128,15 +156,14 @@ LatentAttention = Callable[..., torch.Tensor]
 
 
 class Absorption(NamedTuple):
-    """The calls of the absorbed form that a kernel table replaces, each keeping the contract
-    of the reference it defaults to (kv_b_proj's LoRA inside the absorption's own call)."""
+    """The calls of the absorbed form's query side that a kernel table replaces, each keeping
+    the contract of the reference it defaults to (kv_b_proj's LoRA inside absorb_q's call)."""
 
     core: LatentAttention | None = None
     absorb_q: Callable[..., torch.Tensor] | None = None  # absorb_q's signature
-    absorb_out: Callable[..., torch.Tensor] | None = None  # absorb_out's
 
 
-def absorbed_attention(
+def absorbed_latents(
     parts: Absorption,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -149,14 +176,12 @@ def absorbed_attention(
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
 ) -> torch.Tensor:
-    """mla_attention in the latent space, with the calls `parts` gives (the references where
-    it gives none): the Triton table passes its own."""
-    if lora is None or info is None:
-        lora = info = None
+    """The attention's weighted latents o_lat [T, Hh, L] float32 in the absorbed form (the
+    queries absorbed, with kv_b_proj's correction, then the attention over the cache), by the
+    calls `parts` gives (the references where it gives none): absorb_out (or a kernel table's)
+    maps them to the value space."""
     q_lat = (parts.absorb_q or absorb_q)(q_nope, kv_b, lora=lora, info=info)
-    o_lat = (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
-    N = q_nope.shape[2]
-    return (parts.absorb_out or absorb_out)(o_lat, kv_b, N, q_nope.dtype, lora=lora, info=info)
+    return (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
 
 
 def absorb_q(

@@ -22,6 +22,7 @@ from moelora.kernels.contracts import (
     GatedDeltaRuleOp,
     LinearOp,
     MlaAttentionOp,
+    MlaAttentionOShrinkOp,
     OutputGateOp,
     PagedAttentionOp,
     PagedAttentionOShrinkOp,
@@ -53,6 +54,7 @@ class Ops:
     rms_norm_lora: RmsNormLoraOp
     rope_store_kv: RopeStoreKvOp
     mla_attention: MlaAttentionOp
+    mla_attention_o_shrink: MlaAttentionOShrinkOp
     # gated DeltaNet (layers/linear_attention.py)
     causal_conv1d: CausalConv1dOp
     gated_delta_rule: GatedDeltaRuleOp
@@ -97,6 +99,7 @@ REFERENCE_OPS = Ops(
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
     mla_attention=mla.mla_attention,
+    mla_attention_o_shrink=mla.mla_attention_o_shrink,
     causal_conv1d=gated_delta.causal_conv1d,
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
@@ -157,7 +160,7 @@ def triton_ops(
     whatever prefill_attention_backend says (cuDNN's bits are not those of the same rows as a
     later chunk)."""
     from moelora.kernels import mlp
-    from moelora.kernels.attention.mla import mla_attention
+    from moelora.kernels.attention.mla import mla_attention, mla_attention_o_shrink
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.attention.output_gate import output_gate
     from moelora.kernels.linear import BatchInvariantLinear
@@ -183,8 +186,9 @@ def triton_ops(
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
-        # the latent attention, kv_b's absorption and its LoRA, each a kernel of its own
+        # the latent attention, kv_b's absorption with its LoRA (and o's shrink) inside
         mla_attention=mla_attention,
+        mla_attention_o_shrink=mla_attention_o_shrink,
         # models/model.py refuses Qwen3-Next with this table until its engine passes its family
         # tests on a device
         causal_conv1d=conv.causal_conv1d,

@@ -12,6 +12,11 @@ that runs anyway, and between the two halves the LoRA travels as a FoldedLora (s
   4. the post-attention RMSNorm expands o's into its input,       rms_norm_lora(expand=)
      before the residual add
 
+MLA (layers/mla.py) folds o's LoRA only: kv_b_proj's absorption, the attention's last launch,
+shrinks it (mla_attention_o_shrink) and the post-attention RMSNorm expands it (step 4). Its
+q|kv projections feed more kernels than rotary (the absorption, the expanded prefill), and
+keep add_lora_.
+
 Each row reads its slot's A and B once, spread over programs (one program per row reading a
 whole A is bound by its load latency). A base-only batch pays a few scalar loads, and one
 launch when the decode is not split. Longer steps (big prefill chunks) take add_lora_ in each
@@ -25,6 +30,7 @@ from typing import Protocol
 import torch
 
 from moelora.layers.attention import Attention
+from moelora.layers.mla import MlaAttention
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.step.batch import ForwardBatch
 
@@ -59,11 +65,22 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     )
 
 
+def folds_o_lora(attn: MlaAttention, batch: ForwardBatch, num_tokens: int) -> bool:
+    """Whether this step's MLA folds o_proj's LoRA (the module docstring): as folds_lora, up to
+    FOLD_LORA_MAX_TOKENS tokens and never in deterministic inference (MLA runs on one rank)."""
+    return (
+        batch.lora is not None
+        and attn.o_proj.lora is not None
+        and num_tokens <= FOLD_LORA_MAX_TOKENS
+        and not attn.ops.deterministic
+    )
+
+
 class AroundAttention(Protocol):
     """What the fold needs of a decoder layer: the attention and the norms on either side."""
 
     input_layernorm: RMSNorm
-    self_attn: Attention
+    self_attn: Attention | MlaAttention
     post_attention_layernorm: RMSNorm
 
 
@@ -75,10 +92,15 @@ def folded_attention(
     kv_cache: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's input norm, attention and post-attention norm with the attention's LoRA
-    folded (steps 1 to 4 above). Returns (the post-attention norm's output, the residual
-    stream after the attention), as the unfolded sequence does."""
+    folded (steps 1 to 4 above; MLA's: o's only). Returns (the post-attention norm's output,
+    the residual stream after the attention), as the unfolded sequence does."""
     attn, info = layer.self_attn, batch.lora
-    h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=attn.qkv_proj.lora)
-    h, o = attn.forward_folded(h, batch, kv_cache, qkv)
+    if isinstance(attn, MlaAttention):
+        h, residual = layer.input_layernorm(x, residual)
+        h, o = attn.forward_folded(h, batch, kv_cache)
+    else:
+        shrink = attn.qkv_proj.lora
+        h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=shrink)
+        h, o = attn.forward_folded(h, batch, kv_cache, qkv)
     h, residual, _ = layer.post_attention_layernorm.with_lora(h, residual, info, expand=o)
     return h, residual

@@ -8,7 +8,7 @@ from torch import nn
 from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.attention import Attention
-from moelora.layers.attention_lora import folded_attention, folds_lora
+from moelora.layers.attention_lora import folded_attention, folds_lora, folds_o_lora
 from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.mla import MlaAttention
 from moelora.layers.moe import DenseMLP, SparseMoE
@@ -56,9 +56,11 @@ class DecoderLayer(nn.Module):
         inside the next norm, so every add shares a kernel with a norm. The MoE's output may
         come as its top-k rows [T, K, H], or those and its shared expert's (Joined): the next
         norm adds those too."""
-        attn = self.self_attn
-        if isinstance(attn, Attention) and folds_lora(attn, batch, batch.positions.shape[0]):
-            # the attention's LoRA rides in the norms on either side of it and in rotary
+        attn, T = self.self_attn, batch.positions.shape[0]
+        folds = isinstance(attn, Attention) and folds_lora(attn, batch, T)
+        if folds or isinstance(attn, MlaAttention) and folds_o_lora(attn, batch, T):
+            # the attention's LoRA rides in the norms on either side of it and in rotary (MLA:
+            # o's only, in the attention's last launch and the norm after)
             h, residual = folded_attention(self, x, residual, batch, kv_cache)
         else:
             h, residual = self.input_layernorm(x, residual)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from cuda_graphs import capture  # noqa: E402
 from lora_cases import compact_weights, lora_weights  # noqa: E402
 
-from moelora.kernels import mla  # noqa: E402
+from moelora.kernels import mla, reference  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
 from moelora.kernels.attention import mla_absorb, mla_expanded  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
@@ -298,14 +298,27 @@ def test_absorption_with_lora_against_references(side, T):
         assert (rounded == got.to(torch.bfloat16)).float().mean() > 0.99
 
 
-def test_mla_attention_with_lora_cuda_graph_replay():
-    """Decode with kv_b_proj's LoRA captured with every slot disabled (as the runner captures),
-    then replayed with new slot assignments, flags, scalings, lengths and queries written in
-    place: each replay equals the eager call and is close to the reference."""
+O_RANKS = [16, 8, 0, 4]  # o_proj's: slot 2's adapter has none
+
+
+def compact_o_lora(heads: int, hidden: int = 256) -> LoraWeights:
+    torch.manual_seed(21)
+    ranks = torch.tensor(O_RANKS)
+    dense = lora_weights(4, (), 1, 16, heads * V, (hidden,), ranks, torch.bfloat16, "cuda")
+    return compact_weights(dense, O_RANKS)[0]
+
+
+@pytest.mark.parametrize("o_shrink", [False, True])
+def test_mla_attention_with_lora_cuda_graph_replay(o_shrink):
+    """Decode with kv_b_proj's LoRA (and o_proj's shrink: mla_attention_o_shrink) captured with
+    every slot disabled (as the runner captures), then replayed with new slot assignments,
+    flags, scalings, lengths and queries written in place: each replay equals the eager call
+    and is close to the reference; the shrink's partials, summed, equal the reference's on the
+    rows with o_proj's factors."""
     heads, graph_bs, max_pages = 16, 8, MAX_LEN // PAGE
     latent, rope, page_table, _ = make_cache([MAX_LEN] * graph_bs, max_pages=max_pages)
     attn = metadata([1] * graph_bs, [MAX_LEN] * graph_bs, page_table)
-    lora = compact_kv_b_lora(heads)
+    lora, o_lora = compact_kv_b_lora(heads), compact_o_lora(heads)
     info = slot_info([NO_SLOT] * graph_bs, [0, 0, 0, 0])
     g = torch.Generator(device="cuda").manual_seed(14)
     kv_b = (torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5).bfloat16()
@@ -314,9 +327,12 @@ def test_mla_attention_with_lora_cuda_graph_replay():
     args = (q_nope, q_pe, latent, rope, attn, kv_b, SCALE)
 
     def step():
-        return mla_triton.mla_attention(*args, lora=lora, info=info)
+        if o_shrink:
+            out, o = mla_triton.mla_attention_o_shrink(*args, lora=lora, info=info, o_lora=o_lora)
+            return out, o.shrunk
+        return mla_triton.mla_attention(*args, lora=lora, info=info), None
 
-    graph, out = capture(step)
+    graph, (out, part) = capture(step)
     gen = torch.Generator().manual_seed(15)
     for trial in range(4):
         slots = torch.randint(-1, 4, (graph_bs,), generator=gen)
@@ -331,13 +347,20 @@ def test_mla_attention_with_lora_cuda_graph_replay():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, step()), f"trial {trial}: the replay differs from eager"
+        eager, eager_part = step()
+        assert torch.equal(out, eager), f"trial {trial}: the replay differs from eager"
         expected = mla.mla_attention(*args, lora=lora, info=info)
         assert rel_err(out, expected) <= 1e-2, f"trial {trial}"
         base = mla.mla_attention(*args)
         with_slot = ((slots == 0) | (slots >= 2)).cuda()
         if with_slot.any():
             assert rel_err(out[with_slot], base[with_slot]) > 1e-2, "the LoRA added nothing"
+        o_rows = ((slots == 0) | (slots == 3)).cuda()
+        if o_shrink and o_rows.any():
+            got = part[o_rows].sum(dim=1)
+            assert torch.equal(got, eager_part[o_rows].sum(dim=1)), f"trial {trial}"
+            want = reference.lora_shrink(out.reshape(graph_bs, -1), o_lora, info)[o_rows]
+            assert rel_err(got, want) <= 1e-3, f"trial {trial}"
 
 
 # -- The expanded form (kernels/attention/mla_expanded.py): prompts' first chunks --------------

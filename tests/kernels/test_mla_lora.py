@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from lora_cases import compact_weights, lora_weights  # noqa: E402
 
-from moelora.kernels import mla  # noqa: E402
+from moelora.kernels import mla, reference  # noqa: E402
 from moelora.kernels.attention import mla_absorb  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -161,3 +161,38 @@ def test_no_enabled_slot_changes_nothing():
     assert torch.equal(got, mla_absorb.absorb_q(q_nope, kv_b))
     got = mla_absorb.absorb_out(o_lat, kv_b, N, lora=lora, info=info)
     assert torch.equal(got, mla_absorb.absorb_out(o_lat, kv_b, N))
+
+
+O_RANKS = [8, 4, 0, 4]  # o_proj's module ranks: slot 2's adapter has no o_proj
+
+
+def o_lora_of(Hh: int, V: int, H: int, dtype: torch.dtype, seed: int) -> LoraWeights:
+    """o_proj's factors over the 4 slots: A [1, r, Hh V], B [H, r], compact."""
+    torch.manual_seed(seed)
+    dense = lora_weights(4, (), 1, MAX_RANK, Hh * V, (H,), torch.tensor(O_RANKS), dtype)
+    return compact_weights(dense, O_RANKS)[0]
+
+
+@pytest.mark.parametrize("with_kv_b", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("Hh,N,V,L", [SHAPES[1], (2, 8, 80, 16)])  # V = 80: two column blocks
+def test_o_shrink_rides_in_the_out_side(Hh, N, V, L, dtype, with_kv_b):
+    """absorb_out_o_shrink: the output of absorb_out to the bit, and o_proj's LoRA shrink of
+    it, its partials summed over KS, equal to reference.lora_shrink on the rows with an
+    enabled slot that has o_proj's factors (slots 0 and 3; the others are not written)."""
+    lora = kv_b_lora(Hh, N, V, L, dtype, seed=Hh + L) if with_kv_b else None
+    o_lora = o_lora_of(Hh, V, 24, dtype, seed=Hh + V + 7)
+    T, kv_b = len(SLOTS), kv_b_of(Hh, N, V, L, dtype)
+    o_lat = torch.randn(T, Hh, L)
+    info = batch_info(SLOTS)
+    out, part = mla_absorb.absorb_out_o_shrink(
+        o_lat, kv_b, N, dtype, lora=lora, info=info, o_lora=o_lora
+    )
+    assert torch.equal(out, mla_absorb.absorb_out(o_lat, kv_b, N, dtype, lora=lora, info=info))
+    assert part.shape == (T, Hh * -(-V // 64), 1, MAX_RANK) and part.dtype == torch.float32
+    rows = torch.tensor([s in (0, 3) for s in SLOTS])
+    expected = reference.lora_shrink(out.reshape(T, -1), o_lora, info)
+    got = part[rows].sum(dim=1)
+    assert torch.isfinite(got).all(), "a NaN gap was read"
+    torch.testing.assert_close(got, expected[rows], **TOL[dtype])
+    assert got.abs().amax() > 0, "no shrink was written"

@@ -436,8 +436,9 @@ def _launch_linear_attention() -> None:
 
 
 def _launch_mla_lora() -> None:
-    """The absorption with kv_b_proj's LoRA inside, both sides, at DeepSeek-V3's sizes (a
-    rank's 16 heads, N = V = 128, L = 512), at its token tiles."""
+    """The absorption with kv_b_proj's LoRA inside, both sides, and o_proj's LoRA shrink in
+    the out side, at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, L = 512), at its
+    token tiles."""
     from lora_cases import batch_info, lora_weights
 
     from moelora.kernels.attention import mla_absorb
@@ -451,6 +452,12 @@ def _launch_mla_lora() -> None:
         mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
         for out_dtype in (torch.float32, BF16):
             mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N, out_dtype, lora=lora, info=info)
+        o_lora = lora_weights(S, (), 1, R, Hh * V, (H,), info.rank_of_slot, BF16)
+        for kv_b_lora in (lora, None):  # o_proj's shrink beside kv_b_proj's LoRA, or alone
+            o_lat = torch.randn(T, Hh, L)
+            mla_absorb.absorb_out_o_shrink(
+                o_lat, kv_b, N, BF16, lora=kv_b_lora, info=info, o_lora=o_lora
+            )
 
 
 def _launch_moe() -> None:

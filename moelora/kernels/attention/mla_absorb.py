@@ -137,6 +137,51 @@ def _lora_delta(
     return acc
 
 
+@triton.jit
+def _o_shrink(
+    out,  # [BT, BN] the program's rounded output
+    todo,  # [BT] each row's slot (_row_slots on o_proj's table), -1 without one
+    offs_t,
+    offs_n,
+    n_ok,
+    head,
+    o_lw_ptr,
+    o_tab_ptr,
+    scaling_ptr,
+    part_ptr,
+    NOUT: tl.constexpr,
+    HEADS: tl.constexpr,
+    R_PART: tl.constexpr,
+    RPO: tl.constexpr,
+    ODOT: tl.constexpr,
+    O_ALIGN: tl.constexpr,
+    TW: tl.constexpr,
+):
+    """o_proj's LoRA shrink of the program's columns, for the rows with a slot: part[t, j] =
+    scaling * out[t, cols] @ A_o[:, head * V + cols].T, j = head * blocks + this block (blocks:
+    the grid's column blocks), the other rows left unwritten."""
+    offs_r = tl.arange(0, RPO)
+    blocks = tl.num_programs(2)
+    j = head * blocks + tl.program_id(2)
+    while tl.max(todo, 0) >= 0:
+        slot = tl.max(todo, 0)
+        mine = todo == slot
+        todo = tl.where(mine, -1, todo)
+        entry = o_tab_ptr + slot.to(tl.int64) * TW
+        a_ptr = o_lw_ptr + aligned(tl.load(entry + TAB_A_OFF), O_ALIGN) + head * NOUT
+        r_ok = offs_r < tl.load(entry + TAB_RANK)
+        a = tl.load(
+            a_ptr + offs_r[None, :] * (HEADS * NOUT) + offs_n[:, None],
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )  # [BN, RPO]: A_o's columns of this block, transposed
+        x = tl.where(mine[:, None], out, 0.0)
+        shrunk = _mma(x, a, tl.zeros((out.shape[0], RPO), dtype=tl.float32), ODOT)
+        shrunk *= tl.load(scaling_ptr + slot)
+        dst = part_ptr + (offs_t.to(tl.int64) * (HEADS * blocks) + j)[:, None] * R_PART
+        tl.store(dst + offs_r[None, :], shrunk, mask=mine[:, None] & (offs_r < R_PART)[None, :])
+
+
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
 def _absorb_kernel(
     # Pointers.
@@ -148,6 +193,9 @@ def _absorb_kernel(
     slot_ptr,  # [>= T] int32
     enabled_ptr,  # [S] int32
     scaling_ptr,  # [S] float32
+    o_lw_ptr,  # with O_SHRINK: o_proj's arena, its A [1, r, Hh V] as a row of o_tab says
+    o_tab_ptr,  # [S, TW] int64
+    part_ptr,  # [T, Hh * (NOUT / BN blocks), 1, R_PART] float32: o_proj's partial shrinks
     # Sizes and strides.
     T,
     stride_at,
@@ -167,6 +215,12 @@ def _absorb_kernel(
     TW: tl.constexpr,
     RP: tl.constexpr,
     A_ALIGN: tl.constexpr,
+    O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
+    HEADS: tl.constexpr,
+    R_PART: tl.constexpr,
+    RPO: tl.constexpr,
+    ODOT: tl.constexpr,
+    O_ALIGN: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -227,6 +281,30 @@ def _absorb_kernel(
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs + offs_n[None, :], out, mask=t_ok[:, None] & n_ok[None, :])
 
+    # -- o_proj's LoRA shrink of the rows that have its factors, which the next norm expands --
+    if O_SHRINK:
+        todo = _row_slots(slot_ptr, enabled_ptr, o_tab_ptr, offs_t, t_ok, TW)
+        if tl.max(todo, 0) >= 0:
+            _o_shrink(
+                out,
+                todo,
+                offs_t,
+                offs_n,
+                n_ok,
+                head,
+                o_lw_ptr,
+                o_tab_ptr,
+                scaling_ptr,
+                part_ptr,
+                NOUT=NOUT,
+                HEADS=HEADS,
+                R_PART=R_PART,
+                RPO=RPO,
+                ODOT=ODOT,
+                O_ALIGN=O_ALIGN,
+                TW=TW,
+            )
+
 
 def absorb_q(
     q_nope: torch.Tensor,
@@ -239,7 +317,8 @@ def absorb_q(
     rows of kv_b), with lora and info kv_b_proj's correction (kernels/mla.lora_q_) in the same
     launch. q_nope [T, Hh, N]; kv_b [Hh (N + V), L]; lora: kv_b_proj's, read through its
     table. Returns [T, Hh, L] float32."""
-    return _absorb(q_nope, kv_b, kv_b.shape[1], row0=0, transposed=False, lora=(lora, info))
+    L = kv_b.shape[1]
+    return _absorb(q_nope, kv_b, L, row0=0, transposed=False, lora=lora, info=info)[0]
 
 
 def absorb_out(
@@ -263,7 +342,36 @@ def absorb_out(
         row0=qk_nope_head_dim,
         transposed=True,
         out_dtype=out_dtype,
-        lora=(lora, info),
+        lora=lora,
+        info=info,
+    )[0]
+
+
+def absorb_out_o_shrink(
+    o_lat: torch.Tensor,
+    kv_b: torch.Tensor,
+    qk_nope_head_dim: int,
+    out_dtype: torch.dtype,
+    *,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo,
+    o_lora: LoraWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """absorb_out, and in the same launch o_proj's LoRA shrink of its rounded output as
+    [T, Hh V] (reference.lora_shrink_split's semantics): (out, part [T, KS, 1, R] float32, the
+    partial shrinks over KS slices of o_proj's input, which the next norm sums and expands;
+    rows without an enabled slot with o_proj's factors are left unwritten)."""
+    V = kv_b.shape[0] // o_lat.shape[1] - qk_nope_head_dim
+    return _absorb(
+        o_lat,
+        kv_b,
+        V,
+        row0=qk_nope_head_dim,
+        transposed=True,
+        out_dtype=out_dtype,
+        lora=lora,
+        info=info,
+        o_lora=o_lora,
     )
 
 
@@ -275,27 +383,31 @@ def _absorb(
     row0: int,
     transposed: bool,
     out_dtype: torch.dtype = torch.float32,
-    lora: tuple[LoraWeights | None, LoraBatchInfo | None] = (None, None),
-) -> torch.Tensor:
-    """out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+    o_lora: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
     h's kv_b rows from row0 on, as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out];
-    lora: (kv_b_proj's factors, the step's info), its correction added where both are given."""
+    with lora and info kv_b_proj's correction added; o_proj's partial shrinks with o_lora)."""
     T, Hh, K = a.shape
     assert a.stride(2) == 1 and kv_b.stride(1) == 1, (a.stride(), kv_b.stride())
     head_rows, L = kv_b.shape[0] // Hh, kv_b.shape[1]
     assert kv_b.shape[0] % Hh == 0 and (K if transposed else n_out) == L, (kv_b.shape, a.shape)
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
-    out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
-    if T == 0:
-        return out
     BT = 16 if T <= 16 else 32 if T <= 32 else 64
     BN, BK = 64, 64
+    out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
+    o_args, part = _o_shrink_args(out, kv_b, info, o_lora, cdiv(n_out, BN))
+    if T == 0:
+        return out, part
     stride_wk, stride_wn = (1, kv_b.stride(0)) if transposed else (kv_b.stride(0), 1)
     _absorb_kernel[(cdiv(T, BT), Hh, cdiv(n_out, BN))](
         a_ptr=a,
         w_ptr=kv_b,
         out_ptr=out,
-        **_lora_args(a, kv_b, *lora),
+        **_lora_args(a, kv_b, lora, info),
+        **o_args,
         T=T,
         stride_at=a.stride(0),
         stride_ah=a.stride(1),
@@ -317,34 +429,61 @@ def _absorb(
         num_stages=2,
         **pdl_kwargs(a.device),
     )
-    return out
+    return out, part
 
 
 def _lora_args(
     a: torch.Tensor, kv_b: torch.Tensor, lora: LoraWeights | None, info: LoraBatchInfo | None
 ) -> dict:
-    """The kernel's LoRA arguments: kv_b_proj's factors and the step's slots where both are
-    given (checked against the rows a [T, Hh, K] and kv_b), else none (LORA off; the pointers
-    then name kv_b, never read)."""
+    """The kernel's arguments for kv_b_proj's LoRA and the step's slots: the factors where
+    both are given (checked against the rows a [T, Hh, K] and kv_b), the slots where info is
+    (LORA off without the factors; pointers without a tensor name kv_b, never read)."""
+    slots = dict(slot_ptr=kv_b, enabled_ptr=kv_b, scaling_ptr=kv_b)
+    if info is not None:
+        assert info.slot_of_token.shape[0] >= a.shape[0], (info.slot_of_token.shape, a.shape)
+        slots = dict(
+            slot_ptr=info.slot_of_token,
+            enabled_ptr=info.slot_enabled,
+            scaling_ptr=info.scaling_of_slot,
+        )
     if lora is None or info is None:
-        unused = dict(lw_ptr=kv_b, tab_ptr=kv_b, slot_ptr=kv_b, enabled_ptr=kv_b)
-        return dict(unused, scaling_ptr=kv_b, LORA=False, RP=16, A_ALIGN=1)
-    T, Hh, _ = a.shape
+        return dict(slots, lw_ptr=kv_b, tab_ptr=kv_b, LORA=False, RP=16, A_ALIGN=1)
     assert lora.in_features == kv_b.shape[1] and len(lora.out_slices) == 1, lora.in_features
     assert lora.num_experts == 0 and lora.out_features == kv_b.shape[0], lora.out_features
     assert lora.arena.dtype == kv_b.dtype, (lora.arena.dtype, kv_b.dtype)
     assert lora.table.is_contiguous(), lora.table.stride()
-    assert info.slot_of_token.shape[0] >= T, (info.slot_of_token.shape, T)
     return dict(
+        slots,
         lw_ptr=lora.arena,
         tab_ptr=lora.table,
-        slot_ptr=info.slot_of_token,
-        enabled_ptr=info.slot_enabled,
-        scaling_ptr=info.scaling_of_slot,
         LORA=True,
         RP=max(16, next_power_of_2(lora.max_rank)),  # 16: the dots' least
         A_ALIGN=lora.a_align,
     )
+
+
+def _o_shrink_args(
+    out: torch.Tensor,
+    kv_b: torch.Tensor,
+    info: LoraBatchInfo | None,
+    o_lora: LoraWeights | None,
+    blocks: int,
+) -> tuple[dict, torch.Tensor | None]:
+    """(the kernel's arguments for o_proj's LoRA shrink, its partials [T, Hh * blocks, 1, R]),
+    O_SHRINK off and no partials without o_lora."""
+    T, Hh, V = out.shape
+    if o_lora is None:
+        unused = dict(o_lw_ptr=kv_b, o_tab_ptr=kv_b, part_ptr=kv_b, O_SHRINK=False)
+        return dict(unused, HEADS=Hh, R_PART=1, RPO=16, ODOT="plain", O_ALIGN=1), None
+    assert info is not None, "o_proj's shrink reads the step's slots"
+    assert o_lora.in_features == Hh * V and o_lora.out_slices == (o_lora.out_features,)
+    assert o_lora.num_experts == 0 and o_lora.table.is_contiguous(), o_lora.table.stride()
+    R = o_lora.max_rank
+    part = torch.empty(T, Hh * blocks, 1, R, dtype=torch.float32, device=out.device)
+    args = dict(o_lw_ptr=o_lora.arena, o_tab_ptr=o_lora.table, part_ptr=part, O_SHRINK=True)
+    rpo = max(16, next_power_of_2(R))
+    odot = _dot(out.dtype, o_lora.arena.dtype)
+    return dict(args, HEADS=Hh, R_PART=R, RPO=rpo, ODOT=odot, O_ALIGN=o_lora.a_align), part
 
 
 def _dot(a_dtype: torch.dtype, w_dtype: torch.dtype) -> str:
