@@ -57,6 +57,20 @@ class SiluAndMulOp(Protocol):
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class SiluAndMulLoraOp(Protocol):
+    """reference.silu_and_mul_lora: the SwiGLU with gate_up_proj's LoRA expanded and
+    down_proj's shrunk (layers/mlp_lora.py)."""
+
+    def __call__(
+        self,
+        gate_up: torch.Tensor,
+        info: LoraBatchInfo,
+        *,
+        expand: FoldedLora | None = None,
+        shrink: LoraWeights | None = None,
+    ) -> tuple[torch.Tensor, FoldedLora | None]: ...
+
+
 class AddSharedExpertOp(Protocol):
     """reference.add_shared_expert: the routed experts' rows and the shared expert, joined
     (layers/moe.py)."""

@@ -32,6 +32,7 @@ from moelora.kernels.contracts import (
     RmsNormOp,
     RopeStoreKvOp,
     RouteTopkOp,
+    SiluAndMulLoraOp,
     SiluAndMulOp,
 )
 from moelora.parallel import SINGLE, Shard
@@ -44,6 +45,7 @@ class Ops:
     route_topk: RouteTopkOp
     fused_moe: FusedMoeOp
     silu_and_mul: SiluAndMulOp
+    silu_and_mul_lora: SiluAndMulLoraOp
     add_shared_expert: AddSharedExpertOp
     add_lora_: AddLoraOp
     paged_attention: PagedAttentionOp
@@ -89,6 +91,7 @@ REFERENCE_OPS = Ops(
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
     silu_and_mul=reference.silu_and_mul,
+    silu_and_mul_lora=reference.silu_and_mul_lora,
     add_shared_expert=reference.add_shared_expert,
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
@@ -179,6 +182,7 @@ def triton_ops(
         route_topk=route_topk,
         fused_moe=functools.partial(fused_moe, deterministic=True) if deterministic else fused_moe,
         silu_and_mul=mlp.silu_and_mul,
+        silu_and_mul_lora=mlp.silu_and_mul_lora,
         add_shared_expert=mlp.add_shared_expert,
         add_lora_=add_lora_,
         **_paged_attention_ops(prefill_attention_backend, deterministic=deterministic),
@@ -201,9 +205,8 @@ def triton_ops(
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,
-        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_absorb.py):
-        # tests/gpu/test_mla_gpu.py replays it in a graph with new slots, and the DeepSeek and
-        # GLM engines equal transformers+PEFT with their graphs captured
+        # mla_attention's LoRA reads the slots through the table: tests/gpu/test_mla_gpu.py
+        # replays it in a graph with new slots, the DeepSeek and GLM engines equal PEFT's
         mla_lora_capturable=True,
     )
 

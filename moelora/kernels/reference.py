@@ -71,6 +71,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_lora(
+    gate_up: torch.Tensor,
+    info: LoraBatchInfo,
+    *,
+    expand: FoldedLora | None = None,
+    shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, FoldedLora | None]:
+    """silu_and_mul with the LoRA of the projections on either side folded in (a dense MLP's or
+    a shared expert's: layers/mlp_lora.py).
+
+    Semantics: with expand (gate_up_proj's LoRA, shrunk [T, 2, R] by the norm before: gate's
+    slice, then up's), gate_up first takes lora_expand_(gate_up, expand.shrunk, ...); h =
+    silu_and_mul(gate_up); with shrink (down_proj's LoRA), shrunk = FoldedLora(
+    lora_shrink_split(h, shrink, info), shrink, info), which the next norm expands.
+    Returns (h [T, I], shrunk or None)."""
+    if expand is not None:
+        gate_up = lora_expand_(gate_up.clone(), expand.shrunk, expand.weights, info)
+    h = silu_and_mul(gate_up)
+    if shrink is None:
+        return h, None
+    return h, FoldedLora(lora_shrink_split(h, shrink, info), shrink, info)
+
+
 # attention_work's entries: sequence * WORK_SEQ + query blocks from the sequence's last
 WORK_SEQ = 1 << 16
 SWIGLU_OAI_ALPHA = 1.702

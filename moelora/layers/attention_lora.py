@@ -33,6 +33,7 @@ from moelora.layers.attention import Attention
 from moelora.layers.mla import MlaAttention
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.step.batch import ForwardBatch
+from moelora.step.lora import FoldedLora, LoraWeights
 
 FOLD_LORA_MAX_TOKENS = 256
 
@@ -90,10 +91,13 @@ def folded_attention(
     residual: torch.Tensor | None,
     batch: ForwardBatch,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mlp_shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """The layer's input norm, attention and post-attention norm with the attention's LoRA
-    folded (steps 1 to 4 above; MLA's: o's only). Returns (the post-attention norm's output,
-    the residual stream after the attention), as the unfolded sequence does."""
+    folded (steps 1 to 4 above; MLA's: o's only), the post-attention norm also shrinking
+    mlp_shrink where given (layers/mlp_lora.py). Returns (the post-attention norm's output,
+    the residual stream after the attention, mlp_shrink's FoldedLora or None), as the unfolded
+    sequence does."""
     attn, info = layer.self_attn, batch.lora
     if isinstance(attn, MlaAttention):
         h, residual = layer.input_layernorm(x, residual)
@@ -102,5 +106,5 @@ def folded_attention(
         shrink = attn.qkv_proj.lora
         h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=shrink)
         h, o = attn.forward_folded(h, batch, kv_cache, qkv)
-    h, residual, _ = layer.post_attention_layernorm.with_lora(h, residual, info, expand=o)
-    return h, residual
+    norm = layer.post_attention_layernorm
+    return norm.with_lora(h, residual, info, expand=o, shrink=mlp_shrink)

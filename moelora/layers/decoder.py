@@ -11,10 +11,12 @@ from moelora.layers.attention import Attention
 from moelora.layers.attention_lora import folded_attention, folds_lora, folds_o_lora
 from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.mla import MlaAttention
+from moelora.layers.mlp_lora import mlp_shrink
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.step.batch import ForwardBatch
+from moelora.step.lora import FoldedLora, LoraWeights
 
 
 class DecoderLayer(nn.Module):
@@ -57,13 +59,28 @@ class DecoderLayer(nn.Module):
         come as its top-k rows [T, K, H], or those and its shared expert's (Joined): the next
         norm adds those too."""
         attn, T = self.self_attn, batch.positions.shape[0]
+        # the MLP's LoRA folds into the norms on either side and its SwiGLU (layers/mlp_lora.py)
+        shrink = mlp_shrink(self.mlp, batch, T)
         folds = isinstance(attn, Attention) and folds_lora(attn, batch, T)
         if folds or isinstance(attn, MlaAttention) and folds_o_lora(attn, batch, T):
             # the attention's LoRA rides in the norms on either side of it and in rotary (MLA:
             # o's only, in the attention's last launch and the norm after)
-            h, residual = folded_attention(self, x, residual, batch, kv_cache)
+            h, residual, gate_up = folded_attention(self, x, residual, batch, kv_cache, shrink)
         else:
             h, residual = self.input_layernorm(x, residual)
             h = self.self_attn(h, batch, kv_cache)
-            h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, batch), residual
+            h, residual, gate_up = self._post_attention_norm(h, residual, batch, shrink)
+        return self.mlp(h, batch, gate_up), residual
+
+    def _post_attention_norm(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        shrink: LoraWeights | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
+        """The post-attention norm, shrinking the MLP's first LoRA where it folds."""
+        norm = self.post_attention_layernorm
+        if shrink is None:
+            return *norm(h, residual), None
+        return norm.with_lora(h, residual, batch.lora, shrink=shrink)
