@@ -194,12 +194,25 @@ def _launch_norms_and_rotary(T: int) -> None:
 
 
 def _launch_mlp(T: int) -> None:
-    """A shared expert's and a dense layer's SwiGLU, and the join of the routed experts' top-k
-    rows (or their sum) with the shared expert, gated and not; the attention's output gate."""
-    from moelora.kernels import mlp
+    """A shared expert's and a dense layer's SwiGLU (with its LoRA folded too), and the join of
+    the routed experts' top-k rows (or their sum) with the shared expert, gated and not; the
+    attention's output gate."""
+    from lora_cases import batch_info, lora_weights
 
+    from moelora.kernels import mlp, reference
+    from moelora.step.lora import FoldedLora
+
+    info = batch_info(T, "mixed")
     for I in (1408, 11264):
-        mlp.silu_and_mul(torch.randn(T, 2 * I, dtype=BF16))
+        gate_up = torch.randn(T, 2 * I, dtype=BF16)
+        mlp.silu_and_mul(gate_up)
+        # with the LoRA folded (layers/mlp_lora.py): each half alone, and both
+        up_lora = lora_weights(S, (), 2, R, H, (I, I), info.rank_of_slot, BF16)
+        down_lora = lora_weights(S, (), 1, R, I, (H,), info.rank_of_slot, BF16)
+        x = torch.randn(T, H, dtype=BF16)
+        folded = FoldedLora(reference.lora_shrink(x, up_lora, info), up_lora, info)
+        for expand, shrink in ((folded, None), (None, down_lora), (folded, down_lora)):
+            mlp.silu_and_mul_lora(gate_up, info, expand=expand, shrink=shrink)
     from moelora.kernels.attention.output_gate import output_gate
 
     q_gate = torch.randn(T, HQ, 2, D, dtype=BF16)
