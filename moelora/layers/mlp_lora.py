@@ -7,14 +7,14 @@ down_proj's) takes a launch of its own, as the attention's do not (layers/attent
   2. the SwiGLU expands it into gate and up, then shrinks down's LoRA    silu_and_mul_lora
      from the h it writes (a partial a column block)
   3. the next RMSNorm (the next layer's input norm, or the model's       rms_norm_lora(expand=)
-     final norm) expands down's into the MLP's output, after it joins
-     the routed experts' rows and the shared expert (Joined.expand)
+     final norm) expands down's into the MLP's output (Joined.expand):
+     into the shared expert's row before its gate and the join with
+     the routed experts' rows, as PEFT adds it
 
-The MLPs that fold: a dense layer's, and a MoE's ungated shared expert (DeepSeek, Moonlight,
-GLM-4.5: a sigmoid-gated one, Qwen2-MoE's and Qwen3.5's, would scale the delta too), on one
-rank (an all-reduce would come between down and the norm), never in deterministic inference
-(a row's sums would follow the step's size, as folds_lora says). The rounding moves: down's
-delta is added to the joined sum, where PEFT adds it to the shared expert's output first.
+The MLPs that fold: a dense layer's, and a MoE's shared expert (DeepSeek, Moonlight, GLM-4.5;
+sigmoid-gated: Qwen2-MoE, Qwen3.5, Qwen3-Next) once its inputs are fused, on one rank (an
+all-reduce would come between down and the norm), never in deterministic inference (a row's
+sums would follow the step's size, as folds_lora says).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from moelora.step.lora import LoraWeights
 
 
 def folded_mlp(mlp: DenseMLP | SparseMoE) -> DenseMLP | None:
-    """The SwiGLU whose LoRA may fold: a dense MLP itself, a MoE's ungated shared expert once
-    its inputs are fused (SparseMoE.fuse_inputs), else None."""
+    """The SwiGLU whose LoRA may fold: a dense MLP itself, a MoE's shared expert once its
+    inputs are fused (SparseMoE.fuse_inputs), else None."""
     if isinstance(mlp, DenseMLP):
         return mlp
-    if mlp.shared_expert is None or mlp.shared_expert_gate is not None or mlp.w_in is None:
+    if mlp.shared_expert is None or mlp.w_in is None:
         return None
     return mlp.shared_expert
 

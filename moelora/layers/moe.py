@@ -230,9 +230,9 @@ class SparseMoE(nn.Module):
         padding); None before fuse_inputs, which then computes each on its own."""
         expert, gate = self.shared_expert, self.shared_expert_gate
         if folded is not None:
-            assert shared_in is not None and gate is None, "folded: layers/mlp_lora.py"
+            assert shared_in is not None, "folded: layers/mlp_lora.py"
             shared, down = expert.finish_folded(shared_in[0], batch, folded)
-            return Joined(out, shared, None, down)
+            return Joined(out, shared, None if gate is None else shared_in[1], down)
         if shared_in is None:
             shared = expert(x, batch)
             gate_logits = None if gate is None else self.ops.linear(x, gate)  # [T, 1]

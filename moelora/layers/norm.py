@@ -11,8 +11,9 @@ class Joined(NamedTuple):
     """An MLP's output that the next norm joins before it normalizes (no launch of its own): the
     routed experts' top-k rows [T, K, H] (or their sum [T, H], or a dense MLP's output) and the
     shared expert's output [T, H] where there is one, scaled by sigmoid(gate_logits [T, 1])
-    where given (reference.add_shared_expert); then down_proj's LoRA, shrunk, which the norm
-    expands into the sum where given (layers/mlp_lora.py)."""
+    where given (reference.add_shared_expert); down_proj's LoRA, shrunk, which the norm
+    expands into the shared expert's row (or the rows) first, where given (layers/mlp_lora.py).
+    """
 
     rows: torch.Tensor
     shared: torch.Tensor | None
