@@ -296,3 +296,18 @@ class RmsNormGatedOp(Protocol):
     def __call__(
         self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
+
+
+class RmsNormGatedOShrinkOp(Protocol):
+    """gated_delta.rms_norm_gated_o_shrink: the gated norm and out_proj's LoRA shrink of its
+    output (layers/attention_lora.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        lora: LoraWeights,
+        info: LoraBatchInfo,
+    ) -> tuple[torch.Tensor, FoldedLora]: ...

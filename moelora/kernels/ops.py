@@ -28,6 +28,7 @@ from moelora.kernels.contracts import (
     PagedAttentionOShrinkOp,
     PlanAttentionOp,
     RmsNormGatedOp,
+    RmsNormGatedOShrinkOp,
     RmsNormLoraOp,
     RmsNormOp,
     RopeStoreKvOp,
@@ -61,6 +62,7 @@ class Ops:
     causal_conv1d: CausalConv1dOp
     gated_delta_rule: GatedDeltaRuleOp
     rms_norm_gated: RmsNormGatedOp
+    rms_norm_gated_o_shrink: RmsNormGatedOShrinkOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool
@@ -106,6 +108,7 @@ REFERENCE_OPS = Ops(
     causal_conv1d=gated_delta.causal_conv1d,
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
+    rms_norm_gated_o_shrink=gated_delta.rms_norm_gated_o_shrink,
     keeps_mxfp4=False,
     keeps_fp8=False,
     reads_lora_tables=True,
@@ -193,11 +196,11 @@ def triton_ops(
         # the latent attention, kv_b's absorption with its LoRA (and o's shrink) inside
         mla_attention=mla_attention,
         mla_attention_o_shrink=mla_attention_o_shrink,
-        # models/model.py refuses Qwen3-Next with this table until its engine passes its family
-        # tests on a device
+        # models/model.py refuses Qwen3-Next with this table (family tests on a device first)
         causal_conv1d=conv.causal_conv1d,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
+        rms_norm_gated_o_shrink=gated_norm.rms_norm_gated_o_shrink,
         keeps_mxfp4=True,
         # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py); tests/test_fp8.py and
         # test_fp8_kept.py pass on --moelora-device=cuda with it

@@ -15,7 +15,8 @@ that runs anyway, and between the two halves the LoRA travels as a FoldedLora (s
 MLA (layers/mla.py) folds o's LoRA only: kv_b_proj's absorption, the attention's last launch,
 shrinks it (mla_attention_o_shrink) and the post-attention RMSNorm expands it (step 4). Its
 q|kv projections feed more kernels than rotary (the absorption, the expanded prefill), and
-keep add_lora_.
+keep add_lora_. Gated DeltaNet (layers/linear_attention.py) folds out_proj's the same way, its
+shrink in the gated norm (rms_norm_gated_o_shrink); in_proj keeps add_lora_.
 
 Each row reads its slot's A and B once, spread over programs (one program per row reading a
 whole A is bound by its load latency). A base-only batch pays a few scalar loads, and one
@@ -30,6 +31,7 @@ from typing import Protocol
 import torch
 
 from moelora.layers.attention import Attention
+from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.mla import MlaAttention
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.step.batch import ForwardBatch
@@ -66,13 +68,16 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     )
 
 
-def folds_o_lora(attn: MlaAttention, batch: ForwardBatch, num_tokens: int) -> bool:
-    """Whether this step's MLA folds o_proj's LoRA (the module docstring): as folds_lora, up to
-    FOLD_LORA_MAX_TOKENS tokens and never in deterministic inference (MLA runs on one rank)."""
+def folds_o_lora(attn: MlaAttention | GatedDeltaNet, batch: ForwardBatch, num_tokens: int) -> bool:
+    """Whether this step's MLA or gated DeltaNet folds its output projection's LoRA (the module
+    docstring): as folds_lora, up to FOLD_LORA_MAX_TOKENS tokens, on one rank, never in
+    deterministic inference."""
+    out_proj = attn.o_proj if isinstance(attn, MlaAttention) else attn.out_proj
     return (
         batch.lora is not None
-        and attn.o_proj.lora is not None
+        and out_proj.lora is not None
         and num_tokens <= FOLD_LORA_MAX_TOKENS
+        and attn.ops.shard.size == 1
         and not attn.ops.deterministic
     )
 
@@ -81,7 +86,7 @@ class AroundAttention(Protocol):
     """What the fold needs of a decoder layer: the attention and the norms on either side."""
 
     input_layernorm: RMSNorm
-    self_attn: Attention | MlaAttention
+    self_attn: Attention | MlaAttention | GatedDeltaNet
     post_attention_layernorm: RMSNorm
 
 
@@ -94,12 +99,13 @@ def folded_attention(
     mlp_shrink: LoraWeights | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """The layer's input norm, attention and post-attention norm with the attention's LoRA
-    folded (steps 1 to 4 above; MLA's: o's only), the post-attention norm also shrinking
+    folded (steps 1 to 4 above; MLA's and gated DeltaNet's: the output projection's only), the
+    post-attention norm also shrinking
     mlp_shrink where given (layers/mlp_lora.py). Returns (the post-attention norm's output,
     the residual stream after the attention, mlp_shrink's FoldedLora or None), as the unfolded
     sequence does."""
     attn, info = layer.self_attn, batch.lora
-    if isinstance(attn, MlaAttention):
+    if isinstance(attn, (MlaAttention, GatedDeltaNet)):  # the output projection's LoRA only
         h, residual = layer.input_layernorm(x, residual)
         h, o = attn.forward_folded(h, batch, kv_cache)
     else:

@@ -61,10 +61,13 @@ class DecoderLayer(nn.Module):
         attn, T = self.self_attn, batch.positions.shape[0]
         # the MLP's LoRA folds into the norms on either side and its SwiGLU (layers/mlp_lora.py)
         shrink = mlp_shrink(self.mlp, batch, T)
-        folds = isinstance(attn, Attention) and folds_lora(attn, batch, T)
-        if folds or isinstance(attn, MlaAttention) and folds_o_lora(attn, batch, T):
-            # the attention's LoRA rides in the norms on either side of it and in rotary (MLA:
-            # o's only, in the attention's last launch and the norm after)
+        if isinstance(attn, Attention):
+            folds = folds_lora(attn, batch, T)
+        else:
+            folds = folds_o_lora(attn, batch, T)
+        if folds:
+            # the attention's LoRA rides in the norms on either side of it and in rotary (MLA's
+            # and gated DeltaNet's: the output projection's only, in the launch before it)
             h, residual, gate_up = folded_attention(self, x, residual, batch, kv_cache, shrink)
         else:
             h, residual = self.input_layernorm(x, residual)

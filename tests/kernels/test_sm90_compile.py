@@ -401,6 +401,8 @@ def _launch_linear_attention() -> None:
     """Gated DeltaNet at Qwen3.5-MoE's sizes (16 q/k heads, 32 value heads, K = V = 128, a
     4-tap conv over 8192 channels): the conv, the delta rule's gates, its token loop and its
     block form, the gated norm, at decode and prefill."""
+    from lora_cases import batch_info, lora_weights
+
     from moelora.kernels.gated_delta import DeltaGates
     from moelora.kernels.linear_attention import (
         conv,
@@ -442,6 +444,10 @@ def _launch_linear_attention() -> None:
         )
         z = torch.randn(T, 2 * Hv * Vd, dtype=BF16)[:, Hv * Vd :].view(T, Hv, Vd)
         gated_norm.rms_norm_gated(x.view(T, Hv, Vd), z, torch.randn(Vd, dtype=BF16), 1e-6)
+        info = batch_info(T, "mixed")  # with out_proj's LoRA shrink
+        out_lora = lora_weights(S, (), 1, R, Hv * Vd, (H,), info.rank_of_slot, BF16)
+        norm_w = torch.randn(Vd, dtype=BF16)
+        gated_norm.rms_norm_gated_o_shrink(x.view(T, Hv, Vd), z, norm_w, 1e-6, out_lora, info)
         ba = torch.randn(T, 2 * Hv, dtype=BF16)
         gates.delta_gates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv), torch.randn(Hv, dtype=BF16))
         raw = DeltaGates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv, dtype=BF16), ba[0, :Hv])
