@@ -427,8 +427,12 @@ def test_silu_and_mul_lora_gpu(T, spread):
     h, part = step()
     want, want_down = reference.silu_and_mul_lora(gate_up, info, expand=expand, shrink=down_lora)
     a, b = h.float(), want.float()
-    assert ((a - b).abs() <= a.abs().maximum(b.abs()) * 2.0**-7 + 1e-6).all()
-    assert (a == b).float().mean() > 0.98
+    off = (a - b).abs() > a.abs().maximum(b.abs()) * 2.0**-7 + 1e-6
+    assert not off.any(), (
+        f"{int(off.sum())} outputs past one bf16 step, e.g. {a[off][:4]} {b[off][:4]}"
+    )
+    same = (a == b).float().mean().item()
+    assert same > 0.98, f"{same:.4f} of the outputs equal"
     rows = reference.lora_shrink(h, down_lora, info).abs().sum(dim=(1, 2)) > 0
     if rows.any():
         got = part[rows].sum(dim=1)
