@@ -427,12 +427,16 @@ def test_silu_and_mul_lora_gpu(T, spread):
     h, part = step()
     want, want_down = reference.silu_and_mul_lora(gate_up, info, expand=expand, shrink=down_lora)
     a, b = h.float(), want.float()
+    # the delta sums in another order than the reference's matmul: a delta a rounding apart,
+    # then gate + delta rounded, then silu * up; where gate + delta cancels, that is more than
+    # one bf16 step of the small result (a few outputs in 10^5: a torch emulation of the
+    # kernel's order gives 1-5 at 64-256 rows)
     off = (a - b).abs() > a.abs().maximum(b.abs()) * 2.0**-7 + 1e-6
-    assert not off.any(), (
-        f"{int(off.sum())} outputs past one bf16 step, e.g. {a[off][:4]} {b[off][:4]}"
-    )
-    same = (a == b).float().mean().item()
-    assert same > 0.98, f"{same:.4f} of the outputs equal"
+    assert off.float().mean() <= 1e-4, f"{int(off.sum())} outputs past one bf16 step"
+    assert rel_err(a, b) <= 1e-3 and (a == b).float().mean() > 0.98
+    slots = info.slot_of_token[:T].long()
+    base = (slots < 0) | (info.slot_enabled[slots.clamp(min=0)] == 0)
+    assert torch.equal(h[base], mlp.silu_and_mul(gate_up)[base]), "a base row changed"
     rows = reference.lora_shrink(h, down_lora, info).abs().sum(dim=(1, 2)) > 0
     if rows.any():
         got = part[rows].sum(dim=1)
