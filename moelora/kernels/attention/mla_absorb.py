@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import TAB_A_OFF, TAB_B_OFF, TAB_B_ROW, TAB_RANK, aligned
+from moelora.kernels.lora import TAB_A_OFF, TAB_B_OFF, TAB_B_ROW, TAB_RANK, aligned, module_slots
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
@@ -67,21 +67,10 @@ def _mma(x, w, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def _row_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW: tl.constexpr):
-    """[BT] each row's slot where it is enabled and its adapter has kv_b_proj's factors (the
-    module's rank in the table above 0), else -1."""
-    slot = tl.load(slot_ptr + offs_t, mask=t_ok, other=-1)
-    safe = tl.maximum(slot, 0).to(tl.int64)
-    on = tl.load(enabled_ptr + safe, mask=slot >= 0, other=0) != 0
-    rank = tl.load(tab_ptr + safe * TW + TAB_RANK, mask=on, other=0)
-    return tl.where(on & (rank > 0), slot, -1)
-
-
-@triton.jit
 def _lora_delta(
     acc,
     a_rows,  # [BT, 1] pointers: the rows of the program's head
-    todo,  # [BT] each row's slot (_row_slots), -1 without one
+    todo,  # [BT] each row's slot (module_slots), -1 without one
     head,
     offs_n,
     n_ok,
@@ -140,7 +129,7 @@ def _lora_delta(
 @triton.jit
 def _o_shrink(
     out,  # [BT, BN] the program's rounded output
-    todo,  # [BT] each row's slot (_row_slots on o_proj's table), -1 without one
+    todo,  # [BT] each row's slot (module_slots on o_proj's table), -1 without one
     offs_t,
     offs_n,
     n_ok,
@@ -252,7 +241,7 @@ def _absorb_kernel(
 
     # -- kv_b_proj's LoRA: nothing read where no row has an enabled slot with its factors --
     if LORA:
-        todo = _row_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
+        todo = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
         if tl.max(todo, 0) >= 0:
             acc = _lora_delta(
                 acc,
@@ -283,7 +272,7 @@ def _absorb_kernel(
 
     # -- o_proj's LoRA shrink of the rows that have its factors, which the next norm expands --
     if O_SHRINK:
-        todo = _row_slots(slot_ptr, enabled_ptr, o_tab_ptr, offs_t, t_ok, TW)
+        todo = module_slots(slot_ptr, enabled_ptr, o_tab_ptr, offs_t, t_ok, TW)
         if tl.max(todo, 0) >= 0:
             _o_shrink(
                 out,

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.lora import TAB_A_OFF, TAB_RANK, aligned
+from moelora.kernels.lora import TAB_A_OFF, TAB_RANK, aligned, module_slots
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import TABLE_WIDTH, FoldedLora, LoraBatchInfo, LoraWeights
@@ -85,20 +85,17 @@ def _rms_norm_gated_kernel(
 
     # -- out_proj's LoRA shrink of each row with a slot that has its factors --
     if SHRINK:
-        slot = tl.load(slot_ptr + token, mask=rows < num_rows, other=-1)
-        safe = tl.maximum(slot, 0).to(tl.int64)
-        on = tl.load(enabled_ptr + safe, mask=slot >= 0, other=0) != 0
-        a_rank = tl.load(a_tab_ptr + safe * TW + TAB_RANK, mask=on, other=0)  # [BLOCK_R]
-        if tl.max(a_rank, 0) > 0:
+        slots = module_slots(slot_ptr, enabled_ptr, a_tab_ptr, token, rows < num_rows, TW)
+        if tl.max(slots, 0) >= 0:
             offs_r = tl.arange(0, RP)
             for i in tl.static_range(BLOCK_R):
                 mine = tl.arange(0, BLOCK_R) == i
-                rank_i = tl.sum(tl.where(mine, a_rank, 0), 0)
-                if rank_i > 0:
-                    slot_i = tl.sum(tl.where(mine, safe, 0), 0)
+                slot_i = tl.max(tl.where(mine, slots, -1), 0)
+                if slot_i >= 0:
+                    entry = a_tab_ptr + slot_i.to(tl.int64) * TW
+                    rank_i = tl.load(entry + TAB_RANK)
                     row_i = tl.program_id(0) * BLOCK_R + i
                     head_i = row_i % HEADS
-                    entry = a_tab_ptr + slot_i * TW
                     a_slot = a_ptr + aligned(tl.load(entry + TAB_A_OFF), A_ALIGN) + head_i * D
                     a = tl.load(
                         a_slot + offs_r[:, None] * (HEADS * D) + offs[None, :],
