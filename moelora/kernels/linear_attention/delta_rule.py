@@ -1,7 +1,7 @@
 """gated_delta.gated_delta_rule in Triton: the gated delta rule over each request's state, in
 its fused recurrent form, for decode and prefill alike.
 
-Algorithm. One program per (sequence, value head, block of BLOCK_V value columns) holds its
+Algorithm. One program per (block of BLOCK_V value columns, value head, sequence) holds its
 [K, BLOCK_V] tile of the state in float32 registers, loaded from the sequence's slot (zeros
 from position 0), and walks the sequence's tokens in order: q and k L2-normed (those of the
 q/k head that serves this value head among H // Hk), q scaled by K ** -0.5, S = exp(g) S,
@@ -134,10 +134,10 @@ def _gated_delta_rule_kernel(
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map the program to its sequence, value head and value columns --
-    b = tl.program_id(0)
+    b = tl.program_id(2)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = offs_k < K, offs_v < V
     tile_ok = k_ok[:, None] & v_ok[None, :]
     out_head = out_ptr + h * V + offs_v  # + row * H * V
@@ -250,7 +250,7 @@ def gated_delta_rule(
     if T == 0:
         return out
     block_v = min(DELTA_BLOCK_V, next_power_of_2(V))
-    _gated_delta_rule_kernel[(B, H, cdiv(V, block_v))](
+    _gated_delta_rule_kernel[(cdiv(V, block_v), H, B)](
         q_ptr=q,
         k_ptr=k,
         v_ptr=v,
