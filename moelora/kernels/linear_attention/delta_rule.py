@@ -8,7 +8,9 @@ q/k head that serves this value head among H // Hk), q scaled by K ** -0.5, S = 
 S += k (beta (v - k^T S))^T, o = S^T q, as the reference's token loop does, so a request's
 numbers do not depend on how its prompt was chunked. The tile goes back to the slot after the
 last token. A prefill chunk's tokens thus run one after another, unless the caller asks for
-the block form (delta_chunked.py).
+the block form (delta_chunked.py). The value blocks are the grid's fastest axis: programs
+launched together read neighbouring pieces of the same state rows (a tile is K pieces of
+BLOCK_V floats, a row of V apart), not pieces of different sequences' states.
 Graphs and padding: see sequences.py.
 
 Legend: T = tokens, B = sequences, S = state slots, Hk = q/k heads, H = value heads,
