@@ -46,9 +46,12 @@ from moelora.kernels.sizes import cdiv, next_power_of_2
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
-# fla's fused recurrent tiles: narrow V blocks, many programs even at one sequence
-DELTA_BLOCK_V = 8
-DELTA_WARPS = 1
+# A decode moves each sequence's whole state: 32 value columns a program (128-byte row pieces,
+# 4 programs a value head, so one sequence of 32 heads still fills 128 multiprocessors) with
+# 4 warps (128 registers a thread, no spills at K = 128) stream it best of the tiles swept in
+# bench/results/delta-rule-tiles-h100-2026-12-06.md
+DELTA_BLOCK_V = 32
+DELTA_WARPS = 4
 
 
 @triton.jit
