@@ -46,10 +46,10 @@ from moelora.kernels.sizes import cdiv, next_power_of_2
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
-# A decode moves each sequence's whole state: 32 value columns a program (128-byte row pieces,
-# 4 programs a value head, so one sequence of 32 heads still fills 128 multiprocessors) with
-# 4 warps (128 registers a thread, no spills at K = 128) stream it best of the tiles swept in
-# bench/results/delta-rule-tiles-h100-2026-12-06.md
+# A decode moves each sequence's whole state: 32 value columns a program (128-byte row pieces;
+# 4 programs a value head, so one sequence of 32 heads still fills 128 multiprocessors), with
+# 4 warps so that the [K, 32] float32 tile takes no spills at K = 128. The delta-rule tile
+# sweep (the benchmarks page) has the alternatives.
 DELTA_BLOCK_V = 32
 DELTA_WARPS = 4
 
