@@ -655,7 +655,16 @@ def adapters_of(case: str, names: list[str], B: int) -> list[str | None]:
 
 # ---- one MoE layer: (E, H, I, K, layers a graph holds) ------------------------------------
 
-MOE_SHAPES = {"qwen3-30b-a3b": (128, 2048, 768, 8, 8), "mixtral": (8, 4096, 14336, 2, 4)}
+MOE_SHAPES = {
+    "qwen3-30b-a3b": (128, 2048, 768, 8, 8),
+    "mixtral": (8, 4096, 14336, 2, 4),
+    # the routed experts of models/shapes.py's newer families (tune_moe.py's tables)
+    "qwen3.5-moe-35b-a3b": (256, 2048, 512, 8, 8),
+    "qwen3-next-80b-a3b": (512, 2048, 512, 10, 8),
+    "moonlight-16b-a3b": (64, 2048, 1408, 6, 8),
+    "glm-4.5-air": (128, 4096, 1408, 8, 4),
+}
+KERNEL_SHAPES = ("qwen3-30b-a3b", "mixtral")  # bench/kernels.py's default: the peers' A/B
 
 
 def lora_pool(

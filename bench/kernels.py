@@ -26,6 +26,7 @@ import torch
 from common import (
     DEV,
     DT,
+    KERNEL_SHAPES,
     MOE_SHAPES,
     batch_info,
     copy_bandwidth,
@@ -206,7 +207,7 @@ def targets(rows: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(MOE_SHAPES))
+    parser.add_argument("--shapes", nargs="+", choices=MOE_SHAPES, default=list(KERNEL_SHAPES))
     parser.add_argument("--ms", nargs="+", type=int, default=list(MS), help="token counts")
     parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS), help="pool ranks")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")

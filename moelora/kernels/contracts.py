@@ -57,6 +57,20 @@ class SiluAndMulOp(Protocol):
     def __call__(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class SiluAndMulLoraOp(Protocol):
+    """reference.silu_and_mul_lora: the SwiGLU with gate_up_proj's LoRA expanded and
+    down_proj's shrunk (layers/mlp_lora.py)."""
+
+    def __call__(
+        self,
+        gate_up: torch.Tensor,
+        info: LoraBatchInfo,
+        *,
+        expand: FoldedLora | None = None,
+        shrink: LoraWeights | None = None,
+    ) -> tuple[torch.Tensor, FoldedLora | None]: ...
+
+
 class AddSharedExpertOp(Protocol):
     """reference.add_shared_expert: the routed experts' rows and the shared expert, joined
     (layers/moe.py)."""
@@ -225,6 +239,27 @@ class MlaAttentionOp(Protocol):
     ) -> torch.Tensor: ...
 
 
+class MlaAttentionOShrinkOp(Protocol):
+    """mla.mla_attention_o_shrink: the latent attention with its o projection's LoRA shrink
+    (layers/mla.py, o_proj's LoRA folded into the kernels around it)."""
+
+    def __call__(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent_cache: torch.Tensor,
+        rope_cache: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_b: torch.Tensor,
+        scale: float,
+        *,
+        lora: LoraWeights | None,
+        info: LoraBatchInfo,
+        o_lora: LoraWeights,
+        expanded: ExpandedKv | None = None,
+    ) -> tuple[torch.Tensor, FoldedLora]: ...
+
+
 class CausalConv1dOp(Protocol):
     """gated_delta.causal_conv1d: gated DeltaNet's short conv over each request's window
     (layers/linear_attention.py)."""
@@ -261,3 +296,18 @@ class RmsNormGatedOp(Protocol):
     def __call__(
         self, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> torch.Tensor: ...
+
+
+class RmsNormGatedOShrinkOp(Protocol):
+    """gated_delta.rms_norm_gated_o_shrink: the gated norm and out_proj's LoRA shrink of its
+    output (layers/attention_lora.py)."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        gate: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        lora: LoraWeights,
+        info: LoraBatchInfo,
+    ) -> tuple[torch.Tensor, FoldedLora]: ...

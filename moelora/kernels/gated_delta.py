@@ -30,7 +30,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from moelora.kernels.reference import lora_shrink_split
 from moelora.step.batch import AttentionMetadata
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 CHUNK = 64  # tokens per block of the chunked delta rule (transformers' and fla's)
 
@@ -215,3 +217,19 @@ def rms_norm_gated(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     h = weight * h.to(x.dtype)
     return (h * F.silu(gate.float())).to(x.dtype)
+
+
+def rms_norm_gated_o_shrink(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    lora: LoraWeights,
+    info: LoraBatchInfo,
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: (out = rms_norm_gated(x, gate, weight, eps), FoldedLora(lora_shrink_split(
+    out as [T, H V], lora, info), lora, info)): the norm and the shrink of out_proj's LoRA,
+    which the next norm expands (layers/attention_lora.py). x, gate: [T, H, V]."""
+    out = rms_norm_gated(x, gate, weight, eps)
+    shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), lora, info)
+    return out, FoldedLora(shrunk, lora, info)

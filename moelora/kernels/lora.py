@@ -83,6 +83,17 @@ def lora_slot(slot, enabled_ptr, rank_ptr, scaling_ptr):
 
 
 @triton.jit
+def module_slots(slot_ptr, enabled_ptr, tab_ptr, tokens, ok, TW: tl.constexpr):
+    """Each row's slot where it is enabled and its adapter has the module's factors (its rank
+    in the module's table above 0), else -1: rows of the given tokens, `ok` masking them."""
+    slot = tl.load(slot_ptr + tokens, mask=ok, other=-1)
+    safe = tl.maximum(slot, 0).to(tl.int64)
+    on = tl.load(enabled_ptr + safe, mask=slot >= 0, other=0) != 0
+    rank = tl.load(tab_ptr + safe * TW + TAB_RANK, mask=on, other=0)
+    return tl.where(on & (rank > 0), slot, -1)
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,  # [T, K_in], row stride stride_xt
     w_ptr,  # the arena: slot s's A [NS, r, K_in] where row s of the table says

@@ -8,10 +8,11 @@ form: q_nope moves into the latent space (q_lat = W_k[h].T q_nope), the scores a
 q_pe . k_pe, the probabilities weigh the latents, and W_v[h] maps their sum to the value space.
 kv_b_proj's LoRA (delta scaling * B A) is absorbed the same way, as a rank-r correction in the
 latent space on either side (lora_q_, lora_out_): the base path is never expanded, and a row
-without an enabled slot costs it nothing. absorbed_attention chains the parts: the absorption
-(absorb_q, absorb_out: small float32 matmuls), the attention over the cache in the latent space
-(latent_attention) and the LoRA corrections, whose torch loops read the step's slots on the
-host. The Triton table replaces each (kernels/attention/mla.py, mla_absorb.py, mla_lora.py).
+without an enabled slot costs it nothing. The absorption (absorb_q, absorb_out: small float32
+matmuls, each with its side's LoRA correction, whose torch loops read the step's slots on the
+host) sits around the attention over the cache in the latent space (latent_attention);
+absorbed_latents chains the query side and the attention. The Triton table replaces each
+(kernels/attention/mla.py, mla_absorb.py: the corrections inside the absorption's launches).
 
 A prefill step may also have keys and values in the expanded form (ExpandedKv: the layer applies
 kv_b_proj and its LoRA to latents, as transformers does): N + R wide scores and V wide values,
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.kernels.reference import lora_shrink_split
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -86,10 +88,37 @@ def mla_attention(
     else:
         skip = None if expanded is None else expanded.cu_seqlens_k
         parts = Absorption(core=functools.partial(latent_attention, skip_expanded=skip))
-        out = absorbed_attention(parts, *args, lora=lora, info=info)
+        if lora is None or info is None:
+            lora = info = None
+        o_lat = absorbed_latents(parts, *args, lora=lora, info=info)
+        out = absorb_out(o_lat, kv_b, q_nope.shape[2], q_nope.dtype, lora=lora, info=info)
     if expanded is not None:
         expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out
+
+
+def mla_attention_o_shrink(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_b: torch.Tensor,
+    scale: float,
+    *,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo,
+    o_lora: LoraWeights,
+    expanded: ExpandedKv | None = None,
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: (out = mla_attention(...), FoldedLora(lora_shrink_split(out as [T, Hh V],
+    o_lora, info), o_lora, info)): the attention and the shrink of its o projection's LoRA,
+    which the next norm expands (layers/mla.py, as paged_attention_o_shrink for the other
+    attentions)."""
+    args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
+    out = mla_attention(*args, lora=lora, info=info, expanded=expanded)
+    shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), o_lora, info)
+    return out, FoldedLora(shrunk, o_lora, info)
 
 
 def expanded_attention_(
@@ -124,23 +153,17 @@ def expanded_attention_(
 
 # latent_attention's signature: (q_lat, q_pe, latent_cache, rope_cache, attn, scale) -> o_lat
 LatentAttention = Callable[..., torch.Tensor]
-# lora_q_'s and lora_out_'s: (target, source, lora, info) -> None, the target updated in place
-# (lora_out_ also takes rounded=, a tensor its every row is rounded into)
-AbsorbedLora = Callable[..., None]
 
 
 class Absorption(NamedTuple):
-    """The calls of the absorbed form that a kernel table replaces, each keeping the contract
-    of the reference it defaults to."""
+    """The calls of the absorbed form's query side that a kernel table replaces, each keeping
+    the contract of the reference it defaults to (kv_b_proj's LoRA inside absorb_q's call)."""
 
     core: LatentAttention | None = None
-    absorb_q: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    absorb_out: Callable[[torch.Tensor, torch.Tensor, int, torch.dtype], torch.Tensor] | None = None
-    lora_q: AbsorbedLora | None = None
-    lora_out: AbsorbedLora | None = None
+    absorb_q: Callable[..., torch.Tensor] | None = None  # absorb_q's signature
 
 
-def absorbed_attention(
+def absorbed_latents(
     parts: Absorption,
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
@@ -153,30 +176,30 @@ def absorbed_attention(
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
 ) -> torch.Tensor:
-    """mla_attention in the latent space, with the calls `parts` gives (the references where
-    it gives none): the Triton table passes its own."""
-    N = q_nope.shape[2]
-    with_lora = lora is not None and info is not None
-    q_lat = (parts.absorb_q or absorb_q)(q_nope, kv_b)
-    if with_lora:
-        (parts.lora_q or lora_q_)(q_lat, q_nope, lora, info)
-    o_lat = (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
-    # float32 where the LoRA's correction adds to it, else rounded once in the kernel
-    out_dtype = torch.float32 if with_lora else q_nope.dtype
-    out = (parts.absorb_out or absorb_out)(o_lat, kv_b, N, out_dtype)
-    if not with_lora:
-        return out
-    rounded = torch.empty(out.shape, dtype=q_nope.dtype, device=out.device)
-    (parts.lora_out or lora_out_)(out, o_lat, lora, info, rounded=rounded)
-    return rounded
+    """The attention's weighted latents o_lat [T, Hh, L] float32 in the absorbed form (the
+    queries absorbed, with kv_b_proj's correction, then the attention over the cache), by the
+    calls `parts` gives (the references where it gives none): absorb_out (or a kernel table's)
+    maps them to the value space."""
+    q_lat = (parts.absorb_q or absorb_q)(q_nope, kv_b, lora=lora, info=info)
+    return (parts.core or latent_attention)(q_lat, q_pe, latent_cache, rope_cache, attn, scale)
 
 
-def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+def absorb_q(
+    q_nope: torch.Tensor,
+    kv_b: torch.Tensor,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
     """Semantics: q_lat[t, h] = q_nope[t, h] @ W_k[h], W_k[h] head h's first N rows of kv_b
-    [Hh (N + V), L], in float32. q_nope [T, Hh, N]. Returns [T, Hh, L] float32."""
+    [Hh (N + V), L], in float32, then with lora and info kv_b_proj's correction (lora_q_).
+    q_nope [T, Hh, N]. Returns [T, Hh, L] float32."""
     T, Hh, N = q_nope.shape
     w = kv_b.view(Hh, -1, kv_b.shape[1])[:, :N]  # [Hh, N, L]
-    return torch.einsum("thn,hnl->thl", q_nope.float(), w.float())
+    q_lat = torch.einsum("thn,hnl->thl", q_nope.float(), w.float())
+    if lora is not None and info is not None:
+        lora_q_(q_lat, q_nope, lora, info)
+    return q_lat
 
 
 def absorb_out(
@@ -184,13 +207,20 @@ def absorb_out(
     kv_b: torch.Tensor,
     qk_nope_head_dim: int,
     out_dtype: torch.dtype = torch.float32,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
 ) -> torch.Tensor:
     """Semantics: out[t, h] = o_lat[t, h] @ W_v[h].T, W_v[h] head h's rows of kv_b after its
-    first qk_nope_head_dim, in float32, rounded to out_dtype. o_lat [T, Hh, L] float32.
-    Returns [T, Hh, V] in out_dtype."""
+    first qk_nope_head_dim, in float32, with lora and info kv_b_proj's correction added
+    (lora_out_), rounded to out_dtype once. o_lat [T, Hh, L] float32. Returns [T, Hh, V] in
+    out_dtype."""
     T, Hh, L = o_lat.shape
     w = kv_b.view(Hh, -1, L)[:, qk_nope_head_dim:]  # [Hh, V, L]
-    return torch.einsum("thl,hvl->thv", o_lat, w.float()).to(out_dtype)
+    out = torch.einsum("thl,hvl->thv", o_lat, w.float())
+    if lora is not None and info is not None:
+        lora_out_(out, o_lat, lora, info)
+    return out.to(out_dtype)
 
 
 def lora_q_(
@@ -201,34 +231,24 @@ def lora_q_(
     head h's N rows), so that q_lat . c = q_nope . (W_k + scaling B_k A) c.
 
     q_lat [T, Hh, L] float32, updated in place; q_nope [T, Hh, N]. Reads the slots on the host
-    (the CPU path; kernels/attention/mla_lora.lora_q_ is the Triton one)."""
+    (the CPU path; the Triton absorption adds it in its own launch)."""
     T, Hh, N = q_nope.shape
     for rows, a, b, scaling in _enabled_slots(lora, info, T, Hh):
         q_lat[rows] += scaling * torch.einsum("thn,hnr,rl->thl", q_nope[rows].float(), b[:, :N], a)
 
 
 def lora_out_(
-    out: torch.Tensor,
-    o_lat: torch.Tensor,
-    lora: LoraWeights,
-    info: LoraBatchInfo,
-    *,
-    rounded: torch.Tensor | None = None,
+    out: torch.Tensor, o_lat: torch.Tensor, lora: LoraWeights, info: LoraBatchInfo
 ) -> None:
     """Semantics: out[t, h] += scaling[s] * (o_lat[t, h] @ A.T) @ B_v[h].T for each token t
     whose slot s is enabled and has kv_b_proj's factors (B_v[h]: head h's V rows, after its N),
-    so that out = (W_v + scaling B_v A) applied to the weighted latents. With rounded, then
-    rounded[t] = out[t] in rounded's dtype for every token (its cast, no launch of its own;
-    out itself is then left as it was, or as this function leaves it: not read again).
+    so that out = (W_v + scaling B_v A) applied to the weighted latents.
 
-    out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] float32; rounded [T, Hh, V].
-    Reads the slots on the host (the CPU path; kernels/attention/mla_lora.lora_out_ is the
-    Triton one)."""
+    out [T, Hh, V] float32, updated in place; o_lat [T, Hh, L] float32. Reads the slots on the
+    host (the CPU path; the Triton absorption adds it in its own launch)."""
     T, Hh, V = out.shape
     for rows, a, b, scaling in _enabled_slots(lora, info, T, Hh):
         out[rows] += scaling * torch.einsum("thl,rl,hvr->thv", o_lat[rows], a, b[:, -V:])
-    if rounded is not None:
-        rounded.copy_(out)
 
 
 def _enabled_slots(

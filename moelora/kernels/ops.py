@@ -22,15 +22,18 @@ from moelora.kernels.contracts import (
     GatedDeltaRuleOp,
     LinearOp,
     MlaAttentionOp,
+    MlaAttentionOShrinkOp,
     OutputGateOp,
     PagedAttentionOp,
     PagedAttentionOShrinkOp,
     PlanAttentionOp,
     RmsNormGatedOp,
+    RmsNormGatedOShrinkOp,
     RmsNormLoraOp,
     RmsNormOp,
     RopeStoreKvOp,
     RouteTopkOp,
+    SiluAndMulLoraOp,
     SiluAndMulOp,
 )
 from moelora.parallel import SINGLE, Shard
@@ -43,6 +46,7 @@ class Ops:
     route_topk: RouteTopkOp
     fused_moe: FusedMoeOp
     silu_and_mul: SiluAndMulOp
+    silu_and_mul_lora: SiluAndMulLoraOp
     add_shared_expert: AddSharedExpertOp
     add_lora_: AddLoraOp
     paged_attention: PagedAttentionOp
@@ -53,10 +57,12 @@ class Ops:
     rms_norm_lora: RmsNormLoraOp
     rope_store_kv: RopeStoreKvOp
     mla_attention: MlaAttentionOp
+    mla_attention_o_shrink: MlaAttentionOShrinkOp
     # gated DeltaNet (layers/linear_attention.py)
     causal_conv1d: CausalConv1dOp
     gated_delta_rule: GatedDeltaRuleOp
     rms_norm_gated: RmsNormGatedOp
+    rms_norm_gated_o_shrink: RmsNormGatedOShrinkOp
     # fused_moe takes MXFP4 experts packed (the reference would dequantize them at every call:
     # the engine has them dequantized once at load instead)
     keeps_mxfp4: bool
@@ -87,6 +93,7 @@ REFERENCE_OPS = Ops(
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
     silu_and_mul=reference.silu_and_mul,
+    silu_and_mul_lora=reference.silu_and_mul_lora,
     add_shared_expert=reference.add_shared_expert,
     add_lora_=reference.add_lora_,
     paged_attention=reference.paged_attention,
@@ -97,9 +104,11 @@ REFERENCE_OPS = Ops(
     rms_norm_lora=reference.rms_norm_lora,
     rope_store_kv=reference.rope_store_kv,
     mla_attention=mla.mla_attention,
+    mla_attention_o_shrink=mla.mla_attention_o_shrink,
     causal_conv1d=gated_delta.causal_conv1d,
     gated_delta_rule=gated_delta.gated_delta_rule,
     rms_norm_gated=gated_delta.rms_norm_gated,
+    rms_norm_gated_o_shrink=gated_delta.rms_norm_gated_o_shrink,
     keeps_mxfp4=False,
     keeps_fp8=False,
     reads_lora_tables=True,
@@ -157,7 +166,7 @@ def triton_ops(
     whatever prefill_attention_backend says (cuDNN's bits are not those of the same rows as a
     later chunk)."""
     from moelora.kernels import mlp
-    from moelora.kernels.attention.mla import mla_attention
+    from moelora.kernels.attention.mla import mla_attention, mla_attention_o_shrink
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.attention.output_gate import output_gate
     from moelora.kernels.linear import BatchInvariantLinear
@@ -176,6 +185,7 @@ def triton_ops(
         route_topk=route_topk,
         fused_moe=functools.partial(fused_moe, deterministic=True) if deterministic else fused_moe,
         silu_and_mul=mlp.silu_and_mul,
+        silu_and_mul_lora=mlp.silu_and_mul_lora,
         add_shared_expert=mlp.add_shared_expert,
         add_lora_=add_lora_,
         **_paged_attention_ops(prefill_attention_backend, deterministic=deterministic),
@@ -183,13 +193,14 @@ def triton_ops(
         rms_norm=rms_norm,
         rms_norm_lora=rms_norm_lora,
         rope_store_kv=rope_store_kv,
-        # the latent attention, kv_b's absorption and its LoRA, each a kernel of its own
+        # the latent attention, kv_b's absorption with its LoRA (and o's shrink) inside
         mla_attention=mla_attention,
-        # models/model.py refuses Qwen3-Next with this table until its engine passes its family
-        # tests on a device
+        mla_attention_o_shrink=mla_attention_o_shrink,
+        # models/model.py refuses Qwen3-Next with this table (family tests on a device first)
         causal_conv1d=conv.causal_conv1d,
         gated_delta_rule=delta_rule.gated_delta_rule,
         rms_norm_gated=gated_norm.rms_norm_gated,
+        rms_norm_gated_o_shrink=gated_norm.rms_norm_gated_o_shrink,
         keeps_mxfp4=True,
         # the fused MoE reads Fp8Weight experts (kernels/moe/fp8.py); tests/test_fp8.py and
         # test_fp8_kept.py pass on --moelora-device=cuda with it
@@ -197,9 +208,8 @@ def triton_ops(
         # add_lora_, lora_shrink_split, the fused MoE's LoRA epilogues and align, and the
         # attention's folded LoRA (norm_rope, paged_attention_o_shrink) read the tables
         reads_lora_tables=True,
-        # mla_attention's LoRA reads the slots through the table (kernels/attention/mla_lora.py):
-        # tests/gpu/test_mla_gpu.py replays it in a graph with new slots, and the DeepSeek and
-        # GLM engines equal transformers+PEFT with their graphs captured
+        # mla_attention's LoRA reads the slots through the table: tests/gpu/test_mla_gpu.py
+        # replays it in a graph with new slots, the DeepSeek and GLM engines equal PEFT's
         mla_lora_capturable=True,
     )
 

@@ -71,6 +71,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def silu_and_mul_lora(
+    gate_up: torch.Tensor,
+    info: LoraBatchInfo,
+    *,
+    expand: FoldedLora | None = None,
+    shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, FoldedLora | None]:
+    """silu_and_mul with the LoRA of the projections on either side folded in (a dense MLP's or
+    a shared expert's: layers/mlp_lora.py).
+
+    Semantics: with expand (gate_up_proj's LoRA, shrunk [T, 2, R] by the norm before: gate's
+    slice, then up's), gate_up first takes lora_expand_(gate_up, expand.shrunk, ...); h =
+    silu_and_mul(gate_up); with shrink (down_proj's LoRA), shrunk = FoldedLora(
+    lora_shrink_split(h, shrink, info), shrink, info), which the next norm expands.
+    Returns (h [T, I], shrunk or None)."""
+    if expand is not None:
+        gate_up = lora_expand_(gate_up.clone(), expand.shrunk, expand.weights, info)
+    h = silu_and_mul(gate_up)
+    if shrink is None:
+        return h, None
+    return h, FoldedLora(lora_shrink_split(h, shrink, info), shrink, info)
+
+
 # attention_work's entries: sequence * WORK_SEQ + query blocks from the sequence's last
 WORK_SEQ = 1 << 16
 SWIGLU_OAI_ALPHA = 1.702
@@ -508,17 +531,23 @@ def rms_norm_lora(
 ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """rms_norm with the LoRA of the projections on either side of it folded in.
 
-    Semantics: x is joined(x) first (rms_norm's: with shared, the MoE's shared expert). With
-    expand (the LoRA of the projection that produced x, its shrunk the partial
-    shrinks [T, KS, 1, R] from lora_shrink_split), x first takes lora_expand_(x, partials
-    summed over KS, expand.weights, info): the second half of that LoRA. Then (out, s) =
-    rms_norm(x, weight, eps, residual), and with shrink, shrunk = FoldedLora(lora_shrink(out,
-    shrink, info), shrink, info): the first half of the LoRA of the projection that reads out.
-    Returns (out, s, shrunk), shrunk.shrunk [T, n, R] float32 (None without shrink).
+    Semantics: with expand (the LoRA of the projection that produced x, or with shared of
+    the shared expert's down_proj, its shrunk the partial shrinks [T, KS, 1, R] from
+    lora_shrink_split), the second half of that LoRA, lora_expand_(., partials summed over
+    KS, expand.weights, info), goes into shared where given (before its gate: PEFT's order),
+    else into x. x is joined(x) (rms_norm's: with shared, the MoE's shared expert), then
+    (out, s) = rms_norm(x, weight, eps, residual), and with shrink, shrunk = FoldedLora(
+    lora_shrink(out, shrink, info), shrink, info): the first half of the LoRA of the
+    projection that reads out. Returns (out, s, shrunk), shrunk.shrunk [T, n, R] float32 (None
+    without shrink).
     """
-    x = _joined(x, shared, shared_gate)
     if expand is not None:
-        x = lora_expand_(x.clone(), expand.shrunk.sum(dim=1), expand.weights, info)
+        partials = expand.shrunk.sum(dim=1)
+        if shared is not None:
+            shared = lora_expand_(shared.clone(), partials, expand.weights, info)
+        else:
+            x = lora_expand_(_joined(x, None, None).clone(), partials, expand.weights, info)
+    x = _joined(x, shared, shared_gate)
     out, s = rms_norm(x, weight, eps, residual)
     if shrink is None:
         return out, s, None

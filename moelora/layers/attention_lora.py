@@ -12,6 +12,12 @@ that runs anyway, and between the two halves the LoRA travels as a FoldedLora (s
   4. the post-attention RMSNorm expands o's into its input,       rms_norm_lora(expand=)
      before the residual add
 
+MLA (layers/mla.py) folds o's LoRA only: kv_b_proj's absorption, the attention's last launch,
+shrinks it (mla_attention_o_shrink) and the post-attention RMSNorm expands it (step 4). Its
+q|kv projections feed more kernels than rotary (the absorption, the expanded prefill), and
+keep add_lora_. Gated DeltaNet (layers/linear_attention.py) folds out_proj's the same way, its
+shrink in the gated norm (rms_norm_gated_o_shrink); in_proj keeps add_lora_.
+
 Each row reads its slot's A and B once, spread over programs (one program per row reading a
 whole A is bound by its load latency). A base-only batch pays a few scalar loads, and one
 launch when the decode is not split. Longer steps (big prefill chunks) take add_lora_ in each
@@ -25,8 +31,11 @@ from typing import Protocol
 import torch
 
 from moelora.layers.attention import Attention
+from moelora.layers.linear_attention import GatedDeltaNet
+from moelora.layers.mla import MlaAttention
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.step.batch import ForwardBatch
+from moelora.step.lora import FoldedLora, LoraWeights
 
 FOLD_LORA_MAX_TOKENS = 256
 
@@ -59,11 +68,25 @@ def folds_lora(attn: Attention, batch: ForwardBatch, num_tokens: int) -> bool:
     )
 
 
+def folds_o_lora(attn: MlaAttention | GatedDeltaNet, batch: ForwardBatch, num_tokens: int) -> bool:
+    """Whether this step's MLA or gated DeltaNet folds its output projection's LoRA (the module
+    docstring): as folds_lora, up to FOLD_LORA_MAX_TOKENS tokens, on one rank, never in
+    deterministic inference."""
+    out_proj = attn.o_proj if isinstance(attn, MlaAttention) else attn.out_proj
+    return (
+        batch.lora is not None
+        and out_proj.lora is not None
+        and num_tokens <= FOLD_LORA_MAX_TOKENS
+        and attn.ops.shard.size == 1
+        and not attn.ops.deterministic
+    )
+
+
 class AroundAttention(Protocol):
     """What the fold needs of a decoder layer: the attention and the norms on either side."""
 
     input_layernorm: RMSNorm
-    self_attn: Attention
+    self_attn: Attention | MlaAttention | GatedDeltaNet
     post_attention_layernorm: RMSNorm
 
 
@@ -73,12 +96,21 @@ def folded_attention(
     residual: torch.Tensor | None,
     batch: ForwardBatch,
     kv_cache: tuple[torch.Tensor, torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mlp_shrink: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
     """The layer's input norm, attention and post-attention norm with the attention's LoRA
-    folded (steps 1 to 4 above). Returns (the post-attention norm's output, the residual
-    stream after the attention), as the unfolded sequence does."""
+    folded (steps 1 to 4 above; MLA's and gated DeltaNet's: the output projection's only), the
+    post-attention norm also shrinking
+    mlp_shrink where given (layers/mlp_lora.py). Returns (the post-attention norm's output,
+    the residual stream after the attention, mlp_shrink's FoldedLora or None), as the unfolded
+    sequence does."""
     attn, info = layer.self_attn, batch.lora
-    h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=attn.qkv_proj.lora)
-    h, o = attn.forward_folded(h, batch, kv_cache, qkv)
-    h, residual, _ = layer.post_attention_layernorm.with_lora(h, residual, info, expand=o)
-    return h, residual
+    if isinstance(attn, (MlaAttention, GatedDeltaNet)):  # the output projection's LoRA only
+        h, residual = layer.input_layernorm(x, residual)
+        h, o = attn.forward_folded(h, batch, kv_cache)
+    else:
+        shrink = attn.qkv_proj.lora
+        h, residual, qkv = layer.input_layernorm.with_lora(x, residual, info, shrink=shrink)
+        h, o = attn.forward_folded(h, batch, kv_cache, qkv)
+    norm = layer.post_attention_layernorm
+    return norm.with_lora(h, residual, info, expand=o, shrink=mlp_shrink)

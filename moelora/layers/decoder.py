@@ -8,13 +8,15 @@ from torch import nn
 from moelora.config import ModelConfig
 from moelora.kernels.ops import Ops
 from moelora.layers.attention import Attention
-from moelora.layers.attention_lora import folded_attention, folds_lora
+from moelora.layers.attention_lora import folded_attention, folds_lora, folds_o_lora
 from moelora.layers.linear_attention import GatedDeltaNet
 from moelora.layers.mla import MlaAttention
+from moelora.layers.mlp_lora import mlp_shrink
 from moelora.layers.moe import DenseMLP, SparseMoE
 from moelora.layers.norm import Joined, RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.step.batch import ForwardBatch
+from moelora.step.lora import FoldedLora, LoraWeights
 
 
 class DecoderLayer(nn.Module):
@@ -56,12 +58,32 @@ class DecoderLayer(nn.Module):
         inside the next norm, so every add shares a kernel with a norm. The MoE's output may
         come as its top-k rows [T, K, H], or those and its shared expert's (Joined): the next
         norm adds those too."""
-        attn = self.self_attn
-        if isinstance(attn, Attention) and folds_lora(attn, batch, batch.positions.shape[0]):
-            # the attention's LoRA rides in the norms on either side of it and in rotary
-            h, residual = folded_attention(self, x, residual, batch, kv_cache)
+        attn, T = self.self_attn, batch.positions.shape[0]
+        # the MLP's LoRA folds into the norms on either side and its SwiGLU (layers/mlp_lora.py)
+        shrink = mlp_shrink(self.mlp, batch, T)
+        if isinstance(attn, Attention):
+            folds = folds_lora(attn, batch, T)
+        else:
+            folds = folds_o_lora(attn, batch, T)
+        if folds:
+            # the attention's LoRA rides in the norms on either side of it and in rotary (MLA's
+            # and gated DeltaNet's: the output projection's only, in the launch before it)
+            h, residual, gate_up = folded_attention(self, x, residual, batch, kv_cache, shrink)
         else:
             h, residual = self.input_layernorm(x, residual)
             h = self.self_attn(h, batch, kv_cache)
-            h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, batch), residual
+            h, residual, gate_up = self._post_attention_norm(h, residual, batch, shrink)
+        return self.mlp(h, batch, gate_up), residual
+
+    def _post_attention_norm(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        batch: ForwardBatch,
+        shrink: LoraWeights | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, FoldedLora | None]:
+        """The post-attention norm, shrinking the MLP's first LoRA where it folds."""
+        norm = self.post_attention_layernorm
+        if shrink is None:
+            return *norm(h, residual), None
+        return norm.with_lora(h, residual, batch.lora, shrink=shrink)

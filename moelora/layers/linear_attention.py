@@ -27,6 +27,7 @@ from moelora.kernels.gated_delta import DeltaGates
 from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.step.batch import ForwardBatch
+from moelora.step.lora import FoldedLora
 
 
 class GatedRMSNorm(nn.Module):
@@ -73,6 +74,25 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """out_proj's output [T, D]; state: (conv windows [S, C, W - 1], delta-rule states
         [S, H, K, V] float32) of every slot, this step's sequences' read and written."""
+        out, z = self._mix(x, batch, state)
+        out = self.norm(out, z)  # [T, H, V]
+        return self.out_proj(out.reshape(x.shape[0], self.la.value_dim), batch.lora)
+
+    def forward_folded(
+        self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, FoldedLora]:
+        """forward with out_proj's LoRA folded (layers/attention_lora.py): (out_proj's base
+        output, its LoRA shrunk in the gated norm's launch, which the norm after expands)."""
+        out, z = self._mix(x, batch, state)
+        norm, lora = self.norm, self.out_proj.lora
+        out, o = self.ops.rms_norm_gated_o_shrink(out, z, norm.weight, norm.eps, lora, batch.lora)
+        return self.out_proj(out.reshape(x.shape[0], self.la.value_dim), None), o
+
+    def _mix(
+        self, x: torch.Tensor, batch: ForwardBatch, state: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the delta rule's output [T, H, V], in_proj's z slice viewed [T, H, V]): the layer up
+        to its gated norm."""
         la, T, lora = self.la, x.shape[0], batch.lora
         conv_state, delta_state = state
         qkv, z, b, a = self._split(self.in_proj(x, lora))
@@ -89,8 +109,7 @@ class GatedDeltaNet(nn.Module):
             # g and beta computed where the rule reads them (no launch of their own)
             gates=DeltaGates(a, b, self.A_log, self.dt_bias),
         )  # [T, H, V]
-        out = self.norm(out, z.view(T, la.num_v_heads, la.head_v_dim))  # [T, H, V]
-        return self.out_proj(out.reshape(T, la.value_dim), lora)
+        return out, z.view(T, la.num_v_heads, la.head_v_dim)
 
     def _split(
         self, y: torch.Tensor

@@ -31,7 +31,7 @@ from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import RMSNorm
 from moelora.layers.rotary import RotaryEmbedding
 from moelora.step.batch import AttentionMetadata, ForwardBatch
-from moelora.step.lora import LoraBatchInfo
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 # transformers builds q_a_layernorm and kv_a_layernorm with its RMSNorm's default eps, not the
 # config's rms_norm_eps
@@ -69,6 +69,27 @@ class MlaAttention(nn.Module):
     ) -> torch.Tensor:
         """o_proj's output [T, H]; kv_cache: (latent [P, page_size, 1, L], rotary key
         [P, page_size, 1, R]), where this step's tokens are stored first."""
+        out = self._attend(x, batch, kv_cache)
+        return self.o_proj(out.reshape(x.shape[0], -1), batch.lora)
+
+    def forward_folded(
+        self, x: torch.Tensor, batch: ForwardBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, FoldedLora]:
+        """forward with o_proj's LoRA folded (layers/attention_lora.py): (o_proj's base output,
+        its LoRA shrunk inside the attention's last launch, which the norm after expands)."""
+        out, o = self._attend(x, batch, kv_cache, o_lora=self.o_proj.lora)
+        return self.o_proj(out.reshape(x.shape[0], -1), None), o
+
+    def _attend(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        *,
+        o_lora: LoraWeights | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, FoldedLora]:
+        """The attention's output [T, Hh, V] (o_proj's input); with o_lora, and o_lora's shrink
+        of it (ops.mla_attention_o_shrink)."""
         mla, T, lora = self.mla, x.shape[0], batch.lora
         q, kv = self.qkv_proj(x, lora).split(self.qkv_proj.out_slices, dim=-1)
         if self.q_b_proj is not None:
@@ -101,19 +122,20 @@ class MlaAttention(nn.Module):
         expanded = None
         if batch.attn.max_query_len > 1 and self.ops.mla_expanded_prefill:
             expanded = self._expanded(latent, k_pe.view(T, -1), kv_cache, batch)
-        out = self.ops.mla_attention(
-            q_nope,
-            q_pe,
-            latent_cache,
-            rope_cache,
-            batch.attn,
-            self.kv_b_proj.weight,
-            mla.softmax_scale,
-            lora=self.kv_b_proj.lora if lora is not None else None,
-            info=lora,
-            expanded=expanded,
-        )  # [T, Hh, V]
-        return self.o_proj(out.reshape(T, -1), lora)
+        args = (q_nope, q_pe, latent_cache, rope_cache, batch.attn, self.kv_b_proj.weight)
+        kv_b_lora = self.kv_b_proj.lora if lora is not None else None
+        if o_lora is not None:
+            return self.ops.mla_attention_o_shrink(
+                *args,
+                mla.softmax_scale,
+                lora=kv_b_lora,
+                info=lora,
+                o_lora=o_lora,
+                expanded=expanded,
+            )
+        return self.ops.mla_attention(
+            *args, mla.softmax_scale, lora=kv_b_lora, info=lora, expanded=expanded
+        )
 
     def _expanded(
         self,

@@ -24,7 +24,7 @@ from moelora.kernels.ops import Ops
 from moelora.layers.linear import LoraLinear
 from moelora.layers.norm import Joined
 from moelora.step.batch import ForwardBatch
-from moelora.step.lora import LoraWeights
+from moelora.step.lora import FoldedLora, LoraWeights
 
 
 class DenseMLP(nn.Module):
@@ -40,8 +40,25 @@ class DenseMLP(nn.Module):
         self.gate_up_proj = LoraLinear(hidden, (intermediate, intermediate), ops, **kw)
         self.down_proj = LoraLinear(intermediate, (hidden,), ops, **kw)
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, folded: FoldedLora | None = None
+    ) -> torch.Tensor | Joined:
+        """The MLP's output [T, H]; with folded (gate_up_proj's LoRA, shrunk by the norm before:
+        layers/mlp_lora.py) Joined, carrying down_proj's LoRA for the next norm to expand."""
+        if folded is not None:
+            out, down = self.finish_folded(self.gate_up_proj(x, None), batch, folded)
+            return Joined(out, None, None, down)
         return self.finish(self.gate_up_proj(x, batch.lora), batch)
+
+    def finish_folded(
+        self, gate_up: torch.Tensor, batch: ForwardBatch, folded: FoldedLora
+    ) -> tuple[torch.Tensor, FoldedLora]:
+        """(down_proj's base output [T, H], its LoRA shrunk) from gate_up_proj's base output,
+        its LoRA expanded in the SwiGLU's launch (one rank: layers/mlp_lora.py)."""
+        h, down = self.ops.silu_and_mul_lora(
+            gate_up, batch.lora, expand=folded, shrink=self.down_proj.lora
+        )
+        return self.down_proj(h, None), down
 
     def finish(self, gate_up: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """The MLP from gate_up_proj's output [T, 2I] on (its LoRA included; a view of a wider
@@ -156,9 +173,12 @@ class SparseMoE(nn.Module):
                     setattr(self, name, w)
                     getattr(self, f"{name}_scales").data = w.scales  # the padded rows' view
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor | Joined:
+    def forward(
+        self, x: torch.Tensor, batch: ForwardBatch, folded: FoldedLora | None = None
+    ) -> torch.Tensor | Joined:
         """[T, H], or its top-k rows [T, K, H] for the next norm to add (reference.sum_rows),
-        with a shared expert on one rank Joined, which the next norm joins too."""
+        with a shared expert on one rank Joined, which the next norm joins too. folded: the
+        shared expert's gate_up_proj LoRA, shrunk by the norm before (layers/mlp_lora.py)."""
         lora = batch.lora
         shared_in = None
         if self.w_in is not None:  # router | shared gate|up | shared gate | padding
@@ -185,7 +205,7 @@ class SparseMoE(nn.Module):
             **self._expert_options(),
         )  # [T, H] or its top-k rows [T, K, H]
         if self.shared_expert is not None:
-            out = self._add_shared(out, x, batch, shared_in)
+            out = self._add_shared(out, x, batch, shared_in, folded)
         return out if isinstance(out, Joined) else shard.all_reduce(out)  # Joined: one rank
 
     def _in_sizes(self) -> list[int]:
@@ -201,12 +221,18 @@ class SparseMoE(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         shared_in: list[torch.Tensor] | None,
+        folded: FoldedLora | None = None,
     ) -> torch.Tensor | Joined:
         """The routed experts' output with the shared expert's, gated where it has a gate:
-        joined here with several ranks, else by the next norm (Joined).
+        joined here with several ranks, else by the next norm (Joined; with folded, carrying
+        down_proj's LoRA shrunk).
         shared_in: w_in's product past the router (gate|up [T, 2I], [gate logit [T, 1],]
         padding); None before fuse_inputs, which then computes each on its own."""
         expert, gate = self.shared_expert, self.shared_expert_gate
+        if folded is not None:
+            assert shared_in is not None, "folded: layers/mlp_lora.py"
+            shared, down = expert.finish_folded(shared_in[0], batch, folded)
+            return Joined(out, shared, None if gate is None else shared_in[1], down)
         if shared_in is None:
             shared = expert(x, batch)
             gate_logits = None if gate is None else self.ops.linear(x, gate)  # [T, 1]

@@ -315,3 +315,43 @@ def test_decode_step_replays_in_a_cuda_graph():
     assert not got[0][real:].any() and not got[1][real:].any()
     assert torch.equal(got[3][spare], new.conv_state[spare])
     assert torch.equal(got[4][spare], new.state[spare])
+
+
+@pytest.mark.parametrize("spread", ["none", "mixed", "distinct"])
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_rms_norm_gated_o_shrink_gpu(T, spread):
+    """out_proj's LoRA shrunk in the gated norm's launch, bf16 at Qwen3.5's sizes (32 value
+    heads of 128, hidden 2048, 8 slots of ranks 0-16): out the plain kernel's bits, the
+    partials summed over heads within float32 summation order of reference.lora_shrink on
+    the rows with out_proj's factors; under a CUDA graph replayed with new slots, eager's."""
+    from lora_cases import batch_info, lora_weights
+
+    from moelora.kernels import reference
+    from moelora.kernels.linear_attention.gated_norm import rms_norm_gated_o_shrink
+
+    H, V, HID = 32, 128, 2048
+    info = batch_info(T, spread, "cuda")
+    lora = lora_weights(8, (), 1, 16, H * V, (HID,), info.rank_of_slot, torch.bfloat16, "cuda")
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, H, V, generator=g, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(T, H, V, generator=g, device="cuda", dtype=torch.bfloat16)
+    weight = (1 + 0.5 * torch.randn(V, generator=g, device="cuda")).bfloat16()
+
+    def step():
+        out, o = rms_norm_gated_o_shrink(x, z, weight, EPS, lora, info)
+        return out, o.shrunk
+
+    out, part = step()
+    assert torch.equal(out, rms_norm_gated(x, z, weight, EPS))
+    want = reference.lora_shrink(out.reshape(T, -1), lora, info)
+    rows = want.abs().sum(dim=(1, 2)) > 0
+    if rows.any():
+        assert rel_err(part[rows].sum(dim=1), want[rows]) <= 1e-4
+    graph, (out_g, part_g) = capture(step)
+    info.slot_of_token.copy_(info.slot_of_token.flip(0))
+    x.normal_()
+    graph.replay()
+    out_e, part_e = step()
+    assert torch.equal(out_g, out_e)
+    rows = reference.lora_shrink(out_e.reshape(T, -1), lora, info).abs().sum(dim=(1, 2)) > 0
+    assert torch.equal(part_g[rows], part_e[rows])

@@ -35,7 +35,7 @@ from moelora.kernels.linear import (  # noqa: E402
 from moelora.kernels.lora import add_lora_, lora_shrink_split  # noqa: E402
 from moelora.kernels.moe.fused import MoeConfig, fused_moe  # noqa: E402
 from moelora.kernels.moe.routing import route_topk  # noqa: E402
-from moelora.step.lora import LoraBatchInfo, LoraWeights  # noqa: E402
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights  # noqa: E402
 
 DEV = "cuda"
 SHAPES = {  # name: (E, H, I, K)
@@ -401,6 +401,54 @@ def test_output_gate_gpu(T):
     q_gate = torch.randn(T, 16, 2, 256, generator=g, device=DEV, dtype=torch.bfloat16)
     gate = q_gate[:, :, 1]
     _within_one_bf16_step(output_gate(out, gate), reference.output_gate(out, gate))
+
+
+@pytest.mark.parametrize("spread", ["none", "mixed", "distinct"])
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_silu_and_mul_lora_gpu(T, spread):
+    """kernels/mlp.silu_and_mul_lora in bf16 at Moonlight's shared expert (H 2048, I 2816)
+    against reference.silu_and_mul_lora on the same factors (8 slots of ranks 0-16): h within
+    one bf16 step where the delta's float32 sum rounds alike (nearly everywhere), the shrink's
+    partials summed within float32 summation order; under a CUDA graph replayed with new
+    slots, the eager result."""
+    H, I, R = 2048, 2816, 16
+    info = batch_info(T, spread, DEV)
+    gate_up_lora = lora_weights(8, (), 2, R, H, (I, I), info.rank_of_slot, torch.bfloat16, DEV)
+    down_lora = lora_weights(8, (), 1, R, I, (H,), info.rank_of_slot, torch.bfloat16, DEV)
+    g = torch.Generator(device=DEV).manual_seed(T)
+    x = torch.randn(T, H, generator=g, device=DEV, dtype=torch.bfloat16)
+    gate_up = 2 * torch.randn(T, 2 * I, generator=g, device=DEV, dtype=torch.bfloat16)
+    expand = FoldedLora(reference.lora_shrink(x, gate_up_lora, info), gate_up_lora, info)
+
+    def step():
+        h, down = mlp.silu_and_mul_lora(gate_up, info, expand=expand, shrink=down_lora)
+        return h, down.shrunk
+
+    h, part = step()
+    want, want_down = reference.silu_and_mul_lora(gate_up, info, expand=expand, shrink=down_lora)
+    a, b = h.float(), want.float()
+    # the delta sums in another order than the reference's matmul: a delta a rounding apart,
+    # then gate + delta rounded, then silu * up; where gate + delta cancels, that is more than
+    # one bf16 step of the small result (a few outputs in 10^5: a torch emulation of the
+    # kernel's order gives 1-5 at 64-256 rows)
+    off = (a - b).abs() > a.abs().maximum(b.abs()) * 2.0**-7 + 1e-6
+    assert off.float().mean() <= 1e-4, f"{int(off.sum())} outputs past one bf16 step"
+    assert rel_err(a, b) <= 1e-3 and (a == b).float().mean() > 0.98
+    slots = info.slot_of_token[:T].long()
+    base = (slots < 0) | (info.slot_enabled[slots.clamp(min=0)] == 0)
+    assert torch.equal(h[base], mlp.silu_and_mul(gate_up)[base]), "a base row changed"
+    rows = reference.lora_shrink(h, down_lora, info).abs().sum(dim=(1, 2)) > 0
+    if rows.any():
+        got = part[rows].sum(dim=1)
+        assert rel_err(got, reference.lora_shrink(h, down_lora, info)[rows]) <= 1e-4
+    graph, (h_g, part_g) = capture(step)
+    info.slot_of_token.copy_(info.slot_of_token.flip(0))
+    gate_up.normal_()
+    graph.replay()
+    h_e, part_e = step()
+    assert torch.equal(h_g, h_e)
+    rows = reference.lora_shrink(h_e, down_lora, info).abs().sum(dim=(1, 2)) > 0
+    assert torch.equal(part_g[rows], part_e[rows])
 
 
 def _within_one_bf16_step(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -1,5 +1,5 @@
-"""Triton latent attention (kernels/attention/mla.py) and kv_b_proj's LoRA around it
-(kernels/attention/mla_lora.py) on the GPU at DeepSeek-V3's sizes, and under a CUDA graph.
+"""Triton latent attention (kernels/attention/mla.py) and kv_b_proj's absorption with its LoRA
+inside (kernels/attention/mla_absorb.py) on the GPU at DeepSeek-V3's sizes, and under a CUDA graph.
 
 bf16 caches against the fp32 torch reference (kernels/mla.py): relative error of the whole
 output <= 1e-2. The latent and rope caches are views of one buffer, as the engine keeps them;
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
 from cuda_graphs import capture  # noqa: E402
 from lora_cases import compact_weights, lora_weights  # noqa: E402
 
-from moelora.kernels import mla  # noqa: E402
+from moelora.kernels import mla, reference  # noqa: E402
 from moelora.kernels.attention import mla as mla_triton  # noqa: E402
-from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora  # noqa: E402
+from moelora.kernels.attention import mla_absorb, mla_expanded  # noqa: E402
 from moelora.step.batch import AttentionMetadata  # noqa: E402
 from moelora.step.lora import NO_SLOT, LoraBatchInfo, LoraWeights  # noqa: E402
 
@@ -237,7 +237,7 @@ def test_absorption_in_bf16(T):
     torch.testing.assert_close(replayed, mla_absorb.absorb_out(o_lat, kv_b, N), rtol=0, atol=0)
 
 
-# kv_b_proj's LoRA by the Triton kernels (kernels/attention/mla_lora.py): 4 slots of mixed ranks
+# kv_b_proj's LoRA inside the absorption's launches (mla_absorb.py): 4 slots of mixed ranks
 # in a rank-16 pool, compact with NaN gaps between slots; slot 1 disabled.
 LORA_RANKS = [16, 8, 16, 4]
 
@@ -259,43 +259,66 @@ def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> Lora
     )
 
 
-@pytest.mark.parametrize("side", ["lora_q_", "lora_out_"])
-def test_lora_kernels_against_loops(side):
-    """Each side's kernel against the torch loop (kernels/mla.py) on the same bf16 factors: the
-    deltas agree to float32 summation order; rows without an enabled slot keep their bits."""
-    heads, T = 16, 200
+@pytest.mark.parametrize("T", [1, 8, 64, 200, 4096])
+@pytest.mark.parametrize("side", ["q", "out"])
+def test_absorption_with_lora_against_references(side, T):
+    """Each side's absorption with kv_b_proj's LoRA inside against the float32 references
+    (kernels/mla.absorb_q / absorb_out with lora_q_ / lora_out_) on the same bf16 weight and
+    factors, at decode and prefill sizes: the corrections agree to about 2^-16 of their size
+    (their float32 parts split in two bf16 parts), and rows without an enabled slot keep the
+    bits of the absorption without LoRA."""
+    heads = 16
     lora = compact_kv_b_lora(heads)
-    g = torch.Generator().manual_seed(12)
+    g = torch.Generator().manual_seed(12 + T)
     slots = torch.randint(-1, 4, (T,), generator=g)
-    slots[-3:] = NO_SLOT  # padded rows
+    slots[0] = 2
+    if T > 3:
+        slots[-3:] = NO_SLOT  # padded rows
     info = slot_info(slots.tolist(), [1, 0, 1, 1])
     g = torch.Generator(device="cuda").manual_seed(13)
-    target_dim, source_dim, source_dtype = (
-        (L, N, torch.bfloat16) if side == "lora_q_" else (V, L, torch.float32)
-    )
-    target = torch.randn(T, heads, target_dim, generator=g, device="cuda")
-    source = torch.randn(T, heads, source_dim, generator=g, device="cuda").to(source_dtype)
-    got, expected = target.clone(), target.clone()
-    getattr(mla_lora, side)(got, source, lora, info)
-    getattr(mla, side)(expected, source, lora, info)
+    kv_b = (torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5).bfloat16()
+    if side == "q":
+        rows = torch.randn(T, heads, N + R, generator=g, device="cuda").bfloat16()[..., :N]
+        run, ref = mla_absorb.absorb_q, mla.absorb_q
+        args = (rows, kv_b)
+    else:
+        rows = torch.randn(T, heads, L, generator=g, device="cuda")
+        run, ref = mla_absorb.absorb_out, mla.absorb_out
+        args = (rows, kv_b, N)
+    base = run(*args)
+    got = run(*args, lora=lora, info=info)
+    expected = ref(*args, lora=lora, info=info)
     assert torch.isfinite(got).all()
-    assert rel_err(got - target, expected - target) <= 1e-3
-    untouched = ~((slots == 0) | (slots >= 2)).cuda()
-    assert torch.equal(got[untouched], target[untouched])
-    if side == "lora_out_":  # the cast to the model's dtype in the same launch, every row
-        rounded = torch.empty(T, heads, V, device="cuda", dtype=torch.bfloat16)
-        mla_lora.lora_out_(target.clone(), source, lora, info, rounded=rounded)
-        assert torch.equal(rounded, got.to(torch.bfloat16))
+    assert rel_err(got - base, expected - ref(*args)) <= 1e-3
+    with_slot = ((slots == 0) | (slots >= 2)).cuda()
+    assert torch.equal(got[~with_slot], base[~with_slot])
+    assert rel_err(got[with_slot], base[with_slot]) > 1e-3, "the LoRA added nothing"
+    if side == "out":  # rounded once to the model's dtype, the correction inside
+        rounded = run(*args, torch.bfloat16, lora=lora, info=info)
+        assert (rounded == got.to(torch.bfloat16)).float().mean() > 0.99
 
 
-def test_mla_attention_with_lora_cuda_graph_replay():
-    """Decode with kv_b_proj's LoRA captured with every slot disabled (as the runner captures),
-    then replayed with new slot assignments, flags, scalings, lengths and queries written in
-    place: each replay equals the eager call and is close to the reference."""
+O_RANKS = [16, 8, 0, 4]  # o_proj's: slot 2's adapter has none
+
+
+def compact_o_lora(heads: int, hidden: int = 256) -> LoraWeights:
+    torch.manual_seed(21)
+    ranks = torch.tensor(O_RANKS)
+    dense = lora_weights(4, (), 1, 16, heads * V, (hidden,), ranks, torch.bfloat16, "cuda")
+    return compact_weights(dense, O_RANKS)[0]
+
+
+@pytest.mark.parametrize("o_shrink", [False, True])
+def test_mla_attention_with_lora_cuda_graph_replay(o_shrink):
+    """Decode with kv_b_proj's LoRA (and o_proj's shrink: mla_attention_o_shrink) captured with
+    every slot disabled (as the runner captures), then replayed with new slot assignments,
+    flags, scalings, lengths and queries written in place: each replay equals the eager call
+    and is close to the reference; the shrink's partials, summed, equal the reference's on the
+    rows with o_proj's factors."""
     heads, graph_bs, max_pages = 16, 8, MAX_LEN // PAGE
     latent, rope, page_table, _ = make_cache([MAX_LEN] * graph_bs, max_pages=max_pages)
     attn = metadata([1] * graph_bs, [MAX_LEN] * graph_bs, page_table)
-    lora = compact_kv_b_lora(heads)
+    lora, o_lora = compact_kv_b_lora(heads), compact_o_lora(heads)
     info = slot_info([NO_SLOT] * graph_bs, [0, 0, 0, 0])
     g = torch.Generator(device="cuda").manual_seed(14)
     kv_b = (torch.randn(heads * (N + V), L, generator=g, device="cuda") / L**0.5).bfloat16()
@@ -304,9 +327,12 @@ def test_mla_attention_with_lora_cuda_graph_replay():
     args = (q_nope, q_pe, latent, rope, attn, kv_b, SCALE)
 
     def step():
-        return mla_triton.mla_attention(*args, lora=lora, info=info)
+        if o_shrink:
+            out, o = mla_triton.mla_attention_o_shrink(*args, lora=lora, info=info, o_lora=o_lora)
+            return out, o.shrunk
+        return mla_triton.mla_attention(*args, lora=lora, info=info), None
 
-    graph, out = capture(step)
+    graph, (out, part) = capture(step)
     gen = torch.Generator().manual_seed(15)
     for trial in range(4):
         slots = torch.randint(-1, 4, (graph_bs,), generator=gen)
@@ -321,13 +347,20 @@ def test_mla_attention_with_lora_cuda_graph_replay():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, step()), f"trial {trial}: the replay differs from eager"
+        eager, eager_part = step()
+        assert torch.equal(out, eager), f"trial {trial}: the replay differs from eager"
         expected = mla.mla_attention(*args, lora=lora, info=info)
         assert rel_err(out, expected) <= 1e-2, f"trial {trial}"
         base = mla.mla_attention(*args)
         with_slot = ((slots == 0) | (slots >= 2)).cuda()
         if with_slot.any():
             assert rel_err(out[with_slot], base[with_slot]) > 1e-2, "the LoRA added nothing"
+        o_rows = ((slots == 0) | (slots == 3)).cuda()
+        if o_shrink and o_rows.any():
+            got = part[o_rows].sum(dim=1)
+            assert torch.equal(got, eager_part[o_rows].sum(dim=1)), f"trial {trial}"
+            want = reference.lora_shrink(out.reshape(graph_bs, -1), o_lora, info)[o_rows]
+            assert rel_err(got, want) <= 1e-3, f"trial {trial}"
 
 
 # -- The expanded form (kernels/attention/mla_expanded.py): prompts' first chunks --------------

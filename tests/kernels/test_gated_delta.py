@@ -19,13 +19,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from lora_cases import compact_weights, lora_weights
 
-from moelora.kernels import gated_delta
+from moelora.kernels import gated_delta, reference
 from moelora.kernels.linear_attention import conv, delta_chunked, delta_rule, gates
 from moelora.kernels.linear_attention.conv import causal_conv1d
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule
-from moelora.kernels.linear_attention.gated_norm import rms_norm_gated
+from moelora.kernels.linear_attention.gated_norm import rms_norm_gated, rms_norm_gated_o_shrink
 from moelora.step.batch import AttentionMetadata
+from moelora.step.lora import NO_SLOT, LoraBatchInfo
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3)}
 STATE_TOL = dict(rtol=1e-5, atol=1e-5)  # float32 states, summed in another order
@@ -336,6 +338,40 @@ def test_rms_norm_gated_takes_a_row_a_head(poison_empty, dtype):
     assert_close(out, gated_delta.rms_norm_gated(x, z, weight, 1e-6))
     flat = rms_norm_gated(x.reshape(-1, D), z.reshape(-1, D), weight, 1e-6)
     assert torch.equal(out.view(-1, D), flat)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,H", [(8, 3), (3, 16)])  # 3 heads: a program's rows span tokens
+def test_rms_norm_gated_o_shrink_matches_reference(poison_empty, dtype, T, H):
+    """out_proj's LoRA shrunk in the gated norm's launch (compact factors, NaN between slots):
+    out the plain kernel's bits, the partials summed over heads equal to reference.lora_shrink
+    on the rows whose slot is enabled and has out_proj's factors (slots 0 and 2; slot 1 is
+    disabled, slot 3's adapter has no out_proj), the other rows left unwritten."""
+    D, HID = 20, 24
+    slots = [0, 2, NO_SLOT, 1, 3, 0, 2, NO_SLOT][:T]
+    info = LoraBatchInfo(
+        torch.tensor(slots + [0] * 3, dtype=torch.int32),
+        torch.tensor([4, 8, 8, 8], dtype=torch.int32),
+        torch.tensor([0.5, 2.0, 1.5, 3.0]),
+        torch.tensor([1, 0, 1, 1], dtype=torch.int32),
+    )
+    ranks = [4, 8, 8, 0]
+    torch.manual_seed(T * H)
+    dense = lora_weights(4, (), 1, 8, H * D, (HID,), torch.tensor(ranks), dtype)
+    lora = compact_weights(dense, ranks)[0]
+    x = torch.randn(T, H, D).to(dtype)
+    z = torch.randn(T, 5 + H * D).to(dtype)[:, 5:].view(T, H, D)
+    weight = (1 + 0.5 * torch.randn(D)).to(dtype)
+    out, o = rms_norm_gated_o_shrink(x, z, weight, 1e-6, lora, info)
+    assert torch.equal(out, rms_norm_gated(x, z, weight, 1e-6))
+    assert o.weights is lora and o.shrunk.shape == (T, H, 1, 8)
+    rows = torch.tensor([s in (0, 2) for s in slots])
+    got = o.shrunk[rows].sum(dim=1)
+    want = reference.lora_shrink(out.reshape(T, -1), lora, info)[rows]
+    assert torch.isfinite(got).all(), "a NaN gap was read"
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    assert got.abs().amax() > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

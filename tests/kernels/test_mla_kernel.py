@@ -229,6 +229,37 @@ def test_mla_attention_end_to_end(poison_empty, ranks, expanded):
         torch.testing.assert_close(got[3], base[3], atol=1e-5, rtol=1e-5)  # the base row
 
 
+@pytest.mark.parametrize("expanded", [None, "own"])
+def test_mla_attention_o_shrink(poison_empty, expanded):
+    """The Triton table's mla_attention_o_shrink against the reference's: the attention's
+    output, and o_proj's LoRA shrink of it summed over its partials on the rows whose slot is
+    enabled and has o_proj's factors (slot 0; slot 2's adapter has none, slot 1 is off). In
+    the latent form the shrink rides in the absorption's launch, with expanded keys
+    lora_shrink_split reads the finished rows."""
+    Hh, N, V, H = 4, 16, 12, 20
+    q_lens, seq_lens, seq_slots = [3, 1, 7], [9, 5, 7], [0, NO_SLOT, 2]
+    step = make_step(q_lens, seq_lens, heads=Hh, seed=16)
+    T = step.q_lat.shape[0]
+    slots = [s for s, n in zip(seq_slots, q_lens, strict=True) for _ in range(n)]
+    kv_b, lora, info = lora_inputs(slots + [NO_SLOT] * (T - len(slots)), Hh, N, V, [4, 8, 2], 17)
+    g = torch.Generator().manual_seed(18)
+    o_a = torch.randn(3, 1, 8, Hh * V, generator=g) / (Hh * V) ** 0.5
+    o_lora = LoraWeights.dense(o_a, torch.randn(3, H, 8, generator=g), (H,), [8, 8, 0])
+    q_nope = torch.randn(T, Hh, N, generator=g)
+    args = (q_nope, step.q_pe, step.latent_cache, step.rope_cache, step.attn, kv_b, step.scale)
+    options = dict(lora=lora, info=info, o_lora=o_lora)
+    if expanded:
+        options["expanded"] = expanded_kv(step, kv_b, lora, info, V, None)
+    out, o = mla_triton.mla_attention_o_shrink(*args, **options)
+    want, o_want = mla.mla_attention_o_shrink(*args, **options)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    assert o.weights is o_lora and o.info is info
+    rows = torch.tensor([s == 0 for s in slots] + [False] * (T - len(slots)))
+    got = o.shrunk[rows].sum(dim=1)
+    torch.testing.assert_close(got, o_want.shrunk[rows].sum(dim=1), atol=1e-5, rtol=1e-5)
+    assert got.abs().amax() > 0
+
+
 @pytest.mark.parametrize("every", [False, True])
 def test_mla_attention_every_sequence_expanded(poison_empty, every):
     """A step whose every sequence attends expanded (two prompts' first chunks, an extend

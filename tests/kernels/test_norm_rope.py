@@ -495,6 +495,50 @@ def test_rms_norm_lora_reads_the_compact_arena(poison_empty, T, spread):
     assert torch.isfinite(rms_norm_lora(x, weight, EPS, residual, info, expand=c_expand)[0]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("KX", [1, 4])
+def test_rms_norm_lora_expands_into_the_shared_expert(poison_empty, dtype, gated, KX):
+    """A MoE's output joined in the norm (its top-k rows, the shared expert, its gate) with the
+    shared expert's down_proj LoRA to expand (layers/mlp_lora.py): the delta goes into the
+    shared expert's row before its gate, as PEFT adds it, and gate_up's shrink of the next MLP
+    rides in the same launch. Against the reference; rows without a slot are the plain
+    norm's bits."""
+    T, N = 9, 64
+    torch.manual_seed(KX + 2 * gated)
+    info, x, weight, residual, expand, shrink = _norm_lora_inputs(
+        dtype, T, "mixed", True, "both", 16, N=N, KS=3
+    )
+    rows = torch.randn(T, KX, N, dtype=dtype) if KX > 1 else x
+    shared = torch.randn(T, N + 8, dtype=dtype)[:, :N]  # strided rows
+    gate = (2 * torch.randn(T, 1)).to(dtype) if gated else None
+    kw = dict(shared=shared, shared_gate=gate)
+    out, s, folded = rms_norm_lora(
+        rows, weight, EPS, residual, info, shrink=shrink, expand=expand, **kw
+    )
+    r_expand = replace(expand, shrunk=expand.shrunk.nan_to_num(0.0))
+    ref = reference.rms_norm_lora(
+        rows, weight, EPS, residual, info, shrink=shrink, expand=r_expand, **kw
+    )
+    on = _enabled_rows(info, T)
+    assert rel_err(s[on], ref[1][on]) <= LORA_TOL[dtype]
+    assert rel_err(out[on], ref[0][on]) <= LORA_TOL[dtype]
+    plain_out, plain_s = rms_norm(rows, weight, EPS, residual, **kw)
+    assert torch.equal(out[~on], plain_out[~on]) and torch.equal(s[~on], plain_s[~on])
+    # the delta is the shared expert's: with a gate, it is scaled with it
+    into_rows = reference.rms_norm_lora(
+        reference.add_shared_expert(rows, shared, gate),
+        weight,
+        EPS,
+        residual,
+        info,
+        expand=r_expand,
+    )
+    if gated:
+        assert rel_err(s[on], into_rows[1][on]) > 10 * LORA_TOL[dtype]
+    assert folded is not None and torch.isfinite(folded.shrunk[on]).all()
+
+
 def _lora_qkv_inputs(dtype, T, spread, Hq, Hkv, D, R=16, K_IN=32):
     """Batch info, the q|k|v LoraWeights (in K_IN, slices Hq D | Hkv D | Hkv D) and the
     float32 shrink of a random x, as rms_norm_lora would hand it over."""

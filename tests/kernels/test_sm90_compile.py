@@ -194,12 +194,25 @@ def _launch_norms_and_rotary(T: int) -> None:
 
 
 def _launch_mlp(T: int) -> None:
-    """A shared expert's and a dense layer's SwiGLU, and the join of the routed experts' top-k
-    rows (or their sum) with the shared expert, gated and not; the attention's output gate."""
-    from moelora.kernels import mlp
+    """A shared expert's and a dense layer's SwiGLU (with its LoRA folded too), and the join of
+    the routed experts' top-k rows (or their sum) with the shared expert, gated and not; the
+    attention's output gate."""
+    from lora_cases import batch_info, lora_weights
 
+    from moelora.kernels import mlp, reference
+    from moelora.step.lora import FoldedLora
+
+    info = batch_info(T, "mixed")
     for I in (1408, 11264):
-        mlp.silu_and_mul(torch.randn(T, 2 * I, dtype=BF16))
+        gate_up = torch.randn(T, 2 * I, dtype=BF16)
+        mlp.silu_and_mul(gate_up)
+        # with the LoRA folded (layers/mlp_lora.py): each half alone, and both
+        up_lora = lora_weights(S, (), 2, R, H, (I, I), info.rank_of_slot, BF16)
+        down_lora = lora_weights(S, (), 1, R, I, (H,), info.rank_of_slot, BF16)
+        x = torch.randn(T, H, dtype=BF16)
+        folded = FoldedLora(reference.lora_shrink(x, up_lora, info), up_lora, info)
+        for expand, shrink in ((folded, None), (None, down_lora), (folded, down_lora)):
+            mlp.silu_and_mul_lora(gate_up, info, expand=expand, shrink=shrink)
     from moelora.kernels.attention.output_gate import output_gate
 
     q_gate = torch.randn(T, HQ, 2, D, dtype=BF16)
@@ -388,6 +401,8 @@ def _launch_linear_attention() -> None:
     """Gated DeltaNet at Qwen3.5-MoE's sizes (16 q/k heads, 32 value heads, K = V = 128, a
     4-tap conv over 8192 channels): the conv, the delta rule's gates, its token loop and its
     block form, the gated norm, at decode and prefill."""
+    from lora_cases import batch_info, lora_weights
+
     from moelora.kernels.gated_delta import DeltaGates
     from moelora.kernels.linear_attention import (
         conv,
@@ -429,6 +444,10 @@ def _launch_linear_attention() -> None:
         )
         z = torch.randn(T, 2 * Hv * Vd, dtype=BF16)[:, Hv * Vd :].view(T, Hv, Vd)
         gated_norm.rms_norm_gated(x.view(T, Hv, Vd), z, torch.randn(Vd, dtype=BF16), 1e-6)
+        info = batch_info(T, "mixed")  # with out_proj's LoRA shrink
+        out_lora = lora_weights(S, (), 1, R, Hv * Vd, (H,), info.rank_of_slot, BF16)
+        norm_w = torch.randn(Vd, dtype=BF16)
+        gated_norm.rms_norm_gated_o_shrink(x.view(T, Hv, Vd), z, norm_w, 1e-6, out_lora, info)
         ba = torch.randn(T, 2 * Hv, dtype=BF16)
         gates.delta_gates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv), torch.randn(Hv, dtype=BF16))
         raw = DeltaGates(ba[:, Hv:], ba[:, :Hv], torch.randn(Hv, dtype=BF16), ba[0, :Hv])
@@ -436,19 +455,28 @@ def _launch_linear_attention() -> None:
 
 
 def _launch_mla_lora() -> None:
-    """kv_b_proj's LoRA under absorbed MLA, both sides, at DeepSeek-V3's sizes (a rank's 16
-    heads, N = V = 128, L = 512)."""
+    """The absorption with kv_b_proj's LoRA inside, both sides, and o_proj's LoRA shrink in
+    the out side, at DeepSeek-V3's sizes (a rank's 16 heads, N = V = 128, L = 512), at its
+    token tiles."""
     from lora_cases import batch_info, lora_weights
 
-    from moelora.kernels.attention import mla_lora
+    from moelora.kernels.attention import mla_absorb
 
-    T, Hh, N, V, L = 64, 16, 128, 128, 512
-    info = batch_info(T, "mixed")
-    kv_b = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
-    mla_lora.lora_q_(torch.randn(T, Hh, L), torch.randn(T, Hh, N, dtype=BF16), kv_b, info)
-    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info)
-    rounded = torch.empty(T, Hh, V, dtype=BF16)  # the output's cast in the same launch
-    mla_lora.lora_out_(torch.randn(T, Hh, V), torch.randn(T, Hh, L), kv_b, info, rounded=rounded)
+    Hh, N, V, L = 16, 128, 128, 512
+    kv_b = torch.randn(Hh * (N + V), L, dtype=BF16)
+    for T in (1, 64, 4096):
+        info = batch_info(T, "mixed")
+        lora = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
+        q_nope = torch.randn(T, Hh, N + 64, dtype=BF16)[..., :N]
+        mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
+        for out_dtype in (torch.float32, BF16):
+            mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N, out_dtype, lora=lora, info=info)
+        o_lora = lora_weights(S, (), 1, R, Hh * V, (H,), info.rank_of_slot, BF16)
+        for kv_b_lora in (lora, None):  # o_proj's shrink beside kv_b_proj's LoRA, or alone
+            o_lat = torch.randn(T, Hh, L)
+            mla_absorb.absorb_out_o_shrink(
+                o_lat, kv_b, N, BF16, lora=kv_b_lora, info=info, o_lora=o_lora
+            )
 
 
 def _launch_moe() -> None:

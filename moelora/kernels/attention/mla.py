@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek) in Triton: the attention over the paged latent cache in
-the latent space, around which kernels/mla.absorbed_attention applies the absorption of
-kv_b_proj (mla_absorb.py) and its LoRA (mla_lora.py). A prefill step's sequences given all
+the latent space, with kv_b_proj's absorption on either side of it (mla_absorb.py: its LoRA,
+and o_proj's LoRA shrink where asked, in the same launches). A prefill step's sequences given all
 their keys expanded (kernels/mla.ExpandedKv) attend in that form instead (mla_expanded.py):
 mla_attention runs both, each skipping the other's sequences.
 
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelora.kernels.attention import mla_absorb, mla_expanded, mla_lora
+from moelora.kernels.attention import mla_absorb, mla_expanded
 from moelora.kernels.attention.paged import (
     LOG2_E,
     MAX_SPLITS,
@@ -49,11 +49,12 @@ from moelora.kernels.attention.paged import (
     _split_len,
     attention_work,
 )
-from moelora.kernels.mla import Absorption, ExpandedKv, absorbed_attention
+from moelora.kernels.lora import lora_shrink_split
+from moelora.kernels.mla import Absorption, ExpandedKv, absorbed_latents
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.reference import WORK_SEQ
 from moelora.kernels.sizes import cdiv, next_power_of_2
-from moelora.step.lora import LoraBatchInfo, LoraWeights
+from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
@@ -340,25 +341,60 @@ def mla_attention(
 ) -> torch.Tensor:
     """Semantics: kernels/mla.mla_attention's, with the attention in the latent space by the
     kernel (latent_attention below), kv_b_proj's absorption by mla_absorb's kernel (kv_b read
-    in its dtype), kv_b_proj's LoRA by mla_lora's kernels, which read the
-    slots through the table (a decode step reads no device value on the host), and the
-    expanded form by mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
+    in its dtype), with kv_b_proj's LoRA in the same launches, which read the slots through
+    the table (a decode step reads no device value on the host), and the expanded form by
+    mla_expanded's kernel (a prefill step's grids depend on shapes only)."""
     args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
     if expanded is not None and expanded.every:
         out = q_nope.new_zeros(*q_nope.shape[:2], expanded.v.shape[-1])
     else:
+        if lora is None or info is None:
+            lora = info = None
         skip = None if expanded is None else expanded.cu_seqlens_k
-        parts = Absorption(
-            core=functools.partial(latent_attention, skip_expanded=skip),
-            absorb_q=mla_absorb.absorb_q,
-            absorb_out=mla_absorb.absorb_out,
-            lora_q=mla_lora.lora_q_,
-            lora_out=mla_lora.lora_out_,
-        )
-        out = absorbed_attention(parts, *args, lora=lora, info=info)
+        o_lat = absorbed_latents(_absorption(skip), *args, lora=lora, info=info)
+        N, dtype = q_nope.shape[2], q_nope.dtype
+        out = mla_absorb.absorb_out(o_lat, kv_b, N, dtype, lora=lora, info=info)
     if expanded is not None:
         mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
     return out
+
+
+def mla_attention_o_shrink(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    rope_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    kv_b: torch.Tensor,
+    scale: float,
+    *,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo,
+    o_lora: LoraWeights,
+    expanded: ExpandedKv | None = None,
+) -> tuple[torch.Tensor, FoldedLora]:
+    """Semantics: kernels/mla.mla_attention_o_shrink's. In the latent form the shrink rides in
+    the absorption's out-side launch (mla_absorb.absorb_out_o_shrink: one partial a head and
+    column block), so o_proj's LoRA takes no launch of its own before the norm that expands
+    it; with expanded keys (a prefill step) the rows are complete only after the expanded
+    attention, and lora_shrink_split reads them then."""
+    args = (q_nope, q_pe, latent_cache, rope_cache, attn, kv_b, scale)
+    if expanded is not None:
+        out = mla_attention(*args, lora=lora, info=info, expanded=expanded)
+        shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), o_lora, info)
+        return out, FoldedLora(shrunk, o_lora, info)
+    o_lat = absorbed_latents(_absorption(None), *args, lora=lora, info=info)
+    N, dtype = q_nope.shape[2], q_nope.dtype
+    out, shrunk = mla_absorb.absorb_out_o_shrink(
+        o_lat, kv_b, N, dtype, lora=lora, info=info, o_lora=o_lora
+    )
+    return out, FoldedLora(shrunk, o_lora, info)
+
+
+def _absorption(skip_expanded: torch.Tensor | None) -> Absorption:
+    """The query side's kernels: the absorption (with kv_b_proj's LoRA) and the attention."""
+    core = functools.partial(latent_attention, skip_expanded=skip_expanded)
+    return Absorption(core=core, absorb_q=mla_absorb.absorb_q)
 
 
 def latent_attention(

@@ -1,11 +1,23 @@
-"""MLA's absorption of kv_b_proj in Triton: each head's queries into the latent space and its
-weighted latents out of it (kernels/mla.absorb_q and absorb_out are the references).
+"""MLA's absorption of kv_b_proj in Triton, kv_b_proj's LoRA inside: each head's queries into
+the latent space and its weighted latents out of it (kernels/mla.absorb_q and absorb_out, with
+their lora_q_ and lora_out_ corrections, are the references).
 
-Semantics: out[t, h] = a[t, h] @ W[h], where W[h] is a [K, NOUT] view of head h's rows of kv_b
-[Hh (N + V), L]: its N key rows as they lie (q side: K = N, NOUT = L), or its V value rows
-transposed (out side: K = L, NOUT = V). One program owns a block of BT tokens, one head and
-BN output columns, and walks K in BK steps, reading kv_b in its own dtype (no float32 copy of
-the weight).
+Semantics: out[t, h] = a[t, h] @ W[h] + scaling[s] * (a[t, h] @ F1[s, h]) @ F2[s, h] for each
+token t whose slot s is enabled and has kv_b_proj's factors A [r, L], B [Hh (N + V), r] (its
+module rank in the table above 0), the first term alone for every other token. W[h] is a
+[K, NOUT] view of head h's rows of kv_b [Hh (N + V), L]: its N key rows as they lie (q side:
+K = N, NOUT = L; F1 = B_k[h], F2 = A), or its V value rows transposed (out side: K = L,
+NOUT = V; F1 = A.T, F2 = B_v[h].T). One program owns a block of BT tokens, one head and BN
+output columns, and walks K in BK steps, reading kv_b in its own dtype (no float32 copy of the
+weight).
+
+kv_b_proj's LoRA rides in the same launch (a correction of its own would be two more graph
+nodes a layer, each paid by base tokens too). A program reads its rows' slots first; where none
+of them has an enabled slot with kv_b_proj's factors (a base-only batch, padding) it adds
+nothing and reads no factor. Otherwise it takes the slots its rows hold one at a time, the
+largest first: the rows of that slot (the others masked to zero) times F1 [K, RP] into u
+[BT, RP], over K in BK steps, then scaling * u times F2's [RP, BN] columns into the
+accumulator. Rows of A and columns of B past the module's rank are masked off, never read.
 
 Precision. The references compute in float32 on the weight's values. Products of two bf16 (or
 fp16) values are exact in float32, so the q side's dot on the tensor cores, with a float32
@@ -13,11 +25,15 @@ accumulator, is the reference's sum of the same products. The out side's rows ar
 attention's output): each is split into a high part in the weight's dtype and the remainder,
 rounded to it too, and both are dotted with the weight (the weight itself is exact in its
 dtype), which leaves about 2^-16 of a row's relative error, near float32's own rounding of the
-sums. float32 weights (the GPU tests against transformers) take ieee float32 dots.
+sums. The LoRA's float32 u is split the same way against F2. float32 weights (the GPU tests
+against transformers) take ieee float32 dots.
 
-No host read and a grid from shapes only: a decode step captures it in its graph.
+No host read and a grid from shapes only (the slots are read through the tables by the
+kernel): a decode step captures it in its graph and replays it with new slots.
 
-Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, V = v_head_dim, L = kv_lora_rank.
+Legend: T = tokens, Hh = heads, N = qk_nope_head_dim, V = v_head_dim, L = kv_lora_rank,
+r = a slot's rank, RP = the pool's max rank padded to a power of two (16 at least, for the
+dots), S = adapter slots.
 """
 
 from __future__ import annotations
@@ -26,12 +42,133 @@ import torch
 import triton
 import triton.language as tl
 
+from moelora.kernels.lora import TAB_A_OFF, TAB_B_OFF, TAB_B_ROW, TAB_RANK, aligned, module_slots
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.kernels.sizes import cdiv
+from moelora.kernels.sizes import cdiv, next_power_of_2
+from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 
 # how a program's dot reads its rows: "plain" (the weight's dtype), "split" (float32 rows as
 # two parts in the weight's dtype), "ieee" (float32 weight)
 _DOTS = ("plain", "split", "ieee")
+
+
+@triton.jit
+def _mma(x, w, acc, DOT: tl.constexpr):
+    """acc + x @ w, as DOT says (_DOTS): x in w's dtype, float32 x split in two parts of it, or
+    float32 ieee."""
+    if DOT == "ieee":
+        return tl.dot(x.to(tl.float32), w, acc=acc, input_precision="ieee")
+    elif DOT == "split":
+        high = x.to(w.dtype)
+        low = (x - high.to(tl.float32)).to(w.dtype)
+        return tl.dot(low, w, acc=tl.dot(high, w, acc=acc))
+    else:
+        return tl.dot(x, w, acc=acc)
+
+
+@triton.jit
+def _lora_delta(
+    acc,
+    a_rows,  # [BT, 1] pointers: the rows of the program's head
+    todo,  # [BT] each row's slot (module_slots), -1 without one
+    head,
+    offs_n,
+    n_ok,
+    lw_ptr,
+    tab_ptr,
+    scaling_ptr,
+    K: tl.constexpr,
+    NOUT: tl.constexpr,
+    HEAD_ROWS: tl.constexpr,
+    ROW0: tl.constexpr,  # 0: the q side
+    DOT: tl.constexpr,
+    TW: tl.constexpr,
+    RP: tl.constexpr,
+    A_ALIGN: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+):
+    """acc + each row's scaling * (a @ F1) @ F2 of its slot (the module docstring), a slot at a
+    time, the largest left first."""
+    offs_k = tl.arange(0, BK)
+    offs_r = tl.arange(0, RP)
+    while tl.max(todo, 0) >= 0:
+        slot = tl.max(todo, 0)
+        mine = todo == slot
+        todo = tl.where(mine, -1, todo)
+        entry = tab_ptr + slot.to(tl.int64) * TW
+        a_ptr = lw_ptr + aligned(tl.load(entry + TAB_A_OFF), A_ALIGN)  # A [r, L], rows of L
+        b_ptr = lw_ptr + tl.load(entry + TAB_B_OFF)
+        b_row = tl.load(entry + TAB_B_ROW)
+        r_ok = offs_r < tl.load(entry + TAB_RANK)
+        head_b = b_ptr + (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row  # B_k[h] or B_v[h]
+        u = tl.zeros((BT, RP), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            k_ok = (k0 + offs_k) < K
+            x_mask = mine[:, None] & k_ok[None, :]
+            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=x_mask, other=0.0)
+            if ROW0 == 0:  # F1 = B_k[h]: [K, RP]
+                f1 = head_b + (k0 + offs_k)[:, None] * b_row + offs_r[None, :]
+            else:  # F1 = A.T
+                f1 = a_ptr + offs_r[None, :] * K + (k0 + offs_k)[:, None]
+            f1 = tl.load(f1, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+            u = _mma(x, f1, u, DOT)
+        u *= tl.load(scaling_ptr + slot)
+        if ROW0 == 0:  # F2 = A: [RP, NOUT]
+            f2 = a_ptr + offs_r[:, None] * NOUT + offs_n[None, :]
+        else:  # F2 = B_v[h].T
+            f2 = head_b + offs_n[None, :] * b_row + offs_r[:, None]
+        f2 = tl.load(f2, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if DOT == "ieee":
+            acc = _mma(u, f2, acc, "ieee")
+        else:
+            acc = _mma(u, f2, acc, "split")
+    return acc
+
+
+@triton.jit
+def _o_shrink(
+    out,  # [BT, BN] the program's rounded output
+    todo,  # [BT] each row's slot (module_slots on o_proj's table), -1 without one
+    offs_t,
+    offs_n,
+    n_ok,
+    head,
+    o_lw_ptr,
+    o_tab_ptr,
+    scaling_ptr,
+    part_ptr,
+    NOUT: tl.constexpr,
+    HEADS: tl.constexpr,
+    R_PART: tl.constexpr,
+    RPO: tl.constexpr,
+    ODOT: tl.constexpr,
+    O_ALIGN: tl.constexpr,
+    TW: tl.constexpr,
+):
+    """o_proj's LoRA shrink of the program's columns, for the rows with a slot: part[t, j] =
+    scaling * out[t, cols] @ A_o[:, head * V + cols].T, j = head * blocks + this block (blocks:
+    the grid's column blocks), the other rows left unwritten."""
+    offs_r = tl.arange(0, RPO)
+    blocks = tl.num_programs(2)
+    j = head * blocks + tl.program_id(2)
+    while tl.max(todo, 0) >= 0:
+        slot = tl.max(todo, 0)
+        mine = todo == slot
+        todo = tl.where(mine, -1, todo)
+        entry = o_tab_ptr + slot.to(tl.int64) * TW
+        a_ptr = o_lw_ptr + aligned(tl.load(entry + TAB_A_OFF), O_ALIGN) + head * NOUT
+        r_ok = offs_r < tl.load(entry + TAB_RANK)
+        a = tl.load(
+            a_ptr + offs_r[None, :] * (HEADS * NOUT) + offs_n[:, None],
+            mask=n_ok[:, None] & r_ok[None, :],
+            other=0.0,
+        )  # [BN, RPO]: A_o's columns of this block, transposed
+        x = tl.where(mine[:, None], out, 0.0)
+        shrunk = _mma(x, a, tl.zeros((out.shape[0], RPO), dtype=tl.float32), ODOT)
+        shrunk *= tl.load(scaling_ptr + slot)
+        dst = part_ptr + (offs_t.to(tl.int64) * (HEADS * blocks) + j)[:, None] * R_PART
+        tl.store(dst + offs_r[None, :], shrunk, mask=mine[:, None] & (offs_r < R_PART)[None, :])
 
 
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
@@ -40,6 +177,14 @@ def _absorb_kernel(
     a_ptr,  # [T, Hh, K] rows
     w_ptr,  # kv_b [Hh * HEAD_ROWS, L]
     out_ptr,  # [T, Hh, NOUT] float32 (or the rows' final dtype: rounded once)
+    lw_ptr,  # with LORA: the arena, slot s's A [1, r, L] and B [Hh (N + V), r] as its row says
+    tab_ptr,  # [S, TW] int64 (step/lora.LoraWeights.table)
+    slot_ptr,  # [>= T] int32
+    enabled_ptr,  # [S] int32
+    scaling_ptr,  # [S] float32
+    o_lw_ptr,  # with O_SHRINK: o_proj's arena, its A [1, r, Hh V] as a row of o_tab says
+    o_tab_ptr,  # [S, TW] int64
+    part_ptr,  # [T, Hh * (NOUT / BN blocks), 1, R_PART] float32: o_proj's partial shrinks
     # Sizes and strides.
     T,
     stride_at,
@@ -55,6 +200,16 @@ def _absorb_kernel(
     HEAD_ROWS: tl.constexpr,  # N + V: kv_b's rows a head
     ROW0: tl.constexpr,  # W[h]'s first row inside the head's: 0 (keys) or N (values)
     DOT: tl.constexpr,  # one of _DOTS
+    LORA: tl.constexpr,  # kv_b_proj's LoRA compiled in
+    TW: tl.constexpr,
+    RP: tl.constexpr,
+    A_ALIGN: tl.constexpr,
+    O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
+    HEADS: tl.constexpr,
+    R_PART: tl.constexpr,
+    RPO: tl.constexpr,
+    ODOT: tl.constexpr,
+    O_ALIGN: tl.constexpr,
     BT: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -82,26 +237,77 @@ def _absorb_kernel(
             mask=k_ok[:, None] & n_ok[None, :],
             other=0.0,
         )
-        if DOT == "ieee":
-            acc = tl.dot(a.to(tl.float32), w, acc=acc, input_precision="ieee")
-        elif DOT == "split":
-            high = a.to(w.dtype)
-            low = (a - high.to(tl.float32)).to(w.dtype)
-            acc = tl.dot(high, w, acc=acc)
-            acc = tl.dot(low, w, acc=acc)
-        else:
-            acc = tl.dot(a, w, acc=acc)
+        acc = _mma(a, w, acc, DOT)
+
+    # -- kv_b_proj's LoRA: nothing read where no row has an enabled slot with its factors --
+    if LORA:
+        todo = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
+        if tl.max(todo, 0) >= 0:
+            acc = _lora_delta(
+                acc,
+                a_rows,
+                todo,
+                head,
+                offs_n,
+                n_ok,
+                lw_ptr,
+                tab_ptr,
+                scaling_ptr,
+                K=K,
+                NOUT=NOUT,
+                HEAD_ROWS=HEAD_ROWS,
+                ROW0=ROW0,
+                DOT=DOT,
+                TW=TW,
+                RP=RP,
+                A_ALIGN=A_ALIGN,
+                BT=BT,
+                BK=BK,
+            )
 
     # -- store the block's rows --
     out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + head * stride_oh
     out = acc.to(out_ptr.dtype.element_ty)
     tl.store(out_ptrs + offs_n[None, :], out, mask=t_ok[:, None] & n_ok[None, :])
 
+    # -- o_proj's LoRA shrink of the rows that have its factors, which the next norm expands --
+    if O_SHRINK:
+        todo = module_slots(slot_ptr, enabled_ptr, o_tab_ptr, offs_t, t_ok, TW)
+        if tl.max(todo, 0) >= 0:
+            _o_shrink(
+                out,
+                todo,
+                offs_t,
+                offs_n,
+                n_ok,
+                head,
+                o_lw_ptr,
+                o_tab_ptr,
+                scaling_ptr,
+                part_ptr,
+                NOUT=NOUT,
+                HEADS=HEADS,
+                R_PART=R_PART,
+                RPO=RPO,
+                ODOT=ODOT,
+                O_ALIGN=O_ALIGN,
+                TW=TW,
+            )
 
-def absorb_q(q_nope: torch.Tensor, kv_b: torch.Tensor) -> torch.Tensor:
+
+def absorb_q(
+    q_nope: torch.Tensor,
+    kv_b: torch.Tensor,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
     """Semantics: kernels/mla.absorb_q's: q_lat[t, h] = q_nope[t, h] @ W_k[h] (head h's first N
-    rows of kv_b). q_nope [T, Hh, N]; kv_b [Hh (N + V), L]. Returns [T, Hh, L] float32."""
-    return _absorb(q_nope, kv_b, kv_b.shape[1], row0=0, transposed=False)
+    rows of kv_b), with lora and info kv_b_proj's correction (kernels/mla.lora_q_) in the same
+    launch. q_nope [T, Hh, N]; kv_b [Hh (N + V), L]; lora: kv_b_proj's, read through its
+    table. Returns [T, Hh, L] float32."""
+    L = kv_b.shape[1]
+    return _absorb(q_nope, kv_b, L, row0=0, transposed=False, lora=lora, info=info)[0]
 
 
 def absorb_out(
@@ -109,12 +315,53 @@ def absorb_out(
     kv_b: torch.Tensor,
     qk_nope_head_dim: int,
     out_dtype: torch.dtype = torch.float32,
+    *,
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.absorb_out's: out[t, h] = o_lat[t, h] @ W_v[h].T (head h's rows
-    of kv_b after its first qk_nope_head_dim), rounded to out_dtype once. o_lat [T, Hh, L]
-    float32. Returns [T, Hh, V] in out_dtype."""
+    of kv_b after its first qk_nope_head_dim), with lora and info kv_b_proj's correction
+    (kernels/mla.lora_out_) added in the same launch, rounded to out_dtype once. o_lat
+    [T, Hh, L] float32. Returns [T, Hh, V] in out_dtype."""
     V = kv_b.shape[0] // o_lat.shape[1] - qk_nope_head_dim
-    return _absorb(o_lat, kv_b, V, row0=qk_nope_head_dim, transposed=True, out_dtype=out_dtype)
+    return _absorb(
+        o_lat,
+        kv_b,
+        V,
+        row0=qk_nope_head_dim,
+        transposed=True,
+        out_dtype=out_dtype,
+        lora=lora,
+        info=info,
+    )[0]
+
+
+def absorb_out_o_shrink(
+    o_lat: torch.Tensor,
+    kv_b: torch.Tensor,
+    qk_nope_head_dim: int,
+    out_dtype: torch.dtype,
+    *,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo,
+    o_lora: LoraWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """absorb_out, and in the same launch o_proj's LoRA shrink of its rounded output as
+    [T, Hh V] (reference.lora_shrink_split's semantics): (out, part [T, KS, 1, R] float32, the
+    partial shrinks over KS slices of o_proj's input, which the next norm sums and expands;
+    rows without an enabled slot with o_proj's factors are left unwritten)."""
+    V = kv_b.shape[0] // o_lat.shape[1] - qk_nope_head_dim
+    return _absorb(
+        o_lat,
+        kv_b,
+        V,
+        row0=qk_nope_head_dim,
+        transposed=True,
+        out_dtype=out_dtype,
+        lora=lora,
+        info=info,
+        o_lora=o_lora,
+    )
 
 
 def _absorb(
@@ -125,25 +372,31 @@ def _absorb(
     row0: int,
     transposed: bool,
     out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
-    h's kv_b rows from row0 on, as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out]."""
+    lora: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+    o_lora: LoraWeights | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
+    h's kv_b rows from row0 on, as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out];
+    with lora and info kv_b_proj's correction added; o_proj's partial shrinks with o_lora)."""
     T, Hh, K = a.shape
     assert a.stride(2) == 1 and kv_b.stride(1) == 1, (a.stride(), kv_b.stride())
     head_rows, L = kv_b.shape[0] // Hh, kv_b.shape[1]
     assert kv_b.shape[0] % Hh == 0 and (K if transposed else n_out) == L, (kv_b.shape, a.shape)
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
-    dot = _dot(a.dtype, kv_b.dtype)
-    out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
-    if T == 0:
-        return out
     BT = 16 if T <= 16 else 32 if T <= 32 else 64
     BN, BK = 64, 64
+    out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
+    o_args, part = _o_shrink_args(out, kv_b, info, o_lora, cdiv(n_out, BN))
+    if T == 0:
+        return out, part
     stride_wk, stride_wn = (1, kv_b.stride(0)) if transposed else (kv_b.stride(0), 1)
     _absorb_kernel[(cdiv(T, BT), Hh, cdiv(n_out, BN))](
         a_ptr=a,
         w_ptr=kv_b,
         out_ptr=out,
+        **_lora_args(a, kv_b, lora, info),
+        **o_args,
         T=T,
         stride_at=a.stride(0),
         stride_ah=a.stride(1),
@@ -156,7 +409,8 @@ def _absorb(
         NOUT=n_out,
         HEAD_ROWS=head_rows,
         ROW0=row0,
-        DOT=dot,
+        DOT=_dot(a.dtype, kv_b.dtype),
+        TW=TABLE_WIDTH,
         BT=BT,
         BN=BN,
         BK=BK,
@@ -164,7 +418,61 @@ def _absorb(
         num_stages=2,
         **pdl_kwargs(a.device),
     )
-    return out
+    return out, part
+
+
+def _lora_args(
+    a: torch.Tensor, kv_b: torch.Tensor, lora: LoraWeights | None, info: LoraBatchInfo | None
+) -> dict:
+    """The kernel's arguments for kv_b_proj's LoRA and the step's slots: the factors where
+    both are given (checked against the rows a [T, Hh, K] and kv_b), the slots where info is
+    (LORA off without the factors; pointers without a tensor name kv_b, never read)."""
+    slots = dict(slot_ptr=kv_b, enabled_ptr=kv_b, scaling_ptr=kv_b)
+    if info is not None:
+        assert info.slot_of_token.shape[0] >= a.shape[0], (info.slot_of_token.shape, a.shape)
+        slots = dict(
+            slot_ptr=info.slot_of_token,
+            enabled_ptr=info.slot_enabled,
+            scaling_ptr=info.scaling_of_slot,
+        )
+    if lora is None or info is None:
+        return dict(slots, lw_ptr=kv_b, tab_ptr=kv_b, LORA=False, RP=16, A_ALIGN=1)
+    assert lora.in_features == kv_b.shape[1] and len(lora.out_slices) == 1, lora.in_features
+    assert lora.num_experts == 0 and lora.out_features == kv_b.shape[0], lora.out_features
+    assert lora.arena.dtype == kv_b.dtype, (lora.arena.dtype, kv_b.dtype)
+    assert lora.table.is_contiguous(), lora.table.stride()
+    return dict(
+        slots,
+        lw_ptr=lora.arena,
+        tab_ptr=lora.table,
+        LORA=True,
+        RP=max(16, next_power_of_2(lora.max_rank)),  # 16: the dots' least
+        A_ALIGN=lora.a_align,
+    )
+
+
+def _o_shrink_args(
+    out: torch.Tensor,
+    kv_b: torch.Tensor,
+    info: LoraBatchInfo | None,
+    o_lora: LoraWeights | None,
+    blocks: int,
+) -> tuple[dict, torch.Tensor | None]:
+    """(the kernel's arguments for o_proj's LoRA shrink, its partials [T, Hh * blocks, 1, R]),
+    O_SHRINK off and no partials without o_lora."""
+    T, Hh, V = out.shape
+    if o_lora is None:
+        unused = dict(o_lw_ptr=kv_b, o_tab_ptr=kv_b, part_ptr=kv_b, O_SHRINK=False)
+        return dict(unused, HEADS=Hh, R_PART=1, RPO=16, ODOT="plain", O_ALIGN=1), None
+    assert info is not None, "o_proj's shrink reads the step's slots"
+    assert o_lora.in_features == Hh * V and o_lora.out_slices == (o_lora.out_features,)
+    assert o_lora.num_experts == 0 and o_lora.table.is_contiguous(), o_lora.table.stride()
+    R = o_lora.max_rank
+    part = torch.empty(T, Hh * blocks, 1, R, dtype=torch.float32, device=out.device)
+    args = dict(o_lw_ptr=o_lora.arena, o_tab_ptr=o_lora.table, part_ptr=part, O_SHRINK=True)
+    rpo = max(16, next_power_of_2(R))
+    odot = _dot(out.dtype, o_lora.arena.dtype)
+    return dict(args, HEADS=Hh, R_PART=R, RPO=rpo, ODOT=odot, O_ALIGN=o_lora.a_align), part
 
 
 def _dot(a_dtype: torch.dtype, w_dtype: torch.dtype) -> str:

@@ -55,6 +55,43 @@ SHRINK_WIDE_T = 32  # rows from which a norm program shrinks twice the rank rows
 
 
 @triton.jit
+def _expand_delta(
+    part_ptr,
+    b_slot,
+    b_stride,
+    b_rank,
+    row,
+    offs,
+    mask,
+    R: tl.constexpr,
+    RC: tl.constexpr,
+    KS: tl.constexpr,
+    KS_PAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """[BLOCK] float32: the row's partial shrinks [KS, R] summed, times its slot's B (b_slot
+    [N, r], row stride b_stride) at the columns offs. RC rank rows per step, unrolled: every
+    step's loads can be in flight at once."""
+    delta = tl.zeros((BLOCK,), dtype=tl.float32)
+    offs_ks = tl.arange(0, KS_PAD)
+    for r0 in tl.static_range(0, R, RC):
+        offs_r = r0 + tl.arange(0, RC)
+        r_ok = offs_r < b_rank
+        part = tl.load(
+            part_ptr + (row * KS + offs_ks[:, None]) * R + offs_r[None, :],
+            mask=(offs_ks[:, None] < KS) & r_ok[None, :],
+            other=0.0,
+        )  # [KS, RC], already scaled
+        b = tl.load(
+            b_slot + offs[:, None] * b_stride + offs_r[None, :],
+            mask=mask[:, None] & r_ok[None, :],
+            other=0.0,
+        )  # [BLOCK, RC]
+        delta += tl.sum(b.to(tl.float32) * tl.sum(part, axis=0)[None, :], axis=1)
+    return delta
+
+
+@triton.jit
 def _rms_norm_kernel(
     # Pointers.
     x_ptr,  # [T, KX, N], strides stride_xt and stride_xk, last dim contiguous
@@ -136,19 +173,46 @@ def _rms_norm_kernel(
             xk = tl.load(x_ptr + row * stride_xt + k * stride_xk + offs, mask=mask, other=0.0)
             x_sum += xk.to(tl.float32)
         x = x_sum.to(dtype)
+    if SHRINK or EXPAND:
+        slot, rank, scaling = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
+    # -- the LoRA of the projection that produced x (or the shared expert): its partial
+    # shrinks summed, the row expanded --
+    if EXPAND:
+        b_rank = tl.load(b_tab_ptr + slot * TAB_WIDTH + TAB_RANK, mask=rank > 0, other=0)
+        delta = tl.zeros((BLOCK,), dtype=dtype)
+        if b_rank > 0:  # 0: no enabled slot, or no such module
+            delta = _expand_delta(
+                part_ptr,
+                b_ptr + tl.load(b_tab_ptr + slot * TAB_WIDTH + TAB_B_OFF),
+                tl.load(b_tab_ptr + slot * TAB_WIDTH + TAB_B_ROW),
+                b_rank,
+                row,
+                offs,
+                mask,
+                R=R,
+                RC=RC,
+                KS=KS,
+                KS_PAD=KS_PAD,
+                BLOCK=BLOCK,
+            ).to(dtype)
     if SHARED:
-        # the shared expert, scaled by its sigmoid gate, then added: each op rounded
+        # the shared expert (its LoRA's delta first, where it has one), scaled by its sigmoid
+        # gate, then added: each op rounded (PEFT's order)
         sh = tl.load(shared_ptr + row * stride_st + offs, mask=mask, other=0.0).to(tl.float32)
+        if EXPAND:
+            if b_rank > 0:
+                sh = (sh + delta.to(tl.float32)).to(dtype).to(tl.float32)
         if GATED:
             logit = tl.load(gate_ptr + row * stride_gt).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-logit))).to(dtype).to(tl.float32)
             sh = (gate * sh).to(dtype).to(tl.float32)
         x = (x.to(tl.float32) + sh).to(dtype)
+    elif EXPAND:
+        if b_rank > 0:  # PEFT's order: the delta is rounded to x's dtype, then added
+            x = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_rt + offs, mask=mask, other=0.0)
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    if SHRINK or EXPAND:
-        slot, rank, scaling = lora_slot(slot_in, enabled_ptr, rank_ptr, scaling_ptr)
     if SHRINK:
         # shrink row j is rank row j % R of slice j // R; the module's own rank masks it (0:
         # the slot's adapter has no such module, and an enabled row's shrink is zeros)
@@ -164,32 +228,6 @@ def _rms_norm_kernel(
             mask=j_ok[:, None] & mask[None, :],
             other=0.0,
         )  # [RC, BLOCK] this program's tile of A
-    # -- the LoRA of the projection that produced x: sum its partial shrinks, expand the row --
-    # RC rank rows per step, unrolled: every step's loads can be in flight at once.
-    if EXPAND:
-        b_row = b_tab_ptr + slot * TAB_WIDTH
-        b_rank = tl.load(b_row + TAB_RANK, mask=rank > 0, other=0)  # 0: no such module
-        if b_rank > 0:
-            b_slot = b_ptr + tl.load(b_row + TAB_B_OFF)
-            b_stride = tl.load(b_row + TAB_B_ROW)
-            delta = tl.zeros((BLOCK,), dtype=tl.float32)
-            offs_ks = tl.arange(0, KS_PAD)
-            for r0 in tl.static_range(0, R, RC):
-                offs_r = r0 + tl.arange(0, RC)
-                r_ok = offs_r < b_rank
-                part = tl.load(
-                    part_ptr + (row * KS + offs_ks[:, None]) * R + offs_r[None, :],
-                    mask=(offs_ks[:, None] < KS) & r_ok[None, :],
-                    other=0.0,
-                )  # [KS, RC], already scaled
-                b = tl.load(
-                    b_slot + offs[:, None] * b_stride + offs_r[None, :],
-                    mask=mask[:, None] & r_ok[None, :],
-                    other=0.0,
-                )  # [BLOCK, RC]
-                delta += tl.sum(b.to(tl.float32) * tl.sum(part, axis=0)[None, :], axis=1)
-            # PEFT's order: the delta is rounded to x's dtype, then added
-            x = (x.to(tl.float32) + delta.to(dtype).to(tl.float32)).to(dtype)
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         if g == 0:

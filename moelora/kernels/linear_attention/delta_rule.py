@@ -1,14 +1,16 @@
 """gated_delta.gated_delta_rule in Triton: the gated delta rule over each request's state, in
 its fused recurrent form, for decode and prefill alike.
 
-Algorithm. One program per (sequence, value head, block of BLOCK_V value columns) holds its
+Algorithm. One program per (block of BLOCK_V value columns, value head, sequence) holds its
 [K, BLOCK_V] tile of the state in float32 registers, loaded from the sequence's slot (zeros
 from position 0), and walks the sequence's tokens in order: q and k L2-normed (those of the
 q/k head that serves this value head among H // Hk), q scaled by K ** -0.5, S = exp(g) S,
 S += k (beta (v - k^T S))^T, o = S^T q, as the reference's token loop does, so a request's
 numbers do not depend on how its prompt was chunked. The tile goes back to the slot after the
 last token. A prefill chunk's tokens thus run one after another, unless the caller asks for
-the block form (delta_chunked.py).
+the block form (delta_chunked.py). The value blocks are the grid's fastest axis: programs
+launched together read neighbouring pieces of the same state rows (a tile is K pieces of
+BLOCK_V floats, a row of V apart), not pieces of different sequences' states.
 Graphs and padding: see sequences.py.
 
 Legend: T = tokens, B = sequences, S = state slots, Hk = q/k heads, H = value heads,
@@ -44,9 +46,12 @@ from moelora.kernels.sizes import cdiv, next_power_of_2
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
-# fla's fused recurrent tiles: narrow V blocks, many programs even at one sequence
-DELTA_BLOCK_V = 8
-DELTA_WARPS = 1
+# A decode moves each sequence's whole state: 32 value columns a program (128-byte row pieces;
+# 4 programs a value head, so one sequence of 32 heads still fills 128 multiprocessors), with
+# 4 warps so that the [K, 32] float32 tile takes no spills at K = 128. The delta-rule tile
+# sweep (the benchmarks page) has the alternatives.
+DELTA_BLOCK_V = 32
+DELTA_WARPS = 4
 
 
 @triton.jit
@@ -134,10 +139,10 @@ def _gated_delta_rule_kernel(
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
     # -- map the program to its sequence, value head and value columns --
-    b = tl.program_id(0)
+    b = tl.program_id(2)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_v = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok, v_ok = offs_k < K, offs_v < V
     tile_ok = k_ok[:, None] & v_ok[None, :]
     out_head = out_ptr + h * V + offs_v  # + row * H * V
@@ -250,7 +255,7 @@ def gated_delta_rule(
     if T == 0:
         return out
     block_v = min(DELTA_BLOCK_V, next_power_of_2(V))
-    _gated_delta_rule_kernel[(B, H, cdiv(V, block_v))](
+    _gated_delta_rule_kernel[(cdiv(V, block_v), H, B)](
         q_ptr=q,
         k_ptr=k,
         v_ptr=v,
