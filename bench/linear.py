@@ -42,6 +42,17 @@ SHAPES = {  # name: (N, K)
     "mixtral q|k|v": (6144, 4096),
     "mixtral o": (4096, 4096),
 }
+# the hybrid and MLA families' decode projections (--shapes); Qwen3.5's in_proj is q|k|v|z|b|a,
+# its router one product with the shared expert's gate|up and gate (padded to a multiple of 8)
+MORE_SHAPES = {
+    "qwen3.5 in_proj": (12352, 2048),
+    "qwen3.5 out_proj": (2048, 4096),
+    "qwen3.5 router|shared": (1288, 2048),
+    "qwen3.5 shared down": (2048, 512),
+    "qwen3.5 q|gate|k|v": (9216, 2048),
+    "moonlight q|kv_a": (3648, 2048),
+    "moonlight o": (2048, 2048),
+}
 MS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = 16
 CANDIDATES = (  # (block_n, block_k, warps, stages); block_m follows M
@@ -126,6 +137,13 @@ def check_shape(name: str, N: int, K: int, bias: bool) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        choices=[*SHAPES, *MORE_SHAPES],
+        default=list(SHAPES),
+        help="projections to time (default: the Qwen3-30B-A3B and Mixtral ones)",
+    )
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     bw = copy_bandwidth()
@@ -138,13 +156,14 @@ def main() -> None:
     if args.sweep:
         head, rule = head + " best of sweep µs |", rule + "---|"
     rows = [head, rule]
-    for name, (N, K) in SHAPES.items():
+    shapes = {name: (SHAPES | MORE_SHAPES)[name] for name in args.shapes}
+    for name, (N, K) in shapes.items():
         rows += bench_shape(name, N, K, bw, args.sweep)
     check = [
         "| shape | kernel | " + " | ".join(f"M={M}" for M in CHECK_MS) + " |",
         "|---|---|" + "---:|" * len(CHECK_MS),
     ]
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in shapes.items():
         check += check_shape(name, N, K, bias=False)
     check += check_shape("qwen2-moe-like q|k|v", 2048 * 3, 2048, bias=True)
     lines = result_header("Decode projections vs cuBLAS, decode row counts", bw)
