@@ -19,6 +19,7 @@ K = key head dim, V = value head dim.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,12 +47,21 @@ from moelora.kernels.sizes import cdiv, next_power_of_2
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
-# A decode moves each sequence's whole state: 32 value columns a program (128-byte row pieces;
-# 4 programs a value head, so one sequence of 32 heads still fills 128 multiprocessors), with
-# 4 warps so that the [K, 32] float32 tile takes no spills at K = 128. The delta-rule tile
-# sweep (the benchmarks page) has the alternatives.
-DELTA_BLOCK_V = 32
-DELTA_WARPS = 4
+
+@dataclass(frozen=True)
+class DeltaTiles:
+    block_v: int  # value columns a program owns
+    num_warps: int
+
+
+# A decode step moves each sequence's whole state once: 32 value columns a program (128-byte
+# row pieces; 4 programs a value head, so one sequence of 32 heads still fills 128
+# multiprocessors), with 4 warps so that the [K, 32] float32 tile takes no spills at K = 128
+# (the delta-rule tile sweep on the benchmarks page has the alternatives). A prefill's token
+# loop keeps one warp: each token's two sums over K stay inside it, where 4 warps would meet
+# in shared memory twice a token, in the loop's serial chain.
+DELTA_DECODE = DeltaTiles(block_v=32, num_warps=4)
+DELTA_PREFILL = DeltaTiles(block_v=8, num_warps=1)
 
 
 @triton.jit
@@ -254,7 +264,8 @@ def gated_delta_rule(
     out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
         return out
-    block_v = min(DELTA_BLOCK_V, next_power_of_2(V))
+    tiles = DELTA_DECODE if attn.max_query_len <= 1 else DELTA_PREFILL
+    block_v = min(tiles.block_v, next_power_of_2(V))
     _gated_delta_rule_kernel[(cdiv(V, block_v), H, B)](
         q_ptr=q,
         k_ptr=k,
@@ -275,7 +286,7 @@ def gated_delta_rule(
         BLOCK_K=next_power_of_2(K),
         BLOCK_V=block_v,
         THRESHOLD=SOFTPLUS_THRESHOLD,
-        num_warps=DELTA_WARPS,
+        num_warps=tiles.num_warps,
         enable_fp_fusion=False,
         **pdl_kwargs(v.device),
     )
