@@ -470,3 +470,24 @@ def test_a_device_without_a_table_takes_its_chips_twin(tmp_path, monkeypatch):
     assert MoeConfig(**twin["16"]) == h200
     assert MoeConfig(**own["16"]) == h100
     assert config.tuned_table("NVIDIA A100-SXM4-80GB", config.shape_key(8, 64, 32, 2)) == {}
+
+
+def test_a_decode_table_is_not_extrapolated_to_a_prefill():
+    """Past the largest tuned bucket, a table whose buckets average at most 16 pairs an expert
+    gives way to the default where T averages more; a table tuned into that regime is
+    extrapolated; inside its buckets, the smallest bucket >= T answers."""
+    from moelora.kernels.moe.config import table_config
+
+    E, K = 128, 8  # 16 pairs an expert at T = 256
+    small = MoeConfig(block_m=16, block_n=32, block_k=128)
+    wide = MoeConfig(block_m=128, block_n=64, block_k=128)
+    decode = {"1": dataclasses.asdict(small), "256": dataclasses.asdict(small)}
+    assert table_config(decode, 200, E, K) == small
+    assert table_config(decode, 4096, E, K) == MoeConfig(block_m=64)
+    prefill = {**decode, "1024": dataclasses.asdict(wide)}
+    assert table_config(prefill, 512, E, K) == wide
+    assert table_config(prefill, 16384, E, K) == wide
+    assert table_config({}, 8, E, K) == MoeConfig(block_m=16)
+    assert table_config({}, 4096, E, K) == MoeConfig(block_m=64)
+    # a table that stops below 16 pairs, asked for T still below them, extrapolates
+    assert table_config({"64": dataclasses.asdict(small)}, 200, E, K) == small

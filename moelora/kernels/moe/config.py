@@ -96,16 +96,32 @@ def default_config(
     fp8: bool = False,
 ) -> MoeConfig:
     """The tuned config for this shape and device (smallest M bucket >= T), else that of a device
-    on the same chip, else a default."""
+    on the same chip, else a default (table_config)."""
+    table = {}
     if device.type == "cuda":
         table = tuned_table(torch.cuda.get_device_name(device), shape_key(E, H, I, K, mxfp4, fp8))
-        if table:
-            buckets = sorted(int(m) for m in table)
-            bucket = next((m for m in buckets if m >= T), buckets[-1])
-            return MoeConfig(**table[str(bucket)])
+    return table_config(table, T, E, K)
+
+
+def table_config(table: dict, T: int, E: int, K: int) -> MoeConfig:
+    """The tiles of table ({bucket: tiles}) for T tokens: its smallest bucket >= T. Past its
+    largest bucket the table answers only while T's pairs per expert stay on that bucket's
+    side of 16: tiles tuned for decode's few pairs an expert are not extrapolated to a
+    prefill's hundreds, which take the default."""
+    buckets = sorted(int(m) for m in table)
+    bucket = next((m for m in buckets if m >= T), None)
+    if bucket is None and buckets and _few_pairs(buckets[-1], E, K) == _few_pairs(T, E, K):
+        bucket = buckets[-1]
+    if bucket is not None:
+        return MoeConfig(**table[str(bucket)])
     # 16-row blocks while the experts average at most 16 pairs: a block holds one expert's
     # pairs, so wider ones would be mostly padding
-    return MoeConfig(block_m=16 if T * K <= 16 * E else 64)
+    return MoeConfig(block_m=16 if _few_pairs(T, E, K) else 64)
+
+
+def _few_pairs(T: int, E: int, K: int) -> bool:
+    """Whether T tokens' T * K pairs average at most 16 an expert."""
+    return T * K <= 16 * E
 
 
 def tuned_table(device_name: str, key: str) -> dict:
