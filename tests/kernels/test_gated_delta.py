@@ -15,7 +15,7 @@ Hk = q/k heads, H = value heads, K / V = key / value head dim, D = norm width.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -213,6 +213,22 @@ def test_chunked_gated_delta_rule_matches_reference(
             torch.testing.assert_close(state[s], want_state[s], **CHUNKED_TOL)
         else:
             assert torch.equal(state[s], before[s]), f"slot {s} is not the batch's"
+
+
+@pytest.mark.parametrize("chunk", [8, 16])
+def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk):
+    """Blocks of 8 and 16 tokens: sub-blocks of 2 and 4 rows, so the inverse's substitution
+    steps and its block merges (_prepare_kernel) both run, on full and partial blocks (the
+    9- and 7-token chunks) and a state carried between two blocks."""
+    config = replace(delta_chunked.INTERPRETER_CONFIG, chunk=chunk)
+    monkeypatch.setattr(delta_chunked, "INTERPRETER_CONFIG", config)
+    batch = make_batch("prefill", padded=True, seed=chunk)
+    out, want, state, want_state, before = run_delta(
+        batch, 2, torch.float32, seed=chunk, chunked=True
+    )
+    torch.testing.assert_close(out[: batch.rows], want, **CHUNKED_TOL)
+    for s in batch.slots:
+        torch.testing.assert_close(state[s], want_state[s], **CHUNKED_TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

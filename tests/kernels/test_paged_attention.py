@@ -279,6 +279,18 @@ def test_prefill(dtype, heads, page_size):
     check_attention(q, k_cache, v_cache, attn)
 
 
+@pytest.mark.parametrize("q_lens", [[1000, 3, 1, 17], [5, 1, 700], [0, 64, 0]])
+def test_attention_work_of_a_long_prompt_spans_many_programs(q_lens):
+    """A prompt of hundreds of blocks beside short chunks and decodes: its rounds fall to many
+    of attention_work's programs (WORK_ROUNDS each), and the table is the reference's."""
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(q_lens).cumsum(0)
+    for block_q in (1, 4):
+        num_rows = int(cu[-1]) + 7
+        got = attention_work(cu, num_rows, block_q)
+        assert torch.equal(got, reference.attention_work(cu, num_rows, block_q))
+
+
 @pytest.mark.parametrize("block_q", [1, 2, 3, 8])
 @pytest.mark.parametrize("seed", range(4))
 def test_attention_work_lists_every_block_once_last_blocks_first(block_q, seed):

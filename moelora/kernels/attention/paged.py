@@ -76,6 +76,8 @@ from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.batch import dense_runs
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
 
+WORK_ROUNDS = 16  # rounds of a work table a program of attention_work places ([16, SEQS] tiles)
+
 if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
@@ -567,25 +569,28 @@ def _attention_work_kernel(
     num_entries,
     # Meta-parameters
     BLOCK_Q: tl.constexpr,
+    ROUNDS: tl.constexpr,  # rounds, and entries of the -1 tail, a program
     SEQS: tl.constexpr,  # a power of two >= num_seqs
     PDL: tl.constexpr,
 ):
-    """One program: round r lists the sequences with more than r query blocks, each entry
-    naming the block r from its last, after the rounds before it; the rest of the table is -1."""
+    """Rounds p * ROUNDS .. (p + 1) * ROUNDS - 1 of the table, every round at once: sequence b's
+    entry of round r sits after the F(r) = sum_b' min(blocks_b', r) entries of the rounds
+    before and the sequences before b that have a block r; and the -1 tail's entries
+    p * ROUNDS .. (p + 1) * ROUNDS - 1 past them. No program waits on another."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     offs = tl.arange(0, SEQS)
     in_range = offs < num_seqs
     first = tl.load(cu_seqlens_q_ptr + offs, mask=in_range, other=0)
     end = tl.load(cu_seqlens_q_ptr + offs + 1, mask=in_range, other=0)
     blocks = tl.where(in_range, (end - first + BLOCK_Q - 1) // BLOCK_Q, 0)
-    filled = 0
-    for r in range(0, tl.max(blocks, axis=0)):
-        take = (blocks > r).to(tl.int32)
-        at = filled + tl.cumsum(take, axis=0) - 1
-        tl.store(work_ptr + at, offs * _WORK_SEQ + r, mask=take > 0)
-        filled += tl.sum(take, axis=0)
-    for p in range(filled, num_entries, SEQS):
-        tl.store(work_ptr + p + offs, tl.full([SEQS], -1, tl.int32), mask=p + offs < num_entries)
+    r = tl.program_id(0) * ROUNDS + tl.arange(0, ROUNDS)
+    take = (blocks[None, :] > r[:, None]).to(tl.int32)  # [ROUNDS, SEQS]
+    before = tl.sum(tl.minimum(blocks[None, :], r[:, None]), axis=1)  # F(r)
+    at = before[:, None] + tl.cumsum(take, axis=1) - take
+    tl.store(work_ptr + at, offs[None, :] * _WORK_SEQ + r[:, None], mask=take > 0)
+    p = tl.program_id(0) * ROUNDS + tl.arange(0, ROUNDS)
+    tail = (p >= tl.sum(blocks, axis=0)) & (p < num_entries)
+    tl.store(work_ptr + p, tl.full([ROUNDS], -1, tl.int32), mask=tail)
 
 
 def prefill_block_q(
@@ -604,17 +609,20 @@ def attention_work(cu_seqlens_q: torch.Tensor, num_rows: int, block_q: int) -> t
     within a round; -1 past them. [cdiv(num_rows, block_q) + B] int32, which bounds the blocks
     of any step of num_rows rows (a graph's table fits every step of its size).
 
-    One launch a step: the table is the same for every layer (plan_attention)."""
+    One launch a step: the table is the same for every layer (plan_attention). Its programs
+    take WORK_ROUNDS rounds each, side by side: no round waits on the one before, where one
+    program walking a long prompt's hundreds of rounds in order costs a round's latency each."""
     num_seqs = cu_seqlens_q.shape[0] - 1
     assert num_seqs < WORK_SEQ // 2 and cdiv(num_rows, block_q) < WORK_SEQ, (num_seqs, num_rows)
     size = cdiv(num_rows, block_q) + num_seqs
     work = torch.empty(size, dtype=torch.int32, device=cu_seqlens_q.device)
-    _attention_work_kernel[(1,)](
+    _attention_work_kernel[(cdiv(size, WORK_ROUNDS),)](
         cu_seqlens_q_ptr=cu_seqlens_q,
         work_ptr=work,
         num_seqs=num_seqs,
         num_entries=work.shape[0],
         BLOCK_Q=block_q,
+        ROUNDS=WORK_ROUNDS,
         SEQS=max(256, next_power_of_2(num_seqs)),
         num_warps=4,
         **pdl_kwargs(cu_seqlens_q.device),

@@ -51,6 +51,8 @@ if TYPE_CHECKING:
     from moelora.step.batch import AttentionMetadata
 
 _WORK_SEQ = tl.constexpr(WORK_SEQ)  # a work entry: sequence * WORK_SEQ + blocks from its last
+# _system_kernel's share of the launches' common arguments (it reads no v; PDL apart)
+_SYSTEM_META = ("H", "K", "eps", "GROUPS", "C", "BLOCK_K", "DOT_PRECISION", "num_warps")
 
 
 @dataclass(frozen=True)
@@ -59,17 +61,21 @@ class ChunkedConfig:
     block_v: int  # value columns a _blocks_kernel program
     num_warps: int
     num_stages: int  # of _blocks_kernel's loop over blocks: its loads of the next ones
+    solve_warps: int  # _solve_kernel's: its tiles are [chunk / 4, chunk / 4]
     # tl.dot's for bf16 and fp16 inputs: tf32 tensor cores on the GPU (float32 dots by FMA
     # spill heavily at these tiles: bench/compile_audit.py); exact float32 in the interpreter
     dot_precision: str
 
 
-# First cut, not yet run on a GPU: fla's block of 64 tokens; 32 value columns give 4 programs a
-# value head, so one sequence of Qwen3.5's 32 heads fills 128 multiprocessors.
-CONFIG = ChunkedConfig(chunk=CHUNK, block_v=32, num_warps=8, num_stages=2, dot_precision="tf32")
+# fla's block of 64 tokens; 32 value columns give 4 programs a value head, so one sequence of
+# Qwen3.5's 32 heads fills 128 multiprocessors; 4 warps ran those tiles fastest on an H100
+# (bench/results/NOTES.md, the nineteenth session's chunked sweep).
+CONFIG = ChunkedConfig(
+    chunk=CHUNK, block_v=32, num_warps=4, num_stages=2, solve_warps=2, dot_precision="tf32"
+)
 # The interpreter runs every program in numpy: blocks of 4 give short test chunks several.
 INTERPRETER_CONFIG = ChunkedConfig(
-    chunk=4, block_v=16, num_warps=1, num_stages=1, dot_precision="ieee"
+    chunk=4, block_v=16, num_warps=1, num_stages=1, solve_warps=1, dot_precision="ieee"
 )
 
 
@@ -87,37 +93,189 @@ def _block_rows(q_or_k_ptr, rows, ok, offs_k, k_ok, stride_t):
 
 
 @triton.jit
-def _inverse_unit_lower(a, C: tl.constexpr):
-    """(I + a)^-1 for a [C, C] strictly lower triangular: row i = e_i - sum_{j<i} a_ij row j,
-    the rows in order (rows j >= i are still e_j, and a_ij = 0 there)."""
-    idx = tl.arange(0, C)
-    t = (idx[:, None] == idx[None, :]).to(tl.float32)
-    for i in range(1, C):
-        a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), axis=0)  # row i of a
-        row = tl.where(idx == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(idx[:, None] == i, row[None, :], t)
-    return t
+def _substitute_row(a_i, t, idx, i):
+    """Row i of (I + a)^-1 into t, for a strictly lower triangular [S, S] a whose row i is a_i
+    [S] and whose rows before i are done in t: row i = e_i - sum_{j<i} a_ij row j (rows j >= i
+    of t are still e_j, and a_ij = 0 there)."""
+    row = tl.where(idx == i, 1.0, 0.0) - tl.sum(a_i[:, None] * t, axis=0)
+    return tl.where(idx[:, None] == i, row[None, :], t)
 
 
 @triton.jit
-def _prepare_kernel(
+def _a_row(
+    a_ptr, first, n, start, h, H, C: tl.constexpr, D: tl.constexpr, i, idx, SUB: tl.constexpr
+):
+    """Row i [SUB] of the diagonal block D of the scratch's A (zeros past the sequence)."""
+    r = first + D * SUB + i
+    ptrs = a_ptr + ((start + r).to(tl.int64) * H + h) * C + D * SUB + idx
+    return tl.load(ptrs, mask=(idx < SUB) & (r < n), other=0.0)
+
+
+@triton.jit
+def _inverse_diagonal(a_ptr, first, n, start, h, H, C: tl.constexpr, SUB: tl.constexpr):
+    """(I + a)^-1 of the four [SUB, SUB] diagonal blocks of the scratch's A, by forward
+    substitution in exact float32 arithmetic, the four chains side by side, each step's rows
+    of A loaded (cache hits) rather than picked out of a tile by a reduction (fla's)."""
+    idx = tl.arange(0, SUB)
+    eye = (idx[:, None] == idx[None, :]).to(tl.float32)
+    t0, t1, t2, t3 = eye, eye, eye, eye
+    at = (first, n, start, h, H, C)
+    for i in range(1, SUB):
+        t0 = _substitute_row(_a_row(a_ptr, *at, 0, i, idx, SUB), t0, idx, i)
+        t1 = _substitute_row(_a_row(a_ptr, *at, 1, i, idx, SUB), t1, idx, i)
+        t2 = _substitute_row(_a_row(a_ptr, *at, 2, i, idx, SUB), t2, idx, i)
+        t3 = _substitute_row(_a_row(a_ptr, *at, 3, i, idx, SUB), t3, idx, i)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _mm(a, b):
+    """a @ b in float32 products (the inverse's merges, exact as the substitution)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _scratch_block(
+    a_ptr,
+    first,
+    n,
+    start,
+    h,
+    H,
+    C: tl.constexpr,
+    I: tl.constexpr,
+    J: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    """Pointers and mask of the [SUB, SUB] block (I, J) of a block's [C, C] matrix in the
+    [T, H, C] float32 scratch (rows past the sequence masked)."""
+    idx = tl.arange(0, SUB)
+    r = first + I * SUB + idx
+    rows = (start + r).to(tl.int64)
+    ptrs = a_ptr + (rows[:, None] * H + h) * C + (J * SUB + idx)[None, :]
+    return ptrs, (r < n)[:, None] & (idx < SUB)[None, :]
+
+
+@triton.jit
+def _load_block(
+    a_ptr,
+    first,
+    n,
+    start,
+    h,
+    H,
+    C: tl.constexpr,
+    I: tl.constexpr,
+    J: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    ptrs, ok = _scratch_block(a_ptr, first, n, start, h, H, C, I, J, SUB)
+    return tl.load(ptrs, mask=ok, other=0.0)
+
+
+@triton.jit
+def _store_block(
+    a_ptr,
+    x,
+    first,
+    n,
+    start,
+    h,
+    H,
+    C: tl.constexpr,
+    I: tl.constexpr,
+    J: tl.constexpr,
+    SUB: tl.constexpr,
+):
+    ptrs, ok = _scratch_block(a_ptr, first, n, start, h, H, C, I, J, SUB)
+    tl.store(ptrs, x, mask=ok)
+
+
+@triton.jit
+def _invert_blocks(a_ptr, first, n, start, h, H, C: tl.constexpr):
+    """(I + A)^-1 of the block's strictly lower [C, C] A, in place in the scratch, by blocks of
+    SUB = C / 4 rows: the diagonal blocks' inverses by substitution (SUB - 1 serial steps, the
+    four side by side), then block forward substitution, T_ij = -T_ii sum_{j<=m<i} A_im T_mj,
+    by small float32 dots (fla's solve_tril). Blocks above the diagonal are left as they are."""
+    SUB: tl.constexpr = C // 4
+    at = (first, n, start, h, H, C)
+    t0, t1, t2, t3 = _inverse_diagonal(a_ptr, *at, SUB)
+    a10 = _load_block(a_ptr, *at, 1, 0, SUB)
+    a20 = _load_block(a_ptr, *at, 2, 0, SUB)
+    a21 = _load_block(a_ptr, *at, 2, 1, SUB)
+    a30 = _load_block(a_ptr, *at, 3, 0, SUB)
+    a31 = _load_block(a_ptr, *at, 3, 1, SUB)
+    a32 = _load_block(a_ptr, *at, 3, 2, SUB)
+    t10 = -_mm(t1, _mm(a10, t0))
+    t21 = -_mm(t2, _mm(a21, t1))
+    t20 = -_mm(t2, _mm(a20, t0) + _mm(a21, t10))
+    t32 = -_mm(t3, _mm(a32, t2))
+    t31 = -_mm(t3, _mm(a31, t1) + _mm(a32, t21))
+    t30 = -_mm(t3, _mm(a30, t0) + _mm(a31, t10) + _mm(a32, t20))
+    tl.debug_barrier()  # every thread's loads of A before any store of T over it
+    _store_block(a_ptr, t0, *at, 0, 0, SUB)
+    _store_block(a_ptr, t1, *at, 1, 1, SUB)
+    _store_block(a_ptr, t2, *at, 2, 2, SUB)
+    _store_block(a_ptr, t3, *at, 3, 3, SUB)
+    _store_block(a_ptr, t10, *at, 1, 0, SUB)
+    _store_block(a_ptr, t20, *at, 2, 0, SUB)
+    _store_block(a_ptr, t21, *at, 2, 1, SUB)
+    _store_block(a_ptr, t30, *at, 3, 0, SUB)
+    _store_block(a_ptr, t31, *at, 3, 1, SUB)
+    _store_block(a_ptr, t32, *at, 3, 2, SUB)
+
+
+@triton.jit
+def _work_block(work_ptr, cu_seqlens_q_ptr, C: tl.constexpr):
+    """(entry, start, n, first) of the program's block: its work entry (< 0: none), its
+    sequence's first row and length, and the block's first row in the sequence."""
+    entry = tl.load(work_ptr + tl.program_id(1))
+    e = tl.maximum(entry, 0)
+    b = e // _WORK_SEQ
+    start = tl.load(cu_seqlens_q_ptr + b)
+    n = tl.load(cu_seqlens_q_ptr + b + 1) - start
+    return entry, start, n, (tl.cdiv(n, C) - 1 - e % _WORK_SEQ) * C
+
+
+@triton.jit
+def _gated_rows(
+    k_head,
+    g_ptr,
+    beta_ptr,
+    rows,
+    ok,
+    h,
+    offs_k,
+    k_ok,
+    stride_kt,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    eps,
+):
+    """A block's normed k [C, BLOCK_K], beta [C] and cumulative log decay c [C], float32,
+    zeros past the sequence (where g = 0 keeps c)."""
+    k = _unit_rows(_block_rows(k_head, rows, ok, offs_k, k_ok, stride_kt), eps)
+    beta = tl.load(beta_ptr + rows * stride_bt + h * stride_bh, mask=ok, other=0.0).to(tl.float32)
+    c = tl.cumsum(tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0), axis=0)
+    return k, beta, c
+
+
+@triton.jit
+def _system_kernel(
     # Pointers.
     k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
-    v_ptr,  # [T, H, V], strided by stride_vt, stride_vh, V contiguous
     g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
     beta_ptr,  # [T, H], strided by stride_bt, stride_bh
-    w_ptr,  # [T, H, K] float32 contiguous: written for the step's rows
-    u_ptr,  # [T, H, V] float32 contiguous: written for the step's rows
+    a_ptr,  # [T, H, C] float32 contiguous scratch: A of the step's rows, written
     cu_seqlens_q_ptr,  # [B + 1] int32
     work_ptr,  # [NW] int32: each program's (sequence, block), attention_work at C
     # Sizes and strides.
     H,
     K,
-    V,
     stride_kt,
     stride_kh,
-    stride_vt,
-    stride_vh,
     stride_gt,
     stride_gh,
     stride_bt,
@@ -127,49 +285,153 @@ def _prepare_kernel(
     GROUPS: tl.constexpr,  # H // Hk
     C: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A of one (value head, block): [C, C] strictly lower, by one dot."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    h = tl.program_id(0)
+    entry, start, n, first = _work_block(work_ptr, cu_seqlens_q_ptr, C)
+    if entry < 0:
+        return  # past the step's blocks (a graph's grid is sized for its largest step)
+    idx = tl.arange(0, C)
+    ok = first + idx < n
+    rows = (start + first + idx).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    k, beta, c = _gated_rows(
+        k_ptr + (h // GROUPS) * stride_kh,
+        g_ptr,
+        beta_ptr,
+        rows,
+        ok,
+        h,
+        offs_k,
+        offs_k < K,
+        stride_kt,
+        stride_gt,
+        stride_gh,
+        stride_bt,
+        stride_bh,
+        eps,
+    )
+    # the exponent masked first (exp(c_i - c_j) > 1 above the diagonal)
+    lower = idx[None, :] < idx[:, None]
+    decay = tl.exp(tl.where(lower, c[:, None] - c[None, :], 0.0))
+    kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
+    a_ptrs = a_ptr + (rows[:, None] * H + h) * C + idx[None, :]
+    tl.store(a_ptrs, tl.where(lower, beta[:, None] * kk * decay, 0.0), mask=ok[:, None])
+
+
+@triton.jit
+def _solve_kernel(
+    a_ptr,  # [T, H, C] float32 contiguous scratch: A in, (I + A)^-1 out (its lower blocks)
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    work_ptr,  # [NW] int32
+    H,
+    C: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """(I + A)^-1 of one (value head, block), in place (_invert_blocks). Its tiles are
+    [C / 4, C / 4]: a warp or two, whose sums need no block-wide barrier."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    entry, start, n, first = _work_block(work_ptr, cu_seqlens_q_ptr, C)
+    if entry < 0:
+        return
+    _invert_blocks(a_ptr, first, n, start, tl.program_id(0), H, C)
+
+
+@triton.jit
+def _wu_kernel(
+    # Pointers.
+    q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
+    k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
+    v_ptr,  # [T, H, V], strided by stride_vt, stride_vh, V contiguous
+    g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
+    beta_ptr,  # [T, H], strided by stride_bt, stride_bh
+    a_ptr,  # [T, H, C] float32 contiguous: (I + A)^-1 (_solve_kernel's) in, the within-block
+    # scores tril(q k^T exp(c_i - c_j)) out, for _blocks_kernel
+    w_ptr,  # [T, H, K] float32 contiguous: written for the step's rows
+    u_ptr,  # [T, H, V] float32 contiguous: written for the step's rows
+    cu_seqlens_q_ptr,  # [B + 1] int32
+    work_ptr,  # [NW] int32
+    # Sizes and strides.
+    H,
+    K,
+    V,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_gh,
+    stride_bt,
+    stride_bh,
+    scale,  # K ** -0.5
+    eps,
+    # Meta-parameters.
+    GROUPS: tl.constexpr,
+    C: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """w = T (beta k exp(c)) and u = T (beta v) of one (value head, block), by one dot each;
+    then the block's within scores over T in the scratch (the serial _blocks_kernel's largest
+    dot, taken out of its chain)."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     h = tl.program_id(0)
-    entry = tl.load(work_ptr + tl.program_id(1))
+    entry, start, n, first = _work_block(work_ptr, cu_seqlens_q_ptr, C)
     if entry < 0:
-        return  # past the step's blocks (a graph's grid is sized for its largest step)
-    b = entry // _WORK_SEQ
-    start = tl.load(cu_seqlens_q_ptr + b)
-    n = tl.load(cu_seqlens_q_ptr + b + 1) - start
+        return
     idx = tl.arange(0, C)
-    r = (tl.cdiv(n, C) - 1 - entry % _WORK_SEQ) * C + idx
-    ok = r < n
-    rows = (start + r).to(tl.int64)
+    ok = first + idx < n
+    rows = (start + first + idx).to(tl.int64)
     offs_k, offs_v = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
     k_ok, v_ok = offs_k < K, offs_v < V
-
-    k = _unit_rows(
-        _block_rows(k_ptr + (h // GROUPS) * stride_kh, rows, ok, offs_k, k_ok, stride_kt), eps
+    k, beta, c = _gated_rows(
+        k_ptr + (h // GROUPS) * stride_kh,
+        g_ptr,
+        beta_ptr,
+        rows,
+        ok,
+        h,
+        offs_k,
+        k_ok,
+        stride_kt,
+        stride_gt,
+        stride_gh,
+        stride_bt,
+        stride_bh,
+        eps,
+    )
+    # T is block lower triangular: the blocks above the diagonal (never written) masked
+    below = (idx[None, :] // (C // 4)) <= (idx[:, None] // (C // 4))
+    t = tl.load(
+        a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None] & below, other=0.0
+    )
+    w = tl.dot(t, k * (beta * tl.exp(c))[:, None], input_precision=DOT_PRECISION)
+    tl.store(
+        w_ptr + (rows[:, None] * H + h) * K + offs_k[None, :], w, mask=ok[:, None] & k_ok[None, :]
     )
     v = tl.load(
         v_ptr + h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
         mask=ok[:, None] & v_ok[None, :],
         other=0.0,
     ).to(tl.float32)
-    beta = tl.load(beta_ptr + rows * stride_bt + h * stride_bh, mask=ok, other=0.0).to(tl.float32)
-    c = tl.cumsum(tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0), axis=0)
-
-    # A [C, C] strictly lower; the exponent masked first (exp(c_i - c_j) > 1 above the diagonal)
-    lower = idx[None, :] < idx[:, None]
-    decay = tl.exp(tl.where(lower, c[:, None] - c[None, :], 0.0))
-    kk = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION)
-    t = _inverse_unit_lower(tl.where(lower, beta[:, None] * kk * decay, 0.0), C)
-    w = tl.dot(t, k * (beta * tl.exp(c))[:, None], input_precision=DOT_PRECISION)
     u = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
-    tl.store(
-        w_ptr + (rows[:, None] * H + h) * K + offs_k[None, :], w, mask=ok[:, None] & k_ok[None, :]
-    )
     tl.store(
         u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :], u, mask=ok[:, None] & v_ok[None, :]
     )
+    q_head = q_ptr + (h // GROUPS) * stride_qh
+    q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
+    causal = idx[None, :] <= idx[:, None]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    within = tl.where(causal, qk * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
+    tl.debug_barrier()  # every thread's loads of T before the scores go over it
+    tl.store(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], within, mask=ok[:, None])
 
 
 @triton.jit
@@ -178,8 +440,9 @@ def _blocks_kernel(
     q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
     k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
     g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
-    w_ptr,  # [T, H, K] float32 contiguous (_prepare_kernel's)
-    u_ptr,  # [T, H, V] float32 contiguous (_prepare_kernel's)
+    a_ptr,  # [T, H, C] float32 contiguous: the within-block scores (_wu_kernel's)
+    w_ptr,  # [T, H, K] float32 contiguous (_wu_kernel's)
+    u_ptr,  # [T, H, V] float32 contiguous (_wu_kernel's)
     state_ptr,  # [S, H, K, V] float32 contiguous: read, then written for the batch's slots
     out_ptr,  # [T, H, V] contiguous, v's dtype
     cu_seqlens_q_ptr,  # [B + 1] int32
@@ -222,7 +485,6 @@ def _blocks_kernel(
     s_ptrs = state_ptr + ((slot * H + h) * K + offs_k[:, None]) * V + offs_v[None, :]
     s = tl.load(s_ptrs, mask=tile_ok & continues, other=0.0)
     idx = tl.arange(0, C)
-    causal = idx[None, :] <= idx[:, None]
     q_head = q_ptr + (h // GROUPS) * stride_qh
     k_head = k_ptr + (h // GROUPS) * stride_kh
     for first in range(0, n, C):
@@ -245,8 +507,7 @@ def _blocks_kernel(
             other=0.0,
         )
         v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        within = tl.where(causal, qk * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
+        within = tl.load(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None])
         o = tl.dot(q * tl.exp(c)[:, None], s, input_precision=DOT_PRECISION)
         o = tl.dot(within, v_new, acc=o, input_precision=DOT_PRECISION)
         tl.store(
@@ -278,6 +539,7 @@ def chunked_gated_delta_rule(
     if T == 0:
         return out
     config = config or (CONFIG if v.is_cuda else INTERPRETER_CONFIG)
+    a = torch.empty(T, H, config.chunk, dtype=torch.float32, device=v.device)
     w = torch.empty(T, H, K, dtype=torch.float32, device=v.device)
     u = torch.empty(T, H, V, dtype=torch.float32, device=v.device)
     common = dict(
@@ -293,13 +555,14 @@ def chunked_gated_delta_rule(
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
-    _launch_prepare(k, v, g, beta, w, u, attn, config, common)
+    _launch_prepare(q, k, v, g, beta, a, w, u, attn, config, common)
     block_v = max(min(config.block_v, next_power_of_2(V)), 16)  # tl.dot's least width
     _blocks_kernel[(B, H, cdiv(V, block_v))](
         q_ptr=q,
         k_ptr=k,
         g_ptr=g,
         w_ptr=w,
+        a_ptr=a,
         u_ptr=u,
         state_ptr=state,
         out_ptr=out,
@@ -319,22 +582,35 @@ def chunked_gated_delta_rule(
     return out
 
 
-def _launch_prepare(k, v, g, beta, w, u, attn, config: ChunkedConfig, common: dict) -> None:
-    """_prepare_kernel over every block of the step (its work table at config.chunk)."""
+def _launch_prepare(q, k, v, g, beta, a, w, u, attn, config: ChunkedConfig, common: dict) -> None:
+    """w and u of every block of the step (its work table at config.chunk): A, its inverse, then
+    w and u, three launches over the same (value head, block) grid."""
     work = attention_work(attn.cu_seqlens_q, k.shape[0], config.chunk)
-    _prepare_kernel[(v.shape[1], work.shape[0])](
-        k_ptr=k,
+    grid = (v.shape[1], work.shape[0])
+    rows = dict(cu_seqlens_q_ptr=attn.cu_seqlens_q, work_ptr=work)
+    gated = dict(k_ptr=k, g_ptr=g, beta_ptr=beta, **strides("k", k), **strides("g", g))
+    gated |= strides("b", beta)
+    system = {name: common[name] for name in _SYSTEM_META}
+    _system_kernel[grid](a_ptr=a, **rows, **gated, **system, **pdl_kwargs(v.device))
+    _solve_kernel[grid](
+        a_ptr=a,
+        **rows,
+        H=common["H"],
+        C=common["C"],
+        num_warps=config.solve_warps,
+        **pdl_kwargs(v.device),
+    )
+    _wu_kernel[grid](
+        q_ptr=q,
         v_ptr=v,
-        g_ptr=g,
-        beta_ptr=beta,
+        a_ptr=a,
         w_ptr=w,
         u_ptr=u,
-        cu_seqlens_q_ptr=attn.cu_seqlens_q,
-        work_ptr=work,
-        **strides("k", k),
+        **rows,
+        **gated,
+        **strides("q", q),
         **strides("v", v),
-        **strides("g", g),
-        **strides("b", beta),
+        scale=k.shape[2] ** -0.5,
         BLOCK_V=max(next_power_of_2(v.shape[2]), 16),
         **common,
     )
