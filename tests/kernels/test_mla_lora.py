@@ -129,6 +129,35 @@ def test_rows_of_many_token_blocks():
     torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
 
 
+@pytest.mark.parametrize("cols", [16, 32, mla_absorb.LORA_COLS])
+def test_more_adapters_than_a_pass_takes(monkeypatch, cols):
+    """10 slots (one disabled, one without kv_b_proj) over 40 tokens: a block's rows hold more
+    adapters than a pass of LORA_COLS columns takes, so it walks K in several passes, each
+    keeping its own slots' rows."""
+    monkeypatch.setattr(mla_absorb, "LORA_COLS", cols)
+    Hh, N, V, L, S = 2, 8, 8, 16, 10
+    g = torch.Generator().manual_seed(7)
+    ranks = torch.randint(1, MAX_RANK + 1, (S,), generator=g)
+    ranks[4] = 0  # an adapter without kv_b_proj
+    dense = lora_weights(S, (), 1, MAX_RANK, L, (Hh * (N + V),), ranks, torch.float32)
+    lora = compact_weights(dense, ranks.tolist())[0]
+    slots = torch.randint(-1, S, (40,), generator=g).tolist()
+    enabled = torch.ones(S, dtype=torch.int32)
+    enabled[7] = 0
+    info = LoraBatchInfo(
+        torch.tensor(slots, dtype=torch.int32),
+        torch.full((S,), MAX_RANK, dtype=torch.int32),
+        torch.rand(S, generator=g) + 0.5,
+        enabled,
+    )
+    kv_b = kv_b_of(Hh, N, V, L, torch.float32)
+    q_nope, o_lat = torch.randn(40, Hh, N), torch.randn(40, Hh, L)
+    got = mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
+    torch.testing.assert_close(got, mla.absorb_q(q_nope, kv_b, lora=lora, info=info))
+    got = mla_absorb.absorb_out(o_lat, kv_b, N, lora=lora, info=info)
+    torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
+
+
 def test_new_slot_assignments_in_place():
     """A graph's replay: the same info buffers rewritten in place with slots 0 and 2 swapped and
     a base token given an adapter; each launch follows what the buffers hold."""

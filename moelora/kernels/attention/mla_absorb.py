@@ -14,10 +14,13 @@ weight).
 kv_b_proj's LoRA rides in the same launch (a correction of its own would be two more graph
 nodes a layer, each paid by base tokens too). A program reads its rows' slots first; where none
 of them has an enabled slot with kv_b_proj's factors (a base-only batch, padding) it adds
-nothing and reads no factor. Otherwise it takes the slots its rows hold one at a time, the
-largest first: the rows of that slot (the others masked to zero) times F1 [K, RP] into u
-[BT, RP], over K in BK steps, then scaling * u times F2's [RP, BN] columns into the
-accumulator. Rows of A and columns of B past the module's rank are masked off, never read.
+nothing and reads no factor. Otherwise it takes the slots its rows hold G at a time (G RP =
+LORA_COLS), the largest first: the rows times the G slots' F1 side by side [K, G RP] into u
+[BT, G RP], over K in BK steps; u kept where a column's slot is its row's, times that slot's
+scaling; then u times the G slots' F2 stacked [G RP, BN] into the accumulator. A pass walks K
+once for G adapters: one pass a slot left a block of 8 adapters' rows serial in its loads (the
+out side's K is L). Rows of A and columns of B past the module's rank are masked off, never
+read.
 
 Precision. The references compute in float32 on the weight's values. Products of two bf16 (or
 fp16) values are exact in float32, so the q side's dot on the tensor cores, with a float32
@@ -50,6 +53,9 @@ from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 # how a program's dot reads its rows: "plain" (the weight's dtype), "split" (float32 rows as
 # two parts in the weight's dtype), "ieee" (float32 weight)
 _DOTS = ("plain", "split", "ieee")
+# columns of u a pass of kv_b_proj's LoRA takes: the factors of 64 // RP slots side by side, so
+# a block of rows with several adapters walks K once for each 64 // RP of them, not once each
+LORA_COLS = 64
 
 
 @triton.jit
@@ -64,6 +70,12 @@ def _mma(x, w, acc, DOT: tl.constexpr):
         return tl.dot(low, w, acc=tl.dot(high, w, acc=acc))
     else:
         return tl.dot(x, w, acc=acc)
+
+
+@triton.jit
+def _mine(slots, col_slot):
+    """[BT, C]: whether column c's slot is row t's (neither -1)."""
+    return (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
 
 
 @triton.jit
@@ -84,41 +96,51 @@ def _lora_delta(
     DOT: tl.constexpr,
     TW: tl.constexpr,
     RP: tl.constexpr,
+    G: tl.constexpr,  # slots a pass
     A_ALIGN: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """acc + each row's scaling * (a @ F1) @ F2 of its slot (the module docstring), a slot at a
-    time, the largest left first."""
+    """acc + each row's scaling * (a @ F1) @ F2 of its slot (the module docstring), G slots a
+    pass, the largest left first: F1 of the G slots side by side [K, G RP], F2 stacked
+    [G RP, BN], and u [BT, G RP] kept where a column's slot is its row's."""
     offs_k = tl.arange(0, BK)
-    offs_r = tl.arange(0, RP)
+    offs_c = tl.arange(0, G * RP)
+    r_of_c = offs_c % RP
+    slots = todo
     while tl.max(todo, 0) >= 0:
-        slot = tl.max(todo, 0)
-        mine = todo == slot
-        todo = tl.where(mine, -1, todo)
-        entry = tab_ptr + slot.to(tl.int64) * TW
-        a_ptr = lw_ptr + aligned(tl.load(entry + TAB_A_OFF), A_ALIGN)  # A [r, L], rows of L
-        b_ptr = lw_ptr + tl.load(entry + TAB_B_OFF)
-        b_row = tl.load(entry + TAB_B_ROW)
-        r_ok = offs_r < tl.load(entry + TAB_RANK)
-        head_b = b_ptr + (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row  # B_k[h] or B_v[h]
-        u = tl.zeros((BT, RP), dtype=tl.float32)
+        col_slot = tl.full((G * RP,), -1, tl.int32)
+        for g in tl.static_range(G):  # the G largest slots left (-1 past the last)
+            slot = tl.max(todo, 0)
+            col_slot = tl.where(offs_c // RP == g, slot, col_slot)
+            todo = tl.where(todo == slot, -1, todo)
+        entry = tab_ptr + tl.maximum(col_slot, 0).to(tl.int64) * TW
+        c_ok = (col_slot >= 0) & (r_of_c < tl.load(entry + TAB_RANK, mask=col_slot >= 0, other=0))
+        a_col = lw_ptr + aligned(tl.load(entry + TAB_A_OFF, mask=c_ok, other=0), A_ALIGN)
+        b_row = tl.load(entry + TAB_B_ROW, mask=c_ok, other=0)
+        # A's row r (of L) and B_k[h]'s or B_v[h]'s column r, for each column c
+        a_col += r_of_c * (K if ROW0 != 0 else NOUT)
+        b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=c_ok, other=0) + r_of_c
+        b_col += (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row
+        rows_ok = tl.max(_mine(slots, col_slot).to(tl.int32), 1) > 0
+        u = tl.zeros((BT, G * RP), dtype=tl.float32)
         for k0 in range(0, K, BK):
             k_ok = (k0 + offs_k) < K
-            x_mask = mine[:, None] & k_ok[None, :]
+            x_mask = rows_ok[:, None] & k_ok[None, :]
             x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=x_mask, other=0.0)
-            if ROW0 == 0:  # F1 = B_k[h]: [K, RP]
-                f1 = head_b + (k0 + offs_k)[:, None] * b_row + offs_r[None, :]
+            if ROW0 == 0:  # F1 = B_k[h]: [K, G RP]
+                f1 = b_col[None, :] + (k0 + offs_k)[:, None] * b_row[None, :]
             else:  # F1 = A.T
-                f1 = a_ptr + offs_r[None, :] * K + (k0 + offs_k)[:, None]
-            f1 = tl.load(f1, mask=k_ok[:, None] & r_ok[None, :], other=0.0)
+                f1 = a_col[None, :] + (k0 + offs_k)[:, None]
+            f1 = tl.load(f1, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
             u = _mma(x, f1, u, DOT)
-        u *= tl.load(scaling_ptr + slot)
-        if ROW0 == 0:  # F2 = A: [RP, NOUT]
-            f2 = a_ptr + offs_r[:, None] * NOUT + offs_n[None, :]
+        scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
+        u = tl.where(_mine(slots, col_slot), u * scale[None, :], 0.0)  # again: not live in the loop
+        if ROW0 == 0:  # F2 = A: [G RP, NOUT]
+            f2 = a_col[:, None] + offs_n[None, :]
         else:  # F2 = B_v[h].T
-            f2 = head_b + offs_n[None, :] * b_row + offs_r[:, None]
-        f2 = tl.load(f2, mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+            f2 = b_col[:, None] + offs_n[None, :] * b_row[:, None]
+        f2 = tl.load(f2, mask=c_ok[:, None] & n_ok[None, :], other=0.0)
         if DOT == "ieee":
             acc = _mma(u, f2, acc, "ieee")
         else:
@@ -203,6 +225,7 @@ def _absorb_kernel(
     LORA: tl.constexpr,  # kv_b_proj's LoRA compiled in
     TW: tl.constexpr,
     RP: tl.constexpr,
+    G: tl.constexpr,  # kv_b_proj's slots a pass of the LoRA (_lora_delta)
     A_ALIGN: tl.constexpr,
     O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
     HEADS: tl.constexpr,
@@ -260,6 +283,7 @@ def _absorb_kernel(
                 DOT=DOT,
                 TW=TW,
                 RP=RP,
+                G=G,
                 A_ALIGN=A_ALIGN,
                 BT=BT,
                 BK=BK,
@@ -436,17 +460,19 @@ def _lora_args(
             scaling_ptr=info.scaling_of_slot,
         )
     if lora is None or info is None:
-        return dict(slots, lw_ptr=kv_b, tab_ptr=kv_b, LORA=False, RP=16, A_ALIGN=1)
+        return dict(slots, lw_ptr=kv_b, tab_ptr=kv_b, LORA=False, RP=16, G=1, A_ALIGN=1)
     assert lora.in_features == kv_b.shape[1] and len(lora.out_slices) == 1, lora.in_features
     assert lora.num_experts == 0 and lora.out_features == kv_b.shape[0], lora.out_features
     assert lora.arena.dtype == kv_b.dtype, (lora.arena.dtype, kv_b.dtype)
     assert lora.table.is_contiguous(), lora.table.stride()
+    rp = max(16, next_power_of_2(lora.max_rank))  # 16: the dots' least
     return dict(
         slots,
         lw_ptr=lora.arena,
         tab_ptr=lora.table,
         LORA=True,
-        RP=max(16, next_power_of_2(lora.max_rank)),  # 16: the dots' least
+        RP=rp,
+        G=max(1, LORA_COLS // rp),
         A_ALIGN=lora.a_align,
     )
 
