@@ -68,8 +68,7 @@ class ChunkedConfig:
 
 
 # fla's block of 64 tokens; 32 value columns give 4 programs a value head, so one sequence of
-# Qwen3.5's 32 heads fills 128 multiprocessors; 4 warps ran those tiles fastest on an H100
-# (bench/results/NOTES.md, the nineteenth session's chunked sweep).
+# Qwen3.5's 32 heads fills 128 multiprocessors; 4 warps: the fastest of the H100 sweep.
 CONFIG = ChunkedConfig(
     chunk=CHUNK, block_v=32, num_warps=4, num_stages=2, solve_warps=2, dot_precision="tf32"
 )
