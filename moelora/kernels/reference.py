@@ -151,6 +151,31 @@ def dequantize_mxfp4(
     return out.reshape(*lead, G * 2 * B)
 
 
+def quantize_rows_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: x [T, N] (N a multiple of group) per row and group of columns (DeepSeek's
+    per-token-group activation quantization): scale = amax / 448, codes = x * (448 / amax)
+    saturated at +-448 and rounded to nearest even e4m3 (scale 1 and codes x for a group of
+    zeros), in float32 arithmetic. Returns (codes [T, N] float8_e4m3fn, scales [T, N / group]
+    float32)."""
+    T, N = x.shape
+    assert N % group == 0, (N, group)
+    xf = x.float().view(T, N // group, group)
+    amax = xf.abs().amax(dim=-1)
+    zero = amax == 0
+    one = torch.ones_like(amax)
+    scale = torch.where(zero, one, amax / 448.0)
+    inv = torch.where(zero, one, 448.0 / torch.where(zero, one, amax))
+    codes = (xf * inv[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.view(T, N), scale
+
+
+def fp8_rows(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Semantics: x as W8A8 reads it: quantize_rows_fp8's codes times their scales, float32."""
+    codes, scale = quantize_rows_fp8(x, group)
+    T, N = x.shape
+    return (codes.float().view(T, N // group, group) * scale[..., None]).view(T, N)
+
+
 def dense_experts(w: torch.Tensor | Mxfp4Weight | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: w [E, N, K] as a tensor: packed experts dequantized (dequantize_mxfp4) to
     dtype, in the GPU layout too (Mxfp4Weight.release_blocks), block-FP8 ones too
@@ -282,9 +307,12 @@ def fused_moe(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: str = "silu",
+    w8a8: bool = False,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (act(x[t] @ W13[e].T + b13[e] + d13) @ W2[e].T + b2[e]
     + d2), act = ACTIVATIONS[activation] (silu_and_mul or swiglu_oai), biases zero when None.
+    w8a8 (block-FP8 experts): the base products read fp8_rows(x) and fp8_rows(h) against the
+    weights dequantized in float32, then round to x's dtype; the LoRA deltas read x and h.
     (sum_topk=False allows [T, K, H] rows whose sum_rows is out; this reference sums anyway.)
 
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
@@ -297,7 +325,13 @@ def fused_moe(
     [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first.
     """
     act = ACTIVATIONS[activation]
-    w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)
+    assert not w8a8 or isinstance(w13, Fp8Weight), type(w13)
+    base_dtype = torch.float32 if w8a8 else x.dtype
+    w13, w2 = dense_experts(w13, base_dtype), dense_experts(w2, base_dtype)
+
+    def base(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (fp8_rows(a) @ w.T).to(a.dtype) if w8a8 else a @ w.T
+
     T, K = topk_ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -311,7 +345,7 @@ def fused_moe(
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = token_of_pair[pairs]
         xe = x[tok]
-        gate_up = xe @ w13[e].T + (0 if b13 is None else b13[e])
+        gate_up = base(xe, w13[e]) + (0 if b13 is None else b13[e])
         if use_lora:
             lp = pairs[lora_pair[pairs]]
             sel = lora_pair[pairs].nonzero().squeeze(1)
@@ -320,7 +354,7 @@ def fused_moe(
         if use_lora and lora13 is not None and sel.numel():
             gate_up[sel] += _expert_delta(xe[sel], lora13, slots, e, scale).to(gate_up.dtype)
         h = act(gate_up)
-        down = h @ w2[e].T + (0 if b2 is None else b2[e])
+        down = base(h, w2[e]) + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
             down[sel] += _expert_delta(h[sel], lora2, slots, e, scale).to(down.dtype)
         out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])

@@ -10,6 +10,14 @@ adds partial * scale to the accumulator, scale [BN] the block of each column's o
 start at one). So BK divides 128, and the weights are never rounded: the sums are of code *
 scale exactly, where the torch reference (dequantize_fp8_block to x's dtype, then a matmul)
 rounds each weight once; the two differ by that rounding and by the order of the sums.
+
+W8A8 (MoeConfig.w8a8; tiles exactly 128 deep, one group each): each x (or h) tile is quantized
+as it loads, per row, to e4m3 codes of scale amax / 448 (DeepSeek's per-token, 128-column
+groups: reference.quantize_rows_fp8, the same bits), and the dot takes both operands' codes on
+the FP8 tensor cores. A slice's partial [BM, BN] then scales by the rows' scales and the
+columns' block scales, in float32: the promotion every 128 deep that keeps the FP8 MMA's
+narrow accumulation short. The codes are the only rounding; the LoRA path reads x unquantized
+(fused_moe's epilogue), as the torch reference.
 """
 
 import triton
@@ -20,11 +28,42 @@ from moelora.kernels.fp8_block import FP8_BLOCK
 
 SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of scales
 SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of scales
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
 
 
-def fp8_tiles_fit(block_k: int) -> bool:
-    """Whether BK-deep tiles fit the loops: each within one block of scales along K."""
-    return block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
+def fp8_tiles_fit(block_k: int, w8a8: bool = False) -> bool:
+    """Whether BK-deep tiles fit the loops: each within one block of scales along K; W8A8's
+    exactly one (a tile is a row group of the activations' quantization)."""
+    return (
+        block_k == FP8_BLOCK[1] if w8a8 else block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
+    )
+
+
+@triton.jit
+def _e4m3_values(v):
+    """v (float32, |v| <= 448) rounded to nearest even e4m3 value, in float32: 3 mantissa bits
+    by integer rounding of the bits where e4m3 is normal (|v| >= 2^-6), multiples of 2^-9 below
+    (its subnormals, by the float32 rounding of v + 3 * 2^13). The conversion to e4m3 that
+    follows is then exact, where the interpreter's own rounding does not carry into the
+    exponent."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    magic = 24576.0  # 3 * 2^13: float32's step there is 2^-9
+    small = (v + magic) - magic
+    return tl.where(tl.abs(v) < 0.015625, small, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _quantized_rows(xt):
+    """(codes [BM, BK] e4m3, scales [BM] float32) of a tile (reference.quantize_rows_fp8): a
+    row's scale amax / 448 (1 for a row of zeros), its values times 448 / amax, saturated and
+    rounded to nearest even."""
+    amax = tl.max(tl.abs(xt.to(tl.float32)), axis=1)
+    zero = amax == 0
+    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, FP8_MAX))
+    inv = tl.where(zero, 1.0, tl.math.div_rn(FP8_MAX, tl.where(zero, 1.0, amax)))
+    v = tl.clamp(xt.to(tl.float32) * inv[:, None], -FP8_MAX, FP8_MAX)
+    return _e4m3_values(v).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -37,6 +76,12 @@ def _col_scales(s_e, rows, k0, n_ok, stride_sn):
 def _codes(ptrs, k_ok, n_ok, dtype: tl.constexpr):
     """A [BK, BN] code tile in dtype; masked codes read as 0."""
     return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
+def _raw_codes(ptrs, k_ok, n_ok):
+    """A [BK, BN] code tile as e4m3 codes; masked codes read as 0."""
+    return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -55,6 +100,7 @@ def gate_up_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    W8A8: tl.constexpr = False,
 ):
     """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
     block rows times gate's columns offs_n (rows offs_n of W13) and up's (rows I + offs_n)."""
@@ -76,8 +122,15 @@ def gate_up_fp8_loop(
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
-            part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
+            if W8A8:  # one tile a slice (fp8_tiles_fit)
+                xq, x_scale = _quantized_rows(xt)
+                part_g = tl.dot(xq, _raw_codes(wg0 + ks, k_ok, n_ok), part_g)
+                part_u = tl.dot(xq, _raw_codes(wu0 + ks, k_ok, n_ok), part_u)
+                part_g *= x_scale[:, None]
+                part_u *= x_scale[:, None]
+            else:
+                part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
+                part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
         acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
         acc_u += part_u * _col_scales(s_e, rows_u, k0, n_ok, stride_sn)[None, :]
     return acc_g, acc_u
@@ -98,6 +151,7 @@ def down_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    W8A8: tl.constexpr = False,
 ):
     """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n."""
@@ -115,6 +169,10 @@ def down_fp8_loop(
                 mask=row_ok[:, None] & k_ok[None, :],
                 other=0.0,
             )
-            part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
+            if W8A8:
+                hq, h_scale = _quantized_rows(ht)
+                part = tl.dot(hq, _raw_codes(w0 + ks, k_ok, n_ok), part) * h_scale[:, None]
+            else:
+                part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
         acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
     return acc

@@ -43,7 +43,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora.kernels.dot import dot
-from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.fp8_block import FP8_BLOCK, Fp8Weight
 from moelora.kernels.lora import rank_block
 from moelora.kernels.moe.align import PairShrink, launch_align, num_blocks
 from moelora.kernels.moe.config import MoeConfig, default_config
@@ -167,6 +167,7 @@ def _gate_up_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, the activations quantized as they load
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     A2_ALIGN: tl.constexpr,  # down's LoraWeights.a_align (its A2 read by the partial shrink)
@@ -236,6 +237,7 @@ def _gate_up_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            W8A8=W8A8,
         )
     elif TMA:
         # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
@@ -393,6 +395,7 @@ def _down_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, the activations quantized as they load
     TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -452,6 +455,7 @@ def _down_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            W8A8=W8A8,
         )
     elif TMA:
         # the block's rows of h are contiguous: its padding rows are read unmasked (their
@@ -597,6 +601,7 @@ class _Experts:
     sub_k: int = 0  # the PTX expansions' sub-tile depth (MoeConfig.mxfp4_sub_k)
     tma: bool = False  # tiles through TMA descriptors (_tma)
     fp8: bool = False  # block-FP8 codes and scales
+    w8a8: bool = False  # ... on FP8 tensor cores (MoeConfig.w8a8)
 
     def launch_args(self, name: str, block: tuple[int, int]) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -615,6 +620,7 @@ class _Experts:
             "MXFP4_EXPAND": self.expand,
             "MXFP4_SUB_K": self.sub_k,
             "FP8": self.fp8,
+            "W8A8": self.w8a8,
         }
 
 
@@ -627,7 +633,7 @@ def _experts(
     if isinstance(w, Fp8Weight):  # no TMA: the code tiles are pointer loads
         c, s = w.codes, w.scale_inv
         strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
-        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True)
+        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True, w8a8=cfg.w8a8)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
@@ -700,6 +706,7 @@ def deterministic_config(cfg: MoeConfig) -> MoeConfig:
     # w2's tile, as bf16 (FP8 and MXFP4 experts' tiles are smaller: the bound holds for them)
     return dataclasses.replace(
         cfg,
+        w8a8=False,  # its rounding of the activations is the deterministic mode's to decide
         block_k=bk,
         block_k_down=bk,
         num_stages=_stages_within(cfg.num_stages, (cfg.block_m + 2 * cfg.block_n) * bk * 2),
@@ -1034,6 +1041,8 @@ def fused_moe(
     if deterministic:  # a row's sums do not follow the token count (deterministic_config)
         cfg = deterministic_config(cfg)
     _check_tiles(cfg, kind)
+    # W8A8's tiles are the activations' groups of 128: none may be ragged
+    assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
@@ -1080,7 +1089,8 @@ def _check_tiles(cfg: MoeConfig, kind: str) -> None:
     """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
-    assert kind != "fp8" or all(fp8_tiles_fit(bk) for bk in depths), cfg
+    assert kind != "fp8" or all(fp8_tiles_fit(bk, cfg.w8a8) for bk in depths), cfg
+    assert kind == "fp8" or not cfg.w8a8, cfg
 
 
 def _check_lora(
