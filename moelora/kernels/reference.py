@@ -311,8 +311,6 @@ def fused_moe(
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (act(x[t] @ W13[e].T + b13[e] + d13) @ W2[e].T + b2[e]
     + d2), act = ACTIVATIONS[activation] (silu_and_mul or swiglu_oai), biases zero when None.
-    w8a8 (block-FP8 experts): the base products read fp8_rows(x) and fp8_rows(h) against the
-    weights dequantized in float32, then round to x's dtype; the LoRA deltas read x and h.
     (sum_topk=False allows [T, K, H] rows whose sum_rows is out; this reference sums anyway.)
 
     e = ids[t, k]; d13/d2 are the LoRA deltas of token t's slot for expert e (zero when the
@@ -322,16 +320,12 @@ def fused_moe(
     LoraWeights' table (LoraWeights.factors; a module absent from the slot's adapter adds
     nothing): A13 [E, 2, r, H], B13 [E, 2I, r]; A2 [E, 1, r, I], B2 [E, H, r], r the module's
     own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
-    [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first.
+    [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first;
+    w8a8's base products read fp8_rows(x), fp8_rows(h) and float32 weights (_base_product).
     """
     act = ACTIVATIONS[activation]
     assert not w8a8 or isinstance(w13, Fp8Weight), type(w13)
-    base_dtype = torch.float32 if w8a8 else x.dtype
-    w13, w2 = dense_experts(w13, base_dtype), dense_experts(w2, base_dtype)
-
-    def base(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return (fp8_rows(a) @ w.T).to(a.dtype) if w8a8 else a @ w.T
-
+    w13, w2 = (dense_experts(w, torch.float32 if w8a8 else x.dtype) for w in (w13, w2))
     T, K = topk_ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -345,7 +339,7 @@ def fused_moe(
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = token_of_pair[pairs]
         xe = x[tok]
-        gate_up = base(xe, w13[e]) + (0 if b13 is None else b13[e])
+        gate_up = _base_product(xe, w13[e], w8a8) + (0 if b13 is None else b13[e])
         if use_lora:
             lp = pairs[lora_pair[pairs]]
             sel = lora_pair[pairs].nonzero().squeeze(1)
@@ -354,11 +348,16 @@ def fused_moe(
         if use_lora and lora13 is not None and sel.numel():
             gate_up[sel] += _expert_delta(xe[sel], lora13, slots, e, scale).to(gate_up.dtype)
         h = act(gate_up)
-        down = base(h, w2[e]) + (0 if b2 is None else b2[e])
+        down = _base_product(h, w2[e], w8a8) + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
             down[sel] += _expert_delta(h[sel], lora2, slots, e, scale).to(down.dtype)
         out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])
     return out.to(x.dtype)
+
+
+def _base_product(a: torch.Tensor, w: torch.Tensor, w8a8: bool) -> torch.Tensor:
+    """a @ w.T, W8A8's on fp8_rows(a) and w in float32, rounded to a's dtype."""
+    return (fp8_rows(a) @ w.T).to(a.dtype) if w8a8 else a @ w.T
 
 
 def store_kv(

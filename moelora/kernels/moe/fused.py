@@ -1040,9 +1040,7 @@ def fused_moe(
     )
     if deterministic:  # a row's sums do not follow the token count (deterministic_config)
         cfg = deterministic_config(cfg)
-    _check_tiles(cfg, kind)
-    # W8A8's tiles are the activations' groups of 128: none may be ragged
-    assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
+    _check_tiles(cfg, kind, H, I)
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
@@ -1085,12 +1083,14 @@ def _expert_sizes(
     return E, H, I, kind
 
 
-def _check_tiles(cfg: MoeConfig, kind: str) -> None:
-    """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128."""
+def _check_tiles(cfg: MoeConfig, kind: str, H: int, I: int) -> None:
+    """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128;
+    W8A8's tiles are the activations' groups of 128, so none may be ragged."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
     assert kind != "fp8" or all(fp8_tiles_fit(bk, cfg.w8a8) for bk in depths), cfg
     assert kind == "fp8" or not cfg.w8a8, cfg
+    assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
 
 
 def _check_lora(
