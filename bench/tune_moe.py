@@ -212,6 +212,13 @@ def run_layers(w13: list, w2: list, pools: list, oss: list, x, tw, ti, cfg, info
 
 
 W8A8_FROM = 512  # the FP8 buckets whose candidates include W8A8's (prefill)
+# W8A8's tiles (MoeConfig.w8a8): 128 deep and, for gate_up, 128 wide (a tile of h is one of its
+# groups); 64 rows, a warpgroup's MMA, where 128 would spill gate_up's two accumulators and
+# their slices' partials
+W8A8_TILES = [
+    dataclasses.replace(C(64, 128, 128, bnd, 128, warps=8, stages=st), w8a8=True)
+    for bnd, st in ((128, 2), (128, 3), (64, 3), (64, 4))
+]
 
 
 def candidates(M: int, kind: str) -> list[MoeConfig]:
@@ -225,17 +232,8 @@ def candidates(M: int, kind: str) -> list[MoeConfig]:
         extra = FP8_SMALL if M < 256 else []
         fit = [c for c in CANDIDATES[M] + extra if fp8_tiles_fit(c.block_k)]
         fit = [c for c in fit if fp8_tiles_fit(c.block_k_down)]
-        return fit + [c for c in map(_w8a8, fit) if c] if M >= W8A8_FROM else fit
+        return fit + W8A8_TILES if M >= W8A8_FROM else fit
     return CANDIDATES[M]
-
-
-def _w8a8(c: MoeConfig) -> MoeConfig | None:
-    """c on FP8 tensor cores (MoeConfig.w8a8), where its tiles allow: one block of scales
-    deep, rows for a warpgroup's MMA, and gate_up's two accumulators and their partials within
-    the registers (128 x 64 at most)."""
-    if c.block_k == c.block_k_down == 128 and c.block_m >= 64 and c.block_m * c.block_n <= 8192:
-        return dataclasses.replace(c, w8a8=True)
-    return None
 
 
 def tune_shape(name: str, ms: list[int], layers: int, fp8: bool = False) -> dict[int, MoeConfig]:

@@ -17,6 +17,7 @@ from lora_cases import batch_info, fp8_weight, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.moe import fused
 from moelora.kernels.moe.fused import MoeConfig, fused_moe
 
 E, K, R = 4, 2, 16
@@ -100,15 +101,19 @@ def test_fused_moe_fp8_refuses_tiles_across_scale_blocks_and_mixed_experts():
 # float16: the kernel rounds h once from float32, the reference after float16 steps, so a few
 # of h's codes land a step (1/16) apart
 W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
-W8A8 = MoeConfig(block_m=16, block_n=64, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
+W8A8 = MoeConfig(block_m=16, block_n=128, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("spread", ["none", "mixed"])
-def test_fused_moe_w8a8_matches_reference(poison_empty, spread, dtype):
-    """W8A8: x and h quantized per row and 128-column group as each tile loads, the dot on the
-    codes; against the reference's W8A8 (fp8_rows of x and h, LoRA on the unquantized ones)."""
-    args, lora = fp8_case(9, "whole", spread, dtype)
+@pytest.mark.parametrize("spread", ["none", "mixed", "mixed by block"])
+def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, spread, dtype):
+    """W8A8: x quantized per row and 128-column group before gate_up, h in gate_up's epilogue,
+    the dots on the codes; against the reference's W8A8 (fp8_rows of x and h, the LoRA on the
+    unquantized ones). "by block": the shrinks run block by block (a prefill's), down's reading
+    h itself, which gate_up then stores beside its codes."""
+    if spread.endswith("by block"):
+        monkeypatch.setattr(fused, "BLOCK_SHRINK_FROM", 1)
+    args, lora = fp8_case(9, "whole", spread.split()[0], dtype)
     out = fused_moe(*args, **lora, config=W8A8)
     want = reference.fused_moe(*args, **lora, w8a8=True)
     assert rel_err(out, want) <= W8A8_TOL[dtype], spread
@@ -134,11 +139,12 @@ def test_quantize_rows_fp8_per_row_and_group():
 
 
 def test_w8a8_tiles_are_one_block_deep():
-    """W8A8 refuses tiles other than 128 deep (a tile is a group of the activations), and
-    experts that are not block-FP8."""
+    """W8A8 refuses tiles other than 128 deep, and gate_up's other than 128 wide (a tile is a
+    group of the activations), and experts that are not block-FP8."""
     args, lora = fp8_case(3, "whole", "none", torch.float32)
-    with pytest.raises(AssertionError):
-        fused_moe(*args, config=dataclasses.replace(W8A8, block_k=64))
+    for other in (dict(block_k=64), dict(block_k_down=64), dict(block_n=64)):
+        with pytest.raises(AssertionError):
+            fused_moe(*args, config=dataclasses.replace(W8A8, **other))
     x, w13, w2, weights, ids = args
     dense = (w13.dequantize(torch.float32), w2.dequantize(torch.float32))
     with pytest.raises(AssertionError):

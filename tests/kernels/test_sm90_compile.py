@@ -558,8 +558,8 @@ def _launch_fp8_moe() -> None:
         if fp8_tiles_fit(cfg.block_k) and fp8_tiles_fit(cfg.block_k_down)
     ]
     cases = [(T, cfg, False) for T, cfg in fits] + [(1, None, False), (64, None, True)]
-    for bm, bn, warps in ((16, 64, 4), (64, 64, 8), (128, 64, 8)):  # W8A8, decode to prefill
-        tiles = dict(block_n=bn, block_k=128, block_n_down=bn, block_k_down=128)
+    for bm, bnd, warps in ((16, 64, 4), (64, 64, 8), (64, 128, 8)):  # W8A8's tiles
+        tiles = dict(block_n=128, block_k=128, block_n_down=bnd, block_k_down=128)
         cases.append((256, MoeConfig(block_m=bm, **tiles, num_warps=warps, w8a8=True), False))
     for T, config, deterministic in cases:
         info = batch_info(T, "mixed")

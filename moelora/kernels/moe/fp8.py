@@ -11,29 +11,34 @@ start at one). So BK divides 128, and the weights are never rounded: the sums ar
 scale exactly, where the torch reference (dequantize_fp8_block to x's dtype, then a matmul)
 rounds each weight once; the two differ by that rounding and by the order of the sums.
 
-W8A8 (MoeConfig.w8a8; tiles exactly 128 deep, one group each): each x (or h) tile is quantized
-as it loads, per row, to e4m3 codes of scale amax / 448 (DeepSeek's per-token, 128-column
-groups: reference.quantize_rows_fp8, the same bits), and the dot takes both operands' codes on
-the FP8 tensor cores. A slice's partial [BM, BN] then scales by the rows' scales and the
-columns' block scales, in float32: the promotion every 128 deep that keeps the FP8 MMA's
-narrow accumulation short. The codes are the only rounding; the LoRA path reads x unquantized
-(fused_moe's epilogue), as the torch reference.
+W8A8 (MoeConfig.w8a8; tiles exactly 128 deep): the activations arrive as e4m3 codes with a
+float32 scale per row and 128-column group (DeepSeek's per-token groups: quantize_rows_fp8
+for x before gate_up, gate_up's epilogue for h, whose 128-column tiles are one group each), so
+the dot takes both operands' codes on the FP8 tensor cores. A slice's partial [BM, BN] then
+scales by the rows' scales and the columns' block scales, in float32: the promotion every 128
+deep that keeps the FP8 MMA's narrow accumulation short. The codes are the only rounding; the
+LoRA path reads x and h unquantized (fused_moe's align and epilogues), as the torch reference
+(reference.fused_moe's w8a8).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.fp8_block import FP8_BLOCK
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv
 
 SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of scales
 SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of scales
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
+QUANT_ROWS = 16  # rows a program of quantize_rows_fp8 takes ([16, 128] tiles)
 
 
 def fp8_tiles_fit(block_k: int, w8a8: bool = False) -> bool:
     """Whether BK-deep tiles fit the loops: each within one block of scales along K; W8A8's
-    exactly one (a tile is a row group of the activations' quantization)."""
+    exactly one (a tile is one of the activations' groups)."""
     return (
         block_k == FP8_BLOCK[1] if w8a8 else block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
     )
@@ -54,7 +59,7 @@ def _e4m3_values(v):
 
 
 @triton.jit
-def _quantized_rows(xt):
+def quantized_rows(xt):
     """(codes [BM, BK] e4m3, scales [BM] float32) of a tile (reference.quantize_rows_fp8): a
     row's scale amax / 448 (1 for a row of zeros), its values times 448 / amax, saturated and
     rounded to nearest even."""
@@ -79,6 +84,63 @@ def _codes(ptrs, k_ok, n_ok, dtype: tl.constexpr):
 
 
 @triton.jit
+def _row_codes(q_ptr, s_ptr, rows, row_ok, N, k0, offs_k, k_ok):
+    """(codes [BM, BK] e4m3, scales [BM] float32) of rows' 128-column group at k0, from a
+    [R, N] code array and its [R, N / 128] scales (masked rows: codes 0, scale 0)."""
+    codes = tl.load(
+        q_ptr + rows[:, None] * N + (k0 + offs_k)[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    scale = tl.load(s_ptr + rows * (N // SCALE_K) + k0 // SCALE_K, mask=row_ok, other=0.0)
+    return codes, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,  # [T, N], row stride stride_xt
+    q_ptr,  # [T, N] e4m3 out
+    s_ptr,  # [T, N / 128] float32 out
+    T,
+    N,
+    stride_xt,
+    BT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: BT rows' 128-column group program_id(1)."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * SCALE_K + tl.arange(0, SCALE_K)
+    ok = rows < T
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=ok[:, None])
+    codes, scale = quantized_rows(x)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], codes, mask=ok[:, None])
+    tl.store(s_ptr + rows * (N // SCALE_K) + tl.program_id(1), scale, mask=ok)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: reference.quantize_rows_fp8(x) (groups of 128 columns). x [T, N], N a
+    multiple of 128, columns contiguous. One launch."""
+    T, N = x.shape
+    assert N % FP8_BLOCK[1] == 0 and x.stride(1) == 1, (x.shape, x.stride())
+    codes = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(T, N // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
+    if T:
+        BT = QUANT_ROWS
+        _quantize_rows_kernel[(cdiv(T, BT), N // FP8_BLOCK[1])](
+            x_ptr=x,
+            q_ptr=codes,
+            s_ptr=scales,
+            T=T,
+            N=N,
+            stride_xt=x.stride(0),
+            BT=BT,
+            **pdl_kwargs(x.device),
+        )
+    return codes, scales
+
+
+@triton.jit
 def _raw_codes(ptrs, k_ok, n_ok):
     """A [BK, BN] code tile as e4m3 codes; masked codes read as 0."""
     return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
@@ -100,6 +162,9 @@ def gate_up_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    xq_ptr=None,  # W8A8: x's codes [T, H] e4m3 and scales [T, H / 128] float32
+    xs_ptr=None,
+    tokens=None,  # W8A8: [BM] int64 token of each block row
     W8A8: tl.constexpr = False,
 ):
     """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
@@ -117,18 +182,18 @@ def gate_up_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < H - ks
-            xt = tl.load(
-                x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
             if W8A8:  # one tile a slice (fp8_tiles_fit)
-                xq, x_scale = _quantized_rows(xt)
+                xq, x_scale = _row_codes(xq_ptr, xs_ptr, tokens, row_ok, H, ks, offs_k, k_ok)
                 part_g = tl.dot(xq, _raw_codes(wg0 + ks, k_ok, n_ok), part_g)
                 part_u = tl.dot(xq, _raw_codes(wu0 + ks, k_ok, n_ok), part_u)
                 part_g *= x_scale[:, None]
                 part_u *= x_scale[:, None]
             else:
+                xt = tl.load(
+                    x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
                 part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
                 part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
         acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
@@ -151,6 +216,9 @@ def down_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    hq_ptr=None,  # W8A8: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I / 128] float32
+    hs_ptr=None,
+    h_rows=None,  # W8A8: [BM] int64 block rows
     W8A8: tl.constexpr = False,
 ):
     """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
@@ -164,15 +232,15 @@ def down_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < I - ks
-            ht = tl.load(
-                h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
             if W8A8:
-                hq, h_scale = _quantized_rows(ht)
+                hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok)
                 part = tl.dot(hq, _raw_codes(w0 + ks, k_ok, n_ok), part) * h_scale[:, None]
             else:
+                ht = tl.load(
+                    h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
                 part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
         acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
     return acc

@@ -47,7 +47,13 @@ from moelora.kernels.fp8_block import FP8_BLOCK, Fp8Weight
 from moelora.kernels.lora import rank_block
 from moelora.kernels.moe.align import PairShrink, launch_align, num_blocks
 from moelora.kernels.moe.config import MoeConfig, default_config
-from moelora.kernels.moe.fp8 import down_fp8_loop, fp8_tiles_fit, gate_up_fp8_loop
+from moelora.kernels.moe.fp8 import (
+    down_fp8_loop,
+    fp8_tiles_fit,
+    gate_up_fp8_loop,
+    quantize_rows_fp8,
+    quantized_rows,
+)
 from moelora.kernels.moe.lora import (
     PAIR_SPLITS,
     block_shrink_kernel,
@@ -131,7 +137,11 @@ def _gate_up_kernel(
     w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8; with FP8 its codes
     w13_scale_ptr,  # [E, 2I, H/32] uint8 with MXFP4; [E, 2I/128, H/128] float32 with FP8
     w13_desc,  # TMA descriptor of w13 as [E*2I, H], tiles [BN, BK]; only with TMA
-    h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row
+    h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row (with STORE_H)
+    xq_ptr,  # W8A8 only: x's codes [T, H] e4m3 and scales [T, H/128] (fp8.quantize_rows_fp8)
+    xs_ptr,
+    hq_ptr,  # W8A8 only, out: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I/128] float32
+    hs_ptr,
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
     # Pointers: LoRA batch info, weights and scratch (unused unless HAS_LORA / HAS_LORA2).
@@ -167,7 +177,8 @@ def _gate_up_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
-    W8A8: tl.constexpr,  # ... on FP8 tensor cores, the activations quantized as they load
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
+    STORE_H: tl.constexpr,  # h in x's dtype (W8A8 without down's LoRA by blocks needs codes only)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     A2_ALIGN: tl.constexpr,  # down's LoraWeights.a_align (its A2 read by the partial shrink)
@@ -237,6 +248,9 @@ def _gate_up_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            xq_ptr=xq_ptr,
+            xs_ptr=xs_ptr,
+            tokens=token.to(tl.int64),
             W8A8=W8A8,
         )
     elif TMA:
@@ -321,8 +335,13 @@ def _gate_up_kernel(
     else:
         h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
     h_rows = pid_m * BM + tl.arange(0, BM)
-    h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(h_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
+    h_offs = h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
+    if STORE_H:
+        tl.store(h_ptr + h_offs, h, mask=row_ok[:, None] & n_ok[None, :])
+    if W8A8:  # the tile's 128 columns are one of h's groups (_check_tiles)
+        hq, h_scale = quantized_rows(h)
+        tl.store(hq_ptr + h_offs, hq, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(hs_ptr + h_rows.to(tl.int64) * (I // BN) + pid_n, h_scale, mask=row_ok)
 
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2:
@@ -359,6 +378,8 @@ def _gate_up_kernel(
 def _down_kernel(
     # Pointers: activations, weights, output, routing, the align's blocks.
     h_ptr,  # [NB*BM, I], block rows
+    hq_ptr,  # W8A8 only: h's codes and scales (the gate_up kernel's)
+    hs_ptr,
     w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8; with FP8 its codes
     w2_scale_ptr,  # [E, H, I/32] uint8 with MXFP4; [E, H/128, I/128] float32 with FP8
     h_desc,  # TMA descriptors, only with TMA: h [NB*BM, I] in tiles [BM, BK],
@@ -395,7 +416,7 @@ def _down_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
-    W8A8: tl.constexpr,  # ... on FP8 tensor cores, the activations quantized as they load
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
     TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -455,6 +476,9 @@ def _down_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            hq_ptr=hq_ptr,
+            hs_ptr=hs_ptr,
+            h_rows=h_rows.to(tl.int64),
             W8A8=W8A8,
         )
     elif TMA:
@@ -889,15 +913,28 @@ def _gate_up(
     activation: str,
 ) -> torch.Tensor:
     """h [NB*BM, I] = silu(gate) * up of each block row, gate_up's LoRA delta added before the
-    activation; with down's LoRA each program also adds its columns' share of h @ A2.T."""
+    activation; with down's LoRA each program also adds its columns' share of h @ A2.T.
+    W8A8: (h, h's codes, h's scales), x read as its codes; h itself only where down's LoRA
+    shrinks block by block (it reads h), else left unwritten."""
     _, I2, H = w13.shape
     I = I2 // 2
-    h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
+    rows = pairs.NB * pairs.BM
+    h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
+    xq, xs = quantize_rows_fp8(x) if cfg.w8a8 else (lora.unused, lora.unused)
+    hq, hs = lora.unused, lora.unused
+    if cfg.w8a8:
+        hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
+        hs = torch.empty(rows, I // cfg.block_n, dtype=torch.float32, device=x.device)
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
     _gate_up_kernel[grid](
         x_ptr=x,
         **_experts(w13, lora.unused, x, cfg).launch_args("w13", (cfg.block_n, cfg.block_k)),
         h_ptr=h,
+        xq_ptr=xq,
+        xs_ptr=xs,
+        hq_ptr=hq,
+        hs_ptr=hs,
+        STORE_H=not cfg.w8a8 or (pairs.by_block and lora.down.on),
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
@@ -929,11 +966,11 @@ def _gate_up(
         **order,
         **launch,
     )
-    return h
+    return (h, hq, hs) if cfg.w8a8 else h
 
 
 def _down(
-    h: torch.Tensor,
+    h: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     pairs: _Pairs,
     lora: _Lora,
@@ -943,7 +980,8 @@ def _down(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair; where the shrinks run block by
-    block, down's (h @ A2.T) first."""
+    block, down's (h @ A2.T) first. h: _gate_up's (W8A8: with h's codes and scales)."""
+    h, hq, hs = h if isinstance(h, tuple) else (h, lora.unused, lora.unused)
     if pairs.by_block and lora.down.on:
         _block_shrink(h, pairs, lora, lora.down, pairs.xa2, block_rows=True)
     _, H, I = w2.shape
@@ -954,6 +992,8 @@ def _down(
     experts = _experts(w2, lora.unused, h, cfg)
     _down_kernel[grid](
         h_ptr=h,
+        hq_ptr=hq,
+        hs_ptr=hs,
         **experts.launch_args("w2", (cfg.block_n_down, cfg.block_k_down)),
         h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if experts.tma else None,
         out_ptr=pair_out,
@@ -1084,13 +1124,15 @@ def _expert_sizes(
 
 
 def _check_tiles(cfg: MoeConfig, kind: str, H: int, I: int) -> None:
-    """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128;
-    W8A8's tiles are the activations' groups of 128, so none may be ragged."""
+    """The tiles fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128; W8A8's
+    tiles are the activations' groups of 128, so none may be ragged."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
     assert kind != "fp8" or all(fp8_tiles_fit(bk, cfg.w8a8) for bk in depths), cfg
     assert kind == "fp8" or not cfg.w8a8, cfg
     assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
+    # gate_up's epilogue quantizes h a tile at a time: a tile is one group of its columns
+    assert not cfg.w8a8 or cfg.block_n == FP8_BLOCK[1], cfg
 
 
 def _check_lora(
