@@ -307,7 +307,6 @@ def fused_moe(
     b13: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     activation: str = "silu",
-    w8a8: bool = False,
 ) -> torch.Tensor:
     """Semantics: out[t] = sum_k w[t,k] * (act(x[t] @ W13[e].T + b13[e] + d13) @ W2[e].T + b2[e]
     + d2), act = ACTIVATIONS[activation] (silu_and_mul or swiglu_oai), biases zero when None.
@@ -320,9 +319,33 @@ def fused_moe(
     LoraWeights' table (LoraWeights.factors; a module absent from the slot's adapter adds
     nothing): A13 [E, 2, r, H], B13 [E, 2I, r]; A2 [E, 1, r, I], B2 [E, H, r], r the module's
     own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
-    [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first;
-    w8a8's base products read fp8_rows(x), fp8_rows(h) and float32 weights (_base_product).
+    [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first.
     """
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, b13, b2, activation)
+
+
+def fused_moe_w8a8(
+    x: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    lora13: LoraWeights | None = None,
+    lora2: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
+    """Semantics: fused_moe on block-FP8 experts as MoeConfig.w8a8 computes it: the base products
+    read fp8_rows(x) and fp8_rows(h) against the weights dequantized in float32, each rounded
+    to x's dtype; the LoRA deltas read x and h unquantized."""
+    args = (x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, None, None, "silu")
+    return _fused_moe(*args, w8a8=True)
+
+
+def _fused_moe(
+    x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, b13, b2, activation, w8a8=False
+) -> torch.Tensor:
+    """fused_moe's body (its semantics), W8A8's where w8a8."""
     act = ACTIVATIONS[activation]
     assert not w8a8 or isinstance(w13, Fp8Weight), type(w13)
     w13, w2 = (dense_experts(w, torch.float32 if w8a8 else x.dtype) for w in (w13, w2))

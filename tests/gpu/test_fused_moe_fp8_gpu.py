@@ -149,7 +149,7 @@ def test_fused_moe_w8a8(experts, config, T, spread):
     lora = dict(lora13=lora13, lora2=lora2, info=info)
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=config)
     f32 = dict(lora13=_f32(lora13), lora2=_f32(lora2), info=info)
-    ref = reference.fused_moe(x.float(), w13, w2, topk_weights, topk_ids, **f32, w8a8=True)
+    ref = reference.fused_moe_w8a8(x.float(), w13, w2, topk_weights, topk_ids, **f32)
     weight_only = reference.fused_moe(x.float(), dense13, dense2, topk_weights, topk_ids, **f32)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2, (T, spread, config)

@@ -913,18 +913,12 @@ def _gate_up(
     activation: str,
 ) -> torch.Tensor:
     """h [NB*BM, I] = silu(gate) * up of each block row, gate_up's LoRA delta added before the
-    activation; with down's LoRA each program also adds its columns' share of h @ A2.T.
-    W8A8: (h, h's codes, h's scales), x read as its codes; h itself only where down's LoRA
-    shrinks block by block (it reads h), else left unwritten."""
+    activation; with down's LoRA each program also adds its columns' share of h @ A2.T. W8A8:
+    (h, its codes, its scales), h written only where down's LoRA shrinks by block (reads h)."""
     _, I2, H = w13.shape
     I = I2 // 2
-    rows = pairs.NB * pairs.BM
-    h = torch.empty(rows, I, dtype=x.dtype, device=x.device)
-    xq, xs = quantize_rows_fp8(x) if cfg.w8a8 else (lora.unused, lora.unused)
-    hq, hs = lora.unused, lora.unused
-    if cfg.w8a8:
-        hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
-        hs = torch.empty(rows, I // cfg.block_n, dtype=torch.float32, device=x.device)
+    h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
+    xq, xs, hq, hs = _w8a8_codes(x, h, cfg, lora.unused)
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
     _gate_up_kernel[grid](
         x_ptr=x,
@@ -967,6 +961,16 @@ def _gate_up(
         **launch,
     )
     return (h, hq, hs) if cfg.w8a8 else h
+
+
+def _w8a8_codes(x: torch.Tensor, h: torch.Tensor, cfg: MoeConfig, unused: torch.Tensor) -> tuple:
+    """W8A8's (x's codes, x's scales, h's codes, h's scales buffers); unused where not W8A8."""
+    if not cfg.w8a8:
+        return unused, unused, unused, unused
+    rows, I = h.shape
+    hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(rows, I // cfg.block_n, dtype=torch.float32, device=x.device)
+    return *quantize_rows_fp8(x), hq, hs
 
 
 def _down(
