@@ -331,17 +331,20 @@ def _gate_up_kernel(
     if ACTIVATION == 1:
         gate = tl.minimum(acc_g, _LIMIT)
         up = tl.minimum(tl.maximum(acc_u, -_LIMIT), _LIMIT)
-        h = ((up + 1.0) * (gate / (1.0 + tl.exp(-_ALPHA * gate)))).to(h_ptr.dtype.element_ty)
+        h = (up + 1.0) * (gate / (1.0 + tl.exp(-_ALPHA * gate)))
     else:
-        h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_rows = pid_m * BM + tl.arange(0, BM)
     h_offs = h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    if STORE_H:
-        tl.store(h_ptr + h_offs, h, mask=row_ok[:, None] & n_ok[None, :])
+    # W8A8 quantizes h's float32 values: rounded to x's dtype first, the e4m3 rounding of a
+    # value that lands on a midpoint would be a second one (the reference rounds once)
     if W8A8:  # the tile's 128 columns are one of h's groups (_check_tiles)
         hq, h_scale = quantized_rows(h)
         tl.store(hq_ptr + h_offs, hq, mask=row_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + h_rows.to(tl.int64) * (I // BN) + pid_n, h_scale, mask=row_ok)
+    h = h.to(h_ptr.dtype.element_ty)
+    if STORE_H:
+        tl.store(h_ptr + h_offs, h, mask=row_ok[:, None] & n_ok[None, :])
 
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2:
