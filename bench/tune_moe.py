@@ -10,7 +10,8 @@ than the runner-up by more than 5% (else takes the runner-up).
 kernels/fp8_block.py), keyed apart; only tiles at most 128 deep that divide 128 (one block of
 scales along K: kernels/moe/fp8.py), with deeper pipelines and narrower columns for the small
 buckets: a code tile is half a bf16 tile's bytes, so the same tiles keep half the bytes in
-flight.
+flight. From 512 tokens each fitting tile is also tried as W8A8 (MoeConfig.w8a8: FP8 tensor
+cores, the activations quantized as they load), and the table keeps whichever is faster.
 
 The GPT-OSS shapes' experts are MXFP4 (random codes with small scales, in the GPU layout the
 engine rewrites them into for bf16: Mxfp4Weight.swizzle_; their tiles are keyed apart). The
@@ -210,16 +211,28 @@ def run_layers(w13: list, w2: list, pools: list, oss: list, x, tw, ti, cfg, info
         )
 
 
+W8A8_FROM = 512  # the FP8 buckets whose candidates include W8A8's (prefill)
+# W8A8's tiles (MoeConfig.w8a8): 128 deep and, for gate_up, 128 wide (a tile of h is one of its
+# groups); 64 rows, a warpgroup's MMA, where 128 would spill gate_up's two accumulators and
+# their slices' partials
+W8A8_TILES = [
+    dataclasses.replace(C(64, 128, 128, bnd, 128, warps=8, stages=st), w8a8=True)
+    for bnd, st in ((128, 2), (128, 3), (64, 3), (64, 4))
+]
+
+
 def candidates(M: int, kind: str) -> list[MoeConfig]:
     """The bucket's tiles; for MXFP4, with tiles for its H = I = 2880 (the GPU layout is read
     by its bit placement whatever MoeConfig.mxfp4_lut says: the arithmetic is not tried); for
-    block FP8, those whose depths fit a block of scales, with FP8_SMALL's below 256 tokens."""
+    block FP8, those whose depths fit a block of scales, with FP8_SMALL's below 256 tokens and
+    W8A8's from W8A8_FROM."""
     if kind == "mxfp4":
         return [dataclasses.replace(c, mxfp4_lut=True) for c in CANDIDATES[M] + MXFP4_EXTRA]
     if kind == "fp8":
         extra = FP8_SMALL if M < 256 else []
         fit = [c for c in CANDIDATES[M] + extra if fp8_tiles_fit(c.block_k)]
-        return [c for c in fit if fp8_tiles_fit(c.block_k_down)]
+        fit = [c for c in fit if fp8_tiles_fit(c.block_k_down)]
+        return fit + W8A8_TILES if M >= W8A8_FROM else fit
     return CANDIDATES[M]
 
 

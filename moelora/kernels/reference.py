@@ -151,6 +151,31 @@ def dequantize_mxfp4(
     return out.reshape(*lead, G * 2 * B)
 
 
+def quantize_rows_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: x [T, N] (N a multiple of group) per row and group of columns (DeepSeek's
+    per-token-group activation quantization): scale = amax / 448, codes = x * (448 / amax)
+    saturated at +-448 and rounded to nearest even e4m3 (scale 1 and codes x for a group of
+    zeros), in float32 arithmetic. Returns (codes [T, N] float8_e4m3fn, scales [T, N / group]
+    float32)."""
+    T, N = x.shape
+    assert N % group == 0, (N, group)
+    xf = x.float().view(T, N // group, group)
+    amax = xf.abs().amax(dim=-1)
+    zero = amax == 0
+    one = torch.ones_like(amax)
+    scale = torch.where(zero, one, amax / 448.0)
+    inv = torch.where(zero, one, 448.0 / torch.where(zero, one, amax))
+    codes = (xf * inv[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return codes.view(T, N), scale
+
+
+def fp8_rows(x: torch.Tensor, group: int = 128) -> torch.Tensor:
+    """Semantics: x as W8A8 reads it: quantize_rows_fp8's codes times their scales, float32."""
+    codes, scale = quantize_rows_fp8(x, group)
+    T, N = x.shape
+    return (codes.float().view(T, N // group, group) * scale[..., None]).view(T, N)
+
+
 def dense_experts(w: torch.Tensor | Mxfp4Weight | Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """Semantics: w [E, N, K] as a tensor: packed experts dequantized (dequantize_mxfp4) to
     dtype, in the GPU layout too (Mxfp4Weight.release_blocks), block-FP8 ones too
@@ -296,8 +321,34 @@ def fused_moe(
     own rank, a factor shared by every expert stored once. b13 [E, 2I] (gate, then up), b2
     [E, H]. Returns [T, H]. MXFP4 and block-FP8 experts are dequantized to x's dtype first.
     """
+    return _fused_moe(x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, b13, b2, activation)
+
+
+def fused_moe_w8a8(
+    x: torch.Tensor,
+    w13: Fp8Weight,
+    w2: Fp8Weight,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    lora13: LoraWeights | None = None,
+    lora2: LoraWeights | None = None,
+    info: LoraBatchInfo | None = None,
+) -> torch.Tensor:
+    """Semantics: fused_moe on block-FP8 experts as MoeConfig.w8a8 computes it: the base products
+    read fp8_rows(x) and fp8_rows(h) against the weights dequantized in float32, each rounded
+    to x's dtype; the LoRA deltas read x and h unquantized."""
+    args = (x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, None, None, "silu")
+    return _fused_moe(*args, w8a8=True)
+
+
+def _fused_moe(
+    x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, b13, b2, activation, w8a8=False
+) -> torch.Tensor:
+    """fused_moe's body (its semantics), W8A8's where w8a8."""
     act = ACTIVATIONS[activation]
-    w13, w2 = dense_experts(w13, x.dtype), dense_experts(w2, x.dtype)
+    assert not w8a8 or isinstance(w13, Fp8Weight), type(w13)
+    w13, w2 = (dense_experts(w, torch.float32 if w8a8 else x.dtype) for w in (w13, w2))
     T, K = topk_ids.shape
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1).long()
@@ -311,7 +362,7 @@ def fused_moe(
         pairs = (flat_ids == e).nonzero().squeeze(1)
         tok = token_of_pair[pairs]
         xe = x[tok]
-        gate_up = xe @ w13[e].T + (0 if b13 is None else b13[e])
+        gate_up = _base_product(xe, w13[e], w8a8) + (0 if b13 is None else b13[e])
         if use_lora:
             lp = pairs[lora_pair[pairs]]
             sel = lora_pair[pairs].nonzero().squeeze(1)
@@ -320,11 +371,16 @@ def fused_moe(
         if use_lora and lora13 is not None and sel.numel():
             gate_up[sel] += _expert_delta(xe[sel], lora13, slots, e, scale).to(gate_up.dtype)
         h = act(gate_up)
-        down = h @ w2[e].T + (0 if b2 is None else b2[e])
+        down = _base_product(h, w2[e], w8a8) + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
             down[sel] += _expert_delta(h[sel], lora2, slots, e, scale).to(down.dtype)
         out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])
     return out.to(x.dtype)
+
+
+def _base_product(a: torch.Tensor, w: torch.Tensor, w8a8: bool) -> torch.Tensor:
+    """a @ w.T, W8A8's on fp8_rows(a) and w in float32, rounded to a's dtype."""
+    return (fp8_rows(a) @ w.T).to(a.dtype) if w8a8 else a @ w.T
 
 
 def store_kv(

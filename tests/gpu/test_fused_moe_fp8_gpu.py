@@ -123,3 +123,36 @@ def test_fused_moe_fp8_replays_in_a_cuda_graph(experts, T, deterministic):
     eager = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, deterministic=deterministic)
     assert torch.equal(out, eager), (T, deterministic)
     assert not torch.equal(out, base)  # the adapters changed the output
+
+
+W8A8 = [  # gate_up 128 wide (a tile is a group of h); 64 rows, or 16 (mma.sync on f16)
+    MoeConfig(
+        **dict(block_m=bm, block_n=128, block_k=128, block_n_down=bnd, block_k_down=128),
+        num_warps=warps,
+        num_stages=stages,
+        w8a8=True,
+    )
+    for bm, bnd, warps, stages in ((64, 128, 8, 2), (64, 64, 8, 3), (16, 64, 4, 3))
+]
+
+
+@pytest.mark.parametrize("config", W8A8, ids=["64-128", "64-64", "16-64"])
+@pytest.mark.parametrize("T", [64, 4096])
+@pytest.mark.parametrize("spread", ["none", "mixed"])
+def test_fused_moe_w8a8(experts, config, T, spread):
+    """W8A8 (x and h quantized per row and 128-column group as they load, FP8 tensor cores)
+    against the reference's own W8A8 (fp8_rows of x and h against the fp32 weights; LoRA on the
+    unquantized activations), and within the activations' rounding of the weight-only MoE."""
+    (w13, w2), (dense13, dense2), lora13, lora2 = experts
+    x, topk_weights, topk_ids = _inputs(T)
+    info = batch_info(T, spread, DEV)
+    lora = dict(lora13=lora13, lora2=lora2, info=info)
+    out = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=config)
+    f32 = dict(lora13=_f32(lora13), lora2=_f32(lora2), info=info)
+    ref = reference.fused_moe_w8a8(x.float(), w13, w2, topk_weights, topk_ids, **f32)
+    weight_only = reference.fused_moe(x.float(), dense13, dense2, topk_weights, topk_ids, **f32)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= 1e-2, (T, spread, config)
+    # e4m3 keeps 3 bits: each activation is off by up to 1/16, the sums by far less
+    assert rel_err(out, weight_only) <= 6e-2, (T, spread, config)
+    assert rel_err(ref, weight_only) > 1e-3  # the activations were rounded

@@ -17,6 +17,7 @@ from lora_cases import batch_info, fp8_weight, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.moe import fused
 from moelora.kernels.moe.fused import MoeConfig, fused_moe
 
 E, K, R = 4, 2, 16
@@ -95,3 +96,56 @@ def test_fused_moe_fp8_refuses_tiles_across_scale_blocks_and_mixed_experts():
     x, w13, w2, weights, ids = args
     with pytest.raises(AssertionError):
         fused_moe(x, w13, w2.dequantize(torch.float32), weights, ids, config=SMALL)
+
+
+# float16: the kernel rounds h once from float32, the reference after float16 steps, so a few
+# of h's codes land a step (1/16) apart
+W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
+W8A8 = MoeConfig(block_m=16, block_n=128, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("spread", ["none", "mixed", "mixed by block"])
+def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, spread, dtype):
+    """W8A8: x quantized per row and 128-column group before gate_up, h in gate_up's epilogue,
+    the dots on the codes; against the reference's W8A8 (fp8_rows of x and h, the LoRA on the
+    unquantized ones). "by block": the shrinks run block by block (a prefill's), down's reading
+    h itself, which gate_up then stores beside its codes."""
+    if spread.endswith("by block"):
+        monkeypatch.setattr(fused, "BLOCK_SHRINK_FROM", 1)
+    args, lora = fp8_case(9, "whole", spread.split()[0], dtype)
+    out = fused_moe(*args, **lora, config=W8A8)
+    want = reference.fused_moe_w8a8(*args, **lora)
+    assert rel_err(out, want) <= W8A8_TOL[dtype], spread
+    assert rel_err(want, reference.fused_moe(*args, **lora)) > 1e-3  # activations rounded
+
+
+def test_quantize_rows_fp8_per_row_and_group():
+    """A group's largest magnitude takes code +-448 and scale amax / 448; every value is within
+    e4m3's half step (1/16 of it) of code * scale; a group of zeros has scale 1 and codes 0."""
+    x = torch.randn(5, 384) * torch.logspace(-3, 3, 5)[:, None]
+    x[2, 128:256] = 0
+    codes, scale = reference.quantize_rows_fp8(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (5, 3)
+    groups = x.view(5, 3, 128)
+    amax = groups.abs().amax(-1)
+    assert scale[2, 1] == 1 and torch.equal(codes.view(5, 3, 128)[2, 1].float(), torch.zeros(128))
+    nonzero = amax > 0
+    assert torch.equal(scale[nonzero], (amax / 448)[nonzero])
+    peak = codes.float().view(5, 3, 128).abs().amax(-1)
+    assert torch.equal(peak[nonzero], torch.full_like(peak[nonzero], 448.0))
+    back = reference.fp8_rows(x).view(5, 3, 128)
+    assert ((back - groups).abs() <= groups.abs() / 16 + scale[..., None] * 2**-9).all()
+
+
+def test_w8a8_tiles_are_one_block_deep():
+    """W8A8 refuses tiles other than 128 deep, and gate_up's other than 128 wide (a tile is a
+    group of the activations), and experts that are not block-FP8."""
+    args, lora = fp8_case(3, "whole", "none", torch.float32)
+    for other in (dict(block_k=64), dict(block_k_down=64), dict(block_n=64)):
+        with pytest.raises(AssertionError):
+            fused_moe(*args, config=dataclasses.replace(W8A8, **other))
+    x, w13, w2, weights, ids = args
+    dense = (w13.dequantize(torch.float32), w2.dequantize(torch.float32))
+    with pytest.raises(AssertionError):
+        fused_moe(x, *dense, weights, ids, config=W8A8)

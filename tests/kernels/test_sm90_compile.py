@@ -542,10 +542,11 @@ def _launch_mxfp4_moe() -> None:
 
 def _launch_fp8_moe() -> None:
     """Block-FP8 experts (no tuned table yet) at the bf16 table's tiles that fit them (BK
-    dividing 128; TMA is off for FP8), at the default tiles and the deterministic ones, LoRA
-    off and on."""
+    dividing 128; TMA is off for FP8), at the default tiles and the deterministic ones, and
+    W8A8 at three tiles, LoRA off and on."""
     from lora_cases import batch_info, fp8_weight, lora_weights
 
+    from moelora.kernels.moe.config import MoeConfig
     from moelora.kernels.moe.fp8 import fp8_tiles_fit
     from moelora.kernels.moe.fused import fused_moe
 
@@ -557,6 +558,9 @@ def _launch_fp8_moe() -> None:
         if fp8_tiles_fit(cfg.block_k) and fp8_tiles_fit(cfg.block_k_down)
     ]
     cases = [(T, cfg, False) for T, cfg in fits] + [(1, None, False), (64, None, True)]
+    for bm, bnd, warps in ((16, 64, 4), (64, 64, 8), (64, 128, 8)):  # W8A8's tiles
+        tiles = dict(block_n=128, block_k=128, block_n_down=bnd, block_k_down=128)
+        cases.append((256, MoeConfig(block_m=bm, **tiles, num_warps=warps, w8a8=True), False))
     for T, config, deterministic in cases:
         info = batch_info(T, "mixed")
         l13 = lora_weights(S, (E,), 2, R, Hm, (Im, Im), info.rank_of_slot, BF16)

@@ -50,6 +50,10 @@ class MoeConfig:
     # through TMA descriptors (Hopper and later), where the pointer loads stage each tile
     # through registers and sync the block for it; the gathered x rows stay pointer loads
     tma: bool = False
+    # block-FP8 experts on FP8 tensor cores: each tile of x (gate_up) and h (down) quantized
+    # per row as it loads (kernels/moe/fp8.py), where the default expands the weight codes to
+    # x's dtype; both GEMMs' tiles exactly one block of scales (128) deep
+    w8a8: bool = False
 
     def __post_init__(self) -> None:
         for bk in (self.block_k, self.block_k_down):

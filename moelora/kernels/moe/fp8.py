@@ -10,21 +10,65 @@ adds partial * scale to the accumulator, scale [BN] the block of each column's o
 start at one). So BK divides 128, and the weights are never rounded: the sums are of code *
 scale exactly, where the torch reference (dequantize_fp8_block to x's dtype, then a matmul)
 rounds each weight once; the two differ by that rounding and by the order of the sums.
+
+W8A8 (MoeConfig.w8a8; tiles exactly 128 deep): the activations arrive as e4m3 codes with a
+float32 scale per row and 128-column group (DeepSeek's per-token groups: quantize_rows_fp8
+for x before gate_up, gate_up's epilogue for h, whose 128-column tiles are one group each), so
+the dot takes both operands' codes on the FP8 tensor cores. A slice's partial [BM, BN] then
+scales by the rows' scales and the columns' block scales, in float32: the promotion every 128
+deep that keeps the FP8 MMA's narrow accumulation short. The codes are the only rounding; the
+LoRA path reads x and h unquantized (fused_moe's align and epilogues), as the torch reference
+(reference.fused_moe's w8a8).
 """
 
+import torch
 import triton
 import triton.language as tl
 
 from moelora.kernels.dot import dot
 from moelora.kernels.fp8_block import FP8_BLOCK
+from moelora.kernels.pdl import pdl_kwargs, pdl_wait
+from moelora.kernels.sizes import cdiv
 
 SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of scales
 SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of scales
+FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
+QUANT_ROWS = 16  # rows a program of quantize_rows_fp8 takes ([16, 128] tiles)
 
 
-def fp8_tiles_fit(block_k: int) -> bool:
-    """Whether BK-deep tiles fit the loops: each within one block of scales along K."""
-    return block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
+def fp8_tiles_fit(block_k: int, w8a8: bool = False) -> bool:
+    """Whether BK-deep tiles fit the loops: each within one block of scales along K; W8A8's
+    exactly one (a tile is one of the activations' groups)."""
+    return (
+        block_k == FP8_BLOCK[1] if w8a8 else block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
+    )
+
+
+@triton.jit
+def _e4m3_values(v):
+    """v (float32, |v| <= 448) rounded to nearest even e4m3 value, in float32: 3 mantissa bits
+    by integer rounding of the bits where e4m3 is normal (|v| >= 2^-6), multiples of 2^-9 below
+    (its subnormals, by the float32 rounding of v + 3 * 2^13). The conversion to e4m3 that
+    follows is then exact, where the interpreter's own rounding does not carry into the
+    exponent."""
+    bits = v.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
+    magic = 24576.0  # 3 * 2^13: float32's step there is 2^-9
+    small = (v + magic) - magic
+    return tl.where(tl.abs(v) < 0.015625, small, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def quantized_rows(xt):
+    """(codes [BM, BK] e4m3, scales [BM] float32) of a tile (reference.quantize_rows_fp8): a
+    row's scale amax / 448 (1 for a row of zeros), its values times 448 / amax, saturated and
+    rounded to nearest even."""
+    amax = tl.max(tl.abs(xt.to(tl.float32)), axis=1)
+    zero = amax == 0
+    scale = tl.where(zero, 1.0, tl.math.div_rn(amax, FP8_MAX))
+    inv = tl.where(zero, 1.0, tl.math.div_rn(FP8_MAX, tl.where(zero, 1.0, amax)))
+    v = tl.clamp(xt.to(tl.float32) * inv[:, None], -FP8_MAX, FP8_MAX)
+    return _e4m3_values(v).to(tl.float8e4nv), scale
 
 
 @triton.jit
@@ -37,6 +81,69 @@ def _col_scales(s_e, rows, k0, n_ok, stride_sn):
 def _codes(ptrs, k_ok, n_ok, dtype: tl.constexpr):
     """A [BK, BN] code tile in dtype; masked codes read as 0."""
     return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(dtype)
+
+
+@triton.jit
+def _row_codes(q_ptr, s_ptr, rows, row_ok, N, k0, offs_k, k_ok):
+    """(codes [BM, BK] e4m3, scales [BM] float32) of rows' 128-column group at k0, from a
+    [R, N] code array and its [R, N / 128] scales (masked rows: codes 0, scale 0)."""
+    codes = tl.load(
+        q_ptr + rows[:, None] * N + (k0 + offs_k)[None, :],
+        mask=row_ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
+    scale = tl.load(s_ptr + rows * (N // SCALE_K) + k0 // SCALE_K, mask=row_ok, other=0.0)
+    return codes, scale
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr,  # [T, N], row stride stride_xt
+    q_ptr,  # [T, N] e4m3 out
+    s_ptr,  # [T, N / 128] float32 out
+    T,
+    N,
+    stride_xt,
+    BT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One program: BT rows' 128-column group program_id(1)."""
+    pdl_wait(PDL)  # first: see kernels/pdl.py
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * SCALE_K + tl.arange(0, SCALE_K)
+    ok = rows < T
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xt + cols[None, :], mask=ok[:, None])
+    codes, scale = quantized_rows(x)
+    tl.store(q_ptr + rows[:, None].to(tl.int64) * N + cols[None, :], codes, mask=ok[:, None])
+    tl.store(s_ptr + rows * (N // SCALE_K) + tl.program_id(1), scale, mask=ok)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Semantics: reference.quantize_rows_fp8(x) (groups of 128 columns). x [T, N], N a
+    multiple of 128, columns contiguous. One launch."""
+    T, N = x.shape
+    assert N % FP8_BLOCK[1] == 0 and x.stride(1) == 1, (x.shape, x.stride())
+    codes = torch.empty(T, N, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(T, N // FP8_BLOCK[1], dtype=torch.float32, device=x.device)
+    if T:
+        BT = QUANT_ROWS
+        _quantize_rows_kernel[(cdiv(T, BT), N // FP8_BLOCK[1])](
+            x_ptr=x,
+            q_ptr=codes,
+            s_ptr=scales,
+            T=T,
+            N=N,
+            stride_xt=x.stride(0),
+            BT=BT,
+            **pdl_kwargs(x.device),
+        )
+    return codes, scales
+
+
+@triton.jit
+def _raw_codes(ptrs, k_ok, n_ok):
+    """A [BK, BN] code tile as e4m3 codes; masked codes read as 0."""
+    return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -55,6 +162,10 @@ def gate_up_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    xq_ptr=None,  # W8A8: x's codes [T, H] e4m3 and scales [T, H / 128] float32
+    xs_ptr=None,
+    tokens=None,  # W8A8: [BM] int64 token of each block row
+    W8A8: tl.constexpr = False,
 ):
     """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
     block rows times gate's columns offs_n (rows offs_n of W13) and up's (rows I + offs_n)."""
@@ -71,13 +182,20 @@ def gate_up_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < H - ks
-            xt = tl.load(
-                x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
-            part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
+            if W8A8:  # one tile a slice (fp8_tiles_fit)
+                xq, x_scale = _row_codes(xq_ptr, xs_ptr, tokens, row_ok, H, ks, offs_k, k_ok)
+                part_g = tl.dot(xq, _raw_codes(wg0 + ks, k_ok, n_ok), part_g)
+                part_u = tl.dot(xq, _raw_codes(wu0 + ks, k_ok, n_ok), part_u)
+                part_g *= x_scale[:, None]
+                part_u *= x_scale[:, None]
+            else:
+                xt = tl.load(
+                    x_ptr + x_rows[:, None] + (ks + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
+                part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
         acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
         acc_u += part_u * _col_scales(s_e, rows_u, k0, n_ok, stride_sn)[None, :]
     return acc_g, acc_u
@@ -98,6 +216,10 @@ def down_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
+    hq_ptr=None,  # W8A8: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I / 128] float32
+    hs_ptr=None,
+    h_rows=None,  # W8A8: [BM] int64 block rows
+    W8A8: tl.constexpr = False,
 ):
     """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n."""
@@ -110,11 +232,15 @@ def down_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < I - ks
-            ht = tl.load(
-                h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
-                mask=row_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            )
-            part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
+            if W8A8:
+                hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok)
+                part = tl.dot(hq, _raw_codes(w0 + ks, k_ok, n_ok), part) * h_scale[:, None]
+            else:
+                ht = tl.load(
+                    h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                )
+                part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
         acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
     return acc

@@ -43,11 +43,17 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from moelora.kernels.dot import dot
-from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.fp8_block import FP8_BLOCK, Fp8Weight
 from moelora.kernels.lora import rank_block
 from moelora.kernels.moe.align import PairShrink, launch_align, num_blocks
 from moelora.kernels.moe.config import MoeConfig, default_config
-from moelora.kernels.moe.fp8 import down_fp8_loop, fp8_tiles_fit, gate_up_fp8_loop
+from moelora.kernels.moe.fp8 import (
+    down_fp8_loop,
+    fp8_tiles_fit,
+    gate_up_fp8_loop,
+    quantize_rows_fp8,
+    quantized_rows,
+)
 from moelora.kernels.moe.lora import (
     PAIR_SPLITS,
     block_shrink_kernel,
@@ -131,7 +137,11 @@ def _gate_up_kernel(
     w13_ptr,  # [E, 2I, H]; with MXFP4 its code bytes [E, 2I, H/2] uint8; with FP8 its codes
     w13_scale_ptr,  # [E, 2I, H/32] uint8 with MXFP4; [E, 2I/128, H/128] float32 with FP8
     w13_desc,  # TMA descriptor of w13 as [E*2I, H], tiles [BN, BK]; only with TMA
-    h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row
+    h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row (with STORE_H)
+    xq_ptr,  # W8A8 only: x's codes [T, H] e4m3 and scales [T, H/128] (fp8.quantize_rows_fp8)
+    xs_ptr,
+    hq_ptr,  # W8A8 only, out: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I/128] float32
+    hs_ptr,
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
     # Pointers: LoRA batch info, weights and scratch (unused unless HAS_LORA / HAS_LORA2).
@@ -167,6 +177,8 @@ def _gate_up_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
+    STORE_H: tl.constexpr,  # h in x's dtype (W8A8 without down's LoRA by blocks needs codes only)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
     A2_ALIGN: tl.constexpr,  # down's LoraWeights.a_align (its A2 read by the partial shrink)
@@ -236,6 +248,10 @@ def _gate_up_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            xq_ptr=xq_ptr,
+            xs_ptr=xs_ptr,
+            tokens=token.to(tl.int64),
+            W8A8=W8A8,
         )
     elif TMA:
         # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
@@ -315,12 +331,20 @@ def _gate_up_kernel(
     if ACTIVATION == 1:
         gate = tl.minimum(acc_g, _LIMIT)
         up = tl.minimum(tl.maximum(acc_u, -_LIMIT), _LIMIT)
-        h = ((up + 1.0) * (gate / (1.0 + tl.exp(-_ALPHA * gate)))).to(h_ptr.dtype.element_ty)
+        h = (up + 1.0) * (gate / (1.0 + tl.exp(-_ALPHA * gate)))
     else:
-        h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(h_ptr.dtype.element_ty)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_rows = pid_m * BM + tl.arange(0, BM)
-    h_ptrs = h_ptr + h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
-    tl.store(h_ptrs, h, mask=row_ok[:, None] & n_ok[None, :])
+    h_offs = h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
+    # W8A8 quantizes h's float32 values: rounded to x's dtype first, the e4m3 rounding of a
+    # value that lands on a midpoint would be a second one (the reference rounds once)
+    if W8A8:  # the tile's 128 columns are one of h's groups (_check_tiles)
+        hq, h_scale = quantized_rows(h)
+        tl.store(hq_ptr + h_offs, hq, mask=row_ok[:, None] & n_ok[None, :])
+        tl.store(hs_ptr + h_rows.to(tl.int64) * (I // BN) + pid_n, h_scale, mask=row_ok)
+    h = h.to(h_ptr.dtype.element_ty)
+    if STORE_H:
+        tl.store(h_ptr + h_offs, h, mask=row_ok[:, None] & n_ok[None, :])
 
     # -- this block's share of the down LoRA shrink: h[:, cols] @ A2[s, e, :, cols].T --
     if HAS_LORA2:
@@ -357,6 +381,8 @@ def _gate_up_kernel(
 def _down_kernel(
     # Pointers: activations, weights, output, routing, the align's blocks.
     h_ptr,  # [NB*BM, I], block rows
+    hq_ptr,  # W8A8 only: h's codes and scales (the gate_up kernel's)
+    hs_ptr,
     w2_ptr,  # [E, H, I]; with MXFP4 its code bytes [E, H, I/2] uint8; with FP8 its codes
     w2_scale_ptr,  # [E, H, I/32] uint8 with MXFP4; [E, H/128, I/128] float32 with FP8
     h_desc,  # TMA descriptors, only with TMA: h [NB*BM, I] in tiles [BM, BK],
@@ -393,6 +419,7 @@ def _down_kernel(
     MXFP4_EXPAND: tl.constexpr,  # ... how (_Experts.expand)
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
+    W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
     TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -452,6 +479,10 @@ def _down_kernel(
             BM=BM,
             BN=BN,
             BK=BK,
+            hq_ptr=hq_ptr,
+            hs_ptr=hs_ptr,
+            h_rows=h_rows.to(tl.int64),
+            W8A8=W8A8,
         )
     elif TMA:
         # the block's rows of h are contiguous: its padding rows are read unmasked (their
@@ -597,6 +628,7 @@ class _Experts:
     sub_k: int = 0  # the PTX expansions' sub-tile depth (MoeConfig.mxfp4_sub_k)
     tma: bool = False  # tiles through TMA descriptors (_tma)
     fp8: bool = False  # block-FP8 codes and scales
+    w8a8: bool = False  # ... on FP8 tensor cores (MoeConfig.w8a8)
 
     def launch_args(self, name: str, block: tuple[int, int]) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -615,6 +647,7 @@ class _Experts:
             "MXFP4_EXPAND": self.expand,
             "MXFP4_SUB_K": self.sub_k,
             "FP8": self.fp8,
+            "W8A8": self.w8a8,
         }
 
 
@@ -627,7 +660,7 @@ def _experts(
     if isinstance(w, Fp8Weight):  # no TMA: the code tiles are pointer loads
         c, s = w.codes, w.scale_inv
         strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
-        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True)
+        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True, w8a8=cfg.w8a8)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
@@ -700,6 +733,7 @@ def deterministic_config(cfg: MoeConfig) -> MoeConfig:
     # w2's tile, as bf16 (FP8 and MXFP4 experts' tiles are smaller: the bound holds for them)
     return dataclasses.replace(
         cfg,
+        w8a8=False,  # its rounding of the activations is the deterministic mode's to decide
         block_k=bk,
         block_k_down=bk,
         num_stages=_stages_within(cfg.num_stages, (cfg.block_m + 2 * cfg.block_n) * bk * 2),
@@ -882,15 +916,22 @@ def _gate_up(
     activation: str,
 ) -> torch.Tensor:
     """h [NB*BM, I] = silu(gate) * up of each block row, gate_up's LoRA delta added before the
-    activation; with down's LoRA each program also adds its columns' share of h @ A2.T."""
+    activation; with down's LoRA each program also adds its columns' share of h @ A2.T. W8A8:
+    (h, its codes, its scales), h written only where down's LoRA shrinks by block (reads h)."""
     _, I2, H = w13.shape
     I = I2 // 2
     h = torch.empty(pairs.NB * pairs.BM, I, dtype=x.dtype, device=x.device)
+    xq, xs, hq, hs = _w8a8_codes(x, h, cfg, lora.unused)
     grid, order = _order(pairs.NB, cdiv(I, cfg.block_n), cfg)
     _gate_up_kernel[grid](
         x_ptr=x,
         **_experts(w13, lora.unused, x, cfg).launch_args("w13", (cfg.block_n, cfg.block_k)),
         h_ptr=h,
+        xq_ptr=xq,
+        xs_ptr=xs,
+        hq_ptr=hq,
+        hs_ptr=hs,
+        STORE_H=not cfg.w8a8 or (pairs.by_block and lora.down.on),
         sorted_pair_ptr=pairs.sorted_pair,
         expert_of_block_ptr=pairs.expert_of_block,
         slot_ptr=lora.slot,
@@ -922,11 +963,21 @@ def _gate_up(
         **order,
         **launch,
     )
-    return h
+    return (h, hq, hs) if cfg.w8a8 else h
+
+
+def _w8a8_codes(x: torch.Tensor, h: torch.Tensor, cfg: MoeConfig, unused: torch.Tensor) -> tuple:
+    """W8A8's (x's codes, x's scales, h's codes, h's scales buffers); unused where not W8A8."""
+    if not cfg.w8a8:
+        return unused, unused, unused, unused
+    rows, I = h.shape
+    hq = torch.empty(rows, I, dtype=torch.float8_e4m3fn, device=x.device)
+    hs = torch.empty(rows, I // cfg.block_n, dtype=torch.float32, device=x.device)
+    return *quantize_rows_fp8(x), hq, hs
 
 
 def _down(
-    h: torch.Tensor,
+    h: torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     w2: torch.Tensor | Mxfp4Weight | Fp8Weight,
     pairs: _Pairs,
     lora: _Lora,
@@ -936,7 +987,8 @@ def _down(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """[P, H]: w[pair] * (h @ W2[e].T + d2), one row per pair; where the shrinks run block by
-    block, down's (h @ A2.T) first."""
+    block, down's (h @ A2.T) first. h: _gate_up's (W8A8: with h's codes and scales)."""
+    h, hq, hs = h if isinstance(h, tuple) else (h, lora.unused, lora.unused)
     if pairs.by_block and lora.down.on:
         _block_shrink(h, pairs, lora, lora.down, pairs.xa2, block_rows=True)
     _, H, I = w2.shape
@@ -947,6 +999,8 @@ def _down(
     experts = _experts(w2, lora.unused, h, cfg)
     _down_kernel[grid](
         h_ptr=h,
+        hq_ptr=hq,
+        hs_ptr=hs,
         **experts.launch_args("w2", (cfg.block_n_down, cfg.block_k_down)),
         h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if experts.tma else None,
         out_ptr=pair_out,
@@ -1033,7 +1087,7 @@ def fused_moe(
     )
     if deterministic:  # a row's sums do not follow the token count (deterministic_config)
         cfg = deterministic_config(cfg)
-    _check_tiles(cfg, kind)
+    _check_tiles(cfg, kind, H, I)
     ids = topk_ids.contiguous().view(-1)
     weights = topk_weights.contiguous().view(-1)
     # ids stands for every pointer no kernel reads; it is int32 because the align kernel's LoRA
@@ -1076,11 +1130,16 @@ def _expert_sizes(
     return E, H, I, kind
 
 
-def _check_tiles(cfg: MoeConfig, kind: str) -> None:
-    """The tiles' depths fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128."""
+def _check_tiles(cfg: MoeConfig, kind: str, H: int, I: int) -> None:
+    """The tiles fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128; W8A8's
+    tiles are the activations' groups of 128, so none may be ragged."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
-    assert kind != "fp8" or all(fp8_tiles_fit(bk) for bk in depths), cfg
+    assert kind != "fp8" or all(fp8_tiles_fit(bk, cfg.w8a8) for bk in depths), cfg
+    assert kind == "fp8" or not cfg.w8a8, cfg
+    assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
+    # gate_up's epilogue quantizes h a tile at a time: a tile is one group of its columns
+    assert not cfg.w8a8 or cfg.block_n == FP8_BLOCK[1], cfg
 
 
 def _check_lora(
