@@ -216,8 +216,9 @@ W8A8_FROM = 512  # the FP8 buckets whose candidates include W8A8's (prefill)
 # groups); 64 rows, a warpgroup's MMA, where 128 would spill gate_up's two accumulators and
 # their slices' partials
 W8A8_TILES = [
-    dataclasses.replace(C(64, 128, 128, bnd, 128, warps=8, stages=st), w8a8=True)
+    dataclasses.replace(C(64, 128, 128, bnd, 128, warps=8, stages=st), w8a8=True, tma=tma)
     for bnd, st in ((128, 2), (128, 3), (64, 3), (64, 4))
+    for tma in (False, True)  # the weights' code tiles by pointers or through TMA
 ]
 
 

@@ -59,15 +59,20 @@ def _inputs(T: int):
 
 
 # the default tiles (no tuned FP8 table: BK 64, two tiles a block of scales); 128-deep tiles,
-# one a block; and 256 columns a tile, each spanning two blocks of rows
+# one a block, by pointers and through TMA; and 256 columns a tile, each spanning two blocks
+# of rows
+BK128 = MoeConfig(
+    block_m=64, block_n=64, block_k=128, block_n_down=128, block_k_down=128, num_warps=8
+)
 CONFIGS = [
     None,
-    MoeConfig(block_m=64, block_n=64, block_k=128, block_n_down=128, block_k_down=128, num_warps=8),
+    BK128,
+    dataclasses.replace(BK128, tma=True),
     MoeConfig(block_m=16, block_n=256, block_k=32, block_n_down=256, block_k_down=32),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "bk128", "bn256"])
+@pytest.mark.parametrize("config", CONFIGS, ids=["default", "bk128", "tma", "bn256"])
 @pytest.mark.parametrize("T", [1, 64, 4096])
 @pytest.mark.parametrize("spread", ["none", "one", "mixed"])
 def test_fused_moe_fp8_bf16(experts, config, T, spread):
@@ -131,12 +136,18 @@ W8A8 = [  # gate_up 128 wide (a tile is a group of h); 64 rows, or 16 (mma.sync 
         num_warps=warps,
         num_stages=stages,
         w8a8=True,
+        tma=tma,
     )
-    for bm, bnd, warps, stages in ((64, 128, 8, 2), (64, 64, 8, 3), (16, 64, 4, 3))
+    for bm, bnd, warps, stages, tma in (
+        (64, 128, 8, 2, False),
+        (64, 128, 8, 3, True),  # the weights' code tiles through TMA
+        (64, 64, 8, 3, False),
+        (16, 64, 4, 3, False),
+    )
 ]
 
 
-@pytest.mark.parametrize("config", W8A8, ids=["64-128", "64-64", "16-64"])
+@pytest.mark.parametrize("config", W8A8, ids=["64-128", "64-128-tma", "64-64", "16-64"])
 @pytest.mark.parametrize("T", [64, 4096])
 @pytest.mark.parametrize("spread", ["none", "mixed"])
 def test_fused_moe_w8a8(experts, config, T, spread):

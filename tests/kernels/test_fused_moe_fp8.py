@@ -67,7 +67,9 @@ def test_the_cases_scale_blocks_matter(shape):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [SMALL, DEEP], ids=["bk32", "bk128"])
+@pytest.mark.parametrize(
+    "config", [SMALL, DEEP, dataclasses.replace(DEEP, tma=True)], ids=["bk32", "bk128", "tma"]
+)
 def test_fused_moe_fp8_matches_reference(poison_empty, shape, dtype, config):
     """Mixed slots (some tokens on the base model), then the same batch without LoRA."""
     args, lora = fp8_case(7, shape, "mixed", dtype)
@@ -104,17 +106,19 @@ W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
 W8A8 = MoeConfig(block_m=16, block_n=128, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spread", ["none", "mixed", "mixed by block"])
-def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, spread, dtype):
+def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, spread, dtype, tma):
     """W8A8: x quantized per row and 128-column group before gate_up, h in gate_up's epilogue,
     the dots on the codes; against the reference's W8A8 (fp8_rows of x and h, the LoRA on the
     unquantized ones). "by block": the shrinks run block by block (a prefill's), down's reading
-    h itself, which gate_up then stores beside its codes."""
+    h itself, which gate_up then stores beside its codes. "tma": the weights' code tiles
+    through TMA descriptors."""
     if spread.endswith("by block"):
         monkeypatch.setattr(fused, "BLOCK_SHRINK_FROM", 1)
     args, lora = fp8_case(9, "whole", spread.split()[0], dtype)
-    out = fused_moe(*args, **lora, config=W8A8)
+    out = fused_moe(*args, **lora, config=dataclasses.replace(W8A8, tma=tma))
     want = reference.fused_moe_w8a8(*args, **lora)
     assert rel_err(out, want) <= W8A8_TOL[dtype], spread
     assert rel_err(want, reference.fused_moe(*args, **lora)) > 1e-3  # activations rounded

@@ -11,6 +11,9 @@ start at one). So BK divides 128, and the weights are never rounded: the sums ar
 scale exactly, where the torch reference (dequantize_fp8_block to x's dtype, then a matmul)
 rounds each weight once; the two differ by that rounding and by the order of the sums.
 
+With MoeConfig.tma the code tiles come through a TMA descriptor of the codes as [E * N, K]
+(zeros past K), the pointer tiles and their masks out of the loop's registers.
+
 W8A8 (MoeConfig.w8a8; tiles exactly 128 deep): the activations arrive as e4m3 codes with a
 float32 scale per row and 128-column group (DeepSeek's per-token groups: quantize_rows_fp8
 for x before gate_up, gate_up's epilogue for h, whose 128-column tiles are one group each), so
@@ -78,9 +81,14 @@ def _col_scales(s_e, rows, k0, n_ok, stride_sn):
 
 
 @triton.jit
-def _codes(ptrs, k_ok, n_ok, dtype: tl.constexpr):
-    """A [BK, BN] code tile in dtype; masked codes read as 0."""
-    return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(dtype)
+def _code_tile(ptrs, k_ok, n_ok, desc, row, ks, TMA: tl.constexpr):
+    """A [BK, BN] tile of e4m3 codes: with TMA desc's [BN, BK] tile at (row, ks) transposed (the
+    view is [E * N, K]: zeros past K, and a last column block's rows past N are the next rows',
+    in columns the caller masks), else by pointers (masked codes 0)."""
+    if TMA:
+        return desc.load([row, ks]).T
+    else:
+        return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
 
 
 @triton.jit
@@ -141,12 +149,6 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _raw_codes(ptrs, k_ok, n_ok):
-    """A [BK, BN] code tile as e4m3 codes; masked codes read as 0."""
-    return tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-
-
-@triton.jit
 def gate_up_fp8_loop(
     x_ptr,
     x_rows,  # [BM] int64 offsets of the block's token rows in x
@@ -166,6 +168,9 @@ def gate_up_fp8_loop(
     xs_ptr=None,
     tokens=None,  # W8A8: [BM] int64 token of each block row
     W8A8: tl.constexpr = False,
+    w_desc=None,  # TMA: the codes' descriptor ([E * 2I, H], tiles [BN, BK]), gate's first row
+    w_row=0,
+    TMA: tl.constexpr = False,
 ):
     """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
     block rows times gate's columns offs_n (rows offs_n of W13) and up's (rows I + offs_n)."""
@@ -184,8 +189,10 @@ def gate_up_fp8_loop(
             k_ok = offs_k < H - ks
             if W8A8:  # one tile a slice (fp8_tiles_fit)
                 xq, x_scale = _row_codes(xq_ptr, xs_ptr, tokens, row_ok, H, ks, offs_k, k_ok)
-                part_g = tl.dot(xq, _raw_codes(wg0 + ks, k_ok, n_ok), part_g)
-                part_u = tl.dot(xq, _raw_codes(wu0 + ks, k_ok, n_ok), part_u)
+                wg = _code_tile(wg0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
+                part_g = tl.dot(xq, wg, part_g)
+                wu = _code_tile(wu0 + ks, k_ok, n_ok, w_desc, w_row + I, ks, TMA)
+                part_u = tl.dot(xq, wu, part_u)
                 part_g *= x_scale[:, None]
                 part_u *= x_scale[:, None]
             else:
@@ -194,8 +201,10 @@ def gate_up_fp8_loop(
                     mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
-                part_g = dot(xt, _codes(wg0 + ks, k_ok, n_ok, xt.dtype), part_g)
-                part_u = dot(xt, _codes(wu0 + ks, k_ok, n_ok, xt.dtype), part_u)
+                wg = _code_tile(wg0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
+                part_g = dot(xt, wg.to(xt.dtype), part_g)
+                wu = _code_tile(wu0 + ks, k_ok, n_ok, w_desc, w_row + I, ks, TMA)
+                part_u = dot(xt, wu.to(xt.dtype), part_u)
         acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
         acc_u += part_u * _col_scales(s_e, rows_u, k0, n_ok, stride_sn)[None, :]
     return acc_g, acc_u
@@ -220,6 +229,9 @@ def down_fp8_loop(
     hs_ptr=None,
     h_rows=None,  # W8A8: [BM] int64 block rows
     W8A8: tl.constexpr = False,
+    w_desc=None,  # TMA: the codes' descriptor ([E * H, I], tiles [BN, BK]), the block's first row
+    w_row=0,
+    TMA: tl.constexpr = False,
 ):
     """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n."""
@@ -234,13 +246,15 @@ def down_fp8_loop(
             k_ok = offs_k < I - ks
             if W8A8:
                 hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok)
-                part = tl.dot(hq, _raw_codes(w0 + ks, k_ok, n_ok), part) * h_scale[:, None]
+                w = _code_tile(w0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
+                part = tl.dot(hq, w, part) * h_scale[:, None]
             else:
                 ht = tl.load(
                     h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0,
                 )
-                part = dot(ht, _codes(w0 + ks, k_ok, n_ok, ht.dtype), part)
+                w = _code_tile(w0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
+                part = dot(ht, w.to(ht.dtype), part)
         acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
     return acc

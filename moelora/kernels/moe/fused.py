@@ -252,6 +252,9 @@ def _gate_up_kernel(
             xs_ptr=xs_ptr,
             tokens=token.to(tl.int64),
             W8A8=W8A8,
+            w_desc=w13_desc,
+            w_row=expert * (2 * I) + pid_n * BN,
+            TMA=TMA,
         )
     elif TMA:
         # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
@@ -483,6 +486,9 @@ def _down_kernel(
             hs_ptr=hs_ptr,
             h_rows=h_rows.to(tl.int64),
             W8A8=W8A8,
+            w_desc=w2_desc,
+            w_row=expert * H + pid_n * BN,
+            TMA=TMA,
         )
     elif TMA:
         # the block's rows of h are contiguous: its padding rows are read unmasked (their
@@ -657,10 +663,11 @@ def _experts(
     x: torch.Tensor,
     cfg: MoeConfig,
 ) -> _Experts:
-    if isinstance(w, Fp8Weight):  # no TMA: the code tiles are pointer loads
+    if isinstance(w, Fp8Weight):  # TMA: the code tiles, through the codes' descriptor
         c, s = w.codes, w.scale_inv
         strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
-        return _Experts(c, s, *strides, mxfp4=False, expand=0, fp8=True, w8a8=cfg.w8a8)
+        fp8 = dict(fp8=True, w8a8=cfg.w8a8, tma=_tma(cfg, c))
+        return _Experts(c, s, *strides, mxfp4=False, expand=0, **fp8)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
@@ -997,12 +1004,13 @@ def _down(
     launch = launch | dict(num_warps=warps, num_stages=stages)
     grid, order = _order(pairs.NB, cdiv(H, cfg.block_n_down), cfg)
     experts = _experts(w2, lora.unused, h, cfg)
+    tma_h = experts.tma and not experts.fp8  # FP8's loop reads h by pointers (or its codes)
     _down_kernel[grid](
         h_ptr=h,
         hq_ptr=hq,
         hs_ptr=hs,
         **experts.launch_args("w2", (cfg.block_n_down, cfg.block_k_down)),
-        h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if experts.tma else None,
+        h_desc=_desc(h, h.shape[0], (pairs.BM, cfg.block_k_down)) if tma_h else None,
         out_ptr=pair_out,
         topk_weights_ptr=pairs.weights,
         sorted_pair_ptr=pairs.sorted_pair,
