@@ -163,8 +163,13 @@ def quantize_rows_fp8(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, 
     amax = xf.abs().amax(dim=-1)
     zero = amax == 0
     one = torch.ones_like(amax)
-    scale = torch.where(zero, one, amax / 448.0)
-    inv = torch.where(zero, one, 448.0 / torch.where(zero, one, amax))
+    # both divisions correctly rounded, tensor by tensor: torch takes 448.0 / t as
+    # t.reciprocal() * 448 (two roundings) and, on CUDA, t / 448.0 as t * (1 / 448); bf16
+    # inputs put many values a float32 step from an e4m3 midpoint, where that step decides
+    # the code
+    fmax = torch.full_like(amax, 448.0)
+    scale = torch.where(zero, one, amax.div(fmax))
+    inv = torch.where(zero, one, fmax.div(torch.where(zero, one, amax)))
     codes = (xf * inv[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return codes.view(T, N), scale
 
