@@ -113,6 +113,15 @@ def test_strided_queries():
     check(got, expected, mla_absorb.absorb_q(q_nope, kv_b), torch.float32)
 
 
+def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo) -> None:
+    """The kernel's absorb_q and absorb_out, with the LoRA, equal to the references."""
+    N = q_nope.shape[2]
+    got = mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
+    torch.testing.assert_close(got, mla.absorb_q(q_nope, kv_b, lora=lora, info=info))
+    got = mla_absorb.absorb_out(o_lat, kv_b, N, lora=lora, info=info)
+    torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
+
+
 def test_rows_of_many_token_blocks():
     """40 tokens (three token blocks of 16) of every slot mixed, each block its own walk over
     the slots its rows hold."""
@@ -122,11 +131,7 @@ def test_rows_of_many_token_blocks():
     slots = torch.randint(-1, 4, (40,), generator=g).tolist()
     info = batch_info(slots)
     kv_b = kv_b_of(Hh, N, V, L, torch.float32)
-    q_nope, o_lat = torch.randn(40, Hh, N), torch.randn(40, Hh, L)
-    got = mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
-    torch.testing.assert_close(got, mla.absorb_q(q_nope, kv_b, lora=lora, info=info))
-    got = mla_absorb.absorb_out(o_lat, kv_b, N, lora=lora, info=info)
-    torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
+    both_sides_match(torch.randn(40, Hh, N), torch.randn(40, Hh, L), kv_b, lora, info)
 
 
 @pytest.mark.parametrize("cols", [16, 32, mla_absorb.LORA_COLS])
@@ -151,11 +156,7 @@ def test_more_adapters_than_a_pass_takes(monkeypatch, cols):
         enabled,
     )
     kv_b = kv_b_of(Hh, N, V, L, torch.float32)
-    q_nope, o_lat = torch.randn(40, Hh, N), torch.randn(40, Hh, L)
-    got = mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
-    torch.testing.assert_close(got, mla.absorb_q(q_nope, kv_b, lora=lora, info=info))
-    got = mla_absorb.absorb_out(o_lat, kv_b, N, lora=lora, info=info)
-    torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
+    both_sides_match(torch.randn(40, Hh, N), torch.randn(40, Hh, L), kv_b, lora, info)
 
 
 def test_new_slot_assignments_in_place():

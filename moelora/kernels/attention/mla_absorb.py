@@ -73,12 +73,6 @@ def _mma(x, w, acc, DOT: tl.constexpr):
 
 
 @triton.jit
-def _mine(slots, col_slot):
-    """[BT, C]: whether column c's slot is row t's (neither -1)."""
-    return (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
-
-
-@triton.jit
 def _lora_delta(
     acc,
     a_rows,  # [BT, 1] pointers: the rows of the program's head
@@ -122,7 +116,8 @@ def _lora_delta(
         a_col += r_of_c * (K if ROW0 != 0 else NOUT)
         b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=c_ok, other=0) + r_of_c
         b_col += (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row
-        rows_ok = tl.max(_mine(slots, col_slot).to(tl.int32), 1) > 0
+        mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
+        rows_ok = tl.max(mine.to(tl.int32), 1) > 0
         u = tl.zeros((BT, G * RP), dtype=tl.float32)
         for k0 in range(0, K, BK):
             k_ok = (k0 + offs_k) < K
@@ -135,7 +130,7 @@ def _lora_delta(
             f1 = tl.load(f1, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
             u = _mma(x, f1, u, DOT)
         scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
-        u = tl.where(_mine(slots, col_slot), u * scale[None, :], 0.0)  # again: not live in the loop
+        u = tl.where(mine, u * scale[None, :], 0.0)
         if ROW0 == 0:  # F2 = A: [G RP, NOUT]
             f2 = a_col[:, None] + offs_n[None, :]
         else:  # F2 = B_v[h].T

@@ -573,10 +573,10 @@ def _attention_work_kernel(
     SEQS: tl.constexpr,  # a power of two >= num_seqs
     PDL: tl.constexpr,
 ):
-    """Rounds p * ROUNDS .. (p + 1) * ROUNDS - 1 of the table, every round at once: sequence b's
-    entry of round r sits after the F(r) = sum_b' min(blocks_b', r) entries of the rounds
-    before and the sequences before b that have a block r; and the -1 tail's entries
-    p * ROUNDS .. (p + 1) * ROUNDS - 1 past them. No program waits on another."""
+    """Rounds p * ROUNDS .. (p + 1) * ROUNDS - 1 of the table (p the program), every round at
+    once: sequence b's entry of round r sits after the F(r) = sum_b' min(blocks_b', r) entries
+    of the rounds before and the sequences before b that have a block r; and the -1 tail's
+    entries of the same numbers, past the blocks. No program waits on another."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     offs = tl.arange(0, SEQS)
     in_range = offs < num_seqs
@@ -588,9 +588,8 @@ def _attention_work_kernel(
     before = tl.sum(tl.minimum(blocks[None, :], r[:, None]), axis=1)  # F(r)
     at = before[:, None] + tl.cumsum(take, axis=1) - take
     tl.store(work_ptr + at, offs[None, :] * _WORK_SEQ + r[:, None], mask=take > 0)
-    p = tl.program_id(0) * ROUNDS + tl.arange(0, ROUNDS)
-    tail = (p >= tl.sum(blocks, axis=0)) & (p < num_entries)
-    tl.store(work_ptr + p, tl.full([ROUNDS], -1, tl.int32), mask=tail)
+    tail = (r >= tl.sum(blocks, axis=0)) & (r < num_entries)  # entries numbered as the rounds
+    tl.store(work_ptr + r, tl.full([ROUNDS], -1, tl.int32), mask=tail)
 
 
 def prefill_block_q(
