@@ -244,7 +244,7 @@ def down_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < I - ks
-            if W8A8:
+            if W8A8:  # one tile a slice (fp8_tiles_fit): part holds this tile's product alone
                 hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok)
                 w = _code_tile(w0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
                 part = tl.dot(hq, w, part) * h_scale[:, None]
