@@ -57,6 +57,19 @@ def test_absorb_out_rounds_once_to_the_dtype_asked(poison_empty):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
+def test_row_block_fills_the_gpu_without_empty_blocks():
+    """The token block: the rows' own (16 / 32 / 64) where they make FILL programs; smaller
+    blocks where they would not (a decode step's out side); never one the rows half-fill."""
+    fill = mla_absorb.FILL
+    assert mla_absorb.row_block(4096, 2) == 64  # prefill: blocks of 64 make plenty
+    assert mla_absorb.row_block(64, fill) == 64  # the q side's 8 column blocks x 16 heads
+    assert mla_absorb.row_block(64, fill // 4) == 16  # the out side's 2 x 16: 4 blocks of 16
+    assert mla_absorb.row_block(64, fill // 2) == 32
+    assert mla_absorb.row_block(8, 1) == 16  # never below 16 rows (tl.dot's least)
+    assert mla_absorb.row_block(20, fill) == 32  # 20 rows fill more than half of 32
+    assert mla_absorb.row_block(30, fill // 2) == 16
+
+
 def test_absorb_rejects_a_latent_of_another_size():
     with pytest.raises(AssertionError):
         mla_absorb.absorb_out(torch.randn(2, Hh, L + 1), _kv_b(torch.float32), N)

@@ -122,10 +122,14 @@ def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo
     torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
 
 
-def test_rows_of_many_token_blocks():
-    """40 tokens (three token blocks of 16) of every slot mixed, each block its own walk over
-    the slots its rows hold."""
+@pytest.mark.parametrize("fill,blocks", [(1, 1), (mla_absorb.FILL, 3)])
+def test_rows_of_many_token_blocks(monkeypatch, fill, blocks):
+    """40 tokens of every slot mixed, in one token block of 64 (FILL = 1: blocks of the rows
+    alone) or three of 16 (the GPU-filling rule, at these few heads and columns), each block
+    its own walk over the slots its rows hold."""
+    monkeypatch.setattr(mla_absorb, "FILL", fill)
     Hh, N, V, L = 2, 8, 8, 16
+    assert -(-40 // mla_absorb.row_block(40, Hh)) == blocks
     lora = kv_b_lora(Hh, N, V, L, torch.float32, seed=4)
     g = torch.Generator().manual_seed(5)
     slots = torch.randint(-1, 4, (40,), generator=g).tolist()

@@ -56,6 +56,10 @@ _DOTS = ("plain", "split", "ieee")
 # columns of u a pass of kv_b_proj's LoRA takes: the factors of 64 // RP slots side by side, so
 # a block of rows with several adapters walks K once for each 64 // RP of them, not once each
 LORA_COLS = 64
+# programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
+# take the smallest token block that does, so the out side's 2 column blocks a head are not 32
+# programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
+FILL = 128
 
 
 @triton.jit
@@ -403,8 +407,8 @@ def _absorb(
     head_rows, L = kv_b.shape[0] // Hh, kv_b.shape[1]
     assert kv_b.shape[0] % Hh == 0 and (K if transposed else n_out) == L, (kv_b.shape, a.shape)
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
-    BT = 16 if T <= 16 else 32 if T <= 32 else 64
     BN, BK = 64, 64
+    BT = row_block(T, Hh * cdiv(n_out, BN))
     out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
     o_args, part = _o_shrink_args(out, kv_b, info, o_lora, cdiv(n_out, BN))
     if T == 0:
@@ -438,6 +442,15 @@ def _absorb(
         **pdl_kwargs(a.device),
     )
     return out, part
+
+
+def row_block(T: int, programs_per_block: int) -> int:
+    """BT: the largest of 64 / 32 tokens that T fills more than half of and whose blocks make
+    FILL programs (each of programs_per_block heads and column blocks), else 16."""
+    for bt in (64, 32):
+        if T > bt // 2 and cdiv(T, bt) * programs_per_block >= FILL:
+            return bt
+    return 16
 
 
 def _lora_args(
