@@ -215,14 +215,12 @@ def test_chunked_gated_delta_rule_matches_reference(
             assert torch.equal(state[s], before[s]), f"slot {s} is not the batch's"
 
 
-@pytest.mark.parametrize("split_out", [True, False])
 @pytest.mark.parametrize("chunk", [8, 16])
-def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk, split_out):
+def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk):
     """Blocks of 8 and 16 tokens: sub-blocks of 2 and 4 rows, so the inverse's substitution
     steps and its block merges (_prepare_kernel) both run, on full and partial blocks (the
-    9- and 7-token chunks) and a state carried between two blocks; the outputs by their own
-    launch from the stored states (split_out) or inside the serial chain."""
-    config = replace(delta_chunked.INTERPRETER_CONFIG, chunk=chunk, split_out=split_out)
+    9- and 7-token chunks) and a state carried between two blocks."""
+    config = replace(delta_chunked.INTERPRETER_CONFIG, chunk=chunk)
     monkeypatch.setattr(delta_chunked, "INTERPRETER_CONFIG", config)
     batch = make_batch("prefill", padded=True, seed=chunk)
     out, want, state, want_state, before = run_delta(
@@ -261,8 +259,7 @@ def test_gated_delta_rule_takes_its_gates_raw(poison_empty, case, chunked, dtype
     real = [t[: batch.rows] for t in (q, k, v)]
     ref_gates = DeltaGates(a[: batch.rows], b[: batch.rows], *raw[2:])
     ref = gated_delta.gated_delta_rule(*real, None, None, states[2], batch.real, gates=ref_gates)
-    # the block form in float16 keeps the states entering its blocks in float16 (split_out)
-    tol = CHUNKED_TOL if chunked and dtype == torch.float32 else TOL[dtype]
+    tol = CHUNKED_TOL if chunked else TOL[dtype]
     torch.testing.assert_close(out[: batch.rows].float(), ref.float(), **tol)
     with pytest.raises(AssertionError, match="g and beta, or the gates"):
         gated_delta_rule(q, k, v, g, beta, states[1], batch.attn, gates=raw)

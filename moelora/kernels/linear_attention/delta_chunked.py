@@ -8,19 +8,13 @@ with T = (I + A)^-1:
     w = T (beta k exp(c)),  u = T (beta v)                      (per block, from its own inputs)
     v' = u - w S,  o = (q exp(c)) S + tril(q k^T exp(c_i - c_j)) v',
     S <- exp(c_last) S + (k exp(c_last - c))^T v'                 (block after block)
-for the state S entering the block. The launches:
-  - the prepare launches (_system_kernel, _solve_kernel, _wu_kernel), one program per (value
-    head, block), every block of the step at once: A by one dot, T = (I + A)^-1 by blocks,
-    w and u by two dots, and the within-block scores, stored as float32 scratch rows beside
-    the step's rows.
+for the state S entering the block. Two launches:
+  - _prepare_kernel, one program per (value head, block), every block of the step at once:
+    A by one dot, T by forward substitution over the block's rows in registers (exact float32
+    arithmetic), w and u by two dots, stored as float32 scratch rows beside the step's rows.
   - _blocks_kernel, one program per (sequence, value head, BLOCK_V value columns): the state
     tile [K, BLOCK_V] in float32 registers, loaded from the sequence's slot (zeros from position
-    0), the blocks in order; the tile goes back to the slot at the end. Each block takes two
-    dots, v' and the next state; it stores v' over u and the state entering the block (in v's
-    dtype, one [K, V] a block: block_state's index).
-  - _out_kernel, one program per (value head, block, BLOCK_V value columns), every block at
-    once: o from the stored state and v' (ChunkedConfig.split_out; without it _blocks_kernel
-    computes o in its chain, two dots more a block).
+    0), the blocks in order, each a few dots; the tile goes back to the slot at the end.
 The serial chain is a sequence's blocks, not its tokens. Blocks start at the chunk's first row,
 so a prompt's bits depend on its chunking (deterministic inference keeps the token loop of
 delta_rule.py). The dots take tf32 tensor cores on the GPU in this first cut. Graphs and
@@ -71,10 +65,6 @@ class ChunkedConfig:
     # tl.dot's for bf16 and fp16 inputs: tf32 tensor cores on the GPU (float32 dots by FMA
     # spill heavily at these tiles: bench/compile_audit.py); exact float32 in the interpreter
     dot_precision: str
-    # the outputs by _out_kernel, every block at once, from the states entering the blocks
-    # (stored by the serial kernel, in v's dtype) and v' (over u): the serial chain keeps the
-    # two dots the state needs. False: the outputs inside the chain (four dots a block)
-    split_out: bool = True
 
 
 # fla's block of 64 tokens; 32 value columns give 4 programs a value head, so one sequence of
@@ -444,71 +434,6 @@ def _wu_kernel(
 
 
 @triton.jit
-def block_state(row, b, C: tl.constexpr):
-    """The index of the block starting at the step's row row, of sequence b, in the scratch of
-    states entering blocks: a sequence's blocks start C rows apart, so row // C grows by one a
-    block, and + b keeps the next sequence's first block (whose row // C may equal this one's
-    last) one past it: unique and < T / C + B."""
-    return row // C + b
-
-
-@triton.jit
-def _out_kernel(
-    # Pointers.
-    q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
-    g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
-    a_ptr,  # [T, H, C] float32 contiguous: the within-block scores (_wu_kernel's)
-    u_ptr,  # [T, H, V] float32 contiguous: v' (_blocks_kernel's, over u)
-    hs_ptr,  # [T / C + B, H, K, V]: the state entering each block (_blocks_kernel's)
-    out_ptr,  # [T, H, V] contiguous, v's dtype
-    cu_seqlens_q_ptr,  # [B + 1] int32
-    work_ptr,  # [NW] int32
-    # Sizes and strides.
-    H,
-    K,
-    V,
-    stride_qt,
-    stride_qh,
-    stride_gt,
-    stride_gh,
-    scale,  # K ** -0.5
-    eps,
-    # Meta-parameters.
-    GROUPS: tl.constexpr,
-    C: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """o = (q exp(c)) S + within v' of one (value head, block, BLOCK_V value columns), S the
-    state entering the block: the serial chain's outputs, every block at once."""
-    pdl_wait(PDL)  # first: see kernels/pdl.py
-    h = tl.program_id(0)
-    entry, start, n, first = _work_block(work_ptr, cu_seqlens_q_ptr, C)
-    if entry < 0:
-        return
-    idx = tl.arange(0, C)
-    ok = first + idx < n
-    rows = (start + first + idx).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok, v_ok = offs_k < K, offs_v < V
-    q_head = q_ptr + (h // GROUPS) * stride_qh
-    q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
-    c = tl.cumsum(tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0), axis=0)
-    block = block_state(start + first, tl.maximum(entry, 0) // _WORK_SEQ, C)
-    hs = hs_ptr + ((block * H + h) * K + offs_k[:, None]) * V + offs_v[None, :]
-    s = tl.load(hs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
-    rows_v = (rows[:, None] * H + h) * V + offs_v[None, :]
-    v_new = tl.load(u_ptr + rows_v, mask=ok[:, None] & v_ok[None, :], other=0.0)
-    within = tl.load(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None])
-    o = tl.dot((q * tl.exp(c)[:, None]).to(s.dtype), s, input_precision=DOT_PRECISION)
-    o = tl.dot(within, v_new, acc=o, input_precision=DOT_PRECISION)
-    tl.store(out_ptr + rows_v, o.to(out_ptr.dtype.element_ty), mask=ok[:, None] & v_ok[None, :])
-
-
-@triton.jit
 def _blocks_kernel(
     # Pointers.
     q_ptr,  # [T, Hk, K], strided by stride_qt, stride_qh, K contiguous
@@ -519,7 +444,6 @@ def _blocks_kernel(
     u_ptr,  # [T, H, V] float32 contiguous (_wu_kernel's)
     state_ptr,  # [S, H, K, V] float32 contiguous: read, then written for the batch's slots
     out_ptr,  # [T, H, V] contiguous, v's dtype
-    hs_ptr,  # SPLIT_OUT: [T / C + B, H, K, V] the state entering each block (block_state)
     cu_seqlens_q_ptr,  # [B + 1] int32
     seq_lens_ptr,  # [B] int32
     state_slots_ptr,  # [B] int32
@@ -543,7 +467,6 @@ def _blocks_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SPLIT_OUT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -567,6 +490,7 @@ def _blocks_kernel(
         r = first + idx
         ok = r < n
         rows = (start + r).to(tl.int64)
+        q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
         k = _unit_rows(_block_rows(k_head, rows, ok, offs_k, k_ok, stride_kt), eps)
         g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0)
         c = tl.cumsum(g, axis=0)
@@ -576,23 +500,20 @@ def _blocks_kernel(
             mask=ok[:, None] & k_ok[None, :],
             other=0.0,
         )
-        u_ptrs = u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :]
-        u = tl.load(u_ptrs, mask=ok[:, None] & v_ok[None, :], other=0.0)
+        u = tl.load(
+            u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
+            mask=ok[:, None] & v_ok[None, :],
+            other=0.0,
+        )
         v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
-        if SPLIT_OUT:  # the state entering the block and v' (this program's columns of u)
-            hs = hs_ptr + ((block_state(start + first, b, C) * H + h) * K + offs_k[:, None]) * V
-            tl.store(hs + offs_v[None, :], s.to(hs_ptr.dtype.element_ty), mask=tile_ok)
-            tl.store(u_ptrs, v_new, mask=ok[:, None] & v_ok[None, :])
-        else:
-            q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
-            within = tl.load(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None])
-            o = tl.dot(q * tl.exp(c)[:, None], s, input_precision=DOT_PRECISION)
-            o = tl.dot(within, v_new, acc=o, input_precision=DOT_PRECISION)
-            tl.store(
-                out_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
-                o.to(out_ptr.dtype.element_ty),
-                mask=ok[:, None] & v_ok[None, :],
-            )
+        within = tl.load(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None])
+        o = tl.dot(q * tl.exp(c)[:, None], s, input_precision=DOT_PRECISION)
+        o = tl.dot(within, v_new, acc=o, input_precision=DOT_PRECISION)
+        tl.store(
+            out_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
+            o.to(out_ptr.dtype.element_ty),
+            mask=ok[:, None] & v_ok[None, :],
+        )
         k_out = k * tl.exp(c_last - c)[:, None]
         s = tl.dot(tl.trans(k_out), v_new, acc=s * tl.exp(c_last), input_precision=DOT_PRECISION)
     tl.store(s_ptrs, s, mask=tile_ok)
@@ -610,10 +531,9 @@ def chunked_gated_delta_rule(
     config: ChunkedConfig | None = None,
 ) -> torch.Tensor:
     """Semantics: gated_delta.gated_delta_rule's up to float rounding, with delta_rule's
-    contract on shapes, padding and graphs; float32 scratch of [T, H, C + K + V] and, with
-    split_out, the states entering the blocks [T / C + B, H, K, V] in v's dtype. config: tests."""
+    contract on shapes, padding and graphs; float32 scratch of [T, H, K + V]. config: tests."""
     check_delta_inputs(q, k, v, g, beta, state)
-    (T, Hk, K), (H, V) = q.shape, v.shape[1:]
+    (T, Hk, K), (H, V), B = q.shape, v.shape[1:], step_sequences(attn)
     out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
     if T == 0:
         return out
@@ -634,22 +554,10 @@ def chunked_gated_delta_rule(
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
-    work = _launch_prepare(q, k, v, g, beta, a, w, u, attn, config, common)
-    _launch_blocks(q, k, g, a, w, u, state, out, attn, work, config, common)
-    return out
-
-
-def _launch_blocks(q, k, g, a, w, u, state, out, attn, work, config: ChunkedConfig, common):
-    """The serial chain over each sequence's blocks; with config.split_out, then the outputs of
-    every block at once (_out_kernel)."""
-    (T, H, V), K, B = out.shape, k.shape[2], step_sequences(attn)
+    _launch_prepare(q, k, v, g, beta, a, w, u, attn, config, common)
     block_v = max(min(config.block_v, next_power_of_2(V)), 16)  # tl.dot's least width
-    # the states entering the blocks (SPLIT_OUT): one a block, block_state's index
-    hs = out
-    if config.split_out:
-        hs = torch.empty(cdiv(T, config.chunk) + B, H, K, V, dtype=out.dtype, device=out.device)
-    qs = dict(q_ptr=q, **strides("q", q), scale=K**-0.5)
     _blocks_kernel[(B, H, cdiv(V, block_v))](
+        q_ptr=q,
         k_ptr=k,
         g_ptr=g,
         w_ptr=w,
@@ -657,41 +565,25 @@ def _launch_blocks(q, k, g, a, w, u, state, out, attn, work, config: ChunkedConf
         u_ptr=u,
         state_ptr=state,
         out_ptr=out,
-        hs_ptr=hs,
         cu_seqlens_q_ptr=attn.cu_seqlens_q,
         seq_lens_ptr=attn.seq_lens,
         state_slots_ptr=attn.state_slots,
         num_seqs=B,
         num_rows=T,
-        **qs,
+        **strides("q", q),
         **strides("k", k),
         **strides("g", g),
+        scale=K**-0.5,
         BLOCK_V=block_v,
-        SPLIT_OUT=config.split_out,
         num_stages=config.num_stages,
         **common,
     )
-    if config.split_out:
-        _out_kernel[(H, work.shape[0], cdiv(V, block_v))](
-            g_ptr=g,
-            a_ptr=a,
-            u_ptr=u,
-            hs_ptr=hs,
-            out_ptr=out,
-            cu_seqlens_q_ptr=attn.cu_seqlens_q,
-            work_ptr=work,
-            **qs,
-            **strides("g", g),
-            BLOCK_V=block_v,
-            **common,
-        )
+    return out
 
 
-def _launch_prepare(
-    q, k, v, g, beta, a, w, u, attn, config: ChunkedConfig, common: dict
-) -> torch.Tensor:
-    """w and u of every block of the step (its work table at config.chunk, returned): A, its
-    inverse, then w and u, three launches over the same (value head, block) grid."""
+def _launch_prepare(q, k, v, g, beta, a, w, u, attn, config: ChunkedConfig, common: dict) -> None:
+    """w and u of every block of the step (its work table at config.chunk): A, its inverse, then
+    w and u, three launches over the same (value head, block) grid."""
     work = attention_work(attn.cu_seqlens_q, k.shape[0], config.chunk)
     grid = (v.shape[1], work.shape[0])
     rows = dict(cu_seqlens_q_ptr=attn.cu_seqlens_q, work_ptr=work)
@@ -721,4 +613,3 @@ def _launch_prepare(
         BLOCK_V=max(next_power_of_2(v.shape[2]), 16),
         **common,
     )
-    return work
