@@ -57,22 +57,17 @@ def test_absorb_out_rounds_once_to_the_dtype_asked(poison_empty):
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
 
 
-def test_tiles_fill_the_gpu_without_empty_blocks():
-    """(BT, BN): the rows' own block (16 / 32 / 64) and 64 columns where they make FILL
-    programs; smaller token blocks, then narrower columns, where they would not (a decode
-    step); never a token block the rows half-fill. Moonlight's sides: 16 heads, the q side 512
-    columns, the out side 128."""
-    fill, tiles = mla_absorb.FILL, mla_absorb.tiles
-    assert fill == 128
-    assert tiles(4096, 16, 128) == (64, 64)  # prefill: blocks of 64 make plenty
-    assert tiles(64, 16, 512) == (64, 64)  # the q side: 8 column blocks x 16 heads
-    assert tiles(64, 16, 128) == (16, 64)  # the out side: 4 token blocks x 2 x 16
-    assert tiles(32, 16, 128) == (16, 32)  # 2 token blocks x 4 column blocks of 32 x 16
-    assert tiles(8, 16, 128) == (16, 16)  # 8 column blocks of 16 x 16 heads
-    assert tiles(8, 16, 512) == (16, 64)
-    assert tiles(1, 2, 8) == (16, 16)  # never below 16 rows or columns (tl.dot's least)
-    assert tiles(20, 16, 512) == (32, 64)  # 20 rows fill more than half of 32
-    assert tiles(20, 16, 128) == (16, 32)
+def test_row_block_fills_the_gpu_without_empty_blocks():
+    """The token block: the rows' own (16 / 32 / 64) where they make FILL programs; smaller
+    blocks where they would not (a decode step's out side); never one the rows half-fill."""
+    fill = mla_absorb.FILL
+    assert mla_absorb.row_block(4096, 2) == 64  # prefill: blocks of 64 make plenty
+    assert mla_absorb.row_block(64, fill) == 64  # the q side's 8 column blocks x 16 heads
+    assert mla_absorb.row_block(64, fill // 4) == 16  # the out side's 2 x 16: 4 blocks of 16
+    assert mla_absorb.row_block(64, fill // 2) == 32
+    assert mla_absorb.row_block(8, 1) == 16  # never below 16 rows (tl.dot's least)
+    assert mla_absorb.row_block(20, fill) == 32  # 20 rows fill more than half of 32
+    assert mla_absorb.row_block(30, fill // 2) == 16
 
 
 def test_absorb_rejects_a_latent_of_another_size():

@@ -125,11 +125,11 @@ def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo
 @pytest.mark.parametrize("fill,blocks", [(1, 1), (mla_absorb.FILL, 3)])
 def test_rows_of_many_token_blocks(monkeypatch, fill, blocks):
     """40 tokens of every slot mixed, in one token block of 64 (FILL = 1: blocks of the rows
-    alone) or three of 16 and 16 columns (the GPU-filling rule, at these few heads and
-    columns), each block its own walk over the slots its rows hold."""
+    alone) or three of 16 (the GPU-filling rule, at these few heads and columns), each block
+    its own walk over the slots its rows hold."""
     monkeypatch.setattr(mla_absorb, "FILL", fill)
     Hh, N, V, L = 2, 8, 8, 16
-    assert -(-40 // mla_absorb.tiles(40, Hh, N)[0]) == blocks
+    assert -(-40 // mla_absorb.row_block(40, Hh)) == blocks
     lora = kv_b_lora(Hh, N, V, L, torch.float32, seed=4)
     g = torch.Generator().manual_seed(5)
     slots = torch.randint(-1, 4, (40,), generator=g).tolist()
@@ -209,7 +209,7 @@ def o_lora_of(Hh: int, V: int, H: int, dtype: torch.dtype, seed: int) -> LoraWei
 
 @pytest.mark.parametrize("with_kv_b", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("Hh,N,V,L", [SHAPES[1], (2, 8, 80, 16)])  # V = 80: partial column blocks
+@pytest.mark.parametrize("Hh,N,V,L", [SHAPES[1], (2, 8, 80, 16)])  # V = 80: two column blocks
 def test_o_shrink_rides_in_the_out_side(Hh, N, V, L, dtype, with_kv_b):
     """absorb_out_o_shrink: the output of absorb_out to the bit, and o_proj's LoRA shrink of
     it, its partials summed over KS, equal to reference.lora_shrink on the rows with an
@@ -223,8 +223,7 @@ def test_o_shrink_rides_in_the_out_side(Hh, N, V, L, dtype, with_kv_b):
         o_lat, kv_b, N, dtype, lora=lora, info=info, o_lora=o_lora
     )
     assert torch.equal(out, mla_absorb.absorb_out(o_lat, kv_b, N, dtype, lora=lora, info=info))
-    BN = mla_absorb.tiles(T, Hh, V)[1]  # a partial a head and column block
-    assert part.shape == (T, Hh * -(-V // BN), 1, MAX_RANK) and part.dtype == torch.float32
+    assert part.shape == (T, Hh * -(-V // 64), 1, MAX_RANK) and part.dtype == torch.float32
     rows = torch.tensor([s in (0, 3) for s in SLOTS])
     expected = reference.lora_shrink(out.reshape(T, -1), o_lora, info)
     got = part[rows].sum(dim=1)

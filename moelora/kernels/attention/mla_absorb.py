@@ -56,10 +56,9 @@ _DOTS = ("plain", "split", "ieee")
 # columns of u a pass of kv_b_proj's LoRA takes: the factors of 64 // RP slots side by side, so
 # a block of rows with several adapters walks K once for each 64 // RP of them, not once each
 LORA_COLS = 64
-# programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens take
-# the smallest token block, then the narrowest columns, that does (mla_absorb.tiles), so the out
-# side's 2 column blocks a head are not 32 programs at 64 tokens, each walking K = L = 512 once
-# for the base and once per pass of kv_b_proj's LoRA
+# programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
+# take the smallest token block that does, so the out side's 2 column blocks a head are not 32
+# programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
 FILL = 128
 
 
@@ -408,7 +407,8 @@ def _absorb(
     head_rows, L = kv_b.shape[0] // Hh, kv_b.shape[1]
     assert kv_b.shape[0] % Hh == 0 and (K if transposed else n_out) == L, (kv_b.shape, a.shape)
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
-    (BT, BN), BK = tiles(T, Hh, n_out), 64
+    BN, BK = 64, 64
+    BT = row_block(T, Hh * cdiv(n_out, BN))
     out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
     o_args, part = _o_shrink_args(out, kv_b, info, o_lora, cdiv(n_out, BN))
     if T == 0:
@@ -444,17 +444,13 @@ def _absorb(
     return out, part
 
 
-def tiles(T: int, Hh: int, n_out: int) -> tuple[int, int]:
-    """(BT, BN): the largest of 64 / 32 tokens that T fills more than half of and whose blocks
-    make FILL programs (Hh heads and n_out / BN column blocks each), else 16; at 16 tokens, the
-    widest of 64 / 32 / 16 columns that does, else 16 (a decode step of a few tokens)."""
+def row_block(T: int, programs_per_block: int) -> int:
+    """BT: the largest of 64 / 32 tokens that T fills more than half of and whose blocks make
+    FILL programs (each of programs_per_block heads and column blocks), else 16."""
     for bt in (64, 32):
-        if T > bt // 2 and cdiv(T, bt) * Hh * cdiv(n_out, 64) >= FILL:
-            return bt, 64
-    for bn in (64, 32):
-        if cdiv(T, 16) * Hh * cdiv(n_out, bn) >= FILL:
-            return 16, bn
-    return 16, 16
+        if T > bt // 2 and cdiv(T, bt) * programs_per_block >= FILL:
+            return bt
+    return 16
 
 
 def _lora_args(
