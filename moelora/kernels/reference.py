@@ -339,18 +339,32 @@ def fused_moe_w8a8(
     lora13: LoraWeights | None = None,
     lora2: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    h_group: int = 128,
 ) -> torch.Tensor:
     """Semantics: fused_moe on block-FP8 experts as MoeConfig.w8a8 computes it: the base products
-    read fp8_rows(x) and fp8_rows(h) against the weights dequantized in float32, each rounded
-    to x's dtype; the LoRA deltas read x and h unquantized."""
+    read fp8_rows(x) (groups of 128) and fp8_rows(h, h_group) (MoeConfig.block_n, gate_up's
+    tile) against the weights dequantized in float32, each rounded to x's dtype; the LoRA
+    deltas read x and h unquantized."""
     args = (x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, None, None, "silu")
-    return _fused_moe(*args, w8a8=True)
+    return _fused_moe(*args, w8a8=True, h_group=h_group)
 
 
 def _fused_moe(
-    x, w13, w2, topk_weights, topk_ids, lora13, lora2, info, b13, b2, activation, w8a8=False
+    x,
+    w13,
+    w2,
+    topk_weights,
+    topk_ids,
+    lora13,
+    lora2,
+    info,
+    b13,
+    b2,
+    activation,
+    w8a8=False,
+    h_group=128,
 ) -> torch.Tensor:
-    """fused_moe's body (its semantics), W8A8's where w8a8."""
+    """fused_moe's body (its semantics), W8A8's where w8a8 (h in groups of h_group)."""
     act = ACTIVATIONS[activation]
     assert not w8a8 or isinstance(w13, Fp8Weight), type(w13)
     w13, w2 = (dense_experts(w, torch.float32 if w8a8 else x.dtype) for w in (w13, w2))
@@ -376,16 +390,16 @@ def _fused_moe(
         if use_lora and lora13 is not None and sel.numel():
             gate_up[sel] += _expert_delta(xe[sel], lora13, slots, e, scale).to(gate_up.dtype)
         h = act(gate_up)
-        down = _base_product(h, w2[e], w8a8) + (0 if b2 is None else b2[e])
+        down = _base_product(h, w2[e], w8a8, h_group) + (0 if b2 is None else b2[e])
         if use_lora and lora2 is not None and sel.numel():
             down[sel] += _expert_delta(h[sel], lora2, slots, e, scale).to(down.dtype)
         out.index_add_(0, tok, down.float() * weight_of_pair[pairs, None])
     return out.to(x.dtype)
 
 
-def _base_product(a: torch.Tensor, w: torch.Tensor, w8a8: bool) -> torch.Tensor:
-    """a @ w.T, W8A8's on fp8_rows(a) and w in float32, rounded to a's dtype."""
-    return (fp8_rows(a) @ w.T).to(a.dtype) if w8a8 else a @ w.T
+def _base_product(a: torch.Tensor, w: torch.Tensor, w8a8: bool, group: int = 128) -> torch.Tensor:
+    """a @ w.T, W8A8's on fp8_rows(a, group) and w in float32, rounded to a's dtype."""
+    return (fp8_rows(a, group) @ w.T).to(a.dtype) if w8a8 else a @ w.T
 
 
 def store_kv(

@@ -89,7 +89,9 @@ def test_fused_moe_fp8_bf16(experts, config, T, spread):
     chosen = config or default_config(T, E, H, I, K, torch.device(DEV), fp8=True)
     f32 = dict(lora13=_f32(lora13), lora2=_f32(lora2), info=info)
     if chosen.w8a8:
-        ref = reference.fused_moe_w8a8(x.float(), w13, w2, topk_weights, topk_ids, **f32)
+        ref = reference.fused_moe_w8a8(
+            x.float(), w13, w2, topk_weights, topk_ids, **f32, h_group=chosen.block_n
+        )
     else:
         ref = reference.fused_moe(x.float(), dense13, dense2, topk_weights, topk_ids, **f32)
     assert torch.isfinite(out).all()
@@ -129,28 +131,34 @@ def test_fused_moe_fp8_replays_in_a_cuda_graph(experts, T, deterministic):
     assert not torch.equal(out, base)  # the adapters changed the output
 
 
-W8A8 = [  # gate_up 128 wide (a tile is a group of h); 64 rows, or 16 (mma.sync on f16)
+W8A8 = [  # gate_up 128 wide (h in groups of 128) on 64 or 16 rows (mma.sync on f16), or 64
+    # wide (groups of 64, down 64 deep) on 128 rows
     MoeConfig(
-        **dict(block_m=bm, block_n=128, block_k=128, block_n_down=bnd, block_k_down=128),
+        **dict(block_m=bm, block_n=bn, block_k=128, block_n_down=bnd, block_k_down=bn),
         num_warps=warps,
         num_stages=stages,
         w8a8=True,
         tma=tma,
     )
-    for bm, bnd, warps, stages, tma in (
-        (64, 128, 8, 2, False),
-        (64, 128, 8, 3, True),  # the weights' code tiles through TMA
-        (64, 64, 8, 3, False),
-        (16, 64, 4, 3, False),
+    for bm, bn, bnd, warps, stages, tma in (
+        (64, 128, 128, 8, 2, False),
+        (64, 128, 128, 8, 3, True),  # the weights' code tiles through TMA
+        (64, 128, 64, 8, 3, False),
+        (16, 128, 64, 4, 3, False),
+        (128, 64, 128, 8, 3, True),
+        (128, 64, 64, 8, 3, False),
     )
 ]
 
 
-@pytest.mark.parametrize("config", W8A8, ids=["64-128", "64-128-tma", "64-64", "16-64"])
+@pytest.mark.parametrize(
+    "config", W8A8, ids=["64-128", "64-128-tma", "64-64", "16-64", "128x64-tma", "128x64-64"]
+)
 @pytest.mark.parametrize("T", [64, 4096])
 @pytest.mark.parametrize("spread", ["none", "mixed"])
 def test_fused_moe_w8a8(experts, config, T, spread):
-    """W8A8 (x and h quantized per row and 128-column group as they load, FP8 tensor cores)
+    """W8A8 (x and h quantized per row and group as they load, x's of 128 columns, h's gate_up's
+    tile width; FP8 tensor cores)
     against the reference's own W8A8 (fp8_rows of x and h against the fp32 weights; LoRA on the
     unquantized activations), and within the activations' rounding of the weight-only MoE."""
     (w13, w2), (dense13, dense2), lora13, lora2 = experts
@@ -159,7 +167,9 @@ def test_fused_moe_w8a8(experts, config, T, spread):
     lora = dict(lora13=lora13, lora2=lora2, info=info)
     out = fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=config)
     f32 = dict(lora13=_f32(lora13), lora2=_f32(lora2), info=info)
-    ref = reference.fused_moe_w8a8(x.float(), w13, w2, topk_weights, topk_ids, **f32)
+    ref = reference.fused_moe_w8a8(
+        x.float(), w13, w2, topk_weights, topk_ids, **f32, h_group=config.block_n
+    )
     weight_only = reference.fused_moe(x.float(), dense13, dense2, topk_weights, topk_ids, **f32)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= 1e-2, (T, spread, config)

@@ -104,24 +104,30 @@ def test_fused_moe_fp8_refuses_tiles_across_scale_blocks_and_mixed_experts():
 # of h's codes land a step (1/16) apart
 W8A8_TOL = {torch.float32: 1e-5, torch.float16: 2e-2}
 W8A8 = MoeConfig(block_m=16, block_n=128, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
+# h in groups of 64: gate_up 64 wide, down 64 deep, two tiles a block of the weights' scales
+W8A8_H64 = dataclasses.replace(W8A8, block_n=64, block_k_down=64)
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("spread", ["none", "mixed", "mixed by block"])
-def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, spread, dtype, tma):
-    """W8A8: x quantized per row and 128-column group before gate_up, h in gate_up's epilogue,
-    the dots on the codes; against the reference's W8A8 (fp8_rows of x and h, the LoRA on the
-    unquantized ones). "by block": the shrinks run block by block (a prefill's), down's reading
-    h itself, which gate_up then stores beside its codes. "tma": the weights' code tiles
-    through TMA descriptors."""
+@pytest.mark.parametrize("tiles", [W8A8, W8A8_H64], ids=["h128", "h64"])
+def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, tiles, spread, dtype, tma):
+    """W8A8: x quantized per row and 128-column group before gate_up, h per row and group of
+    gate_up's tile width (128, 64) in its epilogue, the dots on the codes; against the
+    reference's W8A8 (fp8_rows of x and h, the LoRA on the unquantized ones). "by block": the
+    shrinks run block by block (a prefill's), down's reading h itself, which gate_up then
+    stores beside its codes. "tma": the weights' code tiles through TMA descriptors."""
     if spread.endswith("by block"):
         monkeypatch.setattr(fused, "BLOCK_SHRINK_FROM", 1)
     args, lora = fp8_case(9, "whole", spread.split()[0], dtype)
-    out = fused_moe(*args, **lora, config=dataclasses.replace(W8A8, tma=tma))
-    want = reference.fused_moe_w8a8(*args, **lora)
+    out = fused_moe(*args, **lora, config=dataclasses.replace(tiles, tma=tma))
+    want = reference.fused_moe_w8a8(*args, **lora, h_group=tiles.block_n)
     assert rel_err(out, want) <= W8A8_TOL[dtype], spread
     assert rel_err(want, reference.fused_moe(*args, **lora)) > 1e-3  # activations rounded
+    if dtype == torch.float32:  # h's groups are the tile's: the other grouping is far off
+        other = reference.fused_moe_w8a8(*args, **lora, h_group=192 - tiles.block_n)
+        assert rel_err(out, other) > 100 * W8A8_TOL[dtype]
 
 
 def test_quantize_rows_fp8_per_row_and_group():
@@ -142,11 +148,13 @@ def test_quantize_rows_fp8_per_row_and_group():
     assert ((back - groups).abs() <= groups.abs() / 16 + scale[..., None] * 2**-9).all()
 
 
-def test_w8a8_tiles_are_one_block_deep():
-    """W8A8 refuses tiles other than 128 deep, and gate_up's other than 128 wide (a tile is a
-    group of the activations), and experts that are not block-FP8."""
+def test_w8a8_tiles_are_one_group_deep():
+    """W8A8 refuses gate_up's tiles other than 128 deep (x's groups) and other than 128 or 64
+    wide (h's groups), down's other than one of h's groups deep, and experts that are not
+    block-FP8."""
     args, lora = fp8_case(3, "whole", "none", torch.float32)
-    for other in (dict(block_k=64), dict(block_k_down=64), dict(block_n=64)):
+    bad = (dict(block_k=64), dict(block_k_down=64), dict(block_n=64), dict(block_n=32))
+    for other in bad + (dict(block_n=32, block_k_down=32),):
         with pytest.raises(AssertionError):
             fused_moe(*args, config=dataclasses.replace(W8A8, **other))
     x, w13, w2, weights, ids = args

@@ -543,7 +543,7 @@ def _launch_mxfp4_moe() -> None:
 def _launch_fp8_moe() -> None:
     """Block-FP8 experts (no tuned table yet) at the bf16 table's tiles that fit them (BK
     dividing 128; their TMA flags take the code tiles through descriptors), at the default
-    tiles and the deterministic ones, and W8A8 at four tiles, LoRA off and on."""
+    tiles and the deterministic ones, and W8A8 at six tiles, LoRA off and on."""
     from lora_cases import batch_info, fp8_weight, lora_weights
 
     from moelora.kernels.moe.config import MoeConfig
@@ -558,9 +558,17 @@ def _launch_fp8_moe() -> None:
         if fp8_tiles_fit(cfg.block_k) and fp8_tiles_fit(cfg.block_k_down)
     ]
     cases = [(T, cfg, False) for T, cfg in fits] + [(1, None, False), (64, None, True)]
-    # W8A8's tiles, the last also with the weights' code tiles through TMA
-    for bm, bnd, warps, tma in ((16, 64, 4, 0), (64, 64, 8, 0), (64, 128, 8, 0), (64, 128, 8, 1)):
-        tiles = dict(block_n=128, block_k=128, block_n_down=bnd, block_k_down=128, tma=bool(tma))
+    # W8A8's tiles, h in groups of 128 or (128 rows) 64, some with the weights' code tiles
+    # through TMA
+    for bm, bn, bnd, warps, tma in (
+        (16, 128, 64, 4, 0),
+        (64, 128, 64, 8, 0),
+        (64, 128, 128, 8, 0),
+        (64, 128, 128, 8, 1),
+        (128, 64, 128, 8, 1),
+        (128, 64, 64, 8, 0),
+    ):
+        tiles = dict(block_n=bn, block_k=128, block_n_down=bnd, block_k_down=bn, tma=bool(tma))
         cases.append((256, MoeConfig(block_m=bm, **tiles, num_warps=warps, w8a8=True), False))
     for T, config, deterministic in cases:
         info = batch_info(T, "mixed")

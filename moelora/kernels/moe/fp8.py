@@ -14,14 +14,16 @@ rounds each weight once; the two differ by that rounding and by the order of the
 With MoeConfig.tma the code tiles come through a TMA descriptor of the codes as [E * N, K]
 (zeros past K), the pointer tiles and their masks out of the loop's registers.
 
-W8A8 (MoeConfig.w8a8; tiles exactly 128 deep): the activations arrive as e4m3 codes with a
-float32 scale per row and 128-column group (DeepSeek's per-token groups: quantize_rows_fp8
-for x before gate_up, gate_up's epilogue for h, whose 128-column tiles are one group each), so
-the dot takes both operands' codes on the FP8 tensor cores. A slice's partial [BM, BN] then
-scales by the rows' scales and the columns' block scales, in float32: the promotion every 128
-deep that keeps the FP8 MMA's narrow accumulation short. The codes are the only rounding; the
-LoRA path reads x and h unquantized (fused_moe's align and epilogues), as the torch reference
-(reference.fused_moe's w8a8).
+W8A8 (MoeConfig.w8a8): the activations arrive as e4m3 codes with a float32 scale per row and
+group of columns (DeepSeek's per-token groups: quantize_rows_fp8 for x before gate_up, in
+groups of 128; gate_up's epilogue for h, each of its BN-column tiles one group, BN 128 or 64),
+so the dot takes both operands' codes on the FP8 tensor cores. A tile is one group deep
+(gate_up's 128, down's h_group), and its product [BM, BN] scales by the rows' scales, then a
+slice's by the columns' block scales, in float32: the promotion every group that keeps the FP8
+MMA's narrow accumulation short. h's groups of 64 let gate_up take 128-row tiles: its four
+float32 tiles (gate, up and their partials) at 128 x 128 do not fit the registers. The codes
+are the only rounding; the LoRA path reads x and h unquantized (fused_moe's align and
+epilogues), as the torch reference (reference.fused_moe_w8a8, h_group = BN).
 """
 
 import torch
@@ -39,12 +41,13 @@ FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
 QUANT_ROWS = 16  # rows a program of quantize_rows_fp8 takes ([16, 128] tiles)
 
 
-def fp8_tiles_fit(block_k: int, w8a8: bool = False) -> bool:
-    """Whether BK-deep tiles fit the loops: each within one block of scales along K; W8A8's
-    exactly one (a tile is one of the activations' groups)."""
-    return (
-        block_k == FP8_BLOCK[1] if w8a8 else block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
-    )
+def fp8_tiles_fit(block_k: int, group: int = 0) -> bool:
+    """Whether BK-deep tiles fit the loops: each within one block of scales along K; with a
+    group (W8A8: the activations' columns a scale), exactly one group deep, a group that
+    divides a block of scales."""
+    if group:
+        return block_k == group and FP8_BLOCK[1] % group == 0
+    return block_k <= FP8_BLOCK[1] and FP8_BLOCK[1] % block_k == 0
 
 
 @triton.jit
@@ -92,15 +95,15 @@ def _code_tile(ptrs, k_ok, n_ok, desc, row, ks, TMA: tl.constexpr):
 
 
 @triton.jit
-def _row_codes(q_ptr, s_ptr, rows, row_ok, N, k0, offs_k, k_ok):
-    """(codes [BM, BK] e4m3, scales [BM] float32) of rows' 128-column group at k0, from a
-    [R, N] code array and its [R, N / 128] scales (masked rows: codes 0, scale 0)."""
+def _row_codes(q_ptr, s_ptr, rows, row_ok, N, k0, offs_k, k_ok, GROUP: tl.constexpr):
+    """(codes [BM, BK] e4m3, scales [BM] float32) of rows' GROUP-column group at k0, from a
+    [R, N] code array and its [R, N / GROUP] scales (masked rows: codes 0, scale 0)."""
     codes = tl.load(
         q_ptr + rows[:, None] * N + (k0 + offs_k)[None, :],
         mask=row_ok[:, None] & k_ok[None, :],
         other=0.0,
     )
-    scale = tl.load(s_ptr + rows * (N // SCALE_K) + k0 // SCALE_K, mask=row_ok, other=0.0)
+    scale = tl.load(s_ptr + rows * (N // GROUP) + k0 // GROUP, mask=row_ok, other=0.0)
     return codes, scale
 
 
@@ -188,7 +191,9 @@ def gate_up_fp8_loop(
             ks = k0 + s * BK
             k_ok = offs_k < H - ks
             if W8A8:  # one tile a slice (fp8_tiles_fit)
-                xq, x_scale = _row_codes(xq_ptr, xs_ptr, tokens, row_ok, H, ks, offs_k, k_ok)
+                xq, x_scale = _row_codes(
+                    xq_ptr, xs_ptr, tokens, row_ok, H, ks, offs_k, k_ok, GROUP=SCALE_K
+                )
                 wg = _code_tile(wg0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
                 part_g = tl.dot(xq, wg, part_g)
                 wu = _code_tile(wu0 + ks, k_ok, n_ok, w_desc, w_row + I, ks, TMA)
@@ -225,10 +230,10 @@ def down_fp8_loop(
     BM: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
-    hq_ptr=None,  # W8A8: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I / 128] float32
+    hq_ptr=None,  # W8A8: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I / BK] float32
     hs_ptr=None,
     h_rows=None,  # W8A8: [BM] int64 block rows
-    W8A8: tl.constexpr = False,
+    W8A8: tl.constexpr = False,  # h's groups are then BK columns (fp8_tiles_fit)
     w_desc=None,  # TMA: the codes' descriptor ([E * H, I], tiles [BN, BK]), the block's first row
     w_row=0,
     TMA: tl.constexpr = False,
@@ -244,10 +249,10 @@ def down_fp8_loop(
         for s in tl.static_range(SCALE_K // BK):
             ks = k0 + s * BK
             k_ok = offs_k < I - ks
-            if W8A8:  # one tile a slice (fp8_tiles_fit): part holds this tile's product alone
-                hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok)
+            if W8A8:  # one tile a group of h (fp8_tiles_fit): its product scaled alone
+                hq, h_scale = _row_codes(hq_ptr, hs_ptr, h_rows, row_ok, I, ks, offs_k, k_ok, BK)
                 w = _code_tile(w0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
-                part = tl.dot(hq, w, part) * h_scale[:, None]
+                part += tl.dot(hq, w) * h_scale[:, None]
             else:
                 ht = tl.load(
                     h_ptr + h_offs[:, None] + (ks + offs_k)[None, :],

@@ -72,6 +72,7 @@ from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 
+W8A8_H_GROUPS = (64, 128)  # h's columns a scale under W8A8: gate_up's tile width (MoeConfig)
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
@@ -140,7 +141,7 @@ def _gate_up_kernel(
     h_ptr,  # [NB*BM, I] out: silu(gate) * up, one row per block row (with STORE_H)
     xq_ptr,  # W8A8 only: x's codes [T, H] e4m3 and scales [T, H/128] (fp8.quantize_rows_fp8)
     xs_ptr,
-    hq_ptr,  # W8A8 only, out: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I/128] float32
+    hq_ptr,  # W8A8 only, out: h's codes [NB*BM, I] e4m3 and scales [NB*BM, I/BN] float32
     hs_ptr,
     sorted_pair_ptr,  # [NB*BM] int32: pair of each block row, -1 for padding
     expert_of_block_ptr,  # [NB] int32: -1 for unused blocks
@@ -341,7 +342,7 @@ def _gate_up_kernel(
     h_offs = h_rows[:, None].to(tl.int64) * I + offs_n[None, :]
     # W8A8 quantizes h's float32 values: rounded to x's dtype first, the e4m3 rounding of a
     # value that lands on a midpoint would be a second one (the reference rounds once)
-    if W8A8:  # the tile's 128 columns are one of h's groups (_check_tiles)
+    if W8A8:  # the tile's BN columns are one of h's groups (_check_tiles)
         hq, h_scale = quantized_rows(h)
         tl.store(hq_ptr + h_offs, hq, mask=row_ok[:, None] & n_ok[None, :])
         tl.store(hs_ptr + h_rows.to(tl.int64) * (I // BN) + pid_n, h_scale, mask=row_ok)
@@ -1143,11 +1144,15 @@ def _check_tiles(cfg: MoeConfig, kind: str, H: int, I: int) -> None:
     tiles are the activations' groups of 128, so none may be ragged."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
-    assert kind != "fp8" or all(fp8_tiles_fit(bk, cfg.w8a8) for bk in depths), cfg
     assert kind == "fp8" or not cfg.w8a8, cfg
-    assert not cfg.w8a8 or (H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0), (H, I)
-    # gate_up's epilogue quantizes h a tile at a time: a tile is one group of its columns
-    assert not cfg.w8a8 or cfg.block_n == FP8_BLOCK[1], cfg
+    if not cfg.w8a8:
+        assert kind != "fp8" or all(fp8_tiles_fit(bk) for bk in depths), cfg
+        return
+    assert H % FP8_BLOCK[1] == 0 and I % FP8_BLOCK[1] == 0, (H, I)
+    # x's groups are 128 columns; gate_up's epilogue quantizes h a tile at a time, so h's
+    # groups are its BN columns, and down's tiles are one such group deep
+    assert cfg.block_n in W8A8_H_GROUPS and fp8_tiles_fit(cfg.block_k, FP8_BLOCK[1]), cfg
+    assert fp8_tiles_fit(cfg.block_k_down, cfg.block_n), cfg
 
 
 def _check_lora(
