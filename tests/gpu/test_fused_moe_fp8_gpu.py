@@ -19,10 +19,13 @@ if not torch.cuda.is_available():  # before any kernel module is imported (see k
 pytest.importorskip("triton")
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "kernels"))
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from cuda_graphs import capture  # noqa: E402
 from lora_cases import batch_info, fp8_weight, lora_weights, rel_err  # noqa: E402
 
 from moelora.kernels import reference  # noqa: E402
+from moelora.kernels.moe import fp8, fused  # noqa: E402
 from moelora.kernels.moe.config import default_config  # noqa: E402
 from moelora.kernels.moe.fused import MoeConfig, fused_moe  # noqa: E402
 from moelora.step.lora import LoraBatchInfo, LoraWeights  # noqa: E402
@@ -176,3 +179,39 @@ def test_fused_moe_w8a8(experts, config, T, spread):
     # e4m3 keeps 3 bits: each activation is off by up to 1/16, the sums by far less
     assert rel_err(out, weight_only) <= 6e-2, (T, spread, config)
     assert rel_err(ref, weight_only) > 1e-3  # the activations were rounded
+
+
+@triton.jit
+def _placed_kernel(codes_ptr, out_ptr):
+    offs = tl.arange(0, 256)
+    tl.store(out_ptr + offs, fp8.e4m3_bf16_placed(tl.load(codes_ptr + offs)))
+
+
+def test_placement_gives_every_finite_codes_value():
+    """fp8.e4m3_bf16_placed on the GPU: every finite e4m3 code's bfloat16 conversion, bit for
+    bit (subnormals through the bf16x2 multiply, -0 included)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    out = torch.empty(256, dtype=torch.bfloat16, device=DEV)
+    _placed_kernel[(1,)](codes_ptr=codes, out_ptr=out)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16)
+    finite = torch.isfinite(want)
+    assert torch.equal(out[finite].view(torch.int16), want[finite].view(torch.int16))
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("T", [1, 64, 4096])
+def test_placed_code_tiles_give_the_conversions_bits(experts, monkeypatch, T, tma):
+    """fused.FP8_PLACED (weight-only code tiles by bit placement) gives the converted tiles'
+    output to the bit, LoRA on mixed slots: the dots take the same bf16 values."""
+    (w13, w2), _, lora13, lora2 = experts
+    x, topk_weights, topk_ids = _inputs(T)
+    info = batch_info(T, "mixed", DEV)
+    chosen = default_config(T, E, H, I, K, torch.device(DEV), fp8=True)
+    config = dataclasses.replace(chosen, w8a8=False, tma=tma)  # placement is weight-only's
+    outs = []
+    for placed in (False, True):
+        monkeypatch.setattr(fused, "FP8_PLACED", placed)
+        lora = dict(lora13=lora13, lora2=lora2, info=info)
+        outs.append(fused_moe(x, w13, w2, topk_weights, topk_ids, **lora, config=config))
+    assert torch.equal(outs[0], outs[1]), (T, config)
+    assert torch.isfinite(outs[1]).all()

@@ -17,7 +17,7 @@ from lora_cases import batch_info, fp8_weight, lora_weights, rel_err
 
 from moelora.kernels import reference
 from moelora.kernels.fp8_block import Fp8Weight
-from moelora.kernels.moe import fused
+from moelora.kernels.moe import fp8, fused
 from moelora.kernels.moe.fused import MoeConfig, fused_moe
 
 E, K, R = 4, 2, 16
@@ -161,3 +161,64 @@ def test_w8a8_tiles_are_one_group_deep():
     dense = (w13.dequantize(torch.float32), w2.dequantize(torch.float32))
     with pytest.raises(AssertionError):
         fused_moe(x, *dense, weights, ids, config=W8A8)
+
+
+def _run_placed_ptx(word: int) -> tuple[int, int]:
+    """fp8._placed_asm's PTX run instruction by instruction on one input word: its two output
+    words (the prmt, and, shr, or, mov and bf16x2 multiply it uses, as PTX defines them)."""
+    regs = {"$2": word}
+
+    def val(tok: str) -> int:
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def bf16x2_mul(a: int, b: int) -> int:
+        halves = []
+        for shift in (0, 16):
+            x, y = (torch.tensor([(v >> shift) & 0xFFFF], dtype=torch.int32) for v in (a, b))
+            x, y = (t.to(torch.int16) for t in (x, y))  # the low 16 bits, as bfloat16's
+            prod = x.view(torch.bfloat16).float() * y.view(torch.bfloat16).float()
+            halves.append(int(prod.to(torch.bfloat16).view(torch.int16)) & 0xFFFF)
+        return halves[0] | halves[1] << 16
+
+    for line in fp8._placed_asm().splitlines():
+        if not line.endswith(";") or line.startswith(".reg"):
+            continue
+        op, rest = line.rstrip(";").split(" ", 1)
+        dst, *src = [t.strip() for t in rest.split(",")]
+        if op == "prmt.b32":
+            data = (val(src[0]) | val(src[1]) << 32).to_bytes(8, "little")
+            sel = val(src[2])
+            out = bytes(data[(sel >> (4 * i)) & 7] for i in range(4))
+            regs[dst] = int.from_bytes(out, "little")
+        elif op == "and.b32":
+            regs[dst] = val(src[0]) & val(src[1])
+        elif op == "or.b32":
+            regs[dst] = val(src[0]) | val(src[1])
+        elif op == "shr.b32":
+            regs[dst] = val(src[0]) >> val(src[1])
+        elif op == "mov.b32":
+            regs[dst] = val(src[0])
+        elif op == "mul.rn.bf16x2":
+            regs[dst] = bf16x2_mul(val(src[0]), val(src[1]))
+        else:
+            raise AssertionError(f"an instruction the emulation lacks: {line}")
+    return regs["$0"], regs["$1"]
+
+
+def test_e4m3_placement_ptx_gives_every_finite_codes_value():
+    """fp8.e4m3_bf16_placed's PTX (the GPU's code tiles, which the interpreter cannot run),
+    emulated: every finite e4m3 code, at each byte of a word of random neighbours, comes out
+    as the bfloat16 its conversion gives, bit for bit, subnormals and -0 included."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).to(torch.bfloat16).view(torch.int16)
+    finite = torch.isfinite(codes.view(torch.float8_e4m3fn).float())
+    gen = torch.Generator().manual_seed(3)
+    for code in range(256):
+        if not finite[code]:
+            continue
+        for byte in range(4):
+            word = torch.randint(0, 256, (4,), generator=gen).tolist()
+            word[byte] = code
+            lo, hi = _run_placed_ptx(int.from_bytes(bytes(word), "little"))
+            half = ((hi if byte >= 2 else lo) >> (16 * (byte % 2))) & 0xFFFF
+            assert half == int(want[code]) & 0xFFFF, (code, byte, hex(half))

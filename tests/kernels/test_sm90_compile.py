@@ -602,6 +602,12 @@ def main() -> None:
                 if kernel.fn.__name__ not in looked_up:
                     looked_up.add(kernel.fn.__name__)
                     compile_sm90(kernel, args, dict(kwargs, MXFP4_EXPAND=1))
+            # block-FP8 weight-only: the code tiles by bit placement (a CUDA bf16 launch's
+            # with fused.FP8_PLACED), once a kernel, pointers and TMA
+            placed = (kernel.fn.__name__, kwargs.get("TMA"))
+            if kwargs.get("FP8") and not kwargs.get("W8A8") and placed not in looked_up:
+                looked_up.add(placed)
+                compile_sm90(kernel, args, dict(kwargs, FP8_PLACED=True))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
     print(check_a_alignment_hint(launches))
 

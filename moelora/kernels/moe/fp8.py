@@ -77,6 +77,60 @@ def quantized_rows(xt):
     return _e4m3_values(v).to(tl.float8e4nv), scale
 
 
+def _placed_asm() -> str:
+    """e4m3_bf16_placed's PTX: t and u are bytes 0, 1 and 2, 3 of the input word in the high
+    bytes of two halves; each half keeps its sign bit and takes its exponent and mantissa bits
+    4 places lower (one three-input mask after the shift), then a multiply by 2^120 (bf16
+    0x7B80) makes the placed value the code's."""
+    lines = [
+        "{",
+        ".reg .b32 t, u, a, b, c;",
+        "prmt.b32 t, $2, 0, 0x1404;",
+        "prmt.b32 u, $2, 0, 0x3424;",
+        "mov.b32 c, 0x7B807B80;",
+    ]
+    for out, src in (("$0", "t"), ("$1", "u")):
+        lines += [
+            f"and.b32 a, {src}, 0x80008000;",
+            f"shr.b32 b, {src}, 4;",
+            "and.b32 b, b, 0x07F007F0;",
+            "or.b32 a, a, b;",
+            f"mul.rn.bf16x2 {out}, a, c;",
+        ]
+    return "\n".join([*lines, "}"])
+
+
+_PLACED_ASM: tl.constexpr = tl.constexpr(_placed_asm())
+
+
+@triton.jit
+def e4m3_bf16_placed(codes):
+    """codes (uint8, e4m3fn bits) as bfloat16, the same values as their conversion (GPU only:
+    inline PTX). An e4m3 code s eeee mmm placed as the bfloat16 s 0000eeee mmm0000 is the
+    value times 2^-120, a bfloat16 subnormal for e = 0 as e4m3's subnormals are; the multiply
+    by 2^120 is exact for every finite code (the NaN codes, never a weight's, come out 480).
+    Integer instructions and one HMUL2 for 2 values, where the compiler's conversion goes
+    e4m3 -> f16 -> bf16 (an F2F a value, on the conversion pipe, which bounds a decode step's
+    FP8 MoE)."""
+    return tl.inline_asm_elementwise(
+        asm=_PLACED_ASM,
+        constraints="=r,=r,r",
+        args=[codes],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
+def _codes_as(tile, dtype: tl.constexpr, PLACED: tl.constexpr):
+    """A tile of e4m3 codes in dtype: converted, or by bit placement (PLACED: bf16, GPU)."""
+    if PLACED:
+        return e4m3_bf16_placed(tile.to(tl.uint8, bitcast=True))
+    else:
+        return tile.to(dtype)
+
+
 @triton.jit
 def _col_scales(s_e, rows, k0, n_ok, stride_sn):
     """[BN] float32: the scales of rows (int64 [BN]) in the block of scales at K offset k0."""
@@ -174,6 +228,7 @@ def gate_up_fp8_loop(
     w_desc=None,  # TMA: the codes' descriptor ([E * 2I, H], tiles [BN, BK]), gate's first row
     w_row=0,
     TMA: tl.constexpr = False,
+    PLACED: tl.constexpr = False,  # weight-only, bf16 on the GPU: code tiles by bit placement
 ):
     """fused_moe's gate_up main loop on block-FP8 experts: (acc_g, acc_u) [BM, BN] fp32, x's
     block rows times gate's columns offs_n (rows offs_n of W13) and up's (rows I + offs_n)."""
@@ -207,9 +262,9 @@ def gate_up_fp8_loop(
                     other=0.0,
                 )
                 wg = _code_tile(wg0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
-                part_g = dot(xt, wg.to(xt.dtype), part_g)
+                part_g = dot(xt, _codes_as(wg, xt.dtype, PLACED), part_g)
                 wu = _code_tile(wu0 + ks, k_ok, n_ok, w_desc, w_row + I, ks, TMA)
-                part_u = dot(xt, wu.to(xt.dtype), part_u)
+                part_u = dot(xt, _codes_as(wu, xt.dtype, PLACED), part_u)
         acc_g += part_g * _col_scales(s_e, rows_g, k0, n_ok, stride_sn)[None, :]
         acc_u += part_u * _col_scales(s_e, rows_u, k0, n_ok, stride_sn)[None, :]
     return acc_g, acc_u
@@ -237,6 +292,7 @@ def down_fp8_loop(
     w_desc=None,  # TMA: the codes' descriptor ([E * H, I], tiles [BN, BK]), the block's first row
     w_row=0,
     TMA: tl.constexpr = False,
+    PLACED: tl.constexpr = False,  # weight-only, bf16 on the GPU: code tiles by bit placement
 ):
     """fused_moe's down main loop on block-FP8 experts: acc [BM, BN] fp32, h's block rows times
     down's columns offs_n."""
@@ -260,6 +316,6 @@ def down_fp8_loop(
                     other=0.0,
                 )
                 w = _code_tile(w0 + ks, k_ok, n_ok, w_desc, w_row, ks, TMA)
-                part = dot(ht, w.to(ht.dtype), part)
+                part = dot(ht, _codes_as(w, ht.dtype, PLACED), part)
         acc += part * _col_scales(s_e, rows, k0, n_ok, stride_sn)[None, :]
     return acc

@@ -72,6 +72,9 @@ from moelora.kernels.reference import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from moelora.kernels.sizes import cdiv, next_power_of_2
 from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 
+# block-FP8 experts, weight-only, bf16 on the GPU: the code tiles by bit placement
+# (fp8.e4m3_bf16_placed: the conversions' values, off the conversion pipe) or converted
+FP8_PLACED = False
 W8A8_H_GROUPS = (64, 128)  # h's columns a scale under W8A8: gate_up's tile width (MoeConfig)
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
@@ -179,6 +182,7 @@ def _gate_up_kernel(
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
     W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
+    FP8_PLACED: tl.constexpr,  # ... weight-only, their code tiles in bf16 by bit placement
     STORE_H: tl.constexpr,  # h in x's dtype (W8A8 without down's LoRA by blocks needs codes only)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
@@ -256,6 +260,7 @@ def _gate_up_kernel(
             w_desc=w13_desc,
             w_row=expert * (2 * I) + pid_n * BN,
             TMA=TMA,
+            PLACED=FP8_PLACED,
         )
     elif TMA:
         # W13's rows of this program's gate and up columns, as rows of the [E*2I, H] view:
@@ -424,6 +429,7 @@ def _down_kernel(
     MXFP4_SUB_K: tl.constexpr,  # ... in sub-tiles this deep (MoeConfig.mxfp4_sub_k)
     FP8: tl.constexpr,  # block-FP8 experts, scaled a 128-deep slice of K at a time (fp8.py)
     W8A8: tl.constexpr,  # ... on FP8 tensor cores, on the activations' codes (fp8.py)
+    FP8_PLACED: tl.constexpr,  # ... weight-only, their code tiles in bf16 by bit placement
     TMA: tl.constexpr,  # tiles through h_desc and w2_desc (MoeConfig.tma)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -490,6 +496,7 @@ def _down_kernel(
             w_desc=w2_desc,
             w_row=expert * H + pid_n * BN,
             TMA=TMA,
+            PLACED=FP8_PLACED,
         )
     elif TMA:
         # the block's rows of h are contiguous: its padding rows are read unmasked (their
@@ -636,6 +643,7 @@ class _Experts:
     tma: bool = False  # tiles through TMA descriptors (_tma)
     fp8: bool = False  # block-FP8 codes and scales
     w8a8: bool = False  # ... on FP8 tensor cores (MoeConfig.w8a8)
+    fp8_placed: bool = False  # ... weight-only, the code tiles by bit placement (FP8_PLACED)
 
     def launch_args(self, name: str, block: tuple[int, int]) -> dict:
         """The GEMM kernels' weight arguments, by keyword: NAME_ptr, NAME_scale_ptr, the
@@ -655,7 +663,18 @@ class _Experts:
             "MXFP4_SUB_K": self.sub_k,
             "FP8": self.fp8,
             "W8A8": self.w8a8,
+            "FP8_PLACED": self.fp8_placed,
         }
+
+
+def _runs_ptx(x: torch.Tensor) -> bool:
+    """Whether the weights' tiles may expand by inline PTX: bf16 activations on the GPU (the
+    interpreter runs no PTX)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    )
 
 
 def _experts(
@@ -667,18 +686,14 @@ def _experts(
     if isinstance(w, Fp8Weight):  # TMA: the code tiles, through the codes' descriptor
         c, s = w.codes, w.scale_inv
         strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
-        fp8 = dict(fp8=True, w8a8=cfg.w8a8, tma=_tma(cfg, c))
+        placed = FP8_PLACED and not cfg.w8a8 and _runs_ptx(x)
+        fp8 = dict(fp8=True, w8a8=cfg.w8a8, tma=_tma(cfg, c), fp8_placed=placed)
         return _Experts(c, s, *strides, mxfp4=False, expand=0, **fp8)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
         # (mxfp4.lut_tile_dot)
-        ptx = (
-            cfg.mxfp4_lut
-            and x.dtype == torch.bfloat16
-            and x.device.type == "cuda"
-            and os.environ.get("TRITON_INTERPRET") != "1"
-        )
+        ptx = cfg.mxfp4_lut and _runs_ptx(x)
         expand = (2 if w.small_scales else 1) if ptx else 0
         if w.swizzled:  # the GPU layout is read by its own bit placement only
             if not (x.dtype == torch.bfloat16 and x.device.type == "cuda"):
