@@ -1156,7 +1156,8 @@ def _expert_sizes(
 
 def _check_tiles(cfg: MoeConfig, kind: str, H: int, I: int) -> None:
     """The tiles fit the experts' format: MXFP4's groups of 32, FP8's blocks of 128; W8A8's
-    tiles are the activations' groups of 128, so none may be ragged."""
+    are one of the activations' groups deep (x's 128 columns, h's gate_up's width), so none
+    may be ragged."""
     depths = (cfg.block_k, cfg.block_k_down)
     assert kind != "mxfp4" or all(bk % MXFP4_GROUP == 0 for bk in depths), cfg
     assert kind == "fp8" or not cfg.w8a8, cfg
