@@ -53,9 +53,10 @@ from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 # how a program's dot reads its rows: "plain" (the weight's dtype), "split" (float32 rows as
 # two parts in the weight's dtype), "ieee" (float32 weight)
 _DOTS = ("plain", "split", "ieee")
-# columns of u a pass of kv_b_proj's LoRA takes: the factors of 64 // RP slots side by side, so
-# a block of rows with several adapters walks K once for each 64 // RP of them, not once each
-LORA_COLS = 64
+# columns of u a pass of kv_b_proj's LoRA takes: the factors of 128 // RP slots side by side,
+# so a block of rows with several adapters walks K once for each 128 // RP of them, not once
+# each (8 adapters of rank 16 in one pass)
+LORA_COLS = 128
 # programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
 # take the smallest token block that does, so the out side's 2 column blocks a head are not 32
 # programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
