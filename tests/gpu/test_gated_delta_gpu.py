@@ -15,7 +15,7 @@ heads, H = value heads, K / V = key / value head dim.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +30,7 @@ from cuda_graphs import capture  # noqa: E402
 from lora_cases import rel_err  # noqa: E402
 
 from moelora.kernels import gated_delta  # noqa: E402
-from moelora.kernels.linear_attention import gates  # noqa: E402
+from moelora.kernels.linear_attention import delta_chunked, gates  # noqa: E402
 from moelora.kernels.linear_attention.conv import causal_conv1d  # noqa: E402
 from moelora.kernels.linear_attention.delta_rule import gated_delta_rule  # noqa: E402
 from moelora.kernels.linear_attention.gated_norm import rms_norm_gated  # noqa: E402
@@ -159,10 +159,19 @@ def test_gated_delta_rule_computes_its_gates(case):
     assert torch.equal(out, want) and torch.equal(state, want_state)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"prepared": True, "num_stages": 1}, {"prepared": True, "scratch": "bfloat16"}],
+    ids=str,
+)
 @pytest.mark.parametrize("case", ["prefill-4096"])
-def test_chunked_gated_delta_rule_matches_reference(case):
+def test_chunked_gated_delta_rule_matches_reference(monkeypatch, case, variant):
     """The block form (chunked=True: blocks of 64, tf32 dots) against the token loop: the
-    output and the states within 1e-2 relative error; fresh slots' NaN never read."""
+    output and the states within 1e-2 relative error; fresh slots' NaN never read. As configured,
+    with q and k prepared beside w and u (float32 rows fit one stage), and with those rows in
+    bf16 (ChunkedConfig)."""
+    config = replace(delta_chunked.CONFIG, **variant)
+    monkeypatch.setattr(delta_chunked, "CONFIG", config)
     step = make_step(case, seed=3)
     gen = torch.Generator(device=DEV).manual_seed(3)
     args = delta_inputs(step.rows, gen)

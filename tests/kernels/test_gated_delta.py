@@ -215,12 +215,14 @@ def test_chunked_gated_delta_rule_matches_reference(
             assert torch.equal(state[s], before[s]), f"slot {s} is not the batch's"
 
 
+@pytest.mark.parametrize("prepared", [False, True])
 @pytest.mark.parametrize("chunk", [8, 16])
-def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk):
+def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk, prepared):
     """Blocks of 8 and 16 tokens: sub-blocks of 2 and 4 rows, so the inverse's substitution
     steps and its block merges (_prepare_kernel) both run, on full and partial blocks (the
-    9- and 7-token chunks) and a state carried between two blocks."""
-    config = replace(delta_chunked.INTERPRETER_CONFIG, chunk=chunk)
+    9- and 7-token chunks) and a state carried between two blocks; q and k normed in the chain
+    or prepared beside w and u (ChunkedConfig.prepared)."""
+    config = replace(delta_chunked.INTERPRETER_CONFIG, chunk=chunk, prepared=prepared)
     monkeypatch.setattr(delta_chunked, "INTERPRETER_CONFIG", config)
     batch = make_batch("prefill", padded=True, seed=chunk)
     out, want, state, want_state, before = run_delta(

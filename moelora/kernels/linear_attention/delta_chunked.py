@@ -11,7 +11,10 @@ with T = (I + A)^-1:
 for the state S entering the block. Two launches:
   - _prepare_kernel, one program per (value head, block), every block of the step at once:
     A by one dot, T by forward substitution over the block's rows in registers (exact float32
-    arithmetic), w and u by two dots, stored as float32 scratch rows beside the step's rows.
+    arithmetic), w and u by two dots, stored as scratch rows beside the step's rows (float32,
+    or bf16 as fla keeps them: ChunkedConfig.scratch); with ChunkedConfig.prepared also q and k
+    as the chain uses them (normed, scaled, decayed), so that no program of the chain norms
+    them again.
   - _blocks_kernel, one program per (sequence, value head, BLOCK_V value columns): the state
     tile [K, BLOCK_V] in float32 registers, loaded from the sequence's slot (zeros from position
     0), the blocks in order, each a few dots; the tile goes back to the slot at the end.
@@ -65,6 +68,12 @@ class ChunkedConfig:
     # tl.dot's for bf16 and fp16 inputs: tf32 tensor cores on the GPU (float32 dots by FMA
     # spill heavily at these tiles: bench/compile_audit.py); exact float32 in the interpreter
     dot_precision: str
+    # q and k normed, scaled and decayed once a block by _wu_kernel into scratch rows, so the
+    # serial _blocks_kernel loads them rather than norming q and k in each of its programs
+    prepared: bool = False
+    # the scratch rows' dtype (w, u and prepared q, k): "float32", or "bfloat16" as fla keeps
+    # w (the chain's dots then take the state and v' in bf16); float32 models keep float32
+    scratch: str = "float32"
 
 
 # fla's block of 64 tokens; 32 value columns give 4 programs a value head, so one sequence of
@@ -349,8 +358,10 @@ def _wu_kernel(
     beta_ptr,  # [T, H], strided by stride_bt, stride_bh
     a_ptr,  # [T, H, C] float32 contiguous: (I + A)^-1 (_solve_kernel's) in, the within-block
     # scores tril(q k^T exp(c_i - c_j)) out, for _blocks_kernel
-    w_ptr,  # [T, H, K] float32 contiguous: written for the step's rows
-    u_ptr,  # [T, H, V] float32 contiguous: written for the step's rows
+    w_ptr,  # [T, H, K] scratch dtype, contiguous: written for the step's rows
+    u_ptr,  # [T, H, V] scratch dtype, contiguous: written for the step's rows
+    qg_ptr,  # [T, H, K] scratch dtype: q scale exp(c), normed (PREPARED; else unused)
+    kd_ptr,  # [T, H, K] scratch dtype: k exp(c_last - c), normed (PREPARED; else unused)
     cu_seqlens_q_ptr,  # [B + 1] int32
     work_ptr,  # [NW] int32
     # Sizes and strides.
@@ -375,11 +386,12 @@ def _wu_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREPARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """w = T (beta k exp(c)) and u = T (beta v) of one (value head, block), by one dot each;
     then the block's within scores over T in the scratch (the serial _blocks_kernel's largest
-    dot, taken out of its chain)."""
+    dot, taken out of its chain), and with PREPARED its q and k rows as the chain uses them."""
     pdl_wait(PDL)  # first: see kernels/pdl.py
     h = tl.program_id(0)
     entry, start, n, first = _work_block(work_ptr, cu_seqlens_q_ptr, C)
@@ -412,9 +424,9 @@ def _wu_kernel(
         a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None] & below, other=0.0
     )
     w = tl.dot(t, k * (beta * tl.exp(c))[:, None], input_precision=DOT_PRECISION)
-    tl.store(
-        w_ptr + (rows[:, None] * H + h) * K + offs_k[None, :], w, mask=ok[:, None] & k_ok[None, :]
-    )
+    k_rows = (rows[:, None] * H + h) * K + offs_k[None, :]  # of the [T, H, K] scratch
+    rows_ok = ok[:, None] & k_ok[None, :]
+    tl.store(w_ptr + k_rows, w.to(w_ptr.dtype.element_ty), mask=rows_ok)
     v = tl.load(
         v_ptr + h * stride_vh + rows[:, None] * stride_vt + offs_v[None, :],
         mask=ok[:, None] & v_ok[None, :],
@@ -422,10 +434,18 @@ def _wu_kernel(
     ).to(tl.float32)
     u = tl.dot(t, v * beta[:, None], input_precision=DOT_PRECISION)
     tl.store(
-        u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :], u, mask=ok[:, None] & v_ok[None, :]
+        u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
+        u.to(u_ptr.dtype.element_ty),
+        mask=ok[:, None] & v_ok[None, :],
     )
     q_head = q_ptr + (h // GROUPS) * stride_qh
     q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
+    if PREPARED:  # rows past the sequence have g = 0: c's last entry is the block's decay
+        c_last = tl.sum(tl.where(idx == C - 1, c, 0.0), axis=0)
+        qg = q * tl.exp(c)[:, None]
+        tl.store(qg_ptr + k_rows, qg.to(qg_ptr.dtype.element_ty), mask=rows_ok)
+        kd = k * tl.exp(c_last - c)[:, None]
+        tl.store(kd_ptr + k_rows, kd.to(kd_ptr.dtype.element_ty), mask=rows_ok)
     causal = idx[None, :] <= idx[:, None]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     within = tl.where(causal, qk * tl.exp(tl.where(causal, c[:, None] - c[None, :], 0.0)), 0.0)
@@ -440,8 +460,10 @@ def _blocks_kernel(
     k_ptr,  # [T, Hk, K], strided by stride_kt, stride_kh, K contiguous
     g_ptr,  # [T, H] float32, strided by stride_gt, stride_gh
     a_ptr,  # [T, H, C] float32 contiguous: the within-block scores (_wu_kernel's)
-    w_ptr,  # [T, H, K] float32 contiguous (_wu_kernel's)
-    u_ptr,  # [T, H, V] float32 contiguous (_wu_kernel's)
+    w_ptr,  # [T, H, K] scratch dtype, contiguous (_wu_kernel's)
+    u_ptr,  # [T, H, V] scratch dtype, contiguous (_wu_kernel's)
+    qg_ptr,  # [T, H, K] scratch dtype (_wu_kernel's, PREPARED; else unused)
+    kd_ptr,  # [T, H, K] scratch dtype (_wu_kernel's, PREPARED; else unused)
     state_ptr,  # [S, H, K, V] float32 contiguous: read, then written for the batch's slots
     out_ptr,  # [T, H, V] contiguous, v's dtype
     cu_seqlens_q_ptr,  # [B + 1] int32
@@ -467,6 +489,7 @@ def _blocks_kernel(
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREPARED: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl_wait(PDL)  # first: see kernels/pdl.py
@@ -490,32 +513,41 @@ def _blocks_kernel(
         r = first + idx
         ok = r < n
         rows = (start + r).to(tl.int64)
-        q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
-        k = _unit_rows(_block_rows(k_head, rows, ok, offs_k, k_ok, stride_kt), eps)
+        k_rows = (rows[:, None] * H + h) * K + offs_k[None, :]  # of the [T, H, K] scratch
+        rows_ok = ok[:, None] & k_ok[None, :]
         g = tl.load(g_ptr + rows * stride_gt + h * stride_gh, mask=ok, other=0.0)
-        c = tl.cumsum(g, axis=0)
         c_last = tl.sum(g, axis=0)  # rows past the sequence have g = 0
-        w = tl.load(
-            w_ptr + (rows[:, None] * H + h) * K + offs_k[None, :],
-            mask=ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        if PREPARED:
+            qg = tl.load(qg_ptr + k_rows, mask=rows_ok, other=0.0)
+            k_out = tl.load(kd_ptr + k_rows, mask=rows_ok, other=0.0)
+        else:
+            c = tl.cumsum(g, axis=0)
+            q = _unit_rows(_block_rows(q_head, rows, ok, offs_k, k_ok, stride_qt), eps) * scale
+            k = _unit_rows(_block_rows(k_head, rows, ok, offs_k, k_ok, stride_kt), eps)
+            qg = q * tl.exp(c)[:, None]
+            k_out = k * tl.exp(c_last - c)[:, None]
+        w = tl.load(w_ptr + k_rows, mask=rows_ok, other=0.0)
         u = tl.load(
             u_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
             mask=ok[:, None] & v_ok[None, :],
             other=0.0,
-        )
-        v_new = u - tl.dot(w, s, input_precision=DOT_PRECISION)  # [C, BLOCK_V]
+        ).to(tl.float32)
+        # a bf16 scratch's dots take the state in bf16 too (fla's); float32's, tf32 or ieee
+        v_new = u - tl.dot(w, s.to(w.dtype), input_precision=DOT_PRECISION)  # [C, BLOCK_V]
         within = tl.load(a_ptr + (rows[:, None] * H + h) * C + idx[None, :], mask=ok[:, None])
-        o = tl.dot(q * tl.exp(c)[:, None], s, input_precision=DOT_PRECISION)
+        o = tl.dot(qg, s.to(qg.dtype), input_precision=DOT_PRECISION)
         o = tl.dot(within, v_new, acc=o, input_precision=DOT_PRECISION)
         tl.store(
             out_ptr + (rows[:, None] * H + h) * V + offs_v[None, :],
             o.to(out_ptr.dtype.element_ty),
             mask=ok[:, None] & v_ok[None, :],
         )
-        k_out = k * tl.exp(c_last - c)[:, None]
-        s = tl.dot(tl.trans(k_out), v_new, acc=s * tl.exp(c_last), input_precision=DOT_PRECISION)
+        s = tl.dot(
+            tl.trans(k_out),
+            v_new.to(k_out.dtype),
+            acc=s * tl.exp(c_last),
+            input_precision=DOT_PRECISION,
+        )
     tl.store(s_ptrs, s, mask=tile_ok)
 
 
@@ -531,7 +563,8 @@ def chunked_gated_delta_rule(
     config: ChunkedConfig | None = None,
 ) -> torch.Tensor:
     """Semantics: gated_delta.gated_delta_rule's up to float rounding, with delta_rule's
-    contract on shapes, padding and graphs; float32 scratch of [T, H, K + V]. config: tests."""
+    contract on shapes, padding and graphs; scratch of [T, H, K + V] (3K + V prepared) in
+    config.scratch's dtype, and float32 [T, H, C]. config: tests."""
     check_delta_inputs(q, k, v, g, beta, state)
     (T, Hk, K), (H, V), B = q.shape, v.shape[1:], step_sequences(attn)
     out = torch.empty(T, H, V, dtype=v.dtype, device=v.device)
@@ -539,8 +572,12 @@ def chunked_gated_delta_rule(
         return out
     config = config or (CONFIG if v.is_cuda else INTERPRETER_CONFIG)
     a = torch.empty(T, H, config.chunk, dtype=torch.float32, device=v.device)
-    w = torch.empty(T, H, K, dtype=torch.float32, device=v.device)
-    u = torch.empty(T, H, V, dtype=torch.float32, device=v.device)
+    # float32 models (the GPU's comparisons with transformers) keep float32 rows and products
+    dt = torch.float32 if v.dtype == torch.float32 else getattr(torch, config.scratch)
+    k_rows = torch.empty(3 if config.prepared else 1, T, H, K, dtype=dt, device=v.device)
+    # without config.prepared, qg and kd are w (never read nor written: PREPARED is off)
+    w, qg, kd = k_rows if config.prepared else (k_rows[0],) * 3
+    u = torch.empty(T, H, V, dtype=dt, device=v.device)
     common = dict(
         H=H,
         K=K,
@@ -549,12 +586,12 @@ def chunked_gated_delta_rule(
         GROUPS=H // Hk,
         C=config.chunk,
         BLOCK_K=max(next_power_of_2(K), 16),
-        # float32 models (the GPU's comparisons with transformers) keep float32 products
         DOT_PRECISION="ieee" if v.dtype == torch.float32 else config.dot_precision,
+        PREPARED=config.prepared,
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
-    _launch_prepare(q, k, v, g, beta, a, w, u, attn, config, common)
+    _launch_prepare(q, k, v, g, beta, a, (w, u, qg, kd), attn, config, common)
     block_v = max(min(config.block_v, next_power_of_2(V)), 16)  # tl.dot's least width
     _blocks_kernel[(B, H, cdiv(V, block_v))](
         q_ptr=q,
@@ -563,6 +600,8 @@ def chunked_gated_delta_rule(
         w_ptr=w,
         a_ptr=a,
         u_ptr=u,
+        qg_ptr=qg,
+        kd_ptr=kd,
         state_ptr=state,
         out_ptr=out,
         cu_seqlens_q_ptr=attn.cu_seqlens_q,
@@ -581,9 +620,11 @@ def chunked_gated_delta_rule(
     return out
 
 
-def _launch_prepare(q, k, v, g, beta, a, w, u, attn, config: ChunkedConfig, common: dict) -> None:
-    """w and u of every block of the step (its work table at config.chunk): A, its inverse, then
-    w and u, three launches over the same (value head, block) grid."""
+def _launch_prepare(q, k, v, g, beta, a, rows_out, attn, config: ChunkedConfig, common: dict):
+    """w and u (and q, k as the chain uses them: rows_out's four) of every block of the step
+    (its work table at config.chunk): A, its inverse, then w and u, three launches over the same
+    (value head, block) grid."""
+    w, u, qg, kd = rows_out
     work = attention_work(attn.cu_seqlens_q, k.shape[0], config.chunk)
     grid = (v.shape[1], work.shape[0])
     rows = dict(cu_seqlens_q_ptr=attn.cu_seqlens_q, work_ptr=work)
@@ -605,6 +646,8 @@ def _launch_prepare(q, k, v, g, beta, a, w, u, attn, config: ChunkedConfig, comm
         a_ptr=a,
         w_ptr=w,
         u_ptr=u,
+        qg_ptr=qg,
+        kd_ptr=kd,
         **rows,
         **gated,
         **strides("q", q),
