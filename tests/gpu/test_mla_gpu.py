@@ -259,14 +259,16 @@ def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> Lora
     )
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("T", [1, 8, 64, 200, 4096])
 @pytest.mark.parametrize("side", ["q", "out"])
-def test_absorption_with_lora_against_references(side, T):
+def test_absorption_with_lora_against_references(monkeypatch, side, T, fused):
     """Each side's absorption with kv_b_proj's LoRA inside against the float32 references
     (kernels/mla.absorb_q / absorb_out with lora_q_ / lora_out_) on the same bf16 weight and
     factors, at decode and prefill sizes: the corrections agree to about 2^-16 of their size
     (their float32 parts split in two bf16 parts), and rows without an enabled slot keep the
-    bits of the absorption without LoRA."""
+    bits of the absorption without LoRA; the first pass apart or in the base's walk."""
+    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", (side,) if fused else ())
     heads = 16
     lora = compact_kv_b_lora(heads)
     g = torch.Generator().manual_seed(12 + T)

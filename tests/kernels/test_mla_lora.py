@@ -122,12 +122,14 @@ def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo
     torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
 
 
+@pytest.mark.parametrize("fused", [(), ("q", "out")])
 @pytest.mark.parametrize("fill,blocks", [(1, 1), (mla_absorb.FILL, 3)])
-def test_rows_of_many_token_blocks(monkeypatch, fill, blocks):
+def test_rows_of_many_token_blocks(monkeypatch, fill, blocks, fused):
     """40 tokens of every slot mixed, in one token block of 64 (FILL = 1: blocks of the rows
     alone) or three of 16 (the GPU-filling rule, at these few heads and columns), each block
-    its own walk over the slots its rows hold."""
+    its own walk over the slots its rows hold; the first pass apart or in the base's walk."""
     monkeypatch.setattr(mla_absorb, "FILL", fill)
+    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", fused)
     Hh, N, V, L = 2, 8, 8, 16
     assert -(-40 // mla_absorb.row_block(40, Hh)) == blocks
     lora = kv_b_lora(Hh, N, V, L, torch.float32, seed=4)
@@ -138,12 +140,14 @@ def test_rows_of_many_token_blocks(monkeypatch, fill, blocks):
     both_sides_match(torch.randn(40, Hh, N), torch.randn(40, Hh, L), kv_b, lora, info)
 
 
+@pytest.mark.parametrize("fused", [(), ("q", "out")])
 @pytest.mark.parametrize("cols", [16, 32, mla_absorb.LORA_COLS])
-def test_more_adapters_than_a_pass_takes(monkeypatch, cols):
+def test_more_adapters_than_a_pass_takes(monkeypatch, cols, fused):
     """10 slots (one disabled, one without kv_b_proj) over 40 tokens: a block's rows hold more
     adapters than a pass of LORA_COLS columns takes, so it walks K in several passes, each
-    keeping its own slots' rows."""
+    keeping its own slots' rows; the first of them apart or in the base's walk (FUSED_SIDES)."""
     monkeypatch.setattr(mla_absorb, "LORA_COLS", cols)
+    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", fused)
     Hh, N, V, L, S = 2, 8, 8, 16, 10
     g = torch.Generator().manual_seed(7)
     ranks = torch.randint(1, MAX_RANK + 1, (S,), generator=g)

@@ -57,6 +57,10 @@ _DOTS = ("plain", "split", "ieee")
 # so a block of rows with several adapters walks K once for each 128 // RP of them, not once
 # each (8 adapters of rank 16 in one pass)
 LORA_COLS = 128
+# the absorption's sides ("q", "out") whose first LoRA pass rides in the base's walk over K:
+# the pass's F1 tiles dotted with the rows the base loads, so that up to LORA_COLS // RP
+# adapters cost no second serial walk (the other passes walk K after it, as unfused ones do)
+FUSED_SIDES: tuple[str, ...] = ()
 # programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
 # take the smallest token block that does, so the out side's 2 column blocks a head are not 32
 # programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
@@ -78,10 +82,78 @@ def _mma(x, w, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _pass_columns(
+    todo,  # [BT] each row's slot not yet taken by a pass, -1 without one
+    head,
+    lw_ptr,
+    tab_ptr,
+    K: tl.constexpr,
+    NOUT: tl.constexpr,
+    HEAD_ROWS: tl.constexpr,
+    ROW0: tl.constexpr,  # 0: the q side
+    TW: tl.constexpr,
+    RP: tl.constexpr,
+    G: tl.constexpr,  # slots a pass
+    A_ALIGN: tl.constexpr,
+):
+    """One pass's [G RP] columns, the G largest slots left in todo (-1 past the last): (each
+    column's slot, whether it is within its slot's rank, its row of A and column of B_k[h] or
+    B_v[h] as pointers, B's row stride, todo without the pass's slots)."""
+    offs_c = tl.arange(0, G * RP)
+    r_of_c = offs_c % RP
+    col_slot = tl.full((G * RP,), -1, tl.int32)
+    for g in tl.static_range(G):
+        slot = tl.max(todo, 0)
+        col_slot = tl.where(offs_c // RP == g, slot, col_slot)
+        todo = tl.where(todo == slot, -1, todo)
+    entry = tab_ptr + tl.maximum(col_slot, 0).to(tl.int64) * TW
+    c_ok = (col_slot >= 0) & (r_of_c < tl.load(entry + TAB_RANK, mask=col_slot >= 0, other=0))
+    a_col = lw_ptr + aligned(tl.load(entry + TAB_A_OFF, mask=c_ok, other=0), A_ALIGN)
+    b_row = tl.load(entry + TAB_B_ROW, mask=c_ok, other=0)
+    # A's row r (of L) and B_k[h]'s or B_v[h]'s column r, for each column c
+    a_col += r_of_c * (K if ROW0 != 0 else NOUT)
+    b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=c_ok, other=0) + r_of_c
+    b_col += (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row
+    return col_slot, c_ok, a_col, b_col, b_row, todo
+
+
+@triton.jit
+def _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K: tl.constexpr, ROW0: tl.constexpr):
+    """A pass's F1 rows k0 + offs_k [BK, G RP]: B_k[h] on the q side, A.T on the out side."""
+    k_ok = (k0 + offs_k) < K
+    if ROW0 == 0:
+        f1 = b_col[None, :] + (k0 + offs_k)[:, None] * b_row[None, :]
+    else:
+        f1 = a_col[None, :] + (k0 + offs_k)[:, None]
+    return tl.load(f1, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _pass_out(
+    acc, u, slots, col_slot, c_ok, a_col, b_col, b_row, scaling_ptr, offs_n, n_ok, ROW0, DOT
+):
+    """acc + a pass's u [BT, G RP] (the rows times its F1), kept where a column's slot is its
+    row's, times that slot's scaling, times its F2 stacked [G RP, BN]."""
+    mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
+    scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
+    u = tl.where(mine, u * scale[None, :], 0.0)
+    if ROW0 == 0:  # F2 = A: [G RP, NOUT]
+        f2 = a_col[:, None] + offs_n[None, :]
+    else:  # F2 = B_v[h].T
+        f2 = b_col[:, None] + offs_n[None, :] * b_row[:, None]
+    f2 = tl.load(f2, mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+    if DOT == "ieee":
+        return _mma(u, f2, acc, "ieee")
+    else:
+        return _mma(u, f2, acc, "split")
+
+
+@triton.jit
 def _lora_delta(
     acc,
     a_rows,  # [BT, 1] pointers: the rows of the program's head
-    todo,  # [BT] each row's slot (module_slots), -1 without one
+    slots,  # [BT] each row's slot (module_slots), -1 without one
+    todo,  # [BT] ... where no pass has taken it yet, else -1
     head,
     offs_n,
     n_ok,
@@ -100,52 +172,38 @@ def _lora_delta(
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
-    """acc + each row's scaling * (a @ F1) @ F2 of its slot (the module docstring), G slots a
-    pass, the largest left first: F1 of the G slots side by side [K, G RP], F2 stacked
-    [G RP, BN], and u [BT, G RP] kept where a column's slot is its row's."""
+    """acc + each row's scaling * (a @ F1) @ F2 of its slot in todo (the module docstring), G
+    slots a pass, the largest left first, each pass a walk over K of its own."""
     offs_k = tl.arange(0, BK)
-    offs_c = tl.arange(0, G * RP)
-    r_of_c = offs_c % RP
-    slots = todo
     while tl.max(todo, 0) >= 0:
-        col_slot = tl.full((G * RP,), -1, tl.int32)
-        for g in tl.static_range(G):  # the G largest slots left (-1 past the last)
-            slot = tl.max(todo, 0)
-            col_slot = tl.where(offs_c // RP == g, slot, col_slot)
-            todo = tl.where(todo == slot, -1, todo)
-        entry = tab_ptr + tl.maximum(col_slot, 0).to(tl.int64) * TW
-        c_ok = (col_slot >= 0) & (r_of_c < tl.load(entry + TAB_RANK, mask=col_slot >= 0, other=0))
-        a_col = lw_ptr + aligned(tl.load(entry + TAB_A_OFF, mask=c_ok, other=0), A_ALIGN)
-        b_row = tl.load(entry + TAB_B_ROW, mask=c_ok, other=0)
-        # A's row r (of L) and B_k[h]'s or B_v[h]'s column r, for each column c
-        a_col += r_of_c * (K if ROW0 != 0 else NOUT)
-        b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=c_ok, other=0) + r_of_c
-        b_col += (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row
-        mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
+        col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
+            todo, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
+        )
+        mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
         rows_ok = tl.max(mine.to(tl.int32), 1) > 0
         u = tl.zeros((BT, G * RP), dtype=tl.float32)
         for k0 in range(0, K, BK):
             k_ok = (k0 + offs_k) < K
             x_mask = rows_ok[:, None] & k_ok[None, :]
             x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=x_mask, other=0.0)
-            if ROW0 == 0:  # F1 = B_k[h]: [K, G RP]
-                f1 = b_col[None, :] + (k0 + offs_k)[:, None] * b_row[None, :]
-            else:  # F1 = A.T
-                f1 = a_col[None, :] + (k0 + offs_k)[:, None]
-            f1 = tl.load(f1, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            f1 = _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K, ROW0)
             u = _mma(x, f1, u, DOT)
-        scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
-        u = tl.where(mine, u * scale[None, :], 0.0)
-        if ROW0 == 0:  # F2 = A: [G RP, NOUT]
-            f2 = a_col[:, None] + offs_n[None, :]
-        else:  # F2 = B_v[h].T
-            f2 = b_col[:, None] + offs_n[None, :] * b_row[:, None]
-        f2 = tl.load(f2, mask=c_ok[:, None] & n_ok[None, :], other=0.0)
-        if DOT == "ieee":
-            acc = _mma(u, f2, acc, "ieee")
-        else:
-            acc = _mma(u, f2, acc, "split")
+        pass_ = (col_slot, c_ok, a_col, b_col, b_row)
+        acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
     return acc
+
+
+@triton.jit
+def _kv_b_tiles(a_rows, w_head, k0, offs_k, t_ok, offs_n, n_ok, stride_wk, stride_wn, K):
+    """The program's rows k0 + offs_k [BT, BK] and W[h]'s [BK, BN] tile."""
+    k_ok = (k0 + offs_k) < K
+    a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(
+        w_head + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+        mask=k_ok[:, None] & n_ok[None, :],
+        other=0.0,
+    )
+    return a, w
 
 
 @triton.jit
@@ -226,6 +284,7 @@ def _absorb_kernel(
     TW: tl.constexpr,
     RP: tl.constexpr,
     G: tl.constexpr,  # kv_b_proj's slots a pass of the LoRA (_lora_delta)
+    FUSED: tl.constexpr,  # its first pass dotted in the base's walk over K (FUSED_SIDES)
     A_ALIGN: tl.constexpr,
     O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
     HEADS: tl.constexpr,
@@ -250,44 +309,56 @@ def _absorb_kernel(
     a_rows = a_ptr + offs_t[:, None].to(tl.int64) * stride_at + head * stride_ah
     w_head = w_ptr + (head * HEAD_ROWS + ROW0).to(tl.int64) * stride_wr
 
-    # -- accumulate over K in fp32 --
+    # -- accumulate over K in fp32; kv_b_proj's LoRA: nothing read where no row has an enabled
+    # slot with its factors, its first pass's G slots dotted with the same rows in the same walk
+    # over K (one walk for up to G adapters: a decode step's usual case), further passes after --
+    tiles = (offs_k, t_ok, offs_n, n_ok, stride_wk, stride_wn, K)
     acc = tl.zeros((BT, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        k_ok = (k0 + offs_k) < K
-        a = tl.load(a_rows + (k0 + offs_k)[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(
-            w_head + (k0 + offs_k)[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-            mask=k_ok[:, None] & n_ok[None, :],
-            other=0.0,
-        )
-        acc = _mma(a, w, acc, DOT)
-
-    # -- kv_b_proj's LoRA: nothing read where no row has an enabled slot with its factors --
     if LORA:
-        todo = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
-        if tl.max(todo, 0) >= 0:
-            acc = _lora_delta(
-                acc,
-                a_rows,
-                todo,
-                head,
-                offs_n,
-                n_ok,
-                lw_ptr,
-                tab_ptr,
-                scaling_ptr,
-                K=K,
-                NOUT=NOUT,
-                HEAD_ROWS=HEAD_ROWS,
-                ROW0=ROW0,
-                DOT=DOT,
-                TW=TW,
-                RP=RP,
-                G=G,
-                A_ALIGN=A_ALIGN,
-                BT=BT,
-                BK=BK,
+        slots = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
+        todo = slots  # the rows' slots no pass has taken yet
+        if FUSED and tl.max(slots, 0) >= 0:
+            col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
+                slots, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
             )
+            u = tl.zeros((BT, G * RP), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a, w = _kv_b_tiles(a_rows, w_head, k0, *tiles)
+                acc = _mma(a, w, acc, DOT)
+                u = _mma(a, _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K, ROW0), u, DOT)
+            pass_ = (col_slot, c_ok, a_col, b_col, b_row)
+            acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
+        else:
+            for k0 in range(0, K, BK):
+                a, w = _kv_b_tiles(a_rows, w_head, k0, *tiles)
+                acc = _mma(a, w, acc, DOT)
+        acc = _lora_delta(
+            acc,
+            a_rows,
+            slots,
+            todo,
+            head,
+            offs_n,
+            n_ok,
+            lw_ptr,
+            tab_ptr,
+            scaling_ptr,
+            K=K,
+            NOUT=NOUT,
+            HEAD_ROWS=HEAD_ROWS,
+            ROW0=ROW0,
+            DOT=DOT,
+            TW=TW,
+            RP=RP,
+            G=G,
+            A_ALIGN=A_ALIGN,
+            BT=BT,
+            BK=BK,
+        )
+    else:
+        for k0 in range(0, K, BK):
+            a, w = _kv_b_tiles(a_rows, w_head, k0, *tiles)
+            acc = _mma(a, w, acc, DOT)
 
     # -- store the block's rows --
     out_ptrs = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + head * stride_oh
@@ -435,6 +506,7 @@ def _absorb(
         ROW0=row0,
         DOT=_dot(a.dtype, kv_b.dtype),
         TW=TABLE_WIDTH,
+        FUSED=("out" if transposed else "q") in FUSED_SIDES,
         BT=BT,
         BN=BN,
         BK=BK,
