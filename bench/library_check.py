@@ -3,6 +3,7 @@ look at them and measure before writing a kernel).
 
     PYTHONPATH=.:bench python bench/library_check.py grouped-mm [--shapes ...] [--ms 1024 4096]
     PYTHONPATH=.:bench python bench/library_check.py fla [--tokens 4096 16384]
+    PYTHONPATH=.:bench python bench/library_check.py scaled-mm [--ms 1024 4096 16384]
 
 grouped-mm: torch._grouped_mm (CUTLASS's grouped GEMM, bf16, Hopper) against fused_moe's base
 (no LoRA pools; and with pools whose slots are all off, as a base-only prefill step runs) at
@@ -15,6 +16,13 @@ fla: fla-core's chunk_gated_delta_rule (flash-linear-attention, installed beside
 dependency of moelora) against kernels/linear_attention/delta_chunked on one fresh sequence at
 Qwen3.5's heads (16 q/k heads repeated to fla's 32, outside the timing), do_bench medians; the
 outputs' and final states' relative differences beside.
+
+scaled-mm: torch.nn.functional.scaled_mm with DeepSeek's block scales (activations 1 x 128,
+weights 128 x 128: cuBLASLt's FP8 GEMM, Hopper only) on Qwen3-30B-A3B's dense projections,
+against the bf16 torch.mm the engine runs there today: what FP8 projections (issue 43) would
+take at prefill sizes, with and without the activations' quantization (fp8.quantize_rows_fp8,
+ours). The relative difference is against float32 products of the same codes and scales. The
+floors: the FLOPs over the run's 8192^3 bf16 torch.mm, and half of it for FP8.
 """
 
 from __future__ import annotations
@@ -183,9 +191,92 @@ def fla_check(args: argparse.Namespace) -> list[str]:
     return lines
 
 
+# Qwen3-30B-A3B's dense projections, (N, K): q, k and v fused (32 query and 4 KV heads of
+# 128), and o
+PROJECTIONS = {"qkv": (5120, 2048), "o": (2048, 4096)}
+
+
+def _block_scaled_mm(xq, xs, wq, ws_op):
+    """F.scaled_mm's block-scaled form: xq [M, K] codes and xs [M, K / 128] scales (1 x 128),
+    wq [N, K] codes and ws_op its [N / 128, K / 128] scales padded and transposed as cuBLASLt
+    takes them (scaled_mm_weight_scales)."""
+    recipe = F.ScalingType
+    xs_cols = xs.t().contiguous().t()  # column-major, as the 1 x 128 recipe takes them
+    return F.scaled_mm(
+        xq,
+        wq.t(),
+        xs_cols,
+        recipe.BlockWise1x128,
+        ws_op,
+        recipe.BlockWise128x128,
+        output_dtype=DT,
+    )
+
+
+def scaled_mm_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """[N / 128, K / 128] -> cuBLASLt's 128 x 128 layout: the K blocks padded to a multiple of
+    4 with zeros, then the transposed view [pad4(K / 128), N / 128]."""
+    rows, cols = scale_inv.shape
+    padded = torch.zeros(rows, -(-cols // 4) * 4, dtype=torch.float32, device=scale_inv.device)
+    padded[:, :cols] = scale_inv
+    return padded.t()
+
+
+def scaled_mm_case(name: str, M: int, flops_s: float) -> list[str]:
+    """One projection at M tokens: bf16 torch.mm, FP8 with and without the rows' quantization."""
+    from moelora.kernels.fp8_block import dequantize_fp8_block, quantize_fp8_block
+    from moelora.kernels.moe.fp8 import quantize_rows_fp8
+    from moelora.kernels.reference import quantize_rows_fp8 as reference_rows
+
+    N, K = PROJECTIONS[name]
+    w = [torch.randn(N, K, dtype=DT, device=DEV) * K**-0.5 for _ in range(LAYERS)]
+    fp8 = [quantize_fp8_block(wi) for wi in w]
+    ws_op = [scaled_mm_weight_scales(s) for _, s in fp8]
+    x = torch.randn(M, K, dtype=DT, device=DEV)
+    xq, xs = quantize_rows_fp8(x)
+    got = _block_scaled_mm(xq, xs, fp8[0][0], ws_op[0]).float()
+    rq, rs = reference_rows(x)
+    rows = (rq.float().view(M, -1, 128) * rs[..., None]).view(M, K)
+    want = rows @ dequantize_fp8_block(*fp8[0], torch.float32).t()
+    err = ((got - want).norm() / want.norm()).item()
+    runs = {
+        "bf16 torch.mm (cuBLAS)": lambda i: torch.mm(x, w[i].t()),
+        "FP8 scaled_mm, rows quantized": lambda i: _block_scaled_mm(xq, xs, fp8[i][0], ws_op[i]),
+        "FP8 quantize_rows_fp8 + scaled_mm": lambda i: _block_scaled_mm(
+            *quantize_rows_fp8(x), fp8[i][0], ws_op[i]
+        ),
+    }
+    floor = 1e6 * 2 * M * N * K / flops_s
+    lines = []
+    for label, run in runs.items():
+        us = 1e3 * graph_ms(lambda run=run: [run(i) for i in range(LAYERS)], LAYERS)
+        line = f"| {name} | {M} | {label} | {us:.1f} | {floor:.1f} / {floor / 2:.1f} | "
+        lines.append(line + f"{us / floor:.2f} |")
+        print(lines[-1], flush=True)
+    return lines + [f"| {name} | {M} | FP8 against the codes' float32 product: {err:.1e} | | | |"]
+
+
+def scaled_mm_check(args: argparse.Namespace) -> list[str]:
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return [f"- torch {torch.__version__} has no torch.nn.functional.scaled_mm / ScalingType"]
+    flops_s = matmul_flops_per_s(DEV)
+    lines = [
+        f"- matmul throughput (8192^3 bf16 torch.mm): {flops_s / 1e12:.0f} TFLOP/s",
+        f"- qwen3-30b-a3b's projections; {LAYERS} layers a graph",
+        "",
+        "| projection | tokens | what | µs a layer | floor µs bf16 / FP8 | x bf16 floor |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for name in PROJECTIONS:
+        for M in args.ms:
+            torch.manual_seed(0)
+            lines += scaled_mm_case(name, M, flops_s)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("check", choices=["grouped-mm", "fla"])
+    parser.add_argument("check", choices=["grouped-mm", "fla", "scaled-mm"])
     parser.add_argument("--shapes", nargs="+", choices=list(MOE_SHAPES), default=GMM_SHAPES)
     parser.add_argument("--ms", nargs="+", type=int, default=[1024, 4096, 16384])
     parser.add_argument("--tokens", nargs="+", type=int, default=[4096, 16384])
@@ -193,6 +284,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.check == "grouped-mm":
         title, lines = "torch._grouped_mm against fused_moe's base", grouped_mm_check(args)
+    elif args.check == "scaled-mm":
+        title = "torch's block-scaled FP8 GEMM against bf16 on the dense projections"
+        lines = scaled_mm_check(args)
     else:
         title, lines = "fla-core's chunk_gated_delta_rule against ours", fla_check(args)
     write_result(f"library-{args.check}", result_header(title, None) + lines, args.out)
