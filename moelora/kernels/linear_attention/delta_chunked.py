@@ -571,13 +571,7 @@ def chunked_gated_delta_rule(
     if T == 0:
         return out
     config = config or (CONFIG if v.is_cuda else INTERPRETER_CONFIG)
-    a = torch.empty(T, H, config.chunk, dtype=torch.float32, device=v.device)
-    # float32 models (the GPU's comparisons with transformers) keep float32 rows and products
-    dt = torch.float32 if v.dtype == torch.float32 else getattr(torch, config.scratch)
-    k_rows = torch.empty(3 if config.prepared else 1, T, H, K, dtype=dt, device=v.device)
-    # without config.prepared, qg and kd are w (never read nor written: PREPARED is off)
-    w, qg, kd = k_rows if config.prepared else (k_rows[0],) * 3
-    u = torch.empty(T, H, V, dtype=dt, device=v.device)
+    a, scratch = _scratch(v, K, config)
     common = dict(
         H=H,
         K=K,
@@ -591,17 +585,14 @@ def chunked_gated_delta_rule(
         num_warps=config.num_warps,
         **pdl_kwargs(v.device),
     )
-    _launch_prepare(q, k, v, g, beta, a, (w, u, qg, kd), attn, config, common)
+    _launch_prepare(q, k, v, g, beta, a, scratch, attn, config, common)
     block_v = max(min(config.block_v, next_power_of_2(V)), 16)  # tl.dot's least width
     _blocks_kernel[(B, H, cdiv(V, block_v))](
         q_ptr=q,
         k_ptr=k,
         g_ptr=g,
-        w_ptr=w,
         a_ptr=a,
-        u_ptr=u,
-        qg_ptr=qg,
-        kd_ptr=kd,
+        **scratch,
         state_ptr=state,
         out_ptr=out,
         cu_seqlens_q_ptr=attn.cu_seqlens_q,
@@ -620,11 +611,24 @@ def chunked_gated_delta_rule(
     return out
 
 
-def _launch_prepare(q, k, v, g, beta, a, rows_out, attn, config: ChunkedConfig, common: dict):
-    """w and u (and q, k as the chain uses them: rows_out's four) of every block of the step
-    (its work table at config.chunk): A, its inverse, then w and u, three launches over the same
+def _scratch(v: torch.Tensor, K: int, config: ChunkedConfig) -> tuple[torch.Tensor, dict]:
+    """(A's float32 [T, H, C], the kernels' w_ptr, u_ptr, qg_ptr and kd_ptr): the rows
+    _wu_kernel writes for the chain, in config.scratch's dtype; qg and kd are w's tensor
+    without config.prepared (PREPARED off: neither read nor written)."""
+    (T, H, V), device = v.shape, v.device
+    a = torch.empty(T, H, config.chunk, dtype=torch.float32, device=device)
+    # float32 models (the GPU's comparisons with transformers) keep float32 rows and products
+    dt = torch.float32 if v.dtype == torch.float32 else getattr(torch, config.scratch)
+    k_rows = torch.empty(3 if config.prepared else 1, T, H, K, dtype=dt, device=device)
+    w, qg, kd = k_rows if config.prepared else (k_rows[0],) * 3
+    u = torch.empty(T, H, V, dtype=dt, device=device)
+    return a, dict(w_ptr=w, u_ptr=u, qg_ptr=qg, kd_ptr=kd)
+
+
+def _launch_prepare(q, k, v, g, beta, a, scratch, attn, config: ChunkedConfig, common: dict):
+    """w and u (and q, k as the chain uses them: scratch's rows) of every block of the step (its
+    work table at config.chunk): A, its inverse, then w and u, three launches over the same
     (value head, block) grid."""
-    w, u, qg, kd = rows_out
     work = attention_work(attn.cu_seqlens_q, k.shape[0], config.chunk)
     grid = (v.shape[1], work.shape[0])
     rows = dict(cu_seqlens_q_ptr=attn.cu_seqlens_q, work_ptr=work)
@@ -644,10 +648,7 @@ def _launch_prepare(q, k, v, g, beta, a, rows_out, attn, config: ChunkedConfig, 
         q_ptr=q,
         v_ptr=v,
         a_ptr=a,
-        w_ptr=w,
-        u_ptr=u,
-        qg_ptr=qg,
-        kd_ptr=kd,
+        **scratch,
         **rows,
         **gated,
         **strides("q", q),
