@@ -214,17 +214,22 @@ def run_layers(w13: list, w2: list, pools: list, oss: list, x, tw, ti, cfg, info
 W8A8_FROM = 512  # the FP8 buckets whose candidates include W8A8's (prefill)
 # W8A8's tiles (MoeConfig.w8a8): gate_up 128 deep (x's groups) and 128 wide on 64 rows, where
 # 128 rows would spill its two accumulators and their slices' partials; or 64 wide (h's groups
-# of 64, down 64 deep) on 128 rows
+# of 64, down 64 deep) on 128 rows; and 4 warps on 64 x 64 (gate and up together as wide as
+# vLLM's H100 block-FP8 tiles at prefill sizes, 64 x 128 on 4 warps, one accumulator there)
 W8A8_TILES = [
-    dataclasses.replace(C(bm, bn, 128, bnd, bn, warps=8, stages=st), w8a8=True, tma=tma)
-    for bm, bn, bnd, st in (
-        (64, 128, 128, 2),
-        (64, 128, 128, 3),
-        (64, 128, 64, 3),
-        (64, 128, 64, 4),
-        (128, 64, 128, 3),
-        (128, 64, 64, 3),
-        (128, 64, 128, 4),
+    dataclasses.replace(C(bm, bn, 128, bnd, bn, warps=w, stages=st), w8a8=True, tma=tma)
+    for bm, bn, bnd, w, st in (
+        (64, 128, 128, 8, 2),
+        (64, 128, 128, 8, 3),
+        (64, 128, 64, 8, 3),
+        (64, 128, 64, 8, 4),
+        (128, 64, 128, 8, 3),
+        (128, 64, 64, 8, 3),
+        (128, 64, 128, 8, 4),
+        (64, 64, 128, 4, 3),
+        (64, 64, 128, 4, 4),
+        (64, 64, 64, 4, 3),
+        (64, 64, 64, 4, 4),
     )
     for tma in (False, True)  # the weights' code tiles by pointers or through TMA
 ]
