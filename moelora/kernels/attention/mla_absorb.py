@@ -19,8 +19,9 @@ LORA_COLS), the largest first: the rows times the G slots' F1 side by side [K, G
 [BT, G RP], over K in BK steps; u kept where a column's slot is its row's, times that slot's
 scaling; then u times the G slots' F2 stacked [G RP, BN] into the accumulator. A pass walks K
 once for G adapters: one pass a slot left a block of 8 adapters' rows serial in its loads (the
-out side's K is L). Rows of A and columns of B past the module's rank are masked off, never
-read.
+out side's K is L). On the sides in FUSED_SIDES the first pass takes no walk of its own: its F1
+tiles are dotted with the rows the base's walk loads. Rows of A and columns of B past the
+module's rank are masked off, never read.
 
 Precision. The references compute in float32 on the weight's values. Products of two bf16 (or
 fp16) values are exact in float32, so the q side's dot on the tensor cores, with a float32
