@@ -161,15 +161,19 @@ def test_gated_delta_rule_computes_its_gates(case):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"prepared": True, "num_stages": 1}, {"prepared": True, "scratch": "bfloat16"}],
+    [
+        {},
+        {"prepared": False, "scratch": "float32"},
+        {"prepared": True, "scratch": "float32", "num_stages": 1},
+    ],
     ids=str,
 )
 @pytest.mark.parametrize("case", ["prefill-4096"])
 def test_chunked_gated_delta_rule_matches_reference(monkeypatch, case, variant):
     """The block form (chunked=True: blocks of 64, tf32 dots) against the token loop: the
-    output and the states within 1e-2 relative error; fresh slots' NaN never read. As configured,
-    with q and k prepared beside w and u (float32 rows fit one stage), and with those rows in
-    bf16 (ChunkedConfig)."""
+    output and the states within 1e-2 relative error; fresh slots' NaN never read. As configured
+    (q and k prepared beside w and u, in bf16 rows), with float32 rows unprepared, and prepared
+    float32 rows (one stage: ChunkedConfig)."""
     config = replace(delta_chunked.CONFIG, **variant)
     monkeypatch.setattr(delta_chunked, "CONFIG", config)
     step = make_step(case, seed=3)
