@@ -14,6 +14,10 @@ if not torch.cuda.is_available():
     # any test module imports a kernel module (tests/gpu ones do so at collection).
     os.environ["TRITON_INTERPRET"] = "1"
 
+# The reference runs on the CPU; transformers takes flash-linear-attention's Triton kernels for
+# Qwen3-Next/Qwen3.5 whenever fla imports (decided when its modeling module loads), and those
+# reject CPU tensors. Hiding fla keeps the reference on transformers' torch path.
+sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import hf_fixtures as hf  # noqa: E402
