@@ -16,6 +16,9 @@ INVARIANT_ROWS and more, and in between each projection takes cuBLAS at the row 
 BatchInvariantLinear finds, on the device, that it gives the kernel's bits, the kernel
 elsewhere.
 
+**Block-FP8 weights** take the same kernel with its FP8 flag (linear_fp8.py says why their
+bits are those of the dequantized weight).
+
 **The skinny GEMV** (`skinny_linear`, projections = "skinny", opt-in) is the fastest at one
 token but sums each output as a tree of FMAs, not as the MMA chain, so its rows differ from the
 batch-invariant kernel's by a rounding: a request's logits then depend on its batch size. Why
@@ -42,6 +45,7 @@ import triton
 import triton.language as tl
 
 from moelora.kernels import reference
+from moelora.kernels.fp8_block import FP8_BLOCK
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 
@@ -201,13 +205,16 @@ def skinny_linear(
 INVARIANT_ROWS = 128  # from here on cuBLAS, which does not split K there (bench/linear.py)
 DOT_ROWS = 16  # up to here the tensor-core kernel, also the faster one (bench/linear.py)
 CUBLAS_DRAWS = 8  # random inputs on which cuBLAS must give the kernel's bits (measure_cublas_rows)
+SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of FP8 scales
+SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of FP8 scales
 
 
 @triton.jit(do_not_specialize=["M", "N"])
 def _dot_linear_kernel(
     # Pointers.
     x_ptr,  # [M, K]
-    w_ptr,  # [N, K]
+    w_ptr,  # [N, K]; with FP8 its e4m3 codes
+    scale_ptr,  # [ceil(N / 128), ceil(K / 128)] float32 with FP8, else unused
     bias_ptr,  # [N] or unused
     y_ptr,  # [M, N]
     # Sizes and strides.
@@ -216,13 +223,15 @@ def _dot_linear_kernel(
     K,
     stride_xm,
     stride_wn,
+    stride_sn,  # scale_ptr's row stride (its last stride is 1)
     stride_ym,
     # Meta-parameters.
     BM: tl.constexpr,  # rows a program (tensor cores pad fewer than 16 for free)
     BN: tl.constexpr,
-    BK: tl.constexpr,
+    BK: tl.constexpr,  # with FP8 a divisor of 128: a tile within one block of scales along K
     STAGES: tl.constexpr,  # K blocks in flight: a program streams its BN x K slab alone
     HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr,  # block-FP8 weights, each tile dequantized to x's dtype before its dot
     PDL: tl.constexpr,
 ):
     # Every output is one chain of MMAs over K in ascending order into one fp32 accumulator.
@@ -241,6 +250,13 @@ def _dot_linear_kernel(
         k_ok = (k0 + offs_k) < K  # zeros past K add nothing to the chain
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if FP8:
+            # dequantize_fp8_block's values: code * scale in float32, rounded once to x's
+            # dtype, so the chain below is the one of the dequantized weight
+            scale = tl.load(
+                scale_ptr + (offs_n // SCALE_N) * stride_sn + k0 // SCALE_K, mask=n_ok, other=0.0
+            )
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -299,10 +315,11 @@ def dot_linear(
     if M == 0:
         return y
     BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
-    unused = w  # the bias pointer without a bias: never read
+    unused = w  # the scale pointer, and the bias pointer without a bias: never read
     _dot_linear_kernel[(cdiv(N, BN), cdiv(M, BM))](
         x_ptr=x,
         w_ptr=w,
+        scale_ptr=unused,
         bias_ptr=unused if bias is None else bias,
         y_ptr=y,
         M=M,
@@ -310,12 +327,14 @@ def dot_linear(
         K=K,
         stride_xm=x.stride(0),
         stride_wn=w.stride(0),
+        stride_sn=0,
         stride_ym=y.stride(0),
         BM=BM,
         BN=BN,
         BK=BK,
         STAGES=num_stages,
         HAS_BIAS=bias is not None,
+        FP8=False,
         num_warps=num_warps,
         **pdl_kwargs(x.device),
     )

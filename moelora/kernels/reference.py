@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from moelora.kernels.fp8_block import Fp8Weight
+from moelora.kernels.fp8_block import Fp8Weight, dequantize_fp8_block
 from moelora.kernels.grouped_routing import route_grouped
 from moelora.kernels.moe.mxfp4_layout import MXFP4_GROUP, Mxfp4Weight
 from moelora.step.lora import FoldedLora, LoraBatchInfo, LoraWeights
@@ -26,6 +26,18 @@ if TYPE_CHECKING:
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Semantics: y = x @ w.T (+ bias). x: [T, in], w: [out, in], bias: [out] or None."""
     return F.linear(x, w, bias)
+
+
+def linear_fp8(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scale_inv: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Semantics: y = x @ dequantize_fp8_block(codes, scale_inv, x.dtype).T (+ bias).
+    x: [T, in]; codes: [out, in] float8_e4m3fn; scale_inv: [ceil(out / 128), ceil(in / 128)]
+    float32; bias: [out] or None."""
+    return F.linear(x, dequantize_fp8_block(codes, scale_inv, x.dtype), bias)
 
 
 def route_topk(
