@@ -557,14 +557,19 @@ def weight_bytes(mc: ModelConfig, experts_touched: list[int]) -> int:
     in the j-th MoE layer: the lm_head (the embedding reads B rows only), every layer's
     attention projections (attention_shapes; a gated DeltaNet layer's conv too), and a layer's
     dense MLP or its router, shared expert and those experts (expert_bytes). All but the routed
-    experts are bf16: a block-FP8 model dequantizes its other weights at load."""
+    experts and GQA's projections are bf16: a block-FP8 model dequantizes its other weights at
+    load; those two are FP8 where the model keeps them so (experts_fp8, projections_fp8)."""
     H, elem = mc.hidden_size, 2
     assert len(experts_touched) == sum(mc.sparse_layers), (experts_touched, mc.sparse_layers)
     dense = 3 * H * mc.intermediate_size * elem
     router_and_shared = (mc.num_experts * H + 3 * H * mc.shared_expert_intermediate_size) * elem
     total = mc.vocab_size * H * elem
     for layer in range(mc.num_layers):
-        total += sum(n_in * n_out for n_in, n_out in attention_shapes(mc, layer)) * elem
+        shapes = attention_shapes(mc, layer)
+        if mc.projections_fp8 and not mc.is_linear(layer):
+            total += sum(fp8_block_bytes(n_out, n_in) for n_in, n_out in shapes)
+        else:
+            total += sum(n_in * n_out for n_in, n_out in shapes) * elem
         if mc.is_linear(layer):
             la = mc.linear_attention
             total += la.conv_dim * la.conv_kernel * elem
@@ -589,7 +594,8 @@ def experts_held(mc: ModelConfig) -> str:
     title: read from the engine, so that a figure is never labelled FP8 where its kernels did
     not keep FP8 experts, or it ran on several ranks (it holds them in the model's dtype)."""
     if mc.experts_fp8:
-        return "FP8 experts (block 128x128)"
+        both = " and attention projections" if mc.projections_fp8 else ""
+        return f"FP8 experts{both} (block 128x128)"
     if mc.experts_mxfp4:
         return "MXFP4 experts"
     if mc.weights_fp8 != "none":

@@ -60,6 +60,8 @@ DTYPES = {
     "MXFP4 experts": "bf16, the experts MXFP4 (packed; the floor counts their bytes)",
     "FP8 experts (block 128x128)": "bf16, the experts block FP8 (e4m3 codes and a float32 scale "
     "per 128x128 block; the floor counts both)",
+    "FP8 experts and attention projections (block 128x128)": "bf16, the experts and attention's "
+    "q/k/v/o block FP8 (e4m3 codes and a float32 scale per 128x128 block; the floor counts both)",
 }
 
 

@@ -425,10 +425,15 @@ class ModelConfig:
     # (kernels/fp8_block.Fp8Weight): the engine sets it where its kernels take them so and one
     # rank holds them (engine/build.py), else they are dequantized at load like the rest
     experts_fp8: bool = False
+    # attention's q/k/v/o (GQA, not MLA) of a weights_fp8 model are held as codes and block
+    # scales (LoraLinear's weight and weight_scale_inv): set where the kernels take them so and
+    # one rank holds them (engine/build.py), else they are dequantized at load like the rest
+    projections_fp8: bool = False
 
     def __post_init__(self) -> None:
         assert self.activation in ("silu", "swiglu_oai"), self.activation
         assert not self.experts_fp8 or self.weights_fp8 != "none", self.weights_fp8
+        assert not self.projections_fp8 or self.weights_fp8 != "none", self.weights_fp8
         assert self.experts_layout in ("gate_up_rows", "interleaved_in_out"), self.experts_layout
         assert len(self.sliding_layers) == self.num_layers, self.sliding_layers
         assert self.weights_fp8 in ("none", "checkpoint", "online"), self.weights_fp8

@@ -123,3 +123,21 @@ def test_decode_fp8_defaults_to_the_qwen3_30b_a3b_shape(bench) -> None:
     _, decode = bench
     args = decode.parse_args(["--fp8"])
     assert args.fp8 and not args.mxfp4 and args.shape == "qwen3-30b-a3b"
+
+
+def test_fp8_projections_count_codes_and_scales_in_the_floor(bench) -> None:
+    """A model keeping attention's q/k/v/o FP8 (projections_fp8): each [out, in] of a layer a
+    byte a weight and a float32 scale a 128x128 block, in place of two bytes a weight."""
+    common, _ = bench
+    mc, _ = read_model_config(common.model_folder(None, "tiny-qwen3-moe", fp8=True))
+    mc = dataclasses.replace(mc, experts_fp8=True)
+    kept = dataclasses.replace(mc, projections_fp8=True)
+    touched = [2] * sum(mc.sparse_layers)
+    saved = 0
+    for layer in range(mc.num_layers):
+        for n_in, n_out in common.attention_shapes(mc, layer):
+            blocks = -(-n_in // 128) * -(-n_out // 128)
+            saved += 2 * n_in * n_out - (n_in * n_out + 4 * blocks)
+    assert saved > 0
+    assert common.weight_bytes(mc, touched) - common.weight_bytes(kept, touched) == saved
+    assert common.experts_held(kept) == "FP8 experts and attention projections (block 128x128)"

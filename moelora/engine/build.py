@@ -78,6 +78,8 @@ def build_engine(cfg: EngineConfig) -> EngineParts:
         mc = replace(mc, experts_mxfp4=False)
     if keeps_fp8_experts(cfg, mc, ops):
         mc = replace(mc, experts_fp8=True)
+    if keeps_fp8_projections(cfg, mc, ops):
+        mc = replace(mc, projections_fp8=True)
     workers = None
     if cfg.tensor_parallel_size > 1:
         check_divides(mc, cfg.tensor_parallel_size, expert_parallel=cfg.enable_expert_parallel)
@@ -115,6 +117,19 @@ def keeps_fp8_experts(cfg: EngineConfig, mc: ModelConfig, ops: Ops) -> bool:
     if mc.moe_intermediate_size % FP8_BLOCK[0] == 0 or cfg.load_format == "dummy":
         return True
     return stores_fused_experts(cfg.model)
+
+
+def keeps_fp8_projections(cfg: EngineConfig, mc: ModelConfig, ops: Ops) -> bool:
+    """Whether the model holds attention's block-FP8 q/k/v/o as codes and scales
+    (ModelConfig.projections_fp8): the kernels take them so, one rank holds them (no shard cuts
+    a block), the attention is GQA (MLA's projections are dequantized), and q's and k's rows
+    end on a 128-row block, so that q|k|v's grid of scales is the checkpoint's three stacked."""
+    if mc.weights_fp8 == "none" or not ops.keeps_fp8_projections or mc.mla is not None:
+        return False
+    if cfg.tensor_parallel_size > 1:
+        return False
+    q_rows = mc.q_size * (2 if mc.attn_output_gate else 1)
+    return q_rows % FP8_BLOCK[0] == 0 and mc.kv_size % FP8_BLOCK[0] == 0
 
 
 def requested_max_len(cfg: EngineConfig, mc: ModelConfig) -> int:

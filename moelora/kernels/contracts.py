@@ -30,6 +30,19 @@ class LinearOp(Protocol):
     ) -> torch.Tensor: ...
 
 
+class LinearFp8Op(Protocol):
+    """reference.linear_fp8: a projection of block-FP8 weights (codes [out, in] e4m3, float32
+    scale_inv [ceil(out / 128), ceil(in / 128)]), as linear on their dequantized weight."""
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 class RouteTopkOp(Protocol):
     """reference.route_topk: the MoE's router (layers/moe.py)."""
 

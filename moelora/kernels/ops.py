@@ -20,6 +20,7 @@ from moelora.kernels.contracts import (
     CausalConv1dOp,
     FusedMoeOp,
     GatedDeltaRuleOp,
+    LinearFp8Op,
     LinearOp,
     MlaAttentionOp,
     MlaAttentionOShrinkOp,
@@ -43,6 +44,7 @@ from moelora.parallel import SINGLE, Shard
 class Ops:
     name: str
     linear: LinearOp
+    linear_fp8: LinearFp8Op
     route_topk: RouteTopkOp
     fused_moe: FusedMoeOp
     silu_and_mul: SiluAndMulOp
@@ -85,11 +87,22 @@ class Ops:
     # MLA layers hand prefill steps' own expanded keys and values to mla_attention, for the
     # prompts' first chunks (EngineConfig.mla_prefill; never with deterministic)
     mla_expanded_prefill: bool = False
+    # linear_fp8 reads block-FP8 codes and scales at their bytes: the engine then keeps
+    # attention's FP8 projections so (ModelConfig.projections_fp8); False: dequantized once at
+    # load, as the reference would dequantize them at every call
+    keeps_fp8_projections: bool = False
+
+
+# The Triton table keeps attention's block-FP8 projections as codes and scales
+# (kernels/linear.fp8_linear). Off until a device times it against the dequantized weights:
+# `python bench/setting.py moelora.kernels.ops.FP8_PROJECTIONS=True -- bench/decode.py --fp8`.
+FP8_PROJECTIONS = False
 
 
 REFERENCE_OPS = Ops(
     name="torch",
     linear=reference.linear,
+    linear_fp8=reference.linear_fp8,
     route_topk=reference.route_topk,
     fused_moe=reference.fused_moe,
     silu_and_mul=reference.silu_and_mul,
@@ -169,19 +182,18 @@ def triton_ops(
     from moelora.kernels.attention.mla import mla_attention, mla_attention_o_shrink
     from moelora.kernels.attention.norm_rope import rms_norm, rms_norm_lora, rope_store_kv
     from moelora.kernels.attention.output_gate import output_gate
-    from moelora.kernels.linear import BatchInvariantLinear
     from moelora.kernels.linear_attention import conv, delta_rule, gated_norm
+    from moelora.kernels.linear_fp8 import fp8_linear
     from moelora.kernels.lora import add_lora_
     from moelora.kernels.moe.fused import fused_moe
     from moelora.kernels.moe.routing import route_topk
 
-    linear = reference.linear  # cuBLAS
-    if projections != "cublas":
-        linear = BatchInvariantLinear(skinny=projections == "skinny")
     return Ops(
         name=f"triton-{projections}" + ("-deterministic" if deterministic else ""),
         deterministic=deterministic,
-        linear=linear,
+        linear=_linear(projections),
+        linear_fp8=fp8_linear,  # batch-invariant whatever `projections` says
+        keeps_fp8_projections=FP8_PROJECTIONS,
         route_topk=route_topk,
         fused_moe=functools.partial(fused_moe, deterministic=True) if deterministic else fused_moe,
         silu_and_mul=mlp.silu_and_mul,
@@ -212,6 +224,15 @@ def triton_ops(
         # replays it in a graph with new slots, the DeepSeek and GLM engines equal PEFT's
         mla_lora_capturable=True,
     )
+
+
+def _linear(projections: str) -> LinearOp:
+    """The Triton table's dense projections, as EngineConfig.projections names them."""
+    from moelora.kernels.linear import BatchInvariantLinear
+
+    if projections == "cublas":
+        return reference.linear
+    return BatchInvariantLinear(skinny=projections == "skinny")
 
 
 def _paged_attention_ops(prefill_attention_backend: str, *, deterministic: bool) -> dict:

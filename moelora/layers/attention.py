@@ -44,8 +44,11 @@ class Attention(nn.Module):
         # attn_output_gate: q_proj gives each head's query, then its output gate (Qwen3-Next)
         self.output_gate = cfg.attn_output_gate
         slices = (cfg.q_size * (2 if self.output_gate else 1), cfg.kv_size, cfg.kv_size)
-        self.qkv_proj = LoraLinear(cfg.hidden_size, slices, ops, bias=cfg.qkv_bias, **kw)
-        self.o_proj = LoraLinear(cfg.q_size, (cfg.hidden_size,), ops, bias=cfg.o_bias, **kw)
+        fp8 = cfg.projections_fp8
+        self.qkv_proj = LoraLinear(cfg.hidden_size, slices, ops, bias=cfg.qkv_bias, fp8=fp8, **kw)
+        self.o_proj = LoraLinear(
+            cfg.q_size, (cfg.hidden_size,), ops, bias=cfg.o_bias, fp8=fp8, **kw
+        )
         self.sinks = None
         if cfg.attention_sinks:
             # float32 whatever the model's dtype: they join the softmax's float32 sums

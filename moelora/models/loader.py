@@ -64,6 +64,7 @@ _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 _MLA_A = {"q_a_proj": 0, "kv_a_proj_with_mqa": 1}
 _MLA_OWN = ("q_b_proj", "kv_b_proj", "q_a_layernorm", "kv_a_layernorm")
 _GATE_UP = {"gate_proj": 0, "up_proj": 1}
+_LINEAR_PARTS = ("weight", "bias", "weight" + SCALE_SUFFIX)  # a LoraLinear's, _slice's kinds
 # one kept-FP8 expert's weights (kernels/fp8_block.Fp8Weight): gate's and up's halves of w13
 _FP8_EXPERT = {"gate_proj.weight": 0, "up_proj.weight": 1, "down_proj.weight": None}
 
@@ -164,8 +165,15 @@ def placed_tensors(
     the meta device: its views then say where each tensor goes (models/shard.py)."""
     dtype, packed = model.embed_tokens.dtype, model.cfg.experts_mxfp4
     tensors = iter_tensors(safetensors_files(model_path))
-    mode, keep = model.cfg.weights_fp8, model.cfg.experts_fp8
-    tensors = fp8_weights(tensors, mode, dtype, model_path, keep_experts=keep)
+    cfg = model.cfg
+    tensors = fp8_weights(
+        tensors,
+        cfg.weights_fp8,
+        dtype,
+        model_path,
+        keep_experts=cfg.experts_fp8,
+        keep_projections=cfg.projections_fp8,
+    )
     for key, tensor in dequantized(tensors, dtype, packed=packed):
         name = canonical_name(key)
         if name.endswith("rotary_emb.inv_freq"):
@@ -228,6 +236,8 @@ def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
             return [(getattr(attn, mod).weight, t)]
         if mod == "o_proj" and kind == "weight":
             return [(attn.o_proj.weight, t)]
+        if mod == "o_proj" and kind == "weight" + SCALE_SUFFIX:
+            return [(_slice(attn.o_proj, kind, 0), t)]
         if mod == "o_proj" and kind == "bias" and attn.o_proj.bias is not None:
             return [(attn.o_proj.bias, t)]
         if mod in ("q_norm", "k_norm") and hasattr(attn, mod):
@@ -386,12 +396,17 @@ def _dense_targets(mlp: DenseMLP, parts: list[str], t: torch.Tensor):
 
 
 def _slice(linear, kind: str, index: int) -> torch.Tensor:
+    """The rows of slice `index` of a LoraLinear's weight, bias or weight_scale_inv (a kept FP8
+    weight's: its slices before the last end on a block, LoraLinear's invariant)."""
     offsets = [0]
     for size in linear.out_slices:
         offsets.append(offsets[-1] + size)
-    full = linear.weight if kind == "weight" else linear.bias
+    full = getattr(linear, kind, None) if kind in _LINEAR_PARTS else None
     if full is None:
         raise ModelConfigError(f"checkpoint has a {kind} this model's config does not declare")
+    if kind == "weight" + SCALE_SUFFIX:  # rows of 128-row blocks
+        rows = FP8_BLOCK[0]
+        return full[offsets[index] // rows : -(-offsets[index + 1] // rows)]
     return full[offsets[index] : offsets[index + 1]]
 
 
@@ -410,8 +425,8 @@ def fill_dummy(model: MoeCausalLM, seed: int) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
-        elif p.dtype == FP8_DTYPE:  # FP8 experts' codes, one expert at a time: e4m3's range
-            for codes in p:
+        elif p.dtype == FP8_DTYPE:  # FP8 codes, one expert (or projection) at a time: e4m3's range
+            for codes in p if p.dim() == 3 else [p]:
                 full = torch.empty(codes.shape, device=codes.device)
                 codes.copy_(full.uniform_(-FP8_MAX, FP8_MAX, generator=gen))
         elif name.endswith(SCALE_SUFFIX):  # their scales: weights within +-0.02 as the rest

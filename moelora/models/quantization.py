@@ -13,7 +13,9 @@ recipe, so the model is its block-quantized twin.
 The experts stay block-FP8 where the engine's kernels take them so (ModelConfig.experts_fp8,
 engine/build.py: one rank, w13's halves on the grid the fused MoE reads): their codes and scales
 pass through here, a checkpoint's as stored and online ones quantized, into the model's
-Fp8Weight (layers/moe.py). Every other FP8 weight, and the experts elsewhere, are dequantized at
+Fp8Weight (layers/moe.py); so do attention's q/k/v/o where the model keeps them FP8
+(ModelConfig.projections_fp8: LoraLinear's weight and weight_scale_inv). Every other FP8
+weight, and those elsewhere, are dequantized at
 load to the model's dtype: on the CPU (the reference path, bit for bit as transformers reads
 them) and, as the correct fallback, on CUDA (which then holds them in bf16).
 """
@@ -62,6 +64,9 @@ _ONLINE = re.compile(
 _EXPERTS = re.compile(
     r"\.experts\.(\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight|gate_up_proj|down_proj)$"
 )
+# attention's projections (GQA): what a model with ModelConfig.projections_fp8 takes as codes
+# and scales
+_PROJECTIONS = re.compile(r"\.self_attn\.[qkvo]_proj\.weight$")
 
 
 def quant_method(hf, arch: str, supported: tuple[str, ...]) -> str | None:
@@ -113,12 +118,12 @@ def with_quantization(
         if mc.weights_fp8 == "none":
             mc = replace(mc, weights_fp8="online")
     if mc.weights_fp8 != "none" and device.type == "cuda":
-        # no FP8 GEMM for the projections: dequantizing at load is the correct fallback
+        # the rest have no FP8 kernel: dequantizing at load is the correct fallback
         log.warning(
-            "block-FP8 weights (%s): attention's projections and the dense and shared experts' "
-            "MLPs are dequantized to the model's dtype at load (bf16 memory on the GPU); the "
-            "routed experts stay FP8 where the kernels keep them (one rank), dequantized too "
-            "otherwise",
+            "block-FP8 weights (%s): the dense and shared experts' MLPs and MLA's projections "
+            "are dequantized to the model's dtype at load (bf16 memory on the GPU); the routed "
+            "experts and attention's q/k/v/o stay FP8 where the kernels keep them (one rank), "
+            "dequantized too otherwise",
             mc.weights_fp8,
         )
     return mc
@@ -131,18 +136,27 @@ def fp8_weights(
     where: str,
     *,
     keep_experts: bool = False,
+    keep_projections: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as the model takes them, by ModelConfig.weights_fp8 (`mode`):
     block-FP8 pairs dequantized to dtype ("checkpoint"), the experts and projections quantized
     and dequantized again ("online"); a float8 tensor is refused unless the config says fp8.
     keep_experts (ModelConfig.experts_fp8): the routed experts come out as (X, codes) and
-    (X_scale_inv, float32 scales) instead, checked or quantized by the same rules."""
+    (X_scale_inv, float32 scales) instead, checked or quantized by the same rules;
+    keep_projections (ModelConfig.projections_fp8): attention's q/k/v/o as well."""
+    kept = _kept(keep_experts=keep_experts, keep_projections=keep_projections)
     if mode == "checkpoint":
-        return _dequantized(tensors, dtype, where, keep_experts=keep_experts)
+        return _dequantized(tensors, dtype, where, kept=kept)
     checked = _without_fp8(tensors, where)
     if mode == "online":
-        return _round_tripped(checked, dtype, keep_experts=keep_experts)
+        return _round_tripped(checked, dtype, kept=kept)
     return checked
+
+
+def _kept(*, keep_experts: bool, keep_projections: bool):
+    """Whether a checkpoint key names a weight the model keeps as codes and scales."""
+    patterns = [p for p, on in ((_EXPERTS, keep_experts), (_PROJECTIONS, keep_projections)) if on]
+    return lambda key: any(p.search(key) for p in patterns)
 
 
 def _is_float8(t: torch.Tensor) -> bool:
@@ -158,10 +172,11 @@ def _dequantized(
     dtype: torch.dtype,
     where: str,
     *,
-    keep_experts: bool,
+    kept,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(X, codes) and (X_scale_inv, scales), in either order and any shards -> (X, X
-    dequantized to dtype), or, for kept experts, both checked; every other tensor as it is."""
+    dequantized to dtype), or, for kept weights (`kept(X)`), both checked; every other tensor
+    as it is."""
     waiting: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors:
         if key.endswith(SCALE_SUFFIX):
@@ -176,7 +191,7 @@ def _dequantized(
         if len(pair) == 2:
             del waiting[base]
             codes, scales = _checked_pair(base, pair["codes"], pair["scales"], where)
-            if keep_experts and _EXPERTS.search(base):
+            if kept(base):
                 yield base, codes
                 yield base + SCALE_SUFFIX, scales.to(torch.float32)
             else:
@@ -236,16 +251,16 @@ def _without_fp8(
 
 
 def _round_tripped(
-    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, *, keep_experts: bool
+    tensors: Iterator[tuple[str, torch.Tensor]], dtype: torch.dtype, *, kept
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The experts and projections block-quantized as stored (a per-expert checkpoint's gate and
     up each on their own, a fused one's gate_up whole, as a release quantizes that layout) and
-    dequantized to dtype, or, for kept experts, (X, codes) and (X_scale_inv, scales) as a
-    block-FP8 checkpoint stores them; every other tensor as it is."""
+    dequantized to dtype, or, for kept weights (`kept(X)`), (X, codes) and (X_scale_inv,
+    scales) as a block-FP8 checkpoint stores them; every other tensor as it is."""
     for key, t in tensors:
         if not (_ONLINE.search(key) and t.is_floating_point()):
             yield key, t
-        elif keep_experts and _EXPERTS.search(key):
+        elif kept(key):
             codes, scales = quantize_fp8_block(t)
             yield key, codes
             yield key + SCALE_SUFFIX, scales

@@ -22,6 +22,7 @@ KERNELS = [f.name for f in dataclasses.fields(Ops) if callable(getattr(REFERENCE
 TUNING = {
     "fused_moe": {"config", "deterministic"},  # MoeConfig tiles: tests and tune_moe sweep them
     "add_lora_": {"tiles"},  # bench/lora_tiles.py sweeps them
+    "linear_fp8": {"config"},  # DotConfig tiles: its tests pick them
     # dense_from: triton_ops binds it from prefill_attention_backend
     "paged_attention": {"dense_from", "deterministic"},
     "paged_attention_o_shrink": {"dense_from", "deterministic"},
