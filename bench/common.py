@@ -565,16 +565,26 @@ def weight_bytes(mc: ModelConfig, experts_touched: list[int]) -> int:
     router_and_shared = (mc.num_experts * H + 3 * H * mc.shared_expert_intermediate_size) * elem
     total = mc.vocab_size * H * elem
     for layer in range(mc.num_layers):
-        shapes = attention_shapes(mc, layer)
-        if mc.projections_fp8 and not mc.is_linear(layer):
-            total += sum(fp8_block_bytes(n_out, n_in) for n_in, n_out in shapes)
-        else:
-            total += sum(n_in * n_out for n_in, n_out in shapes) * elem
+        total += attention_bytes(mc, layer)
         if mc.is_linear(layer):
             la = mc.linear_attention
             total += la.conv_dim * la.conv_kernel * elem
     total += (mc.num_layers - len(experts_touched)) * dense
     return total + sum(router_and_shared + n * expert_bytes(mc) for n in experts_touched)
+
+
+def attention_bytes(mc: ModelConfig, layer: int) -> int:
+    """Bytes of `layer`'s attention projections (attention_shapes) as the model holds them:
+    block FP8 where it keeps them so (projections_fp8: all but MLA's kv_b_proj, which the
+    absorption reads whole in bf16), else bf16."""
+    shapes = attention_shapes(mc, layer)
+    if not mc.projections_fp8 or mc.is_linear(layer):
+        return 2 * sum(n_in * n_out for n_in, n_out in shapes)
+    kv_b = len(shapes) - 2 if mc.mla is not None else -1  # attention_shapes' order
+    return sum(
+        2 * n_in * n_out if i == kv_b else fp8_block_bytes(n_out, n_in)
+        for i, (n_in, n_out) in enumerate(shapes)
+    )
 
 
 def expert_bytes(mc: ModelConfig) -> int:

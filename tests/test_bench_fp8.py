@@ -141,3 +141,20 @@ def test_fp8_projections_count_codes_and_scales_in_the_floor(bench) -> None:
     assert saved > 0
     assert common.weight_bytes(mc, touched) - common.weight_bytes(kept, touched) == saved
     assert common.experts_held(kept) == "FP8 experts and attention projections (block 128x128)"
+
+
+def test_mla_fp8_projections_keep_kv_b_in_bf16_in_the_floor(bench) -> None:
+    """moonlight's MLA keeping its projections FP8: every one but kv_b_proj at a byte a weight
+    and a float32 scale a block; kv_b_proj at two bytes a weight."""
+    common, _ = bench
+    mc, _ = read_model_config(common.model_folder(1, "moonlight-16b-a3b"))
+    mc = dataclasses.replace(mc, weights_fp8="checkpoint")
+    kept = dataclasses.replace(mc, projections_fp8=True)
+    shapes = common.attention_shapes(mc, 0)
+    kv_b = shapes[-2]
+    want = 2 * kv_b[0] * kv_b[1] + sum(
+        n_in * n_out + 4 * -(-n_in // 128) * -(-n_out // 128)
+        for n_in, n_out in shapes[:-2] + shapes[-1:]
+    )
+    assert common.attention_bytes(kept, 0) == want
+    assert common.attention_bytes(mc, 0) == 2 * sum(i * o for i, o in shapes)

@@ -9,7 +9,8 @@ on --moelora-device=cuda the Triton table, whose fp8_linear reads the codes and 
 The fixture's attention is widened so q (4 heads of 64) and k, v (2 of 64) end on 128-row
 blocks: the checkpoint's three grids of scales stack into q|k|v's one. Hidden 192 gives q|k|v
 a ragged second block of columns and o a ragged second block of rows. The tiny default
-fixture (q 64 rows) is the case kept out: dequantized at load.
+fixture (q 64 rows) is the case kept out: dequantized at load. DeepSeek-V3's MLA (all but
+kv_b_proj kept) and GLM-4.5's GQA with biases, widened likewise, are quantized online.
 """
 
 from __future__ import annotations
@@ -139,3 +140,73 @@ def test_dummy_fp8_projections_are_made_kept(bank: FixtureBank) -> None:
     assert 0.015 < weights.abs().max() <= 0.02 and weights.std() > 0.005
     out = llm.generate(random_prompts(seed=8, n=2), greedy_params())
     assert all(len(o.token_ids) > 0 for o in out)
+
+
+# DeepSeek-V3's MLA with q_lora_rank 128 (q_a|kv_a's grid: q_a's one block of rows, then
+# kv_a's 40 rows in a ragged one; q_b, o kept too, kv_b dequantized), and GLM-4.5's GQA with
+# q/k/v biases at 4 heads of 32 (q and k/v 128 rows each): a bf16 checkpoint quantized online
+FAMILIES = {
+    "deepseek_v3": dict(q_lora_rank=128),
+    "glm4_moe": dict(head_dim=32, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_kept_family_projections_are_the_dequantized_engine(bank: FixtureBank, arch: str) -> None:
+    import mla_fixtures as fx
+
+    from moelora.kernels.fp8_block import FP8_DTYPE, dequantize_fp8_block
+
+    src = bank.adapter(
+        f"fp8-proj-{arch}", lambda p: fx.make_model(arch, p, seed=3, **FAMILIES[arch])
+    )
+    loras = {
+        "a": bank.adapter(f"fp8-proj-{arch}-a", lambda p: fx.peft_adapter(src, p, arch, seed=11))
+    }
+    kept = table_llm(bank, src, loras, True, quantization="fp8")
+    loaded = table_llm(bank, src, loras, False, quantization="fp8")
+    assert kept.engine.model_config.projections_fp8
+    assert not loaded.engine.model_config.projections_fp8
+    names = ["qkv_proj", "o_proj"] + (["q_b_proj"] if arch == "deepseek_v3" else [])
+    for i, (layer, twin) in enumerate(zip(kept.engine.model.layers, loaded.engine.model.layers)):
+        for name in names:
+            proj, dense = getattr(layer.self_attn, name), getattr(twin.self_attn, name)
+            assert proj.weight.dtype == FP8_DTYPE, (i, name)
+            got = dequantize_fp8_block(proj.weight, proj.weight_scale_inv, torch.float32)
+            assert torch.equal(got, dense.weight), (i, name)
+        if arch == "deepseek_v3":  # read whole by the absorption: never kept
+            assert layer.self_attn.kv_b_proj.weight_scale_inv is None
+    prompts = random_prompts(seed=9)
+    for lora in (None, ["a", None, "a", None, "a"]):
+        got, want = (llm.generate(prompts, greedy_params(), lora=lora) for llm in (kept, loaded))
+        tol = 1e-5 if bank.device == "cpu" else 1e-4
+        assert_same_outputs(got, want, f"{arch}, lora={lora}", tol)
+
+
+def test_a_projection_left_unquantized_beside_kept_ones_is_refused(
+    bank: FixtureBank, tmp_path: Path
+) -> None:
+    """A block-FP8 checkpoint whose k_proj is stored in float32 while q, v and o are FP8: the
+    model keeps q|k|v FP8 and cannot take k's slice unquantized; refused, naming the weight."""
+    from safetensors.torch import load_file, save_file
+
+    from moelora.errors import ModelConfigError
+    from moelora.kernels.fp8_block import dequantize_fp8_block
+
+    src = bank.adapter(
+        "fp8-proj-fp8-one-file",
+        lambda p: write_fp8_checkpoint(wide(bank), p, layout="per_expert", shards=1),
+    )
+    folder = tmp_path / "k-unquantized"
+    folder.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+            continue
+        tensors = load_file(f)
+        key = "model.layers.0.self_attn.k_proj.weight"
+        scale = tensors.pop(key + "_scale_inv")
+        tensors[key] = dequantize_fp8_block(tensors[key], scale, torch.float32)
+        save_file(tensors, folder / f.name)
+    with pytest.raises(ModelConfigError, match=r"k_proj\.weight' is torch\.float32.*keeps it"):
+        table_llm(bank, folder, {}, True)

@@ -120,14 +120,17 @@ def keeps_fp8_experts(cfg: EngineConfig, mc: ModelConfig, ops: Ops) -> bool:
 
 
 def keeps_fp8_projections(cfg: EngineConfig, mc: ModelConfig, ops: Ops) -> bool:
-    """Whether the model holds attention's block-FP8 q/k/v/o as codes and scales
-    (ModelConfig.projections_fp8): the kernels take them so, one rank holds them (no shard cuts
-    a block), the attention is GQA (MLA's projections are dequantized), and q's and k's rows
-    end on a 128-row block, so that q|k|v's grid of scales is the checkpoint's three stacked."""
-    if mc.weights_fp8 == "none" or not ops.keeps_fp8_projections or mc.mla is not None:
+    """Whether the model holds attention's block-FP8 projections as codes and scales
+    (ModelConfig.projections_fp8: GQA's q/k/v/o, MLA's all but kv_b_proj): the kernels take
+    them so, one rank holds them (no shard cuts a block), and each slice of the fused input
+    projection but the last ends on a 128-row block (GQA's q and k, MLA's q_a or q_proj), so
+    that its grid of scales is the checkpoint's stacked."""
+    if mc.weights_fp8 == "none" or not ops.keeps_fp8_projections:
         return False
     if cfg.tensor_parallel_size > 1:
         return False
+    if mc.mla is not None:
+        return (mc.mla.q_lora_rank or mc.num_heads * mc.mla.qk_head_dim) % FP8_BLOCK[0] == 0
     q_rows = mc.q_size * (2 if mc.attn_output_gate else 1)
     return q_rows % FP8_BLOCK[0] == 0 and mc.kv_size % FP8_BLOCK[0] == 0
 

@@ -45,17 +45,19 @@ class MlaAttention(nn.Module):
         mla, H, Hh = cfg.mla, cfg.hidden_size, cfg.num_heads
         self.cfg, self.mla, self.rotary, self.ops = cfg, mla, rotary, ops
         q_size = mla.q_lora_rank or Hh * mla.qk_head_dim
-        self.qkv_proj = LoraLinear(H, (q_size, mla.cache_size), ops, **kw)
+        fp8 = cfg.projections_fp8  # all but kv_b_proj, which the absorption reads whole
+        self.qkv_proj = LoraLinear(H, (q_size, mla.cache_size), ops, fp8=fp8, **kw)
         self.q_a_layernorm = self.q_b_proj = None
         if mla.q_lora_rank:
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LATENT_NORM_EPS, ops, **kw)
-            self.q_b_proj = LoraLinear(mla.q_lora_rank, (Hh * mla.qk_head_dim,), ops, **kw)
+            q_b = (Hh * mla.qk_head_dim,)
+            self.q_b_proj = LoraLinear(mla.q_lora_rank, q_b, ops, fp8=fp8, **kw)
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LATENT_NORM_EPS, ops, **kw)
         kv_b_size = Hh * (mla.qk_nope_head_dim + mla.v_head_dim)
         # read by the attention whole (its weight, and its LoRA's slot buffers) in the latent
         # form; called on the step's latents for the expanded form
         self.kv_b_proj = LoraLinear(mla.kv_lora_rank, (kv_b_size,), ops, **kw)
-        self.o_proj = LoraLinear(Hh * mla.v_head_dim, (H,), ops, **kw)
+        self.o_proj = LoraLinear(Hh * mla.v_head_dim, (H,), ops, fp8=fp8, **kw)
 
     def lora_linears(self) -> dict[str, LoraLinear]:
         """The projections that take LoRA, by their target's name (lora/slots.py)."""

@@ -184,6 +184,12 @@ def placed_tensors(
                     f"{model_path}: weight {key!r} has shape {tuple(source.shape)}, expected "
                     f"{tuple(target.shape)}"
                 )
+            if target.dtype == FP8_DTYPE and source.dtype != FP8_DTYPE:
+                raise ModelConfigError(
+                    f"{model_path}: weight {key!r} is {source.dtype}, but the model keeps it "
+                    "block-FP8 with its neighbours: expected float8_e4m3fn with a "
+                    "weight_scale_inv, as the checkpoint's other attention projections"
+                )
             yield target, source
 
 
@@ -234,6 +240,8 @@ def _layer_targets(layer, i: int, rest: str, t: torch.Tensor):
             return [(_slice(attn.qkv_proj, kind, _MLA_A[mod]), t)]
         if mod in _MLA_OWN and kind == "weight" and getattr(attn, mod, None) is not None:
             return [(getattr(attn, mod).weight, t)]
+        if mod == "q_b_proj" and kind == "weight" + SCALE_SUFFIX and attn.q_b_proj is not None:
+            return [(_slice(attn.q_b_proj, kind, 0), t)]
         if mod == "o_proj" and kind == "weight":
             return [(attn.o_proj.weight, t)]
         if mod == "o_proj" and kind == "weight" + SCALE_SUFFIX:

@@ -54,7 +54,7 @@ _FP8_FIELDS: tuple[tuple[str, object, str], ...] = (
 # projections, the experts' (per expert, Mixtral's w1/w3/w2, or fused) and the dense and shared
 # experts' MLPs; never a router, the shared expert's gate, a norm, the embedding or lm_head
 _ONLINE = re.compile(
-    r"\.(self_attn\.[qkvo]_proj\.weight"
+    r"\.(self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)\.weight"
     r"|experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight"
     r"|experts\.(gate_up_proj|down_proj)"
     r"|mlp\.(shared_expert\.)?(gate_proj|up_proj|down_proj)\.weight)$"
@@ -64,9 +64,11 @@ _ONLINE = re.compile(
 _EXPERTS = re.compile(
     r"\.experts\.(\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight|gate_up_proj|down_proj)$"
 )
-# attention's projections (GQA): what a model with ModelConfig.projections_fp8 takes as codes
-# and scales
-_PROJECTIONS = re.compile(r"\.self_attn\.[qkvo]_proj\.weight$")
+# attention's projections (GQA's, MLA's but kv_b_proj): what a model with
+# ModelConfig.projections_fp8 takes as codes and scales
+_PROJECTIONS = re.compile(
+    r"\.self_attn\.([qkvo]_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa)\.weight$"
+)
 
 
 def quant_method(hf, arch: str, supported: tuple[str, ...]) -> str | None:
@@ -120,10 +122,10 @@ def with_quantization(
     if mc.weights_fp8 != "none" and device.type == "cuda":
         # the rest have no FP8 kernel: dequantizing at load is the correct fallback
         log.warning(
-            "block-FP8 weights (%s): the dense and shared experts' MLPs and MLA's projections "
+            "block-FP8 weights (%s): the dense and shared experts' MLPs and MLA's kv_b_proj "
             "are dequantized to the model's dtype at load (bf16 memory on the GPU); the routed "
-            "experts and attention's q/k/v/o stay FP8 where the kernels keep them (one rank), "
-            "dequantized too otherwise",
+            "experts and attention's other projections stay FP8 where the kernels keep them "
+            "(one rank), dequantized too otherwise",
             mc.weights_fp8,
         )
     return mc
