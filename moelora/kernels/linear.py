@@ -314,12 +314,27 @@ def dot_linear(
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0:
         return y
-    BM, BN, BK, num_warps, num_stages = config or dot_config(M, N)
-    unused = w  # the scale pointer, and the bias pointer without a bias: never read
+    launch_dot_linear(x, w, None, bias, y, config or dot_config(M, N))
+    return y
+
+
+def launch_dot_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale_inv: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    config: DotConfig,
+) -> None:
+    """_dot_linear_kernel into y [M, N] (M > 0) at `config`'s tiles; scale_inv: w is block-FP8
+    codes with these scales (linear_fp8.fp8_linear), else w is x's dtype. Checked by callers."""
+    (M, K), N = x.shape, w.shape[0]
+    BM, BN, BK, num_warps, num_stages = config
+    unused = w  # the scale pointer without FP8, the bias pointer without a bias: never read
     _dot_linear_kernel[(cdiv(N, BN), cdiv(M, BM))](
         x_ptr=x,
         w_ptr=w,
-        scale_ptr=unused,
+        scale_ptr=unused if scale_inv is None else scale_inv,
         bias_ptr=unused if bias is None else bias,
         y_ptr=y,
         M=M,
@@ -327,18 +342,17 @@ def dot_linear(
         K=K,
         stride_xm=x.stride(0),
         stride_wn=w.stride(0),
-        stride_sn=0,
+        stride_sn=0 if scale_inv is None else scale_inv.stride(0),
         stride_ym=y.stride(0),
         BM=BM,
         BN=BN,
         BK=BK,
         STAGES=num_stages,
         HAS_BIAS=bias is not None,
-        FP8=False,
+        FP8=scale_inv is not None,
         num_warps=num_warps,
         **pdl_kwargs(x.device),
     )
-    return y
 
 
 def _dot_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

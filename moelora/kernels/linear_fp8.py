@@ -18,9 +18,8 @@ import triton.language as tl
 
 from moelora.kernels import reference
 from moelora.kernels.fp8_block import FP8_BLOCK, FP8_DTYPE, fp8_scale_shape
-from moelora.kernels.linear import SCALE_K, SCALE_N, DotConfig, _dot_linear_kernel, dot_config
+from moelora.kernels.linear import SCALE_K, SCALE_N, DotConfig, dot_config, launch_dot_linear
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
-from moelora.kernels.sizes import cdiv
 
 # from here on (prefill) the weight is dequantized whole, then cuBLAS: at least INVARIANT_ROWS,
 # where cuBLAS gives the chain's bits
@@ -94,33 +93,13 @@ def fp8_linear(
         return torch.empty(0, N, dtype=x.dtype, device=x.device)
     if M >= FP8_DEQUANT_ROWS:  # one pass over the weight is little beside a prefill's rows
         return reference.linear(x, dequantize_fp8(codes, scale_inv, x.dtype), bias)
-    BM, BN, BK, num_warps, num_stages = config or fp8_dot_config(M, N)
+    config = config or fp8_dot_config(M, N)
     depth = FP8_BLOCK[1]
-    assert depth % BK == 0, f"block_k={BK} must divide {depth}: a tile in one block of scales"
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    unused = codes  # the bias pointer without a bias: never read
-    _dot_linear_kernel[(cdiv(N, BN), cdiv(M, BM))](
-        x_ptr=x,
-        w_ptr=codes,
-        scale_ptr=scale_inv,
-        bias_ptr=unused if bias is None else bias,
-        y_ptr=y,
-        M=M,
-        N=N,
-        K=K,
-        stride_xm=x.stride(0),
-        stride_wn=codes.stride(0),
-        stride_sn=scale_inv.stride(0),
-        stride_ym=y.stride(0),
-        BM=BM,
-        BN=BN,
-        BK=BK,
-        STAGES=num_stages,
-        HAS_BIAS=bias is not None,
-        FP8=True,
-        num_warps=num_warps,
-        **pdl_kwargs(x.device),
+    assert depth % config.block_k == 0, (
+        f"block_k={config.block_k} must divide {depth}: a tile in one block of scales"
     )
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    launch_dot_linear(x, codes, scale_inv, bias, y, config)
     return y
 
 
