@@ -78,7 +78,8 @@ class ChunkedConfig:
 
 # fla's block of 64 tokens; 32 value columns give 4 programs a value head, so one sequence of
 # Qwen3.5's 32 heads fills 128 multiprocessors; 4 warps: the fastest of the H100 sweep. q and k
-# prepared in bf16 rows: 188 registers and no spill on sm_90 (255 with spills otherwise).
+# prepared in bf16 rows keep the serial chain's programs within their registers on sm_90 (no
+# spill: bench/compile_audit.py), where norming them in every program spills.
 CONFIG = ChunkedConfig(
     chunk=CHUNK,
     block_v=32,
@@ -620,8 +621,8 @@ def chunked_gated_delta_rule(
 
 
 def _chain_stages(config: ChunkedConfig, rows: torch.dtype) -> int:
-    """_blocks_kernel's stages: prepared float32 rows take 287 KB of shared memory at two on
-    sm_90 (bench/compile_audit.py), so they take one."""
+    """_blocks_kernel's stages: prepared float32 rows at two stages need more shared memory than
+    sm_90 has (bench/compile_audit.py), so they take one."""
     return 1 if config.prepared and rows == torch.float32 else config.num_stages
 
 
