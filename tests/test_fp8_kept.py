@@ -31,16 +31,25 @@ if TYPE_CHECKING:
 LORAS = ["a", None, "b", "a", None]
 
 
-def table_llm(bank: FixtureBank, path: Path, loras: dict[str, Path], keeps: bool, **kwargs):
-    """make_llm on the device's kernel table told whether to keep FP8 experts: on the CPU the
-    reference's (its fused MoE dequantizes an Fp8Weight at every call), on --moelora-device=cuda
-    the Triton table (its FP8 main loops against the experts dequantized at load)."""
+def table_llm(
+    bank: FixtureBank,
+    path: Path,
+    loras: dict[str, Path],
+    keeps: bool,
+    *,
+    field: str = "keeps_fp8",
+    **kwargs,
+):
+    """make_llm on the device's kernel table with `field` (keeps_fp8: the experts;
+    keeps_fp8_projections: attention's projections) set to `keeps`: on the CPU the reference's
+    (it dequantizes FP8 weights at every call), on --moelora-device=cuda the Triton table (its
+    FP8 kernels against the weights dequantized at load)."""
     from moelora.engine import build
 
     made = build.make_rank_ops
 
     def tables(cfg, shard, device):
-        return dataclasses.replace(made(cfg, shard, device), keeps_fp8=keeps)
+        return dataclasses.replace(made(cfg, shard, device), **{field: keeps})
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(build, "make_rank_ops", tables)

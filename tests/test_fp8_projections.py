@@ -15,7 +15,6 @@ kv_b_proj kept) and GLM-4.5's GQA with biases, widened likewise, are quantized o
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,8 @@ import pytest
 import torch
 from test_fp8 import random_prompts, to_bf16, write_fp8_checkpoint
 from test_fp8_kept import LORAS, assert_same_outputs
-from test_vs_transformers import greedy_params, make_llm
+from test_fp8_kept import table_llm as kept_table_llm
+from test_vs_transformers import greedy_params
 
 if TYPE_CHECKING:
     from conftest import FixtureBank
@@ -34,16 +34,7 @@ WIDE = dict(hidden_size=192, head_dim=64, num_attention_heads=4, num_key_value_h
 
 def table_llm(bank: FixtureBank, path: Path, loras: dict[str, Path], keeps: bool, **kwargs):
     """make_llm on the device's kernel table told whether to keep FP8 projections."""
-    from moelora.engine import build
-
-    made = build.make_rank_ops
-
-    def tables(cfg, shard, device):
-        return dataclasses.replace(made(cfg, shard, device), keeps_fp8_projections=keeps)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(build, "make_rank_ops", tables)
-        return make_llm(bank, path, loras, **kwargs)
+    return kept_table_llm(bank, path, loras, keeps, field="keeps_fp8_projections", **kwargs)
 
 
 def wide(bank: FixtureBank) -> Path:
