@@ -27,15 +27,19 @@ FP8_DEQUANT_ROWS = 512
 
 
 def fp8_dot_config(M: int, N: int) -> DotConfig:
-    """dot_config's tiles, K tiles at most 128 deep (a tile within one block of scales).
-    A tile cut from 256 or 512 deep takes proportionally more stages, at most 8, so about the
-    same depth of K stays in flight (half the bytes: a code is one byte). A first guess, not
-    timed: to be swept on the device (bench/linear.py)."""
+    """Tiles of 64 rows at 4 warps or more: one warpgroup MMA, which reads the dequantized
+    tile from shared memory, so each output's chain is the 16-bit weight's. A tile of fewer
+    rows or warps takes the older MMA, which is fed the converted tile from registers and sums
+    a 16-deep step in another order: a rounding apart, and a row's bits would then depend on
+    the row count (tests/gpu/test_linear_fp8_gpu.py). K tiles at most 128 deep (one block of
+    scales); a tile cut from 256 or 512 deep takes more stages, at most 8. Up to 16 rows:
+    16-column slabs, so even a 2048-wide projection has 128 programs. Not yet swept."""
+    if M <= 16:
+        return DotConfig(64, 16, 128, 4, 8)
     config, depth = dot_config(M, N), FP8_BLOCK[1]
-    if config.block_k <= depth:
-        return config
-    stages = min(8, config.num_stages * config.block_k // depth)
-    return config._replace(block_k=depth, num_stages=stages)
+    block_k = min(config.block_k, depth)
+    stages = min(8, config.num_stages * config.block_k // block_k)
+    return DotConfig(64, config.block_n, block_k, max(4, config.num_warps), stages)
 
 
 def _check_fp8_weight(codes: torch.Tensor, scale_inv: torch.Tensor) -> None:

@@ -114,18 +114,19 @@ def test_fp8_linear_refuses_mismatched_operands():
 
 
 FP8_CONFIGS = [  # (M, N, (block_m, block_n, block_k, num_warps, num_stages))
-    (1, 5120, (1, 16, 128, 2, 8)),  # dot_config's, 128 deep already
-    (64, 5120, (64, 64, 128, 4, 4)),
-    (1, 2048, (1, 8, 128, 1, 8)),  # 512 deep, 4 stages: 16, capped
-    (4, 2048, (4, 8, 128, 1, 8)),  # 256 deep, 8 stages
-    (13, 2048, (16, 16, 128, 2, 8)),
-    (32, 4096, (32, 32, 128, 4, 8)),
+    (1, 5120, (64, 16, 128, 4, 8)),  # up to 16 rows: one tile for every width
+    (16, 2048, (64, 16, 128, 4, 8)),
+    (64, 5120, (64, 64, 128, 4, 4)),  # dot_config's, 128 deep already
+    (17, 2048, (64, 16, 128, 4, 8)),  # dot_config's 32 rows and 4 warps: 64 rows
+    (24, 5120, (64, 64, 128, 8, 4)),  # 8 warps kept
+    (32, 4096, (64, 32, 128, 4, 8)),  # 256 deep, 8 stages: 16, capped
 ]
 
 
 @pytest.mark.parametrize("M,N,config", FP8_CONFIGS)
 def test_fp8_dot_config(M, N, config):
-    """dot_config's tiles, at most 128 deep, with more stages (at most 8) where cut."""
+    """64-row tiles at 4 warps or more (one warpgroup MMA), at most 128 deep, with more stages
+    (at most 8) where cut."""
     assert fp8_dot_config(M, N) == config
 
 

@@ -254,8 +254,9 @@ def _launch_grouped_routing(T: int) -> None:
 def _launch_projections() -> None:
     """The skinny projections of one- to eight-token steps (q|k|v, o, router, with a bias),
     and the batch-invariant ones at every config bucket (the real K: the pipeline depth and
-    shared memory depend on it), with and without a bias."""
-    from moelora.kernels import linear
+    shared memory depend on it), with and without a bias, and on block-FP8 weights."""
+    from moelora.kernels import linear, linear_fp8
+    from moelora.kernels.fp8_block import quantize_fp8_block
 
     for M in (1, 2, 4, 8):
         for N, K in ((HQ * D + 2 * HKV * D, H), (H, HQ * D), (128, H)):
@@ -267,6 +268,10 @@ def _launch_projections() -> None:
             w = torch.randn(N, K, dtype=BF16)
             linear.dot_linear(torch.randn(M, K, dtype=BF16), w, torch.randn(N, dtype=BF16))
             linear.dot_linear(torch.randn(M, K, dtype=BF16), w)
+    for M in (1, 64):  # block-FP8 q|k|v and o at fp8_dot_config's tiles (64 rows, 4+ warps)
+        for N, K in ((5120, 2048), (2048, 4096)):
+            codes, scale_inv = quantize_fp8_block(torch.randn(N, K))
+            linear_fp8.fp8_linear(torch.randn(M, K, dtype=BF16), codes, scale_inv)
 
 
 def _launch_paged_attention() -> None:
@@ -607,7 +612,8 @@ def main() -> None:
             placed = (kernel.fn.__name__, kwargs.get("TMA"))
             if kwargs.get("FP8") and not kwargs.get("W8A8") and placed not in looked_up:
                 looked_up.add(placed)
-                compile_sm90(kernel, args, dict(kwargs, FP8_PLACED=True))
+                flag = "PLACED" if "PLACED" in kwargs else "FP8_PLACED"  # linear's, the MoE's
+                compile_sm90(kernel, args, dict(kwargs, **{flag: True}))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
     print(check_a_alignment_hint(launches))
 
