@@ -46,13 +46,9 @@ import triton.language as tl
 
 from moelora.kernels import reference
 from moelora.kernels.fp8_block import FP8_BLOCK
-from moelora.kernels.moe.fp8 import e4m3_bf16_placed, runs_ptx
 from moelora.kernels.pdl import pdl_kwargs, pdl_wait
 from moelora.kernels.sizes import cdiv, next_power_of_2
 
-# block-FP8 weights with bf16 rows on the GPU: their code tiles by bit placement (moe/fp8.py's
-# e4m3_bf16_placed: the conversions' values, so the same bits) or converted
-FP8_PLACED = True
 MAX_ROWS = 8  # the rows a GEMV program reduces its slab against; past them the MMA kernel
 MAX_K = 8192  # the slab is one register tile: BN * next_pow2(K) elements per program
 MAX_SLAB = 16384  # elements: two slabs are 128 registers a thread at 8 warps
@@ -236,7 +232,6 @@ def _dot_linear_kernel(
     STAGES: tl.constexpr,  # K blocks in flight: a program streams its BN x K slab alone
     HAS_BIAS: tl.constexpr,
     FP8: tl.constexpr,  # block-FP8 weights, each tile dequantized to x's dtype before its dot
-    PLACED: tl.constexpr,  # ... their codes in bf16 by bit placement (bf16 x on the GPU)
     PDL: tl.constexpr,
 ):
     # Every output is one chain of MMAs over K in ascending order into one fp32 accumulator.
@@ -261,9 +256,7 @@ def _dot_linear_kernel(
             scale = tl.load(
                 scale_ptr + (offs_n // SCALE_N) * stride_sn + k0 // SCALE_K, mask=n_ok, other=0.0
             )
-            # the codes' values in bf16 by bit placement, off the conversion pipe, or converted
-            codes = e4m3_bf16_placed(w.to(tl.uint8, bitcast=True)) if PLACED else w
-            w = (codes.to(tl.float32) * scale[:, None]).to(x.dtype)
+            w = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -357,7 +350,6 @@ def launch_dot_linear(
         STAGES=num_stages,
         HAS_BIAS=bias is not None,
         FP8=scale_inv is not None,
-        PLACED=scale_inv is not None and FP8_PLACED and runs_ptx(x),
         num_warps=num_warps,
         **pdl_kwargs(x.device),
     )

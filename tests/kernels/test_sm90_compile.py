@@ -610,10 +610,10 @@ def main() -> None:
             # block-FP8 weight-only: the code tiles by bit placement (a CUDA bf16 launch's
             # with fused.FP8_PLACED), once a kernel, pointers and TMA
             placed = (kernel.fn.__name__, kwargs.get("TMA"))
-            if kwargs.get("FP8") and not kwargs.get("W8A8") and placed not in looked_up:
+            moe_fp8 = "FP8_PLACED" in kwargs and kwargs["FP8"] and not kwargs.get("W8A8")
+            if moe_fp8 and placed not in looked_up:
                 looked_up.add(placed)
-                flag = "PLACED" if "PLACED" in kwargs else "FP8_PLACED"  # linear's, the MoE's
-                compile_sm90(kernel, args, dict(kwargs, **{flag: True}))
+                compile_sm90(kernel, args, dict(kwargs, FP8_PLACED=True))
     print(f"compiled {len(seen)} launches; kernels: {sorted(names)}")
     print(check_a_alignment_hint(launches))
 

@@ -26,8 +26,6 @@ are the only rounding; the LoRA path reads x and h unquantized (fused_moe's alig
 epilogues), as the torch reference (reference.fused_moe_w8a8, h_group = BN).
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -41,16 +39,6 @@ SCALE_K: tl.constexpr = tl.constexpr(FP8_BLOCK[1])  # K depth of one block of sc
 SCALE_N: tl.constexpr = tl.constexpr(FP8_BLOCK[0])  # rows of one block of scales
 FP8_MAX: tl.constexpr = tl.constexpr(448.0)  # e4m3's largest finite value
 QUANT_ROWS = 16  # rows a program of quantize_rows_fp8 takes ([16, 128] tiles)
-
-
-def runs_ptx(x: torch.Tensor) -> bool:
-    """Whether weight tiles may expand by inline PTX (e4m3_bf16_placed): bf16 activations on
-    the GPU (the interpreter runs no PTX)."""
-    return (
-        x.dtype == torch.bfloat16
-        and x.device.type == "cuda"
-        and os.environ.get("TRITON_INTERPRET") != "1"
-    )
 
 
 def fp8_tiles_fit(block_k: int, group: int = 0) -> bool:

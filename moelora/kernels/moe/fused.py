@@ -34,6 +34,7 @@ launches as the base MoE and pays only those gathers (and align programs that ex
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,6 @@ from moelora.kernels.moe.fp8 import (
     gate_up_fp8_loop,
     quantize_rows_fp8,
     quantized_rows,
-    runs_ptx,
 )
 from moelora.kernels.moe.lora import (
     PAIR_SPLITS,
@@ -668,6 +668,16 @@ class _Experts:
         }
 
 
+def _runs_ptx(x: torch.Tensor) -> bool:
+    """Whether the weights' tiles may expand by inline PTX: bf16 activations on the GPU (the
+    interpreter runs no PTX)."""
+    return (
+        x.dtype == torch.bfloat16
+        and x.device.type == "cuda"
+        and os.environ.get("TRITON_INTERPRET") != "1"
+    )
+
+
 def _experts(
     w: torch.Tensor | Mxfp4Weight | Fp8Weight,
     unused: torch.Tensor,
@@ -677,14 +687,14 @@ def _experts(
     if isinstance(w, Fp8Weight):  # TMA: the code tiles, through the codes' descriptor
         c, s = w.codes, w.scale_inv
         strides = (c.stride(0), c.stride(1)), (s.stride(0), s.stride(1))
-        placed = FP8_PLACED and not cfg.w8a8 and runs_ptx(x)
+        placed = FP8_PLACED and not cfg.w8a8 and _runs_ptx(x)
         fp8 = dict(fp8=True, w8a8=cfg.w8a8, tma=_tma(cfg, c), fp8_placed=placed)
         return _Experts(c, s, *strides, mxfp4=False, expand=0, **fp8)
     if isinstance(w, Mxfp4Weight):
         b, s = w.blocks, w.scales
         # the lookups and the bit placement are inline PTX (no interpreter) and give bf16
         # (mxfp4.lut_tile_dot)
-        ptx = cfg.mxfp4_lut and runs_ptx(x)
+        ptx = cfg.mxfp4_lut and _runs_ptx(x)
         expand = (2 if w.small_scales else 1) if ptx else 0
         if w.swizzled:  # the GPU layout is read by its own bit placement only
             if not (x.dtype == torch.bfloat16 and x.device.type == "cuda"):
