@@ -4,10 +4,11 @@ fp8_block.py): `fp8_linear`, on linear.py's batch-invariant kernel with its FP8 
 Each K tile of codes is multiplied by its rows' block scales in float32 and rounded once to
 x's dtype, which are dequantize_fp8_block's values, before the same dot: the chain sees the
 operands of the dequantized 16-bit weight in the same order, so its bits are dot_linear's on
-that weight and as independent of the row count. A tile lies in one block of scales along K
-(BK divides 128). From FP8_DEQUANT_ROWS rows (prefill) the weight is dequantized whole
-(`dequantize_fp8`, the same values) and cuBLAS takes the product: past INVARIANT_ROWS, the
-chain's bits.
+that weight and as independent of the row count, at fp8_dot_config's warpgroup tiles (on the
+GPU a tile of fewer than 64 rows or 4 warps sums a converted tile in another order). A tile
+lies in one block of scales along K (BK divides 128). From FP8_DEQUANT_ROWS rows (prefill)
+the weight is dequantized whole (`dequantize_fp8`, the same values) and cuBLAS takes the
+product: past INVARIANT_ROWS, the chain's bits.
 """
 
 from __future__ import annotations
