@@ -4,8 +4,8 @@ registers, spilled bytes, shared memory, and the global loads by width, worst fi
 A diagnostic: a kernel that spills, or loads a tensor one 16-bit element at a time where its
 rows are contiguous, is worth a look on the device. The launches are tests/kernels/
 test_sm90_compile.py's (the engine's ops at a Qwen3-30B-A3B layer's sizes, LoRA on and off,
-the H200 MoE table's tiles) and fp8_linear's (launch_fp8_projections), specialized as the
-H200's JIT would; ptxas -v says what each costs. Writes its dated result file.
+the H200 MoE table's tiles, the FP8 projections), specialized as the H200's JIT would; ptxas
+-v says what each costs. Writes its dated result file.
 
     PYTHONPATH=. python bench/compile_audit.py [--out PATH]
 """
@@ -53,29 +53,12 @@ def audit(kernel, args, kwargs) -> dict:
     )
 
 
-def launch_fp8_projections() -> None:
-    """fp8_linear at Qwen3-30B-A3B's q|k|v (one and 64 rows) and o (one row: its K tiles cut
-    from 512 deep), and a prefill's dequantization of the whole weight (the engine takes them
-    where kernels/ops.py's FP8_PROJECTIONS is on)."""
-    import torch
-
-    from moelora.kernels import linear_fp8
-    from moelora.kernels.fp8_block import quantize_fp8_block
-
-    for (N, K), rows in (((5120, 2048), (1, 64)), ((2048, 4096), (1,))):
-        codes, scale_inv = quantize_fp8_block(torch.randn(N, K))
-        for M in rows:
-            linear_fp8.fp8_linear(torch.randn(M, K, dtype=torch.bfloat16), codes, scale_inv)
-    linear_fp8.dequantize_fp8(codes, scale_inv, torch.bfloat16)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
     launches = record_launches()
     launch_every_op()
-    launch_fp8_projections()
     seen, rows = set(), []
     for kernel, largs, kwargs in launches:
         key = (kernel.fn.__name__, repr([arg_type(a) for a in largs]), repr(sorted(kwargs.items())))
@@ -85,8 +68,7 @@ def main() -> None:
     rows.sort(key=lambda r: (-r["spill"], -r["scalar16"], r["kernel"]))
     lines = result_header("Kernel launches compiled for sm_90 (ptxas -v)", None, device="cpu")
     lines += [
-        f"- {len(rows)} distinct launches (tests/kernels/test_sm90_compile.launch_every_op,",
-        "  and launch_fp8_projections)",
+        f"- {len(rows)} distinct launches (tests/kernels/test_sm90_compile.launch_every_op)",
         "- loads: PTX ld.global instructions, 16-bit scalar and vector; cp.async: copies into",
         "  shared memory (pipelined loads)",
         "",

@@ -63,9 +63,11 @@ def bench_shape(name: str, N: int, K: int, bw: float, ms: list[int]) -> list[str
     for M in ms:
         x = x_all[:M].contiguous()
         bf16 = graph_ms(lambda x=x: [dot_linear(x, w) for w in deq], LAYERS)
-        default, small = fp8_dot_config(M, N), min(64, next_power_of_2(M))
-        for bm, bn, bk, warps, stages in ((0, 0, 0, 0, 0), *CANDIDATES):
-            c = default if bn == 0 else DotConfig(bm or small, bn, bk, warps, stages)
+        small = min(64, next_power_of_2(M))
+        configs = dict.fromkeys([fp8_dot_config(M, N)], " (default)")
+        for bm, bn, bk, warps, stages in CANDIDATES:
+            configs.setdefault(DotConfig(bm or small, bn, bk, warps, stages), "")
+        for c, label in configs.items():
             try:
                 t = graph_ms(
                     lambda x=x, c=c: [fp8_linear(x, q, s, config=c) for q, s in weights], LAYERS
@@ -75,7 +77,7 @@ def bench_shape(name: str, N: int, K: int, bw: float, ms: list[int]) -> list[str
                 print(f"{name} M={M} {tuple(c)}: {type(e).__name__}", flush=True)
                 continue
             line = (
-                f"| {name} | {M} | {tuple(c)}{' (default)' if bn == 0 else ''} | {us(floor)} "
+                f"| {name} | {M} | {tuple(c)}{label} | {us(floor)} "
                 f"| {us(t)} ({t / floor:.2f}x) | {us(bf16)} | {t / bf16:.3f} | {bits} |"
             )
             rows.append(line)

@@ -272,6 +272,7 @@ def _launch_projections() -> None:
         for N, K in ((5120, 2048), (2048, 4096)):
             codes, scale_inv = quantize_fp8_block(torch.randn(N, K))
             linear_fp8.fp8_linear(torch.randn(M, K, dtype=BF16), codes, scale_inv)
+    linear_fp8.dequantize_fp8(codes, scale_inv, BF16)  # a prefill's whole weight
 
 
 def _launch_paged_attention() -> None:
