@@ -38,6 +38,11 @@ CANDIDATES = (
     (0, 32, 128, 4, 8),
     (0, 64, 128, 4, 4),
     (64, 16, 128, 4, 8),
+    # a 64-row x tile is 16 KB a stage at 128 deep, one real row or 64: fewer stages let more
+    # programs share a multiprocessor (the default's 8 stages hold one)
+    (64, 16, 128, 4, 3),
+    (64, 16, 64, 4, 4),
+    (64, 32, 128, 4, 3),
     (64, 32, 128, 4, 8),
     (64, 32, 64, 4, 8),
     (64, 64, 128, 4, 4),
