@@ -111,9 +111,13 @@ def test_rms_norm_joins_the_shared_expert(poison_empty, dtype, T, KX, gated):
         rms_norm(rows, weight, EPS, residual, shared_gate=wide[:, :1])
 
 
+# a program per (token, head) below ROPE_GROUP_FROM tokens: 33 tokens take no path that 7 do
+# not, so they run at GQA heads only (the interpreter's time grows with tokens x heads)
+ROPE_SIZES = [(T, Hq, Hkv) for T in (1, 7, 33) for Hq, Hkv in ((4, 2), (8, 8)) if T < 33 or Hq == 4]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("T", [1, 7, 33])
-@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (8, 8)])
+@pytest.mark.parametrize("T,Hq,Hkv", ROPE_SIZES)
 @pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("with_norm", [True, False])
 def test_rope_store_kv_matches_reference(poison_empty, dtype, T, Hq, Hkv, D, with_norm):
