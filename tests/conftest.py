@@ -21,6 +21,10 @@ sys.modules.setdefault("fla", None)  # type: ignore[arg-type]
 sys.path.insert(0, str(Path(__file__).parent))
 
 import hf_fixtures as hf  # noqa: E402
+import interpreter_speed  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    interpreter_speed.install()
 
 
 class FixtureBank:

@@ -35,9 +35,11 @@ def moe_case(T: int, E: int, K: int, spread: str, dtype: torch.dtype, R: int = 1
     return (x, w13, w2, topk_weights, topk_ids), dict(lora13=lora13, lora2=lora2, info=info)
 
 
-# the whole grid at 1 and 7 tokens; at 64 (the interpreter's slowest) each dtype with one E
-# and one K, fp32 with 4 experts of top-1 and fp16 with 8 of top-2, and no "one" adapter (a
-# block of one slot's rows, which "mixed" blocks hold too)
+# Every (E, K, spread, dtype) at 1 or 7 tokens: at 1 token fp16 takes the (E, K) where
+# exactly one of "8 experts" and "top-2" holds, at 7 the others, so each token count still sees
+# both dtypes on each E and each K. At 64 (the interpreter's slowest) each dtype with one E and
+# one K, fp32 with 4 experts of top-1 and fp16 with 8 of top-2, and no "one" adapter (a block
+# of one slot's rows, which "mixed" blocks hold too).
 GRID = [
     (T, E, K, spread, dtype)
     for T in (1, 7, 64)
@@ -45,7 +47,11 @@ GRID = [
     for K in (1, 2)
     for spread in SPREADS
     for dtype in (torch.float32, torch.float16)
-    if T < 64 or ((E == 8) == (dtype == torch.float16) == (K == 2) and spread != "one")
+    if (
+        (dtype == torch.float16) == (((E == 8) != (K == 2)) == (T == 1))
+        if T < 64
+        else (E == 8) == (dtype == torch.float16) == (K == 2) and spread != "one"
+    )
 ]
 
 
