@@ -218,7 +218,7 @@ def _check_launch(engine, launch):
 
 
 def test_random_traffic_returns_every_page(tiny) -> None:
-    """~1000 requests over shared prefixes, three namespaces and salts, under a page budget
+    """~600 requests over shared prefixes, three namespaces and salts, under a page budget
     small enough to preempt, with aborts and adapter reloads on the way."""
     rng = random.Random(0)
     llm = _llm(tiny, page_size=4, num_pages=40, max_num_seqs=12, max_num_batched_tokens=48)
@@ -228,7 +228,7 @@ def test_random_traffic_returns_every_page(tiny) -> None:
     live: list[str] = []
     prompts: dict[str, list[int]] = {}
     turns: list[list[int]] = []  # finished requests' prompts and answers
-    for i in range(1000):
+    for i in range(600):
         prompt = rng.choice(prefixes) + [rng.randrange(1, 250) for _ in range(rng.randrange(4))]
         if turns and rng.random() < 0.3:  # a next turn: an earlier prompt and its answer, and more
             prompt = rng.choice(turns) + [rng.randrange(1, 250) for _ in range(rng.randrange(3))]

@@ -125,8 +125,11 @@ W8A8_H64 = dataclasses.replace(W8A8, block_n=64, block_k_down=64)
 @pytest.mark.parametrize(
     "dtype,tma", [(torch.float32, False), (torch.float16, True)], ids=["fp32-pointers", "fp16-tma"]
 )
-@pytest.mark.parametrize("spread", ["none", "mixed", "mixed by block"])
-@pytest.mark.parametrize("tiles", [W8A8, W8A8_H64], ids=["h128", "h64"])
+@pytest.mark.parametrize(
+    "tiles,spread",
+    [(W8A8, "none"), (W8A8, "mixed by block"), (W8A8_H64, "mixed"), (W8A8_H64, "mixed by block")],
+    ids=["h128-none", "h128-mixed by block", "h64-mixed", "h64-mixed by block"],
+)
 def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, tiles, spread, dtype, tma):
     """W8A8: x quantized per row and 128-column group before gate_up, h per row and group of
     gate_up's tile width (128, 64) in its epilogue, the dots on the codes; against the

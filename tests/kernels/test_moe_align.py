@@ -50,7 +50,7 @@ ALIGN_SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("T", [1, 3, 16, 64, 300])
+@pytest.mark.parametrize("T", [1, 3, 64, 300])  # 64 x K 2: 128 pairs, both paths
 @pytest.mark.parametrize("spread", ["random", "skewed"])
 def test_moe_align_matches_reference(poison_empty, small_chunks, T, spread):
     """The one-launch path, and up to 128 pairs the chunked one (pmax=0), on routed ids."""
