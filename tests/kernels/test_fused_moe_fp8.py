@@ -113,8 +113,22 @@ def test_fused_moe_fp8_refuses_tiles_across_scale_blocks_and_mixed_experts():
 # float16: the kernel rounds h once from float32, the reference after float16 steps, so a few
 # of h's codes land a step (1/16) apart. float32: typically 3e-7, but another order of h's
 # float32 sums now and then puts a value on the other side of an e4m3 midpoint, and that one
-# code a step apart moves the output about 1e-5 (seen in CI: 1.004e-5)
+# code a step apart moves its token's row of the output, by up to about 1e-3 (seen in CI:
+# 1e-5 and 8e-5 over the whole output). So in float32 each row is held to 5e-5 but one, which
+# may be a code apart (W8A8_ONE_ROW).
 W8A8_TOL = {torch.float32: 5e-5, torch.float16: 2e-2}
+W8A8_ONE_ROW = 2e-3
+
+
+def assert_w8a8_close(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str):
+    if dtype != torch.float32:
+        assert rel_err(out, want) <= W8A8_TOL[dtype], what
+        return
+    rows = (out - want).norm(dim=1) / want.norm(dim=1)
+    off = rows > W8A8_TOL[dtype]
+    assert int(off.sum()) <= 1 and float(rows.max()) <= W8A8_ONE_ROW, (what, rows)
+
+
 W8A8 = MoeConfig(block_m=16, block_n=128, block_k=128, block_n_down=64, block_k_down=128, w8a8=True)
 # h in groups of 64: gate_up 64 wide, down 64 deep, two tiles a block of the weights' scales
 W8A8_H64 = dataclasses.replace(W8A8, block_n=64, block_k_down=64)
@@ -141,7 +155,7 @@ def test_fused_moe_w8a8_matches_reference(poison_empty, monkeypatch, tiles, spre
     args, lora = fp8_case(9, "whole", spread.split()[0], dtype)
     out = fused_moe(*args, **lora, config=dataclasses.replace(tiles, tma=tma))
     want = reference.fused_moe_w8a8(*args, **lora, h_group=tiles.block_n)
-    assert rel_err(out, want) <= W8A8_TOL[dtype], spread
+    assert_w8a8_close(out, want, dtype, spread)
     assert rel_err(want, reference.fused_moe(*args, **lora)) > 1e-3  # activations rounded
     if dtype == torch.float32:  # h's groups are the tile's: the other grouping is 1e-2 off
         other = reference.fused_moe_w8a8(*args, **lora, h_group=192 - tiles.block_n)
