@@ -6,7 +6,7 @@ PlannedStep.forward_fn, CUDA-graph replays of the forward alone). A diagnostic f
 what to fuse; bench/decode.py is the benchmark of record.
 
     PYTHONPATH=. python bench/profile_step.py --layers 4 [--shape moonlight-16b-a3b] [--fp8]
-        [--trace REGEX] [--deterministic]
+        [--trace REGEX] [--deterministic] [--batches 1 8 64]
 
 --deterministic: the engines with --enable-deterministic-inference (where its cost goes).
 --trace: also each launch of the kernels whose name matches REGEX in one replay, in launch
@@ -104,6 +104,7 @@ def main() -> None:
         "--deterministic", action="store_true", help="--enable-deterministic-inference's engines"
     )
     parser.add_argument("--fp8", action="store_true", help="block-FP8 weights (bench/decode.py's)")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args()
     if not args.pdl:
         os.environ["MOELORA_PDL"] = "0"  # read at the first launch (kernels/pdl.py)
@@ -114,8 +115,14 @@ def main() -> None:
         if lora:
             names = add_random_adapters(engine, MAX_LORAS)
             cases.append(("8 distinct", lambda B, n=names: [n[i % len(n)] for i in range(B)]))
+            if any(key.endswith(".kv_b") for key in engine.lora_targets):
+                # MLA: the same adapters without kv_b_proj's (what its correction costs)
+                plain = add_random_adapters(engine, MAX_LORAS, without="kv_b", prefix="n")
+                cases.append(
+                    ("8 distinct, no kv_b", lambda B, n=plain: [n[i % len(n)] for i in range(B)])
+                )
         for case, loras in cases:
-            for B in (1, 8, 64):
+            for B in args.batches:
                 step = decode_batch(engine, B, loras(B))
                 print_table(step, args.layers, f"lora={lora} {case} B={B}", args.trace)
                 for request_id in step.request_ids:
