@@ -4,9 +4,9 @@ The Triton interpreter (3.x) rebinds every builtin of `triton.language` when a l
 (`GridExecutor`), and again on every call of a nested `@triton.jit` function, each time walking
 the module with `inspect.getmembers`. The nested rebinding changes nothing: the launch's bindings
 stay in force until it ends, and builtins already rebound are no longer builtins, so the walk
-finds nothing left to bind. In kernels that call a helper per tile that walk is about a third of
-the interpreter's time. This skips it while a launch whose patch covers the helper's language
-modules is running; outside a launch the interpreter runs unchanged.
+finds nothing left to bind. Kernels that call a helper per tile pay that walk per call. This
+skips it while a launch whose patch covers the helper's language modules is running; outside a
+launch the interpreter runs unchanged.
 
 Only tests import this; the kernels and what the interpreter computes are untouched.
 """
