@@ -89,6 +89,11 @@ def print_table(step: PlannedStep, layers: int, title: str, trace: str | None) -
         print_trace(events, trace)
 
 
+def cycled(names: list[str]):
+    """B requests' adapters: names in turn."""
+    return lambda B: [names[i % len(names)] for i in range(B)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
@@ -113,14 +118,11 @@ def main() -> None:
         engine = make_engine(folder, lora=lora, max_bs=64, deterministic=args.deterministic)
         cases = [("base", lambda B: [None] * B)]
         if lora:
-            names = add_random_adapters(engine, MAX_LORAS)
-            cases.append(("8 distinct", lambda B, n=names: [n[i % len(n)] for i in range(B)]))
+            cases.append(("8 distinct", cycled(add_random_adapters(engine, MAX_LORAS))))
             if any(key.endswith(".kv_b") for key in engine.lora_targets):
                 # MLA: the same adapters without kv_b_proj's (what its correction costs)
                 plain = add_random_adapters(engine, MAX_LORAS, without="kv_b", prefix="n")
-                cases.append(
-                    ("8 distinct, no kv_b", lambda B, n=plain: [n[i % len(n)] for i in range(B)])
-                )
+                cases.append(("8 distinct, no kv_b", cycled(plain)))
         for case, loras in cases:
             for B in args.batches:
                 step = decode_batch(engine, B, loras(B))

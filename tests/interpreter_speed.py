@@ -16,24 +16,19 @@ from __future__ import annotations
 import inspect
 
 
-def install() -> bool:
-    """Wrap the interpreter's patch step; returns False (and changes nothing) when this Triton
-    lacks the hooks it wraps."""
+def install() -> None:
+    """Wrap the interpreter's patch step; changes nothing where this Triton lacks the hooks."""
     try:
         from triton.runtime import interpreter as ti
     except ImportError:
-        return False
+        return
     real_patch = getattr(ti, "_patch_lang", None)
     executor = getattr(ti, "GridExecutor", None)
     scope_cls = getattr(ti, "_LangPatchScope", None)
     if real_patch is None or executor is None or scope_cls is None:
-        return False
-    if getattr(real_patch, "_moelora_once", False):
-        return True
+        return
     langs_of_interest = (ti.tl, ti.tl.core)
-    # None outside a launch; inside one, the language modules its patch rebound.
-    state: dict[str, frozenset | None] = {"patched": None}
-
+    patched: frozenset | None = None  # outside a launch; inside, the modules its patch rebound
     seen: dict = {}  # function -> ids of the language modules its globals hold
 
     def langs(fn) -> frozenset:
@@ -45,24 +40,23 @@ def install() -> bool:
         return seen[fn]
 
     def patch_once(fn):
-        patched = state["patched"]
+        nonlocal patched
         if patched and langs(fn) <= patched:
             return scope_cls()  # nothing to restore: the launch's own scope restores it all
         scope = real_patch(fn)
         if patched is not None:
-            state["patched"] = patched | langs(fn)
+            patched |= langs(fn)
         return scope
 
-    patch_once._moelora_once = True
     launch = executor.__call__
 
     def launch_patching_once(self, *args, **kwargs):
-        state["patched"] = frozenset()
+        nonlocal patched
+        patched = frozenset()
         try:
             return launch(self, *args, **kwargs)
         finally:
-            state["patched"] = None
+            patched = None
 
     ti._patch_lang = patch_once
     executor.__call__ = launch_patching_once
-    return True

@@ -233,7 +233,8 @@ def test_chunked_blocks_of_several_sub_blocks(poison_empty, monkeypatch, chunk, 
         torch.testing.assert_close(state[s], want_state[s], **CHUNKED_TOL)
 
 
-# the dtype paired with the case: the gates' arithmetic is the same on every row
+# the dtype paired with the case, not crossed: which rows a batch holds does not change how
+# the gates are computed in either dtype
 @pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize(
     "case,dtype", [("decode", torch.float16), ("mixed", torch.float32)], ids=["decode", "mixed"]
