@@ -259,16 +259,27 @@ def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> Lora
     )
 
 
-@pytest.mark.parametrize("fused", [False, True])
+# how the first pass of kv_b_proj's LoRA is scheduled (mla_absorb's module settings, for the
+# side under test): apart, in the base's walk, its loads before it; and G by the rows
+VARIANTS = {
+    "apart": lambda side: {},
+    "fused": lambda side: dict(FUSED_SIDES=(side,)),
+    "early": lambda side: dict(EARLY_SIDES=(side,)),
+    "early, G by rows": lambda side: dict(EARLY_SIDES=(side,), G_BY_ROWS=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("T", [1, 8, 64, 200, 4096])
 @pytest.mark.parametrize("side", ["q", "out"])
-def test_absorption_with_lora_against_references(monkeypatch, side, T, fused):
+def test_absorption_with_lora_against_references(monkeypatch, side, T, variant):
     """Each side's absorption with kv_b_proj's LoRA inside against the float32 references
     (kernels/mla.absorb_q / absorb_out with lora_q_ / lora_out_) on the same bf16 weight and
     factors, at decode and prefill sizes: the corrections agree to about 2^-16 of their size
     (their float32 parts split in two bf16 parts), and rows without an enabled slot keep the
-    bits of the absorption without LoRA; the first pass apart or in the base's walk."""
-    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", (side,) if fused else ())
+    bits of the absorption without LoRA; the first pass as each variant schedules it."""
+    for name, value in VARIANTS[variant](side).items():
+        monkeypatch.setattr(mla_absorb, name, value)
     heads = 16
     lora = compact_kv_b_lora(heads)
     g = torch.Generator().manual_seed(12 + T)

@@ -122,14 +122,29 @@ def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo
     torch.testing.assert_close(got, mla.absorb_out(o_lat, kv_b, N, lora=lora, info=info))
 
 
-@pytest.mark.parametrize("fused", [(), ("q", "out")])
+# how the first pass of kv_b_proj's LoRA is scheduled (mla_absorb's module settings): its own
+# walk after the base's, in the base's walk, its loads before the base's walk; G by the rows
+VARIANTS = {
+    "apart": {},
+    "fused": dict(FUSED_SIDES=("q", "out")),
+    "early": dict(EARLY_SIDES=("q", "out")),
+    "early, G by rows": dict(EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
+}
+
+
+def set_variant(monkeypatch, variant: str) -> None:
+    for name, value in VARIANTS[variant].items():
+        monkeypatch.setattr(mla_absorb, name, value)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("fill,blocks", [(1, 1), (mla_absorb.FILL, 3)])
-def test_rows_of_many_token_blocks(monkeypatch, fill, blocks, fused):
+def test_rows_of_many_token_blocks(monkeypatch, fill, blocks, variant):
     """40 tokens of every slot mixed, in one token block of 64 (FILL = 1: blocks of the rows
     alone) or three of 16 (the GPU-filling rule, at these few heads and columns), each block
-    its own walk over the slots its rows hold; the first pass apart or in the base's walk."""
+    its own walk over the slots its rows hold; the first pass as each variant schedules it."""
     monkeypatch.setattr(mla_absorb, "FILL", fill)
-    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", fused)
+    set_variant(monkeypatch, variant)
     Hh, N, V, L = 2, 8, 8, 16
     assert -(-40 // mla_absorb.row_block(40, Hh)) == blocks
     lora = kv_b_lora(Hh, N, V, L, torch.float32, seed=4)
@@ -140,14 +155,17 @@ def test_rows_of_many_token_blocks(monkeypatch, fill, blocks, fused):
     both_sides_match(torch.randn(40, Hh, N), torch.randn(40, Hh, L), kv_b, lora, info)
 
 
-@pytest.mark.parametrize("fused", [(), ("q", "out")])
-@pytest.mark.parametrize("cols", [16, 32, mla_absorb.LORA_COLS])
-def test_more_adapters_than_a_pass_takes(monkeypatch, cols, fused):
+@pytest.mark.parametrize(
+    "cols,variant",
+    [(16, "apart"), (32, "fused"), (32, "early"), (mla_absorb.LORA_COLS, "apart")]
+    + [(16, "early, G by rows"), (mla_absorb.LORA_COLS, "fused")],
+)
+def test_more_adapters_than_a_pass_takes(monkeypatch, cols, variant):
     """10 slots (one disabled, one without kv_b_proj) over 40 tokens: a block's rows hold more
     adapters than a pass of LORA_COLS columns takes, so it walks K in several passes, each
-    keeping its own slots' rows; the first of them apart or in the base's walk (FUSED_SIDES)."""
+    keeping its own slots' rows; the first of them as the variant schedules it."""
     monkeypatch.setattr(mla_absorb, "LORA_COLS", cols)
-    monkeypatch.setattr(mla_absorb, "FUSED_SIDES", fused)
+    set_variant(monkeypatch, variant)
     Hh, N, V, L, S = 2, 8, 8, 16, 10
     g = torch.Generator().manual_seed(7)
     ranks = torch.randint(1, MAX_RANK + 1, (S,), generator=g)

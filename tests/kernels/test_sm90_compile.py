@@ -483,6 +483,22 @@ def _launch_mla_lora() -> None:
             mla_absorb.absorb_out_o_shrink(
                 o_lat, kv_b, N, BF16, lora=kv_b_lora, info=info, o_lora=o_lora
             )
+    # the first LoRA pass's other schedule (its loads before the base's walk, G by the rows)
+    saved = mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS
+    mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS = ("q", "out"), True
+    try:
+        for T in (1, 64):
+            info = batch_info(T, "mixed")
+            lora = lora_weights(S, (), 1, R, L, (Hh * (N + V),), info.rank_of_slot, BF16)
+            q_nope = torch.randn(T, Hh, N + 64, dtype=BF16)[..., :N]
+            mla_absorb.absorb_q(q_nope, kv_b, lora=lora, info=info)
+            o_lora = lora_weights(S, (), 1, R, Hh * V, (H,), info.rank_of_slot, BF16)
+            o_lat = torch.randn(T, Hh, L)
+            mla_absorb.absorb_out_o_shrink(
+                o_lat, kv_b, N, BF16, lora=lora, info=info, o_lora=o_lora
+            )
+    finally:
+        mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS = saved
 
 
 def _launch_moe() -> None:

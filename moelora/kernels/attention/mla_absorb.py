@@ -62,6 +62,13 @@ LORA_COLS = 128
 # the pass's F1 tiles dotted with the rows the base loads, so that up to LORA_COLS // RP
 # adapters cost no second serial walk (the other passes walk K after it, as unfused ones do)
 FUSED_SIDES: tuple[str, ...] = ()
+# the sides whose first LoRA pass loads its columns' table entries, F2 and scalings before the
+# base's walk over K (their latency under it), then walks K for u after it
+EARLY_SIDES: tuple[str, ...] = ()
+# G no larger than the rows a token block holds (a power of two at least): a block's rows hold
+# no more distinct slots than that, so a decode step of one token dots 1 slot's RP columns,
+# not LORA_COLS mostly masked
+G_BY_ROWS = False
 # programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
 # take the smallest token block that does, so the out side's 2 column blocks a head are not 32
 # programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
@@ -130,23 +137,63 @@ def _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K: tl.constexpr, ROW0: tl.co
 
 
 @triton.jit
+def _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0: tl.constexpr):
+    """A pass's F2 [G RP, BN]: A's columns offs_n on the q side, B_v[h].T's on the out side."""
+    if ROW0 == 0:  # F2 = A: [G RP, NOUT]
+        f2 = a_col[:, None] + offs_n[None, :]
+    else:  # F2 = B_v[h].T
+        f2 = b_col[:, None] + offs_n[None, :] * b_row[:, None]
+    return tl.load(f2, mask=c_ok[:, None] & n_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _u_walk(
+    a_rows,
+    rows_ok,
+    a_col,
+    b_col,
+    b_row,
+    c_ok,
+    K: tl.constexpr,
+    ROW0: tl.constexpr,
+    DOT: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    GRP: tl.constexpr,
+):
+    """A pass's u [BT, G RP] (GRP = G RP): the rows where rows_ok times its F1, over K."""
+    offs_k = tl.arange(0, BK)
+    u = tl.zeros((BT, GRP), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        k_ok = (k0 + offs_k) < K
+        x = tl.load(
+            a_rows + (k0 + offs_k)[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0
+        )
+        u = _mma(x, _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K, ROW0), u, DOT)
+    return u
+
+
+@triton.jit
+def _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT):
+    """acc + a pass's u [BT, G RP], kept where a column's slot is its row's, times that slot's
+    scaling (scale, a column's), times its F2 [G RP, BN]."""
+    mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
+    u = tl.where(mine, u * scale[None, :], 0.0)
+    if DOT == "ieee":
+        return _mma(u, f2, acc, "ieee")
+    else:
+        return _mma(u, f2, acc, "split")
+
+
+@triton.jit
 def _pass_out(
     acc, u, slots, col_slot, c_ok, a_col, b_col, b_row, scaling_ptr, offs_n, n_ok, ROW0, DOT
 ):
     """acc + a pass's u [BT, G RP] (the rows times its F1), kept where a column's slot is its
     row's, times that slot's scaling, times its F2 stacked [G RP, BN]."""
-    mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
     scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
-    u = tl.where(mine, u * scale[None, :], 0.0)
-    if ROW0 == 0:  # F2 = A: [G RP, NOUT]
-        f2 = a_col[:, None] + offs_n[None, :]
-    else:  # F2 = B_v[h].T
-        f2 = b_col[:, None] + offs_n[None, :] * b_row[:, None]
-    f2 = tl.load(f2, mask=c_ok[:, None] & n_ok[None, :], other=0.0)
-    if DOT == "ieee":
-        return _mma(u, f2, acc, "ieee")
-    else:
-        return _mma(u, f2, acc, "split")
+    f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
+    return _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
 
 
 @triton.jit
@@ -175,20 +222,13 @@ def _lora_delta(
 ):
     """acc + each row's scaling * (a @ F1) @ F2 of its slot in todo (the module docstring), G
     slots a pass, the largest left first, each pass a walk over K of its own."""
-    offs_k = tl.arange(0, BK)
     while tl.max(todo, 0) >= 0:
         col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
             todo, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
         )
         mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
         rows_ok = tl.max(mine.to(tl.int32), 1) > 0
-        u = tl.zeros((BT, G * RP), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            k_ok = (k0 + offs_k) < K
-            x_mask = rows_ok[:, None] & k_ok[None, :]
-            x = tl.load(a_rows + (k0 + offs_k)[None, :], mask=x_mask, other=0.0)
-            f1 = _f1_tile(a_col, b_col, b_row, c_ok, k0, offs_k, K, ROW0)
-            u = _mma(x, f1, u, DOT)
+        u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
         pass_ = (col_slot, c_ok, a_col, b_col, b_row)
         acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
     return acc
@@ -286,6 +326,7 @@ def _absorb_kernel(
     RP: tl.constexpr,
     G: tl.constexpr,  # kv_b_proj's slots a pass of the LoRA (_lora_delta)
     FUSED: tl.constexpr,  # its first pass dotted in the base's walk over K (FUSED_SIDES)
+    EARLY: tl.constexpr,  # its first pass's loads before the base's walk (EARLY_SIDES)
     A_ALIGN: tl.constexpr,
     O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
     HEADS: tl.constexpr,
@@ -318,7 +359,26 @@ def _absorb_kernel(
     if LORA:
         slots = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
         todo = slots  # the rows' slots no pass has taken yet
-        if FUSED and tl.max(slots, 0) >= 0:
+        if EARLY:
+            # the first pass's columns, F2 and scalings before the base's walk, so that the
+            # latency of their table and factor loads hides under it (masked off, no traffic,
+            # where no row has a slot); its own walk over K after the base's
+            col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
+                slots, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
+            )
+            f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
+            scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
+            for k0 in range(0, K, BK):
+                a, w = _kv_b_tiles(a_rows, w_head, k0, *tiles)
+                acc = _mma(a, w, acc, DOT)
+            if tl.max(col_slot, 0) >= 0:
+                mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
+                rows_ok = tl.max(mine.to(tl.int32), 1) > 0
+                u = _u_walk(
+                    a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP
+                )
+                acc = _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
+        elif FUSED and tl.max(slots, 0) >= 0:
             col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
                 slots, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
             )
@@ -491,7 +551,7 @@ def _absorb(
         a_ptr=a,
         w_ptr=kv_b,
         out_ptr=out,
-        **_lora_args(a, kv_b, lora, info),
+        **_lora_args(a, kv_b, lora, info, min(T, BT)),
         **o_args,
         T=T,
         stride_at=a.stride(0),
@@ -508,6 +568,7 @@ def _absorb(
         DOT=_dot(a.dtype, kv_b.dtype),
         TW=TABLE_WIDTH,
         FUSED=("out" if transposed else "q") in FUSED_SIDES,
+        EARLY=("out" if transposed else "q") in EARLY_SIDES,
         BT=BT,
         BN=BN,
         BK=BK,
@@ -528,11 +589,16 @@ def row_block(T: int, programs_per_block: int) -> int:
 
 
 def _lora_args(
-    a: torch.Tensor, kv_b: torch.Tensor, lora: LoraWeights | None, info: LoraBatchInfo | None
+    a: torch.Tensor,
+    kv_b: torch.Tensor,
+    lora: LoraWeights | None,
+    info: LoraBatchInfo | None,
+    rows: int,
 ) -> dict:
     """The kernel's arguments for kv_b_proj's LoRA and the step's slots: the factors where
     both are given (checked against the rows a [T, Hh, K] and kv_b), the slots where info is
-    (LORA off without the factors; pointers without a tensor name kv_b, never read)."""
+    (LORA off without the factors; pointers without a tensor name kv_b, never read); rows: the
+    most a program's token block holds (G_BY_ROWS)."""
     slots = dict(slot_ptr=kv_b, enabled_ptr=kv_b, scaling_ptr=kv_b)
     if info is not None:
         assert info.slot_of_token.shape[0] >= a.shape[0], (info.slot_of_token.shape, a.shape)
@@ -548,13 +614,16 @@ def _lora_args(
     assert lora.arena.dtype == kv_b.dtype, (lora.arena.dtype, kv_b.dtype)
     assert lora.table.is_contiguous(), lora.table.stride()
     rp = max(16, next_power_of_2(lora.max_rank))  # 16: the dots' least
+    g = max(1, LORA_COLS // rp)
+    if G_BY_ROWS:
+        g = min(g, next_power_of_2(rows))
     return dict(
         slots,
         lw_ptr=lora.arena,
         tab_ptr=lora.table,
         LORA=True,
         RP=rp,
-        G=max(1, LORA_COLS // rp),
+        G=g,
         A_ALIGN=lora.a_align,
     )
 
