@@ -47,8 +47,10 @@ VARIANTS = {
     "fused": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=False),
     "early": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=False),
     "apart, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=(), G_BY_ROWS=True),
-    "fused, G by rows": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=True),
     "early, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
+    "fused, G by rows": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=True),
+        FUSED_SIDES=("q", "out"), EARLY_SIDES=("q", "out"), G_BY_ROWS=True
+    ),
 }
 
 
@@ -139,7 +141,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.once:
-        case, T = args.once[0].replace("_", " "), int(args.once[1])
+        case, T = {"no_kv_b": "no kv_b"}.get(args.once[0], args.once[0]), int(args.once[1])
         assert case in CASES, f"--once CASE: one of {CASES}, not {case!r}"
         run = layer_fn(args.shape, T, case)
         run()

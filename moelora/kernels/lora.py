@@ -88,8 +88,10 @@ def module_slots(slot_ptr, enabled_ptr, tab_ptr, tokens, ok, TW: tl.constexpr):
     in the module's table above 0), else -1: rows of the given tokens, `ok` masking them."""
     slot = tl.load(slot_ptr + tokens, mask=ok, other=-1)
     safe = tl.maximum(slot, 0).to(tl.int64)
+    # the flag and the rank both loaded on the slot alone (a table row exists for every slot):
+    # one round trip after the slot's, not two in a row
     on = tl.load(enabled_ptr + safe, mask=slot >= 0, other=0) != 0
-    rank = tl.load(tab_ptr + safe * TW + TAB_RANK, mask=on, other=0)
+    rank = tl.load(tab_ptr + safe * TW + TAB_RANK, mask=slot >= 0, other=0)
     return tl.where(on & (rank > 0), slot, -1)
 
 

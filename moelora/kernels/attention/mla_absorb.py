@@ -62,8 +62,8 @@ LORA_COLS = 128
 # the pass's F1 tiles dotted with the rows the base loads, so that up to LORA_COLS // RP
 # adapters cost no second serial walk (the other passes walk K after it, as unfused ones do)
 FUSED_SIDES: tuple[str, ...] = ()
-# the sides whose first LoRA pass loads its columns' table entries, F2 and scalings before the
-# base's walk over K (their latency under it), then walks K for u after it
+# the sides whose LoRA passes load their F2 and scalings before their walk over K for u (the
+# loads' latency under the walk; F2 held in registers through it), not after it
 EARLY_SIDES: tuple[str, ...] = ()
 # G no larger than the rows a token block holds (a power of two at least): a block's rows hold
 # no more distinct slots than that, so a decode step of one token dots 1 slot's RP columns,
@@ -115,12 +115,14 @@ def _pass_columns(
         col_slot = tl.where(offs_c // RP == g, slot, col_slot)
         todo = tl.where(todo == slot, -1, todo)
     entry = tab_ptr + tl.maximum(col_slot, 0).to(tl.int64) * TW
-    c_ok = (col_slot >= 0) & (r_of_c < tl.load(entry + TAB_RANK, mask=col_slot >= 0, other=0))
-    a_col = lw_ptr + aligned(tl.load(entry + TAB_A_OFF, mask=c_ok, other=0), A_ALIGN)
-    b_row = tl.load(entry + TAB_B_ROW, mask=c_ok, other=0)
+    # the entry's four values in one round trip (all on the slot alone; c_ok masks the reads)
+    has = col_slot >= 0
+    c_ok = has & (r_of_c < tl.load(entry + TAB_RANK, mask=has, other=0))
+    a_col = lw_ptr + aligned(tl.load(entry + TAB_A_OFF, mask=has, other=0), A_ALIGN)
+    b_row = tl.load(entry + TAB_B_ROW, mask=has, other=0)
     # A's row r (of L) and B_k[h]'s or B_v[h]'s column r, for each column c
     a_col += r_of_c * (K if ROW0 != 0 else NOUT)
-    b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=c_ok, other=0) + r_of_c
+    b_col = lw_ptr + tl.load(entry + TAB_B_OFF, mask=has, other=0) + r_of_c
     b_col += (head * HEAD_ROWS + ROW0).to(tl.int64) * b_row
     return col_slot, c_ok, a_col, b_col, b_row, todo
 
@@ -217,6 +219,7 @@ def _lora_delta(
     RP: tl.constexpr,
     G: tl.constexpr,  # slots a pass
     A_ALIGN: tl.constexpr,
+    EARLY: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -228,9 +231,15 @@ def _lora_delta(
         )
         mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
         rows_ok = tl.max(mine.to(tl.int32), 1) > 0
-        u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
-        pass_ = (col_slot, c_ok, a_col, b_col, b_row)
-        acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
+        if EARLY:  # F2 and the scalings in flight while the walk runs
+            scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
+            f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
+            u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
+            acc = _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
+        else:
+            u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
+            pass_ = (col_slot, c_ok, a_col, b_col, b_row)
+            acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
     return acc
 
 
@@ -326,7 +335,7 @@ def _absorb_kernel(
     RP: tl.constexpr,
     G: tl.constexpr,  # kv_b_proj's slots a pass of the LoRA (_lora_delta)
     FUSED: tl.constexpr,  # its first pass dotted in the base's walk over K (FUSED_SIDES)
-    EARLY: tl.constexpr,  # its first pass's loads before the base's walk (EARLY_SIDES)
+    EARLY: tl.constexpr,  # each pass's F2 and scalings loaded before its walk (EARLY_SIDES)
     A_ALIGN: tl.constexpr,
     O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
     HEADS: tl.constexpr,
@@ -359,26 +368,7 @@ def _absorb_kernel(
     if LORA:
         slots = module_slots(slot_ptr, enabled_ptr, tab_ptr, offs_t, t_ok, TW)
         todo = slots  # the rows' slots no pass has taken yet
-        if EARLY:
-            # the first pass's columns, F2 and scalings before the base's walk, so that the
-            # latency of their table and factor loads hides under it (masked off, no traffic,
-            # where no row has a slot); its own walk over K after the base's
-            col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
-                slots, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
-            )
-            f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
-            scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
-            for k0 in range(0, K, BK):
-                a, w = _kv_b_tiles(a_rows, w_head, k0, *tiles)
-                acc = _mma(a, w, acc, DOT)
-            if tl.max(col_slot, 0) >= 0:
-                mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
-                rows_ok = tl.max(mine.to(tl.int32), 1) > 0
-                u = _u_walk(
-                    a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP
-                )
-                acc = _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
-        elif FUSED and tl.max(slots, 0) >= 0:
+        if FUSED and tl.max(slots, 0) >= 0:
             col_slot, c_ok, a_col, b_col, b_row, todo = _pass_columns(
                 slots, head, lw_ptr, tab_ptr, K, NOUT, HEAD_ROWS, ROW0, TW, RP, G, A_ALIGN
             )
@@ -413,6 +403,7 @@ def _absorb_kernel(
             RP=RP,
             G=G,
             A_ALIGN=A_ALIGN,
+            EARLY=EARLY,
             BT=BT,
             BK=BK,
         )
