@@ -49,8 +49,6 @@ VARIANTS = {
     "apart, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=(), G_BY_ROWS=True),
     "early, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
     "fused, G by rows": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=True),
-        FUSED_SIDES=("q", "out"), EARLY_SIDES=("q", "out"), G_BY_ROWS=True
-    ),
 }
 
 

@@ -73,3 +73,27 @@ def test_row_block_fills_the_gpu_without_empty_blocks():
 def test_absorb_rejects_a_latent_of_another_size():
     with pytest.raises(AssertionError):
         mla_absorb.absorb_out(torch.randn(2, Hh, L + 1), _kv_b(torch.float32), N)
+
+
+def test_blocks_of_expanded_sequences_are_skipped(poison_empty, monkeypatch):
+    """A prefill step's rows of sequences that attend expanded (all their keys expanded) are
+    not computed where a token block of 16 holds nothing else; every other row (a latent
+    extend, padding, a block shared with one) equals the absorption without the skip, bit for
+    bit."""
+    monkeypatch.setattr(mla_absorb, "row_block", lambda T, programs: 16)
+    seq_lens = torch.tensor([20, 40, 30], dtype=torch.int32)  # q_lens 20, 5, 30
+    cu_q = torch.tensor([0, 20, 25, 55], dtype=torch.int32)
+    cu_k = torch.tensor([0, 20, 20, 50], dtype=torch.int32)  # 0 and 2 expanded; 1 extends
+    skip = mla_absorb.SkipExpanded(cu_q, seq_lens, cu_k)
+    T, kv_b = 64, _kv_b(torch.float32)  # rows 55.. padded
+    computed = torch.zeros(T, dtype=torch.bool)
+    computed[16:32] = computed[48:] = True  # the blocks holding a latent or a padded row
+    for side in ("q", "out"):
+        if side == "q":
+            rows = torch.randn(T, Hh, N + R)[..., :N]
+            full, got = (mla_absorb.absorb_q(rows, kv_b, skip=s) for s in (None, skip))
+        else:
+            rows = torch.randn(T, Hh, L)
+            full, got = (mla_absorb.absorb_out(rows, kv_b, N, skip=s) for s in (None, skip))
+        assert torch.equal(got[computed], full[computed]), side
+        assert torch.isnan(got[~computed]).all(), f"{side}: a block of expanded rows was computed"

@@ -42,6 +42,8 @@ dots), S = adapter slots.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -301,6 +303,20 @@ def _o_shrink(
         tl.store(dst + offs_r[None, :], shrunk, mask=mine[:, None] & (offs_r < R_PART)[None, :])
 
 
+@triton.jit
+def _all_expanded(offs_t, t_ok, cu_q_ptr, seq_lens_ptr, cu_k_ptr, num_seqs, B_PAD: tl.constexpr):
+    """Whether every row of the block (offs_t where t_ok) belongs to a sequence that attends in
+    the expanded form (its expanded keys, cu_k's, are all its seq_len keys); rows past the last
+    sequence (padding) count as not."""
+    offs_b = tl.arange(0, B_PAD)
+    ends = tl.load(cu_q_ptr + 1 + offs_b, mask=offs_b < num_seqs, other=2147483647)
+    seq = tl.sum((ends[None, :] <= offs_t[:, None]).to(tl.int32), axis=1)  # [BT]
+    ok = t_ok & (seq < num_seqs)
+    keys = tl.load(cu_k_ptr + seq + 1, mask=ok, other=0) - tl.load(cu_k_ptr + seq, mask=ok, other=0)
+    expanded = ok & (keys == tl.load(seq_lens_ptr + seq, mask=ok, other=-1))
+    return tl.min(tl.where(t_ok, expanded.to(tl.int32), 1), 0) > 0
+
+
 @triton.jit(do_not_specialize=["T"])  # one compile for every batch size (graph capture)
 def _absorb_kernel(
     # Pointers.
@@ -315,8 +331,12 @@ def _absorb_kernel(
     o_lw_ptr,  # with O_SHRINK: o_proj's arena, its A [1, r, Hh V] as a row of o_tab says
     o_tab_ptr,  # [S, TW] int64
     part_ptr,  # [T, Hh * (NOUT / BN blocks), 1, R_PART] float32: o_proj's partial shrinks
+    cu_q_ptr,  # with SKIP: [B + 1] int32, the step's cu_seqlens_q
+    seq_lens_ptr,  # [B] int32
+    cu_k_ptr,  # [B + 1] int32, ExpandedKv.cu_seqlens_k
     # Sizes and strides.
     T,
+    num_seqs,
     stride_at,
     stride_ah,
     stride_ot,
@@ -343,6 +363,8 @@ def _absorb_kernel(
     RPO: tl.constexpr,
     ODOT: tl.constexpr,
     O_ALIGN: tl.constexpr,
+    SKIP: tl.constexpr,  # blocks whose rows all attend in the expanded form write nothing
+    B_PAD: tl.constexpr,  # with SKIP: the sequences, padded to a power of two
     BT: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
@@ -357,6 +379,9 @@ def _absorb_kernel(
     offs_k = tl.arange(0, BK)
     t_ok = offs_t < T
     n_ok = offs_n < NOUT
+    if SKIP:
+        if _all_expanded(offs_t, t_ok, cu_q_ptr, seq_lens_ptr, cu_k_ptr, num_seqs, B_PAD):
+            return  # nobody reads these rows: the expanded form computes them
     a_rows = a_ptr + offs_t[:, None].to(tl.int64) * stride_at + head * stride_ah
     w_head = w_ptr + (head * HEAD_ROWS + ROW0).to(tl.int64) * stride_wr
 
@@ -442,19 +467,32 @@ def _absorb_kernel(
             )
 
 
+class SkipExpanded(NamedTuple):
+    """A prefill step's sequences that attend in the expanded form (ExpandedKv: all seq_lens[b]
+    of sequence b's keys expanded, cu_seqlens_k's rows): the absorption need not compute their
+    rows (the latent attention skips them, the expanded attention writes their output), and a
+    token block whose rows all belong to them writes nothing. Padded rows are computed."""
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    cu_seqlens_k: torch.Tensor  # [B + 1] int32
+
+
 def absorb_q(
     q_nope: torch.Tensor,
     kv_b: torch.Tensor,
     *,
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    skip: SkipExpanded | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.absorb_q's: q_lat[t, h] = q_nope[t, h] @ W_k[h] (head h's first N
     rows of kv_b), with lora and info kv_b_proj's correction (kernels/mla.lora_q_) in the same
     launch. q_nope [T, Hh, N]; kv_b [Hh (N + V), L]; lora: kv_b_proj's, read through its
-    table. Returns [T, Hh, L] float32."""
+    table. Returns [T, Hh, L] float32; with skip, rows of expanded sequences may be left
+    unwritten (SkipExpanded)."""
     L = kv_b.shape[1]
-    return _absorb(q_nope, kv_b, L, row0=0, transposed=False, lora=lora, info=info)[0]
+    return _absorb(q_nope, kv_b, L, row0=0, transposed=False, lora=lora, info=info, skip=skip)[0]
 
 
 def absorb_out(
@@ -465,11 +503,13 @@ def absorb_out(
     *,
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
+    skip: SkipExpanded | None = None,
 ) -> torch.Tensor:
     """Semantics: kernels/mla.absorb_out's: out[t, h] = o_lat[t, h] @ W_v[h].T (head h's rows
     of kv_b after its first qk_nope_head_dim), with lora and info kv_b_proj's correction
     (kernels/mla.lora_out_) added in the same launch, rounded to out_dtype once. o_lat
-    [T, Hh, L] float32. Returns [T, Hh, V] in out_dtype."""
+    [T, Hh, L] float32. Returns [T, Hh, V] in out_dtype; with skip, rows of expanded sequences
+    may be left unwritten (SkipExpanded)."""
     V = kv_b.shape[0] // o_lat.shape[1] - qk_nope_head_dim
     return _absorb(
         o_lat,
@@ -480,6 +520,7 @@ def absorb_out(
         out_dtype=out_dtype,
         lora=lora,
         info=info,
+        skip=skip,
     )[0]
 
 
@@ -522,6 +563,7 @@ def _absorb(
     lora: LoraWeights | None = None,
     info: LoraBatchInfo | None = None,
     o_lora: LoraWeights | None = None,
+    skip: SkipExpanded | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, Hh, n_out] = a [T, Hh, K] @ W[h] in float32, rounded to out_dtype, W[h] head
     h's kv_b rows from row0 on, as they lie [K, n_out] or transposed [n_out, K] -> [K, n_out];
@@ -544,6 +586,7 @@ def _absorb(
         out_ptr=out,
         **_lora_args(a, kv_b, lora, info, min(T, BT)),
         **o_args,
+        **_skip_args(skip, kv_b),
         T=T,
         stride_at=a.stride(0),
         stride_ah=a.stride(1),
@@ -568,6 +611,23 @@ def _absorb(
         **pdl_kwargs(a.device),
     )
     return out, part
+
+
+def _skip_args(skip: SkipExpanded | None, kv_b: torch.Tensor) -> dict:
+    """The kernel's arguments for SKIP (pointers without a tensor name kv_b, never read)."""
+    if skip is None:
+        unused = dict(cu_q_ptr=kv_b, seq_lens_ptr=kv_b, cu_k_ptr=kv_b)
+        return dict(unused, num_seqs=0, SKIP=False, B_PAD=1)
+    B = skip.seq_lens.shape[0]
+    assert skip.cu_seqlens_q.shape == skip.cu_seqlens_k.shape == (B + 1,), skip
+    return dict(
+        cu_q_ptr=skip.cu_seqlens_q,
+        seq_lens_ptr=skip.seq_lens,
+        cu_k_ptr=skip.cu_seqlens_k,
+        num_seqs=B,
+        SKIP=True,
+        B_PAD=next_power_of_2(max(B, 1)),
+    )
 
 
 def row_block(T: int, programs_per_block: int) -> int:
