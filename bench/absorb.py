@@ -49,6 +49,9 @@ VARIANTS = {
     "apart, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=(), G_BY_ROWS=True),
     "early, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
     "fused, G by rows": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=True),
+    "fused at one row, G by rows": dict(
+        FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1, EARLY_SIDES=(), G_BY_ROWS=True
+    ),
 }
 
 
@@ -148,7 +151,8 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     names = list(VARIANTS) if args.sweep else ["default"]
     lines = result_header(f"Absorbed MLA decode's kv_b_proj launches, {args.shape}", bandwidth)
-    defaults = {k: getattr(mla_absorb, k) for k in ("FUSED_SIDES", "EARLY_SIDES", "G_BY_ROWS")}
+    knobs = ("FUSED_SIDES", "FUSED_MAX_ROWS", "EARLY_SIDES", "G_BY_ROWS")
+    defaults = {k: getattr(mla_absorb, k) for k in knobs}
     lines += [
         f"- module defaults: {defaults}",
         f"- {LAYERS} layers a graph, each its own kv_b and factors; {SLOTS} slots of rank {RANK}"

@@ -64,6 +64,10 @@ LORA_COLS = 128
 # the pass's F1 tiles dotted with the rows the base loads, so that up to LORA_COLS // RP
 # adapters cost no second serial walk (the other passes walk K after it, as unfused ones do)
 FUSED_SIDES: tuple[str, ...] = ()
+# ... and only for launches whose token blocks hold at most this many rows (a decode step of
+# one token: its block's one slot is the first pass whole; deciding to fuse waits for the
+# rows' slots before the base's walk, which costs every launch that fuses, base rows too)
+FUSED_MAX_ROWS = 1 << 30
 # the sides whose LoRA passes load their F2 and scalings before their walk over K for u (the
 # loads' latency under the walk; F2 held in registers through it), not after it
 EARLY_SIDES: tuple[str, ...] = ()
@@ -601,7 +605,7 @@ def _absorb(
         ROW0=row0,
         DOT=_dot(a.dtype, kv_b.dtype),
         TW=TABLE_WIDTH,
-        FUSED=("out" if transposed else "q") in FUSED_SIDES,
+        FUSED=("out" if transposed else "q") in FUSED_SIDES and min(T, BT) <= FUSED_MAX_ROWS,
         EARLY=("out" if transposed else "q") in EARLY_SIDES,
         BT=BT,
         BN=BN,
