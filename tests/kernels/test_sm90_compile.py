@@ -401,6 +401,10 @@ def _launch_mla() -> None:
         mla_absorb.absorb_q(torch.randn(T, Hh, N + Rr, dtype=BF16)[..., :N], kv_b)
         for out_dtype in (torch.float32, BF16):  # before kv_b's LoRA, or rounded at once
             mla_absorb.absorb_out(torch.randn(T, Hh, L), kv_b, N, out_dtype)
+    # a prefill step's absorption skipping the blocks of sequences that attend expanded
+    skip = mla_absorb.SkipExpanded(prefill.cu_seqlens_q, prefill.seq_lens, prefill.cu_seqlens_q)
+    mla_absorb.absorb_q(q_nope, kv_b, skip=skip)
+    mla_absorb.absorb_out(torch.randn(97, Hh, L), kv_b, N, BF16, skip=skip)
 
 
 def _launch_linear_attention() -> None:
