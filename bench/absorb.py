@@ -13,7 +13,7 @@ Floor: a layer's kv_b bytes, the rows in and out and, with kv_b's LoRA, the fact
 slots the step uses, over the copy bandwidth measured in the same run.
 
 --sweep times every variant of how the first LoRA pass is scheduled (the module's settings:
-FUSED_SIDES, EARLY_SIDES, G_BY_ROWS) beside the module's defaults, in one process.
+FUSED_SIDES, FUSED_MAX_ROWS, G_BY_ROWS) beside the module's defaults, in one process.
 
     PYTHONPATH=.:bench python bench/absorb.py [--shape moonlight-16b-a3b] [--tokens 1 8 64]
         [--sweep] [--out PATH]
@@ -43,15 +43,11 @@ SLOTS, RANK, LAYERS = 8, 16, 16
 # the module's own
 VARIANTS = {
     "default": {},
-    "apart": dict(FUSED_SIDES=(), EARLY_SIDES=(), G_BY_ROWS=False),
-    "fused": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=False),
-    "early": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=False),
-    "apart, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=(), G_BY_ROWS=True),
-    "early, G by rows": dict(FUSED_SIDES=(), EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
-    "fused, G by rows": dict(FUSED_SIDES=("q", "out"), EARLY_SIDES=(), G_BY_ROWS=True),
-    "fused at one row, G by rows": dict(
-        FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1, EARLY_SIDES=(), G_BY_ROWS=True
-    ),
+    "apart": dict(FUSED_SIDES=(), G_BY_ROWS=False),
+    "fused": dict(FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1 << 30, G_BY_ROWS=False),
+    "apart, G by rows": dict(FUSED_SIDES=(), G_BY_ROWS=True),
+    "fused, G by rows": dict(FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1 << 30, G_BY_ROWS=True),
+    "fused at one row, G by rows": dict(FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1, G_BY_ROWS=True),
 }
 
 
@@ -151,7 +147,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     names = list(VARIANTS) if args.sweep else ["default"]
     lines = result_header(f"Absorbed MLA decode's kv_b_proj launches, {args.shape}", bandwidth)
-    knobs = ("FUSED_SIDES", "FUSED_MAX_ROWS", "EARLY_SIDES", "G_BY_ROWS")
+    knobs = ("FUSED_SIDES", "FUSED_MAX_ROWS", "G_BY_ROWS")
     defaults = {k: getattr(mla_absorb, k) for k in knobs}
     lines += [
         f"- module defaults: {defaults}",

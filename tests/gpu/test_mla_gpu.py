@@ -260,12 +260,12 @@ def slot_info(slots: list[int], enabled: list[int], spare_rows: int = 4) -> Lora
 
 
 # how the first pass of kv_b_proj's LoRA is scheduled (mla_absorb's module settings, for the
-# side under test): apart, in the base's walk, its loads before it; and G by the rows
+# side under test): apart, in the base's walk at every size; G by the rows; the module's own
 VARIANTS = {
-    "apart": lambda side: {},
-    "fused": lambda side: dict(FUSED_SIDES=(side,)),
-    "early": lambda side: dict(EARLY_SIDES=(side,)),
-    "early, G by rows": lambda side: dict(EARLY_SIDES=(side,), G_BY_ROWS=True),
+    "apart": lambda side: dict(FUSED_SIDES=(), G_BY_ROWS=False),
+    "fused": lambda side: dict(FUSED_SIDES=(side,), FUSED_MAX_ROWS=1 << 30, G_BY_ROWS=False),
+    "apart, G by rows": lambda side: dict(FUSED_SIDES=(), G_BY_ROWS=True),
+    "default": lambda side: {},
 }
 
 

@@ -123,12 +123,13 @@ def both_sides_match(q_nope, o_lat, kv_b, lora: LoraWeights, info: LoraBatchInfo
 
 
 # how the first pass of kv_b_proj's LoRA is scheduled (mla_absorb's module settings): its own
-# walk after the base's, in the base's walk, its loads before the base's walk; G by the rows
+# walk after the base's, or in the base's walk at every block size; G by the rows or not; the
+# module's own (fused at one row, G by the rows)
 VARIANTS = {
-    "apart": {},
-    "fused": dict(FUSED_SIDES=("q", "out")),
-    "early": dict(EARLY_SIDES=("q", "out")),
-    "early, G by rows": dict(EARLY_SIDES=("q", "out"), G_BY_ROWS=True),
+    "apart": dict(FUSED_SIDES=(), G_BY_ROWS=False),
+    "fused": dict(FUSED_SIDES=("q", "out"), FUSED_MAX_ROWS=1 << 30, G_BY_ROWS=False),
+    "apart, G by rows": dict(FUSED_SIDES=(), G_BY_ROWS=True),
+    "default": {},
 }
 
 
@@ -157,8 +158,8 @@ def test_rows_of_many_token_blocks(monkeypatch, fill, blocks, variant):
 
 @pytest.mark.parametrize(
     "cols,variant",
-    [(16, "apart"), (32, "fused"), (32, "early"), (mla_absorb.LORA_COLS, "apart")]
-    + [(16, "early, G by rows"), (mla_absorb.LORA_COLS, "fused")],
+    [(16, "apart"), (32, "fused"), (32, "apart, G by rows"), (mla_absorb.LORA_COLS, "apart")]
+    + [(16, "default"), (mla_absorb.LORA_COLS, "fused")],
 )
 def test_more_adapters_than_a_pass_takes(monkeypatch, cols, variant):
     """10 slots (one disabled, one without kv_b_proj) over 40 tokens: a block's rows hold more

@@ -487,9 +487,9 @@ def _launch_mla_lora() -> None:
             mla_absorb.absorb_out_o_shrink(
                 o_lat, kv_b, N, BF16, lora=kv_b_lora, info=info, o_lora=o_lora
             )
-    # the first LoRA pass's other schedule (its loads before the base's walk, G by the rows)
-    saved = mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS
-    mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS = ("q", "out"), True
+    # the first LoRA pass's other schedule: its own walk, G the pool's (G_BY_ROWS off)
+    saved = mla_absorb.FUSED_SIDES, mla_absorb.G_BY_ROWS
+    mla_absorb.FUSED_SIDES, mla_absorb.G_BY_ROWS = (), False
     try:
         for T in (1, 64):
             info = batch_info(T, "mixed")
@@ -502,7 +502,7 @@ def _launch_mla_lora() -> None:
                 o_lat, kv_b, N, BF16, lora=lora, info=info, o_lora=o_lora
             )
     finally:
-        mla_absorb.EARLY_SIDES, mla_absorb.G_BY_ROWS = saved
+        mla_absorb.FUSED_SIDES, mla_absorb.G_BY_ROWS = saved
 
 
 def _launch_moe() -> None:

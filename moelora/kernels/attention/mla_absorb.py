@@ -15,13 +15,14 @@ kv_b_proj's LoRA rides in the same launch (a correction of its own would be two 
 nodes a layer, each paid by base tokens too). A program reads its rows' slots first; where none
 of them has an enabled slot with kv_b_proj's factors (a base-only batch, padding) it adds
 nothing and reads no factor. Otherwise it takes the slots its rows hold G at a time (G RP =
-LORA_COLS), the largest first: the rows times the G slots' F1 side by side [K, G RP] into u
-[BT, G RP], over K in BK steps; u kept where a column's slot is its row's, times that slot's
-scaling; then u times the G slots' F2 stacked [G RP, BN] into the accumulator. A pass walks K
-once for G adapters: one pass a slot left a block of 8 adapters' rows serial in its loads (the
-out side's K is L). On the sides in FUSED_SIDES the first pass takes no walk of its own: its F1
-tiles are dotted with the rows the base's walk loads. Rows of A and columns of B past the
-module's rank are masked off, never read.
+LORA_COLS, or fewer where the block holds fewer rows: G_BY_ROWS), the largest first: the rows
+times the G slots' F1 side by side [K, G RP] into u [BT, G RP], over K in BK steps; u kept
+where a column's slot is its row's, times that slot's scaling; then u times the G slots' F2
+stacked [G RP, BN] into the accumulator. A pass walks K once for G adapters: one pass a slot
+left a block of 8 adapters' rows serial in its loads (the out side's K is L). On the sides in
+FUSED_SIDES, in blocks of at most FUSED_MAX_ROWS rows (a decode step of one token), the first
+pass takes no walk of its own: its F1 tiles are dotted with the rows the base's walk loads.
+Rows of A and columns of B past the module's rank are masked off, never read.
 
 Precision. The references compute in float32 on the weight's values. Products of two bf16 (or
 fp16) values are exact in float32, so the q side's dot on the tensor cores, with a float32
@@ -63,18 +64,15 @@ LORA_COLS = 128
 # the absorption's sides ("q", "out") whose first LoRA pass rides in the base's walk over K:
 # the pass's F1 tiles dotted with the rows the base loads, so that up to LORA_COLS // RP
 # adapters cost no second serial walk (the other passes walk K after it, as unfused ones do)
-FUSED_SIDES: tuple[str, ...] = ()
+FUSED_SIDES: tuple[str, ...] = ("q", "out")
 # ... and only for launches whose token blocks hold at most this many rows (a decode step of
 # one token: its block's one slot is the first pass whole; deciding to fuse waits for the
 # rows' slots before the base's walk, which costs every launch that fuses, base rows too)
-FUSED_MAX_ROWS = 1 << 30
-# the sides whose LoRA passes load their F2 and scalings before their walk over K for u (the
-# loads' latency under the walk; F2 held in registers through it), not after it
-EARLY_SIDES: tuple[str, ...] = ()
+FUSED_MAX_ROWS = 1
 # G no larger than the rows a token block holds (a power of two at least): a block's rows hold
 # no more distinct slots than that, so a decode step of one token dots 1 slot's RP columns,
 # not LORA_COLS mostly masked
-G_BY_ROWS = False
+G_BY_ROWS = True
 # programs a launch should make at least (the GPU's SMs, about): a decode step's few tokens
 # take the smallest token block that does, so the out side's 2 column blocks a head are not 32
 # programs each walking K = L = 512 (and once more per pass of kv_b_proj's LoRA) on 132 SMs
@@ -225,7 +223,6 @@ def _lora_delta(
     RP: tl.constexpr,
     G: tl.constexpr,  # slots a pass
     A_ALIGN: tl.constexpr,
-    EARLY: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
 ):
@@ -237,15 +234,9 @@ def _lora_delta(
         )
         mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]
         rows_ok = tl.max(mine.to(tl.int32), 1) > 0
-        if EARLY:  # F2 and the scalings in flight while the walk runs
-            scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
-            f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
-            u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
-            acc = _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
-        else:
-            u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
-            pass_ = (col_slot, c_ok, a_col, b_col, b_row)
-            acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
+        u = _u_walk(a_rows, rows_ok, a_col, b_col, b_row, c_ok, K, ROW0, DOT, BT, BK, G * RP)
+        pass_ = (col_slot, c_ok, a_col, b_col, b_row)
+        acc = _pass_out(acc, u, slots, *pass_, scaling_ptr, offs_n, n_ok, ROW0, DOT)
     return acc
 
 
@@ -359,7 +350,6 @@ def _absorb_kernel(
     RP: tl.constexpr,
     G: tl.constexpr,  # kv_b_proj's slots a pass of the LoRA (_lora_delta)
     FUSED: tl.constexpr,  # its first pass dotted in the base's walk over K (FUSED_SIDES)
-    EARLY: tl.constexpr,  # each pass's F2 and scalings loaded before its walk (EARLY_SIDES)
     A_ALIGN: tl.constexpr,
     O_SHRINK: tl.constexpr,  # the out side: o_proj's LoRA shrink of the rounded output too
     HEADS: tl.constexpr,
@@ -432,7 +422,6 @@ def _absorb_kernel(
             RP=RP,
             G=G,
             A_ALIGN=A_ALIGN,
-            EARLY=EARLY,
             BT=BT,
             BK=BK,
         )
@@ -606,7 +595,6 @@ def _absorb(
         DOT=_dot(a.dtype, kv_b.dtype),
         TW=TABLE_WIDTH,
         FUSED=("out" if transposed else "q") in FUSED_SIDES and min(T, BT) <= FUSED_MAX_ROWS,
-        EARLY=("out" if transposed else "q") in EARLY_SIDES,
         BT=BT,
         BN=BN,
         BK=BK,
