@@ -180,26 +180,19 @@ def _u_walk(
 
 
 @triton.jit
-def _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT):
-    """acc + a pass's u [BT, G RP], kept where a column's slot is its row's, times that slot's
-    scaling (scale, a column's), times its F2 [G RP, BN]."""
-    mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
-    u = tl.where(mine, u * scale[None, :], 0.0)
-    if DOT == "ieee":
-        return _mma(u, f2, acc, "ieee")
-    else:
-        return _mma(u, f2, acc, "split")
-
-
-@triton.jit
 def _pass_out(
     acc, u, slots, col_slot, c_ok, a_col, b_col, b_row, scaling_ptr, offs_n, n_ok, ROW0, DOT
 ):
     """acc + a pass's u [BT, G RP] (the rows times its F1), kept where a column's slot is its
     row's, times that slot's scaling, times its F2 stacked [G RP, BN]."""
+    mine = (slots[:, None] == col_slot[None, :]) & (col_slot >= 0)[None, :]  # [BT, G RP]
     scale = tl.load(scaling_ptr + col_slot, mask=c_ok, other=0.0)
+    u = tl.where(mine, u * scale[None, :], 0.0)
     f2 = _f2_tile(a_col, b_col, b_row, c_ok, offs_n, n_ok, ROW0)
-    return _pass_apply(acc, u, slots, col_slot, c_ok, scale, f2, DOT)
+    if DOT == "ieee":
+        return _mma(u, f2, acc, "ieee")
+    else:
+        return _mma(u, f2, acc, "split")
 
 
 @triton.jit
