@@ -351,9 +351,13 @@ def mla_attention(
         if lora is None or info is None:
             lora = info = None
         skip = None if expanded is None else expanded.cu_seqlens_k
-        o_lat = absorbed_latents(_absorption(skip, attn), *args, lora=lora, info=info)
+        rows = (
+            None
+            if skip is None
+            else mla_absorb.SkipExpanded(attn.cu_seqlens_q, attn.seq_lens, skip)
+        )
+        o_lat = absorbed_latents(_absorption(skip, rows), *args, lora=lora, info=info)
         N, dtype = q_nope.shape[2], q_nope.dtype
-        rows = _skip_rows(skip, attn)
         out = mla_absorb.absorb_out(o_lat, kv_b, N, dtype, lora=lora, info=info, skip=rows)
     if expanded is not None:
         mla_expanded.expanded_attention_(out, q_nope, q_pe, expanded, attn, scale)
@@ -384,7 +388,7 @@ def mla_attention_o_shrink(
         out = mla_attention(*args, lora=lora, info=info, expanded=expanded)
         shrunk = lora_shrink_split(out.reshape(out.shape[0], -1), o_lora, info)
         return out, FoldedLora(shrunk, o_lora, info)
-    o_lat = absorbed_latents(_absorption(None, attn), *args, lora=lora, info=info)
+    o_lat = absorbed_latents(_absorption(None, None), *args, lora=lora, info=info)
     N, dtype = q_nope.shape[2], q_nope.dtype
     out, shrunk = mla_absorb.absorb_out_o_shrink(
         o_lat, kv_b, N, dtype, lora=lora, info=info, o_lora=o_lora
@@ -392,20 +396,14 @@ def mla_attention_o_shrink(
     return out, FoldedLora(shrunk, o_lora, info)
 
 
-def _absorption(skip_expanded: torch.Tensor | None, attn: AttentionMetadata) -> Absorption:
+def _absorption(
+    skip_expanded: torch.Tensor | None, rows: mla_absorb.SkipExpanded | None
+) -> Absorption:
     """The query side's kernels: the absorption (with kv_b_proj's LoRA) and the attention, both
-    skipping the rows of sequences that attend expanded (skip_expanded: their keys' rows)."""
+    skipping the rows of sequences that attend expanded (skip_expanded: their keys' rows;
+    rows: the same as the absorption takes it)."""
     core = functools.partial(latent_attention, skip_expanded=skip_expanded)
-    rows = _skip_rows(skip_expanded, attn)
     return Absorption(core=core, absorb_q=functools.partial(mla_absorb.absorb_q, skip=rows))
-
-
-def _skip_rows(
-    skip_expanded: torch.Tensor | None, attn: AttentionMetadata
-) -> mla_absorb.SkipExpanded | None:
-    if skip_expanded is None:
-        return None
-    return mla_absorb.SkipExpanded(attn.cu_seqlens_q, attn.seq_lens, skip_expanded)
 
 
 def latent_attention(

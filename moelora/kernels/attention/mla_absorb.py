@@ -561,6 +561,7 @@ def _absorb(
     assert row0 + (n_out if transposed else K) <= head_rows, (row0, n_out, K, head_rows)
     BN, BK = 64, 64
     BT = row_block(T, Hh * cdiv(n_out, BN))
+    rows = min(T, BT)  # the most a program's token block holds
     out = torch.empty(T, Hh, n_out, dtype=out_dtype, device=a.device)
     o_args, part = _o_shrink_args(out, kv_b, info, o_lora, cdiv(n_out, BN))
     if T == 0:
@@ -570,7 +571,7 @@ def _absorb(
         a_ptr=a,
         w_ptr=kv_b,
         out_ptr=out,
-        **_lora_args(a, kv_b, lora, info, min(T, BT)),
+        **_lora_args(a, kv_b, lora, info, rows),
         **o_args,
         **_skip_args(skip, kv_b),
         T=T,
@@ -587,7 +588,7 @@ def _absorb(
         ROW0=row0,
         DOT=_dot(a.dtype, kv_b.dtype),
         TW=TABLE_WIDTH,
-        FUSED=("out" if transposed else "q") in FUSED_SIDES and min(T, BT) <= FUSED_MAX_ROWS,
+        FUSED=("out" if transposed else "q") in FUSED_SIDES and rows <= FUSED_MAX_ROWS,
         BT=BT,
         BN=BN,
         BK=BK,
