@@ -119,14 +119,14 @@ def layer_fn(shape: str, T: int, case: str):
 
 
 def floor_us(shape: str, T: int, case: str, bandwidth: float) -> float:
-    """A layer's bytes over the copy bandwidth (read + write counted as the copy counts them)."""
+    """A layer's bytes, read and written, over the copy bandwidth (which counts both)."""
     Hh, N, V, L, _, hidden = SHAPES[shape]
     used = 0 if case == "base-only" else min(T, SLOTS)
     rows = T * Hh * (N * 2 + L * 4 + L * 4 + V * 2)  # q_nope in, q_lat out, o_lat in, out
     kv_b = Hh * (N + V) * L * 2
     lora = used * RANK * (L + Hh * (N + V)) * 2 if case == "kv_b" else 0
     o_lora = used * RANK * Hh * V * 2
-    return 2 * (rows + kv_b + lora + o_lora) / bandwidth * 1e6
+    return (rows + kv_b + lora + o_lora) / bandwidth * 1e6
 
 
 def main() -> None:
@@ -138,8 +138,9 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if args.once:
-        case, T = {"no_kv_b": "no kv_b"}.get(args.once[0], args.once[0]), int(args.once[1])
-        assert case in CASES, f"--once CASE: one of {CASES}, not {case!r}"
+        names = {c.replace(" ", "_"): c for c in CASES}  # a case's name, spaces as underscores
+        case, T = names.get(args.once[0]), int(args.once[1])
+        assert case is not None, f"--once CASE: one of {list(names)}, not {args.once[0]!r}"
         run = layer_fn(args.shape, T, case)
         run()
         torch.cuda.synchronize()
