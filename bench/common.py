@@ -377,7 +377,7 @@ def make_engine(
     lora: bool,
     eager: bool = False,
     max_bs: int = max(DECODE_BATCHES),
-    projections: str = "batch-invariant",
+    projections: str = "auto",
     context: int = CONTEXT,
     deterministic: bool = False,
 ) -> Engine:

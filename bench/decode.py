@@ -117,7 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--projections",
         choices=PROJECTIONS,
-        default="batch-invariant",
+        default="auto",
         help="EngineConfig.projections",
     )
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ from moelora.errors import ConfigError
 STATE_DTYPE = torch.float32
 
 # EngineConfig.projections: how the dense projections are computed on CUDA (kernels/linear.py)
-PROJECTIONS = ("batch-invariant", "skinny", "cublas")
+PROJECTIONS = ("auto", "batch-invariant", "skinny", "cublas")
 # EngineConfig.prefill_attention_backend: who attends long first prefill chunks on CUDA
 PREFILL_ATTENTION_BACKENDS = ("cudnn", "triton")
 # EngineConfig.mla_prefill: how an MLA model's prompts attend in their first chunk
@@ -133,17 +133,21 @@ class EngineConfig:
         False, "run the torch reference kernels on the GPU too (debugging; implies eager)"
     )
     # How the dense projections are computed on CUDA (kernels/linear.py):
-    # - "batch-invariant": a request's logits do not depend on its batch-mates (a tensor-core
-    #   kernel, and cuBLAS only where it gives the kernel's bits: from 128 rows, and between 17
-    #   and 127 at the row counts a check on the device finds for each projection shape);
-    # - "skinny": a GEMV at 1 to 8 rows, fastest at one token, but a request's bf16 logits then
-    #   move by a rounding with its batch size, which can flip a near-tied expert choice;
+    # - "auto": "skinny" for 16-bit weights, "batch-invariant" with
+    #   enable_deterministic_inference (the other kernels' tiles follow the token count outside
+    #   that mode, so a row's bits follow its batch anyway);
+    # - "batch-invariant": a tensor-core kernel whose rows do not depend on their batch-mates,
+    #   and cuBLAS only where it gives the kernel's bits (from 128 rows, and between 17 and 127
+    #   at the row counts a check on the device finds for each projection shape);
+    # - "skinny": the batch-invariant kernels, but a GEMV at 1 to 8 rows where it fits, fastest
+    #   at one token: a row's bf16 sums then differ by a rounding with its batch size;
     # - "cublas": cuBLAS throughout (it splits K at some decode sizes: not batch-invariant).
     projections: str = _flag(
-        "batch-invariant",
-        "dense projections on CUDA: batch-invariant (default: a request's logits do not "
-        "depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, but "
-        "bf16 logits move slightly with the batch size), cublas",
+        "auto",
+        "dense projections on CUDA: auto (default: skinny for 16-bit weights, batch-invariant "
+        "with --enable-deterministic-inference), batch-invariant (a request's projections do "
+        "not depend on its batch-mates), skinny (a GEMV at 1-8 tokens: fastest at one token, "
+        "but bf16 sums move by a rounding with the batch size), cublas",
         choices=PROJECTIONS,
     )
     # Long prompts' first chunks (no KV before them, at least paged_attention.DENSE_FROM
@@ -190,7 +194,7 @@ class EngineConfig:
         False,
         "the same output bits for a request whatever shares its steps: MoE tiles and decode "
         "attention fixed for every batch, long first chunks by the Triton kernel; needs "
-        "--projections batch-invariant (SGLang's --enable-deterministic-inference)",
+        "--projections auto or batch-invariant (SGLang's --enable-deterministic-inference)",
     )
     load_format: str = _flag(
         "auto",
@@ -224,11 +228,12 @@ class EngineConfig:
             value = getattr(self, name)
             _check(valid(value), name, value, expected)
         _check(
-            not self.enable_deterministic_inference or self.projections == "batch-invariant",
+            not self.enable_deterministic_inference
+            or self.projections in ("auto", "batch-invariant"),
             "projections",
             self.projections,
-            "'batch-invariant' with enable_deterministic_inference (the others' tiles follow "
-            "the token count)",
+            "'auto' or 'batch-invariant' with enable_deterministic_inference (the others' "
+            "sums follow the token count)",
         )
         for name in self.lora_modules:
             _check(

@@ -2,10 +2,10 @@
 
 Semantics: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), fp32 accumulation, y in x's dtype.
 
-**Batch invariance is the default** (`BatchInvariantLinear`, EngineConfig.projections =
-"batch-invariant"). A request's logits must not depend on how many requests share its step
-(tests/gpu/test_engine_gpu.py checks a request against its batch mates), and a bf16 rounding
-apart is enough to flip a near-tied expert choice. cuBLAS does not give that at decode sizes:
+**Batch invariance** (`BatchInvariantLinear`, EngineConfig.projections = "batch-invariant",
+and "auto" under deterministic inference). A request's logits must then not depend on how many
+requests share its step (tests/gpu/test_determinism_gpu.py), and a bf16 rounding apart is
+enough to flip a near-tied expert choice. cuBLAS does not give that at decode sizes:
 for some projections it splits K at some row counts, so a row's bits change with the row count
 (bench/linear.py counts it). A tensor-core product whose K loop runs in ascending order with
 one fp32 accumulator and no split gives every row the same chain of k16 MMAs whatever the tile
@@ -19,9 +19,11 @@ elsewhere.
 **Block-FP8 weights** take the same kernel with its FP8 flag (linear_fp8.py says why their
 bits are those of the dequantized weight).
 
-**The skinny GEMV** (`skinny_linear`, projections = "skinny", opt-in) is the fastest at one
-token but sums each output as a tree of FMAs, not as the MMA chain, so its rows differ from the
-batch-invariant kernel's by a rounding: a request's logits then depend on its batch size. Why
+**The skinny GEMV** (`skinny_linear`, projections = "skinny", and "auto" for 16-bit weights
+unless deterministic inference is on) is the fastest at one token but sums each output as a
+tree of FMAs, not as the MMA chain, so its rows differ from the batch-invariant kernel's by a
+rounding: a request's logits then depend on its batch size, as they do through the other
+kernels outside deterministic inference (the fused MoE's K depth follows the token count). Why
 it beats the MMA chain at one row: the chain is serial in K (K / 16 dependent MMAs per
 output), the GEMV's reduction is not.
 
@@ -378,16 +380,24 @@ class BatchInvariantLinear:
     The measurement runs once per projection shape, at its first call outside a CUDA-graph
     capture (the graph runner's warm-up: it synchronizes); during a capture an unmeasured
     shape takes the kernel, which gives the same bits. With `skinny` the GEMV comes first
-    where it fits (EngineConfig.projections = "skinny": not batch-invariant)."""
+    where it fits (EngineConfig.projections = "skinny", or "auto" for SKINNY_AUTO_DTYPES: not
+    batch-invariant); skinny_dtypes: the weights' dtypes it takes (None: any)."""
 
-    def __init__(self, *, skinny: bool = False) -> None:
+    def __init__(
+        self, *, skinny: bool = False, skinny_dtypes: tuple[torch.dtype, ...] | None = None
+    ) -> None:
         self.skinny = skinny
+        self.skinny_dtypes = skinny_dtypes
         self._cublas_rows: dict[tuple, frozenset[int]] = {}  # (N, K, dtype, bias, device)
 
     def __call__(
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if self.skinny and fits(x, w):
+        if (
+            self.skinny
+            and (self.skinny_dtypes is None or w.dtype in self.skinny_dtypes)
+            and fits(x, w)
+        ):
             return skinny_linear(x, w, bias)
         if not _dot_fits(x, w):
             return reference.linear(x, w, bias)

@@ -97,6 +97,9 @@ class Ops:
 # (kernels/linear.fp8_linear). Off until a device times it against the dequantized weights:
 # `python bench/setting.py moelora.kernels.ops.FP8_PROJECTIONS=True -- bench/decode.py --fp8`.
 FP8_PROJECTIONS = False
+# EngineConfig.projections "auto": the skinny GEMV for these weights' small steps. float32
+# engines keep the batch-invariant kernels' cuBLAS path, whose rows do not follow the batch.
+SKINNY_AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
 REFERENCE_OPS = Ops(
@@ -132,7 +135,7 @@ def make_ops(
     device: torch.device,
     *,
     force_reference: bool = False,
-    projections: str = "batch-invariant",
+    projections: str = "auto",
     prefill_attention_backend: str = "cudnn",
     deterministic: bool = False,
     mla_expanded_prefill: bool = False,
@@ -191,7 +194,7 @@ def triton_ops(
     return Ops(
         name=f"triton-{projections}" + ("-deterministic" if deterministic else ""),
         deterministic=deterministic,
-        linear=_linear(projections),
+        linear=_linear(projections, deterministic=deterministic),
         linear_fp8=fp8_linear,  # batch-invariant whatever `projections` says
         keeps_fp8_projections=FP8_PROJECTIONS,
         route_topk=route_topk,
@@ -226,12 +229,14 @@ def triton_ops(
     )
 
 
-def _linear(projections: str) -> LinearOp:
+def _linear(projections: str, *, deterministic: bool) -> LinearOp:
     """The Triton table's dense projections, as EngineConfig.projections names them."""
     from moelora.kernels.linear import BatchInvariantLinear
 
     if projections == "cublas":
         return reference.linear
+    if projections == "auto":
+        return BatchInvariantLinear(skinny=not deterministic, skinny_dtypes=SKINNY_AUTO_DTYPES)
     return BatchInvariantLinear(skinny=projections == "skinny")
 
 

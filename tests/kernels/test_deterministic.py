@@ -132,7 +132,7 @@ def test_decode_rows_alone_and_beside_a_prefill_chunk_give_the_same_bits():
 def test_the_deterministic_table_and_its_config():
     cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
     ops = make_ops(cuda, deterministic=True)  # the default backend asks for cuDNN: not taken
-    assert ops.name == "triton-batch-invariant-deterministic"
+    assert ops.name == "triton-auto-deterministic" and not ops.linear.skinny
     assert ops.fused_moe.keywords == {"deterministic": True}
     assert ops.paged_attention.keywords == {"dense_from": 0, "deterministic": True}
     assert ops.paged_attention_o_shrink.keywords == {"dense_from": 0, "deterministic": True}
@@ -140,6 +140,8 @@ def test_the_deterministic_table_and_its_config():
     assert make_ops(torch.device("cpu"), deterministic=True).name == "torch"
     with pytest.raises(ConfigError, match="projections='skinny' is invalid: expected "):
         EngineConfig(model="demo", projections="skinny", enable_deterministic_inference=True)
+    for projections in ("auto", "batch-invariant"):  # auto then takes the batch-invariant
+        EngineConfig(model="demo", projections=projections, enable_deterministic_inference=True)
 
 
 def test_the_prefill_forms_and_their_configs():

@@ -68,21 +68,45 @@ def test_max_rows(N, rows):
     assert skinny.max_rows(N) == rows
 
 
-def test_the_engine_takes_the_batch_invariant_projections_unless_asked():
-    """The GEMV's sums differ from the MMA chain's by a bf16 rounding, so with it a request's
-    logits would depend on its batch size: it is opt-in (EngineConfig.projections). Each
-    table is new: what a BatchInvariantLinear measures belongs to its engine."""
-    from moelora.kernels.ops import REFERENCE_OPS, make_ops
+def test_the_engine_takes_the_gemv_for_16_bit_weights_unless_deterministic():
+    """"auto" (the default) takes the GEMV for bf16 and fp16 weights at the sizes it fits, and
+    the batch-invariant kernels alone under deterministic inference, where a request's logits
+    must not depend on its batch size (the GEMV's sums differ from the MMA chain's by a
+    rounding). Each table is new: what a BatchInvariantLinear measures belongs to its engine."""
+    from moelora.kernels.ops import REFERENCE_OPS, SKINNY_AUTO_DTYPES, make_ops
 
     cuda = torch.device("cuda")  # make_ops only reads the type: no GPU is touched
     default, again = make_ops(cuda).linear, make_ops(cuda).linear
-    assert isinstance(default, skinny.BatchInvariantLinear) and not default.skinny
+    assert isinstance(default, skinny.BatchInvariantLinear) and default.skinny
+    assert default.skinny_dtypes == SKINNY_AUTO_DTYPES == (torch.bfloat16, torch.float16)
     assert again is not default
-    assert make_ops(cuda, projections="skinny").linear.skinny
+    deterministic = make_ops(cuda, deterministic=True).linear
+    assert isinstance(deterministic, skinny.BatchInvariantLinear) and not deterministic.skinny
+    invariant = make_ops(cuda, projections="batch-invariant").linear
+    assert isinstance(invariant, skinny.BatchInvariantLinear) and not invariant.skinny
+    forced = make_ops(cuda, projections="skinny").linear
+    assert forced.skinny and forced.skinny_dtypes is None
     assert make_ops(cuda, projections="cublas").linear is reference.linear
     assert make_ops(torch.device("cpu"), projections="skinny") is REFERENCE_OPS
     with pytest.raises(ValueError, match="projections='gemv' is invalid: expected one of"):
         make_ops(cuda, projections="gemv")
+
+
+def test_auto_takes_the_gemv_for_16_bit_weights_only(monkeypatch):
+    """"auto"'s GEMV is for 16-bit weights: a float32 product of one row goes where the
+    batch-invariant table sends it, a bf16 one to the GEMV (both kernels replaced by spies, so
+    no GPU is needed)."""
+    from moelora.kernels.ops import SKINNY_AUTO_DTYPES
+
+    calls = []
+    monkeypatch.setattr(skinny, "skinny_linear", lambda x, w, b: calls.append("gemv") or x)
+    monkeypatch.setattr(skinny, "dot_linear", lambda x, w, b: calls.append("dot") or x)
+    monkeypatch.setattr(skinny, "_dot_fits", lambda x, w: True)
+    linear = skinny.BatchInvariantLinear(skinny=True, skinny_dtypes=SKINNY_AUTO_DTYPES)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = torch.randn(1, 64).to(dtype), torch.randn(32, 64).to(dtype)
+        linear(x, w)
+    assert calls == ["dot", "gemv", "gemv"]
 
 
 @pytest.mark.parametrize("M", [1, 2, 3, 9, 17, 40, 70])
