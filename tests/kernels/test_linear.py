@@ -69,7 +69,7 @@ def test_max_rows(N, rows):
 
 
 def test_the_engine_takes_the_gemv_for_16_bit_weights_unless_deterministic():
-    """"auto" (the default) takes the GEMV for bf16 and fp16 weights at the sizes it fits, and
+    """ "auto" (the default) takes the GEMV for bf16 and fp16 weights at the sizes it fits, and
     the batch-invariant kernels alone under deterministic inference, where a request's logits
     must not depend on its batch size (the GEMV's sums differ from the MMA chain's by a
     rounding). Each table is new: what a BatchInvariantLinear measures belongs to its engine."""
@@ -93,7 +93,7 @@ def test_the_engine_takes_the_gemv_for_16_bit_weights_unless_deterministic():
 
 
 def test_auto_takes_the_gemv_for_16_bit_weights_only(monkeypatch):
-    """"auto"'s GEMV is for 16-bit weights: a float32 product of one row goes where the
+    """ "auto"'s GEMV is for 16-bit weights: a float32 product of one row goes where the
     batch-invariant table sends it, a bf16 one to the GEMV (both kernels replaced by spies, so
     no GPU is needed)."""
     from moelora.kernels.ops import SKINNY_AUTO_DTYPES
