@@ -668,6 +668,9 @@ def _rope_store_kv_kernel(
         if t < num_tokens:
             if EXPAND:
                 lslot_in = tl.load(slot_ptr + t)  # asked for first: its flag and rank depend on it
+            # the rotary's position too, before any branch on the LoRA's rank: its table rows
+            # are then in flight while the slot's flag and rank come back
+            pos = tl.load(pos_ptr + t)
             # -- the cache row of this token, as store_kv computes it; padded rows (-1) store
             # nothing --
             if STORE_KV:
@@ -724,6 +727,8 @@ def _rope_store_kv_kernel(
                 # -- the head in place and its rotate_half partner, D/2 lanes away --
                 x = tl.load(src + read, mask=mask, other=0.0).to(tl.float32)
                 x_rot = tl.load(src + read_partner, mask=mask, other=0.0).to(tl.float32)
+                c = tl.load(cos_ptr + pos * stride_cl + offs, mask=mask, other=0.0)
+                sn = tl.load(sin_ptr + pos * stride_sl + offs, mask=mask, other=0.0)
 
                 # -- the q|k|v projection's LoRA, expanded into this head (and its partner
                 # lanes) --
@@ -759,10 +764,7 @@ def _rope_store_kv_kernel(
                 x_rot = tl.where(offs < half, -x_rot, x_rot)
 
                 # -- x * cos + rotate_half(x) * sin with the tables rounded to x's dtype first --
-                pos = tl.load(pos_ptr + t)
-                c = tl.load(cos_ptr + pos * stride_cl + offs, mask=mask, other=0.0)
                 c = c.to(dtype).to(tl.float32)
-                sn = tl.load(sin_ptr + pos * stride_sl + offs, mask=mask, other=0.0)
                 sn = sn.to(dtype).to(tl.float32)
                 a = (x * c).to(dtype).to(tl.float32)
                 b = (x_rot * sn).to(dtype).to(tl.float32)
