@@ -331,6 +331,123 @@ def expand_rows(
 
 
 @triton.jit
+def _every_slot(packed, tab_ptr, expert, S: tl.constexpr, SP: tl.constexpr, BR: tl.constexpr):
+    """The columns of every slot side by side, for the grouped epilogues (GROUPED: PACK, so S
+    <= 8): column c is slot g = c // BR's rank row r = c % BR. Returns (g, r, live, base,
+    b_row), [SP * BR] each: live where g is a slot a row of the block uses and r is below its
+    rank (packed's byte g); base the start of slot g's factor for `expert` (B's table columns:
+    TAB_B_OFF, TAB_B_EXPERT) and b_row its B row stride, all loaded at once: one round trip
+    for every slot, where the walk waits on one a slot."""
+    offs_c = tl.arange(0, SP * BR)
+    g = offs_c // BR
+    r = offs_c % BR
+    byte = (packed >> (8 * tl.minimum(g, S - 1)).to(tl.int64)) & 255
+    live = (g < S) & (r < byte.to(tl.int32))
+    row = tab_ptr + g.to(tl.int64) * TAB_WIDTH
+    off = tl.load(row + TAB_B_OFF, mask=live, other=0)
+    stride = tl.load(row + TAB_B_EXPERT, mask=live, other=0)
+    b_row = tl.load(row + TAB_B_ROW, mask=live, other=0)
+    return g, r, live, off + expert.to(tl.int64) * stride, b_row
+
+
+@triton.jit
+def _a_every_slot(
+    packed,
+    tab_ptr,
+    expert,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    BR: tl.constexpr,
+    A_ALIGN: tl.constexpr,
+):
+    """_every_slot for an A factor (TAB_A_OFF, TAB_A_EXPERT, aligned as _place aligns them):
+    (g, r, live, base)."""
+    offs_c = tl.arange(0, SP * BR)
+    g = offs_c // BR
+    r = offs_c % BR
+    byte = (packed >> (8 * tl.minimum(g, S - 1)).to(tl.int64)) & 255
+    live = (g < S) & (r < byte.to(tl.int32))
+    row = tab_ptr + g.to(tl.int64) * TAB_WIDTH
+    off = aligned(tl.load(row + TAB_A_OFF, mask=live, other=0), A_ALIGN)
+    stride = aligned(tl.load(row + TAB_A_EXPERT, mask=live, other=0), A_ALIGN)
+    return g, r, live, off + expert.to(tl.int64) * stride
+
+
+@triton.jit
+def expand_rows_grouped(
+    acc0,  # [BM, BN] fp32
+    acc1,  # [BM, BN] fp32, only with TWO
+    xa_ptr,  # [BM] pointers: each row's shrink (half 0; half 1 BR further with TWO), fp32
+    slot_rows,  # [BM] from module_rows (this target's)
+    scale_rows,  # [BM] from lora_rows
+    packed,  # block_slots of the rows (PACK)
+    w_ptr,  # the arena: slot s's B [(E | 1,) out, r] where row s of tab_ptr says
+    tab_ptr,  # [S, TAB_WIDTH] int64: B's table
+    expert,
+    offs_n0,
+    offs_n1,
+    n_ok,
+    S: tl.constexpr,
+    SP: tl.constexpr,  # next_power_of_2(S)
+    BR: tl.constexpr,
+    TWO: tl.constexpr,
+):
+    """expand_rows with every slot's B side by side: one [SP * BR, BN] tile (two with TWO)
+    gathered at once and one dot, each row's shrink placed in its own slot's columns and zero
+    in the others'. A row's sum is the walk's: its slot's k16 chain, then exact zeros."""
+    g, r, live, base, b_row = _every_slot(packed, tab_ptr, expert, S, SP, BR)
+    mine = slot_rows[:, None] == g[None, :]  # [BM, SP * BR]
+    xs = tl.load(xa_ptr[:, None] + r[None, :], mask=mine, other=0.0) * scale_rows[:, None]
+    b = w_ptr + base[:, None] + offs_n0[None, :].to(tl.int64) * b_row[:, None] + r[:, None]
+    b_ok = live[:, None] & n_ok[None, :]
+    bt0 = tl.load(b, mask=b_ok, other=0.0)
+    if TWO:
+        off1 = (offs_n1 - offs_n0)[None, :].to(tl.int64) * b_row[:, None]
+        bt1 = tl.load(b + off1, mask=b_ok, other=0.0)
+        xs1 = tl.load(xa_ptr[:, None] + BR + r[None, :], mask=mine, other=0.0)
+        xs1 = xs1 * scale_rows[:, None]
+        acc1 = dot(xs1.to(bt1.dtype), bt1, acc1)
+    acc0 = dot(xs.to(bt0.dtype), bt0, acc0)
+    return acc0, acc1
+
+
+@triton.jit
+def down_partial_shrink_grouped(
+    xa2_ptr,  # [P, BR] fp32, zeroed by pair_shrink for pairs with an enabled slot
+    pair,  # [BM]
+    h,  # [BM, BN] this program's columns of h, in the dtype h is stored in
+    slot_rows,  # [BM] from module_rows (down's)
+    packed,  # block_slots of the rows (PACK)
+    w_ptr,  # the arena: slot s's A2 [(E | 1,) 1, r, I] where row s of tab_ptr says
+    tab_ptr,  # [S, TAB_WIDTH] int64: A2's table
+    expert,
+    I,  # A2's input (h's columns): its rank row stride
+    offs_n,
+    n_ok,
+    S: tl.constexpr,
+    SP: tl.constexpr,
+    BM: tl.constexpr,
+    BR: tl.constexpr,
+    A_ALIGN: tl.constexpr,
+):
+    """down_partial_shrink with every slot's A2 columns side by side: one [BN, SP * BR] tile
+    and one dot of all the rows, each row then keeping its own slot's BR columns (the others'
+    exact zeros summed away). A row's product is the walk's: the same chain over h's BN
+    columns."""
+    g, r, live, base = _a_every_slot(packed, tab_ptr, expert, S, SP, BR, A_ALIGN)
+    a = w_ptr + base[None, :] + r[None, :].to(tl.int64) * I + offs_n[:, None]
+    at = tl.load(a, mask=n_ok[:, None] & live[None, :], other=0.0)  # [BN, SP * BR]
+    every = dot(h.to(at.dtype), at, tl.zeros((BM, SP * BR), dtype=tl.float32))
+    mine = slot_rows[:, None] == g[None, :]
+    part = tl.sum(tl.reshape(tl.where(mine, every, 0.0), (BM, SP, BR)), axis=1)
+    offs_r = tl.arange(0, BR)
+    active = slot_rows >= 0
+    tl.atomic_add(
+        xa2_ptr + pair[:, None] * BR + offs_r[None, :], part, mask=active[:, None], sem="relaxed"
+    )
+
+
+@triton.jit
 def block_shrink_kernel(
     # Pointers: the input, the align's blocks, LoRA batch info and A, the scratch.
     x_ptr,  # [T, H] tokens' rows, or with BLOCK_ROWS [NB*BM, H] the blocks' own rows (h)
