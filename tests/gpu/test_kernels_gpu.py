@@ -104,32 +104,6 @@ def test_fused_moe_bf16(moe_weights, T, spread):
     assert rel_err(out, ref) <= 1e-2, (name, T, spread)
 
 
-@pytest.mark.parametrize("T", [1, 7, 64, 256])
-@pytest.mark.parametrize("spread", SPREADS)
-def test_grouped_lora_epilogues_give_the_slot_walks_bits(moe_weights, monkeypatch, T, spread):
-    """fused.GROUPED_SLOTS: every slot's factors in one tile and one dot give a row its own
-    slot's k16 chain plus exact zeros, so the bits of the walk (slot by slot), at the decode
-    sizes where the epilogues take it. Deterministic inference relies on it: whether a tile
-    groups follows its width, which follows the token count."""
-    from moelora.kernels.moe import fused as module
-
-    name, (E, H, I, K), w13, w2, lora13, lora2 = moe_weights
-    x = torch.randn(T, H, device=DEV).to(torch.bfloat16)
-    topk_weights, topk_ids = _routing(T, E, K)
-    info = batch_info(T, spread, DEV)
-    args = (x, w13, w2, topk_weights, topk_ids)
-    lora = dict(lora13=lora13, lora2=lora2, info=info)
-    # deterministic: down's shrink block by block, so the expands alone differ between the two;
-    # by default its partial shrink adds atomically, in an order that varies from run to run
-    grouped = [fused_moe(*args, **lora, deterministic=d) for d in (True, False)]
-    monkeypatch.setattr(module, "GROUPED_SLOTS", False)
-    walked = [fused_moe(*args, **lora, deterministic=d) for d in (True, False)]
-    assert torch.equal(grouped[0], walked[0]), (name, T, spread)
-    assert rel_err(grouped[1], walked[1]) <= 1e-3, (name, T, spread)
-    ref = _reference_moe(*args, **lora)
-    assert rel_err(grouped[1], ref) <= 1e-2, (name, T, spread)
-
-
 @pytest.mark.parametrize("group_m", [1, 5])
 def test_prefill_moe_bits_do_not_depend_on_program_order(moe_weights, group_m):
     """At prefill sizes both LoRA shrinks run block by block (no atomic adds), so the fused MoE

@@ -111,7 +111,6 @@ def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeyp
     from moelora.kernels.moe.lora import packed_walk
 
     assert packed_walk(8, 64) and not packed_walk(9, 16) and not packed_walk(8, 128)
-    monkeypatch.setattr(module, "GROUPED_SLOTS", False)  # the walk itself, packed or not
     args, lora = moe_case(24, 8, 2, "mixed", torch.float16)
     packed = fused_moe(*args, **lora, config=WIDE)
     monkeypatch.setattr(module, "packed_walk", lambda num_slots, max_rank: False)
@@ -119,7 +118,7 @@ def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeyp
     assert rel_err(packed, reference.fused_moe(*args, **lora)) <= TOL[torch.float16]
     monkeypatch.undo()
 
-    T, E = 20, 8  # distinct: every one of the 16 slots (the walk by reductions: not grouped)
+    T, E = 20, 8  # distinct: every one of the 16 slots
     args, _ = moe_case(T, E, 2, "none", torch.float32)
     info = batch_info(T, "distinct", num_slots=16)
     lora = dict(
@@ -129,28 +128,6 @@ def test_packed_slot_walk_gives_the_bits_of_the_reductions(poison_empty, monkeyp
     )
     out = fused_moe(*args, **lora, config=GROUPED)
     assert rel_err(out, reference.fused_moe(*args, **lora)) <= 1e-5
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("spread", ["mixed", "distinct"])
-def test_grouped_epilogues_agree_with_the_slot_walk(poison_empty, monkeypatch, dtype, spread):
-    """With every slot's factors as one tile (GROUPED_SLOTS: moe_lora.expand_rows_grouped and
-    down_partial_shrink_grouped) a row still gets its own slot's delta and no other's: 24
-    tokens over up to 8 slots of ranks 0..16 (rank 0: an adapter without the module), against
-    the walk and the reference, both expands and down's partial shrink included. The tile
-    bound sends the widest tiles back to the walk."""
-    from moelora.kernels.moe import fused as module
-
-    args, lora = moe_case(24, 8, 2, spread, dtype)
-    lora_info = module._lora(lora["lora13"], lora["lora2"], lora["info"], args[0], 48)
-    assert lora_info.PACK and module._grouped(lora_info, 16, 2)
-    assert module._grouped(lora_info, 64, 1) and not module._grouped(lora_info, 64, 2)
-    grouped = fused_moe(*args, **lora, config=WIDE)
-    monkeypatch.setattr(module, "GROUPED_SLOTS", False)
-    assert not module._grouped(lora_info, 16, 2)
-    walked = fused_moe(*args, **lora, config=WIDE)
-    assert rel_err(grouped, walked) <= {torch.float32: 1e-6, torch.float16: 1e-3}[dtype]
-    assert rel_err(grouped, reference.fused_moe(*args, **lora)) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

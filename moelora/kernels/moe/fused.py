@@ -59,9 +59,7 @@ from moelora.kernels.moe.lora import (
     block_shrink_kernel,
     block_slots,
     down_partial_shrink,
-    down_partial_shrink_grouped,
     expand_rows,
-    expand_rows_grouped,
     lora_rows,
     module_rows,
     packed_walk,
@@ -79,14 +77,6 @@ from moelora.step.lora import TABLE_WIDTH, LoraBatchInfo, LoraWeights
 # placement is the faster where it was timed (decode, every batch size)
 FP8_PLACED = True
 W8A8_H_GROUPS = (64, 128)  # h's columns a scale under W8A8: gate_up's tile width (MoeConfig)
-# The epilogues' LoRA (expand_rows, down_partial_shrink) take every slot's factors as one
-# gathered tile and one dot (moe_lora.expand_rows_grouped): one round trip for the table and one
-# for the tiles, where the walk waits on both for each slot a block holds. Where the packed walk
-# runs (S <= 8) and the tiles (gate's and up's [next_power_of_2(S) * BR, BN], or down's one)
-# hold at most GROUPED_VALUES values: the sm_90 audit has gate_up's two at BN 64 and 8 slots of
-# rank 16 spilling (192-812 bytes), at BN 32 none.
-GROUPED_SLOTS = True
-GROUPED_VALUES = 8192
 MAX_SHRINK_PROGRAMS = 2048  # most programs the align launch adds for the pair shrink
 SHRINK_WARPS = 8  # warps of the align launch when it shrinks pairs too
 HALF_SPLITS_FROM = 512  # pairs from which a shrink job does twice the rows, PAIR_SPLITS / 2 a pair
@@ -197,8 +187,6 @@ def _gate_up_kernel(
     STORE_H: tl.constexpr,  # h in x's dtype (W8A8 without down's LoRA by blocks needs codes only)
     TMA: tl.constexpr,  # weight tiles through w13_desc (MoeConfig.tma)
     PACK: tl.constexpr,
-    GROUPED: tl.constexpr,  # the epilogues take every slot at once (_grouped)
-    SP: tl.constexpr,  # next_power_of_2(S), with GROUPED
     A2_ALIGN: tl.constexpr,  # down's LoraWeights.a_align (its A2 read by the partial shrink)
     BM: tl.constexpr,
     BN: tl.constexpr,
@@ -318,26 +306,7 @@ def _gate_up_kernel(
     if HAS_LORA:
         if lora_on:  # a base-only step skips even the reduction of block_slots
             packed, any_rows = block_slots(slot13, rank13, PACK)
-            if GROUPED and any_rows:
-                acc_g, acc_u = expand_rows_grouped(
-                    acc0=acc_g,
-                    acc1=acc_u,
-                    xa_ptr=xa13_ptr + pair * 2 * BR,
-                    slot_rows=slot13,
-                    scale_rows=scale_rows,
-                    packed=packed,
-                    w_ptr=lora13_ptr,
-                    tab_ptr=tab13_ptr,
-                    expert=expert,
-                    offs_n0=offs_n,
-                    offs_n1=I + offs_n,
-                    n_ok=n_ok,
-                    S=S,
-                    SP=SP,
-                    BR=BR,
-                    TWO=True,
-                )
-            elif any_rows:
+            if any_rows:
                 offs_r = tl.arange(0, BR)
                 xa_ptrs = xa13_ptr + pair[:, None] * 2 * BR + offs_r[None, :]
                 on = (slot13 >= 0)[:, None]
@@ -391,26 +360,7 @@ def _gate_up_kernel(
     if HAS_LORA2:
         if lora_on:
             packed, any_rows = block_slots(slot2, rank2, PACK)
-            if GROUPED and any_rows:
-                down_partial_shrink_grouped(
-                    xa2_ptr=xa2_ptr,
-                    pair=pair,
-                    h=h,
-                    slot_rows=slot2,
-                    packed=packed,
-                    w_ptr=lora2_ptr,
-                    tab_ptr=tab2_ptr,
-                    expert=expert,
-                    I=I,
-                    offs_n=offs_n,
-                    n_ok=n_ok,
-                    S=S,
-                    SP=SP,
-                    BM=BM,
-                    BR=BR,
-                    A_ALIGN=A2_ALIGN,
-                )
-            elif any_rows:
+            if any_rows:
                 down_partial_shrink(
                     xa2_ptr=xa2_ptr,
                     pair=pair,
@@ -473,8 +423,6 @@ def _down_kernel(
     K: tl.constexpr,
     S: tl.constexpr,
     PACK: tl.constexpr,
-    GROUPED: tl.constexpr,  # the epilogue takes every slot at once (_grouped)
-    SP: tl.constexpr,  # next_power_of_2(S), with GROUPED
     HAS_LORA: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     MXFP4: tl.constexpr,  # packed experts, expanded a tile at a time (mxfp4.py)
@@ -583,26 +531,7 @@ def _down_kernel(
         slot2, rank2 = module_rows(slot_rows, slot_on, tab2_ptr)
         if lora_on:
             packed, any_rows = block_slots(slot2, rank2, PACK)
-            if GROUPED and any_rows:
-                acc, _ = expand_rows_grouped(
-                    acc0=acc,
-                    acc1=acc,
-                    xa_ptr=xa2_ptr + pair * BR,
-                    slot_rows=slot2,
-                    scale_rows=scale_rows,
-                    packed=packed,
-                    w_ptr=lora2_ptr,
-                    tab_ptr=tab2_ptr,
-                    expert=expert,
-                    offs_n0=offs_n,
-                    offs_n1=offs_n,
-                    n_ok=n_ok,
-                    S=S,
-                    SP=SP,
-                    BR=BR,
-                    TWO=False,
-                )
-            elif any_rows:
+            if any_rows:
                 offs_r = tl.arange(0, BR)
                 xa = tl.load(
                     xa2_ptr + pair[:, None] * BR + offs_r[None, :],
@@ -880,14 +809,6 @@ def _lora(
     )
 
 
-def _grouped(lora: _Lora, BN: int, tiles: int) -> bool:
-    """Whether an epilogue of BN columns takes every slot's factors at once (GROUPED_SLOTS):
-    with the packed walk, where its `tiles` [SP * BR, BN] tiles (gate's and up's: 2) hold at
-    most GROUPED_VALUES values."""
-    SP = next_power_of_2(lora.S)
-    return GROUPED_SLOTS and lora.PACK and tiles * SP * lora.BR * BN <= GROUPED_VALUES
-
-
 def _align(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, E: int, BM: int, lora: _Lora
 ) -> _Pairs:
@@ -1058,8 +979,6 @@ def _gate_up(
         HAS_BIAS=bias is not None,
         ACTIVATION=ACTIVATIONS.index(activation),
         PACK=lora.PACK,
-        GROUPED=_grouped(lora, cfg.block_n, 2),
-        SP=next_power_of_2(lora.S),
         A2_ALIGN=lora.down.a_align,
         BM=pairs.BM,
         BN=cfg.block_n,
@@ -1126,8 +1045,6 @@ def _down(
         K=pairs.K,
         S=lora.S,
         PACK=lora.PACK,
-        GROUPED=_grouped(lora, cfg.block_n_down, 1),
-        SP=next_power_of_2(lora.S),
         HAS_LORA=lora.down.on,
         HAS_BIAS=bias is not None,
         BM=pairs.BM,
