@@ -122,6 +122,16 @@ def test_causal_conv1d_splits_a_sequence_over_programs(poison_empty, monkeypatch
     _conv_case(case, padded, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_causal_conv1d_blocks_past_the_window_read_rows_only(poison_empty, monkeypatch, dtype):
+    """At the prefill tile a block whose rows are all past the first W - 1 takes its taps from
+    the chunk's rows alone (no window loads): sequences longer than a block, one continuing
+    (its first block reads the window), one fresh, each ending inside a block."""
+    monkeypatch.setitem(CASES, "long", [(37, False), (20, True), (1, False)])
+    _conv_case("long", False, dtype)
+    _conv_case("long", True, dtype)
+
+
 def _conv_case(case: str, padded: bool, dtype: torch.dtype) -> None:
     batch = make_batch(case, padded=padded, seed=len(case))
     T = batch.attn.slot_mapping.shape[0]

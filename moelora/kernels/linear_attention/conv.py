@@ -64,6 +64,49 @@ def _conv_input(x_ptr, window_ptr, start, src, offs_c, ok, continues, stride_xt,
 
 
 @triton.jit
+def _conv_block(
+    x_ptr,
+    window_ptr,
+    weight_ptr,
+    out_ptr,
+    start,
+    t0,
+    end,
+    offs_c,
+    c_ok,
+    continues,
+    stride_xt,
+    C,
+    W: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    WINDOW: tl.constexpr,  # some row's tap may read the window (a row below W - 1)
+):
+    """Rows t0 .. t0 + BLOCK_T (below end) of the sequence starting at chunk row `start`:
+    their W taps, each product rounded to the output's dtype and summed in tap order in
+    float32, rounded, through silu in float32, rounded and stored."""
+    dtype = out_ptr.dtype.element_ty
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    ok = (offs_t < end)[:, None] & c_ok[None, :]
+    acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for j in tl.static_range(W):
+        src = (offs_t + j - (W - 1))[:, None]
+        if WINDOW:
+            u = _conv_input(
+                x_ptr, window_ptr[None, :], start, src, offs_c[None, :], ok, continues, stride_xt, W
+            )
+        else:
+            rows = (start + src).to(tl.int64) * stride_xt
+            u = tl.load(x_ptr + rows + offs_c[None, :], mask=ok, other=0.0)
+        w = tl.load(weight_ptr + offs_c * W + j, mask=c_ok, other=0.0)
+        acc += (u.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    y = acc.to(dtype).to(tl.float32)
+    y = y / (1.0 + tl.exp(-y))
+    rows = (start + offs_t).to(tl.int64)[:, None]
+    tl.store(out_ptr + rows * C + offs_c[None, :], y.to(dtype), mask=ok)
+
+
+@triton.jit
 def _causal_conv1d_kernel(
     # Pointers.
     x_ptr,  # [T, C], rows strided by stride_xt, channels contiguous
@@ -92,7 +135,6 @@ def _causal_conv1d_kernel(
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     z = tl.program_id(2)
     c_ok = offs_c < C
-    dtype = out_ptr.dtype.element_ty
     if z == 0:
         zero_padded_rows(out_ptr + offs_c, c_ok, b, cu_seqlens_q_ptr, num_seqs, num_rows, C)
     start, n, continues, slot = sequence(b, cu_seqlens_q_ptr, seq_lens_ptr, state_slots_ptr)
@@ -100,23 +142,51 @@ def _causal_conv1d_kernel(
         return  # a padded sequence: its slot stays as it is
     window_ptr = conv_state_ptr + (slot * C + offs_c) * (W - 1)  # [BLOCK_C]
 
-    # -- each token's W taps: products rounded to the dtype, summed in tap order in float32 --
+    # -- each token's W taps: products rounded to the dtype, summed in tap order in float32.
+    # The blocks before row W - 1 may read the window; the others take every tap from the
+    # chunk's rows (no window loads: they are strided by W - 1, one element each), in a loop of
+    # their own, so the row loads take vector width and neither loop carries the other's --
     end = tl.minimum(z * span + span, n)  # this program's rows: z * span .. end
-    for t0 in range(z * span, end, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        ok = (offs_t < end)[:, None] & c_ok[None, :]
-        acc = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-        for j in tl.static_range(W):
-            src = (offs_t + j - (W - 1))[:, None]
-            u = _conv_input(
-                x_ptr, window_ptr[None, :], start, src, offs_c[None, :], ok, continues, stride_xt, W
-            )
-            w = tl.load(weight_ptr + offs_c * W + j, mask=c_ok, other=0.0)
-            acc += (u.to(tl.float32) * w.to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        y = acc.to(dtype).to(tl.float32)
-        y = y / (1.0 + tl.exp(-y))
-        rows = (start + offs_t).to(tl.int64)[:, None]
-        tl.store(out_ptr + rows * C + offs_c[None, :], y.to(dtype), mask=ok)
+    first = z * span
+    past = first + tl.cdiv(tl.maximum(W - 1 - first, 0), BLOCK_T) * BLOCK_T  # first block >= W - 1
+    for t0 in range(first, tl.minimum(past, end), BLOCK_T):
+        _conv_block(
+            x_ptr,
+            window_ptr,
+            weight_ptr,
+            out_ptr,
+            start,
+            t0,
+            end,
+            offs_c,
+            c_ok,
+            continues,
+            stride_xt,
+            C,
+            W,
+            BLOCK_T,
+            BLOCK_C,
+            True,
+        )
+    for t0 in range(past, end, BLOCK_T):
+        _conv_block(
+            x_ptr,
+            window_ptr,
+            weight_ptr,
+            out_ptr,
+            start,
+            t0,
+            end,
+            offs_c,
+            c_ok,
+            continues,
+            stride_xt,
+            C,
+            W,
+            BLOCK_T,
+            BLOCK_C,
+            False,
+        )
 
     # -- the new window, u's last W - 1 entries: read by every lane before any is stored, by
     # the one program that reads the old window (the rows before span, z 0, read it) --
