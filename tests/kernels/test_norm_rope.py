@@ -688,6 +688,18 @@ def test_rope_store_kv_lora_matches_reference(poison_empty, dtype, T, spread, D,
     _check_rope_store_kv_lora(dtype, T, spread, 4, 2, D, with_norm)
 
 
+@pytest.mark.parametrize("warps,lane_values", [(1, 16), (2, 8), (1, 4)])
+def test_rope_store_kv_lora_at_other_expand_launches(poison_empty, monkeypatch, warps, lane_values):
+    """The expand's warps and B tile per lane (ROPE_EXPAND_WARPS, ROPE_EXPAND_LANE_VALUES) set
+    RC, so the rank runs in 1 to 16 chunks of a 64-dim head: the same values at each."""
+    from moelora.kernels.attention import norm_rope
+
+    monkeypatch.setattr(norm_rope, "ROPE_EXPAND_WARPS", warps)
+    monkeypatch.setattr(norm_rope, "ROPE_EXPAND_LANE_VALUES", lane_values)
+    torch.manual_seed(warps * 100 + lane_values)
+    _check_rope_store_kv_lora(torch.float32, 9, "mixed", 4, 2, 64, True)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,spread", [(1, "one"), (9, "mixed")])
 def test_rope_store_kv_lora_partial_rotary(poison_empty, dtype, T, spread):

@@ -891,6 +891,13 @@ def _check_rope(r: _Rope, expand: FoldedLora | None) -> None:
 
 
 ROPE_GROUP_FROM = 1024  # tokens from which a rotary program takes 8 tokens of its head
+# The q|k|v LoRA expand's launches (EXPAND): warps a program (past D 128 twice as many) and the
+# values a lane holds of B's [BLOCK_D, RC] tile, which set RC. Every program of the launch
+# pays the expand's registers, base rows too, and at decode sizes the registers decide how many
+# programs share a multiprocessor, so how many waves a step's (token, head) programs take
+# (bench/compile_audit.py counts the registers; gpu-check ab-rope times the choices).
+ROPE_EXPAND_WARPS = 2
+ROPE_EXPAND_LANE_VALUES = 32
 
 
 def _launch_rope(
@@ -910,10 +917,10 @@ def _launch_rope(
     DV = D if r.v is None else r.v.shape[2]
     BLOCK_D = next_power_of_2(D)
     tokens = 1 if T < ROPE_GROUP_FROM else 8
-    # a [BLOCK_D, RC] tile of B is at most 32 values per lane
-    num_warps = (1 if D <= 128 else 2) * (2 if expand is not None else 1)
+    # a [BLOCK_D, RC] tile of B is at most ROPE_EXPAND_LANE_VALUES values per lane
+    num_warps = (1 if D <= 128 else 2) * (ROPE_EXPAND_WARPS if expand is not None else 1)
     R = 1 if expand is None else expand.weights.max_rank
-    RC = max(1, min(next_power_of_2(R), 32 * 32 * num_warps // BLOCK_D))
+    RC = max(1, min(next_power_of_2(R), 32 * ROPE_EXPAND_LANE_VALUES * num_warps // BLOCK_D))
     unused = r.q  # every pointer whose flag is off: never read
     _rope_store_kv_kernel[(cdiv(T, tokens), Hq + (2 if r.stores else 1) * Hkv)](
         q_ptr=r.q,
