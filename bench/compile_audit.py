@@ -7,7 +7,9 @@ test_sm90_compile.py's (the engine's ops at a Qwen3-30B-A3B layer's sizes, LoRA 
 the H200 MoE table's tiles, the FP8 projections), specialized as the H200's JIT would; ptxas
 -v says what each costs. Writes its dated result file.
 
-    PYTHONPATH=. python bench/compile_audit.py [--out PATH]
+    PYTHONPATH=. python bench/compile_audit.py [--kernels REGEX] [--out PATH]
+
+--kernels: only the launches of kernels whose names match REGEX (a few minutes less).
 """
 
 from __future__ import annotations
@@ -55,12 +57,16 @@ def audit(kernel, args, kwargs) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kernels", help="only kernels whose names match this regex")
     parser.add_argument("--out", help="result file (default: a dated one in bench/results)")
     args = parser.parse_args()
+    wanted = re.compile(args.kernels or "")
     launches = record_launches()
     launch_every_op()
     seen, rows = set(), []
     for kernel, largs, kwargs in launches:
+        if not wanted.search(kernel.fn.__name__):
+            continue
         key = (kernel.fn.__name__, repr([arg_type(a) for a in largs]), repr(sorted(kwargs.items())))
         if key not in seen:
             seen.add(key)
@@ -68,7 +74,8 @@ def main() -> None:
     rows.sort(key=lambda r: (-r["spill"], -r["scalar16"], r["kernel"]))
     lines = result_header("Kernel launches compiled for sm_90 (ptxas -v)", None, device="cpu")
     lines += [
-        f"- {len(rows)} distinct launches (tests/kernels/test_sm90_compile.launch_every_op)",
+        f"- {len(rows)} distinct launches (tests/kernels/test_sm90_compile.launch_every_op"
+        + (f", kernels matching {args.kernels!r})" if args.kernels else ")"),
         "- loads: PTX ld.global instructions, 16-bit scalar and vector; cp.async: copies into",
         "  shared memory (pipelined loads)",
         "",
