@@ -149,44 +149,28 @@ def _causal_conv1d_kernel(
     end = tl.minimum(z * span + span, n)  # this program's rows: z * span .. end
     first = z * span
     past = first + tl.cdiv(tl.maximum(W - 1 - first, 0), BLOCK_T) * BLOCK_T  # first block >= W - 1
-    for t0 in range(first, tl.minimum(past, end), BLOCK_T):
-        _conv_block(
-            x_ptr,
-            window_ptr,
-            weight_ptr,
-            out_ptr,
-            start,
-            t0,
-            end,
-            offs_c,
-            c_ok,
-            continues,
-            stride_xt,
-            C,
-            W,
-            BLOCK_T,
-            BLOCK_C,
-            True,
-        )
-    for t0 in range(past, end, BLOCK_T):
-        _conv_block(
-            x_ptr,
-            window_ptr,
-            weight_ptr,
-            out_ptr,
-            start,
-            t0,
-            end,
-            offs_c,
-            c_ok,
-            continues,
-            stride_xt,
-            C,
-            W,
-            BLOCK_T,
-            BLOCK_C,
-            False,
-        )
+    for part in tl.static_range(2):  # the blocks before `past`, then the others
+        lo = first if part == 0 else past
+        hi = tl.minimum(past, end) if part == 0 else end
+        for t0 in range(lo, hi, BLOCK_T):
+            _conv_block(
+                x_ptr,
+                window_ptr,
+                weight_ptr,
+                out_ptr,
+                start,
+                t0,
+                end,
+                offs_c,
+                c_ok,
+                continues,
+                stride_xt,
+                C,
+                W,
+                BLOCK_T,
+                BLOCK_C,
+                part == 0,
+            )
 
     # -- the new window, u's last W - 1 entries: read by every lane before any is stored, by
     # the one program that reads the old window (the rows before span, z 0, read it) --
