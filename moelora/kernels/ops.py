@@ -98,7 +98,8 @@ class Ops:
 # `python bench/setting.py moelora.kernels.ops.FP8_PROJECTIONS=True -- bench/decode.py --fp8`.
 FP8_PROJECTIONS = False
 # EngineConfig.projections "auto": the skinny GEMV for these weights' small steps. float32
-# engines keep the batch-invariant kernels' cuBLAS path, whose rows do not follow the batch.
+# weights keep the batch-invariant table's choice (cuBLAS), as before "auto": the GEMV's other
+# summation order would be a change the float32 engine tests were not written against.
 SKINNY_AUTO_DTYPES = (torch.bfloat16, torch.float16)
 
 
