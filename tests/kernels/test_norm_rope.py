@@ -688,7 +688,7 @@ def test_rope_store_kv_lora_matches_reference(poison_empty, dtype, T, spread, D,
     _check_rope_store_kv_lora(dtype, T, spread, 4, 2, D, with_norm)
 
 
-@pytest.mark.parametrize("warps,lane_values", [(1, 16), (2, 8), (1, 4)])
+@pytest.mark.parametrize("warps,lane_values", [(2, 32), (2, 8), (1, 4)])
 def test_rope_store_kv_lora_at_other_expand_launches(poison_empty, monkeypatch, warps, lane_values):
     """The expand's warps and B tile per lane (ROPE_EXPAND_WARPS, ROPE_EXPAND_LANE_VALUES) set
     RC, so the rank runs in 1 to 16 chunks of a 64-dim head: the same values at each."""

@@ -896,8 +896,8 @@ ROPE_GROUP_FROM = 1024  # tokens from which a rotary program takes 8 tokens of i
 # pays the expand's registers, base rows too, and at decode sizes the registers decide how many
 # programs share a multiprocessor, so how many waves a step's (token, head) programs take
 # (bench/compile_audit.py counts the registers; gpu-check ab-rope times the choices).
-ROPE_EXPAND_WARPS = 2
-ROPE_EXPAND_LANE_VALUES = 32
+ROPE_EXPAND_WARPS = 1
+ROPE_EXPAND_LANE_VALUES = 16
 
 
 def _launch_rope(
