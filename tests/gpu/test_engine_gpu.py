@@ -266,6 +266,12 @@ def _alone_base_mixed(llm, prompts, target, params):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_request_does_not_depend_on_its_batch_mates(assets, dtype):
+    """With batch-invariant projections: the default ("auto") gives bf16 projections of 1-8
+    rows to the skinny GEMV, whose sums differ from the MMA kernel's at more rows, so a lone
+    request's router logits and hidden states are not those it has in a batch, and this random
+    model's near ties may flip (a run at the default failed here; its message was not kept).
+    bf16 rows still follow their batch through the MoE's K depth and the attention's splits,
+    hence the tolerance below."""
     model, adapters = assets
     llm = LLM(
         model,
@@ -275,6 +281,7 @@ def test_a_request_does_not_depend_on_its_batch_mates(assets, dtype):
         dtype=dtype,
         max_graph_bs=32,
         max_num_seqs=32,
+        projections="batch-invariant",
         **ENGINE,
     )
     rng = random.Random(2)
